@@ -1,0 +1,177 @@
+package adapters
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Source is one stream of deliveries from a broker: a queue, a consumer group
+// over topics, a subscription. Its methods may be called concurrently.
+type Source interface {
+	// Receive blocks until at least one delivery is available, ctx is done,
+	// or the adapter's poll wait elapses, and returns at most max
+	// deliveries. An empty result with a nil error is normal (a long poll
+	// that found nothing). After ctx is done it returns ctx's error.
+	Receive(ctx context.Context, max int) ([]*Delivery, error)
+
+	// Ack settles deliveries whose effect is complete. The broker must not
+	// deliver them again.
+	Ack(ctx context.Context, ds []*Delivery) error
+
+	// Nack gives deliveries back to be redelivered no sooner than
+	// redeliverAfter (zero: as soon as the broker may). Adapters whose
+	// broker has no delayed redelivery report NackDelay=false in their
+	// Capabilities; the runtime then waits in place and only calls Nack with
+	// zero delay, to release deliveries at shutdown.
+	Nack(ctx context.Context, ds []*Delivery, redeliverAfter time.Duration) error
+
+	// Capabilities describes what the broker offers. It is read once, when
+	// the consumer is built, and must not change afterwards.
+	Capabilities() Capabilities
+
+	// Close releases the adapter's resources. Deliveries not acked are left
+	// to the broker to redeliver. Close is called once, by the runtime,
+	// after everything it will ack has been acked.
+	Close() error
+}
+
+// Extender is implemented by sources whose deliveries are held on a lease
+// (SQS visibility timeout, JetStream AckWait, the memory broker). Extend
+// renews the lease of each delivery to d from now.
+type Extender interface {
+	Extend(ctx context.Context, ds []*Delivery, d time.Duration) error
+}
+
+// DeadLetter is a destination for messages that will not be processed: they
+// failed MaxAttempts times, or failed with a permanent error.
+//
+// Send returns nil only once the message is durably stored at the
+// destination (the publish was confirmed); the runtime acks the original only
+// then. An implementation that disposes of the original itself (for example
+// by rejecting it into the broker's own dead-letter exchange) calls
+// [Delivery.MarkSettled], and the runtime then does not ack it.
+type DeadLetter interface {
+	Send(ctx context.Context, d *Delivery, f Failure) error
+}
+
+// Failure is what the runtime knows about why a message is dead-lettered. The
+// DeadLetter writes it beside the original message as diagnostics.
+type Failure struct {
+	// Err is the last error the handler returned (or the panic it raised).
+	Err error
+	// Permanent reports whether the handler marked the error permanent.
+	Permanent bool
+	// Attempts is the number of times the message was handled.
+	Attempts int
+	// FirstFailure and LastFailure bound the failures this runtime saw. When
+	// earlier attempts happened in another process, FirstFailure is the
+	// broker's first-receive time where it reports one.
+	FirstFailure time.Time
+	LastFailure  time.Time
+	// Consumer names the consuming application (group, queue consumer).
+	Consumer string
+}
+
+// Capabilities describes a Source to the runtime. The zero value describes a
+// broker with no leases, no delivery count, no delayed redelivery and no
+// batch limits.
+type Capabilities struct {
+	// Name identifies the source in telemetry and logs, for example
+	// "sqs:orders" or "kafka:payments".
+	Name string
+
+	// Lease is how long the broker keeps a received delivery invisible to
+	// other consumers before redelivering it. Zero means deliveries are not
+	// leased (they stay with this consumer until acked or until the
+	// connection or assignment ends). When non-zero the Source must
+	// implement Extender or the lease cannot be kept alive.
+	Lease time.Duration
+
+	// MaxLeaseAge caps how long a delivery may be held in total, counted
+	// from its first receive (SQS: 12 hours). Zero means no cap.
+	MaxLeaseAge time.Duration
+
+	// NackDelay reports whether Nack honours redeliverAfter. When false the
+	// runtime retries in place.
+	NackDelay bool
+
+	// CountsDeliveries reports whether Delivery.Attempt comes from the broker
+	// and survives redelivery to another process.
+	CountsDeliveries bool
+
+	// Ordered reports that the adapter sets Delivery.OrderingKey for
+	// deliveries that must be processed in order.
+	Ordered bool
+
+	// MaxReceive, MaxAckBatch and MaxExtendBatch bound batch sizes. Zero
+	// means unbounded.
+	MaxReceive     int
+	MaxAckBatch    int
+	MaxExtendBatch int
+
+	// AckLinger is how long the runtime may hold a ready ack to fill a batch
+	// (SQS bills per request, so filling batches of ten saves money). Zero
+	// means acks are flushed as soon as no more are immediately ready.
+	AckLinger time.Duration
+}
+
+// BatchError reports which entries of a batch call failed. Failed maps the
+// index of each failed delivery in the batch to its error; entries not named
+// succeeded.
+type BatchError struct {
+	Failed map[int]error
+}
+
+func (e *BatchError) Error() string {
+	for _, err := range e.Failed {
+		if len(e.Failed) == 1 {
+			return "custody: 1 entry of the batch failed: " + err.Error()
+		}
+		return "custody: " + itoa(len(e.Failed)) + " entries of the batch failed, for example: " + err.Error()
+	}
+	return "custody: batch failed"
+}
+
+// EntryError returns the error for entry i of a batch call that returned err:
+// nil when that entry succeeded.
+func EntryError(err error, i int) error {
+	if err == nil {
+		return nil
+	}
+	var be *BatchError
+	if errors.As(err, &be) {
+		return be.Failed[i]
+	}
+	return err
+}
+
+// Errors adapters return and wrap, so the runtime and users can tell causes
+// apart with errors.Is.
+var (
+	// ErrLeaseLost means the delivery can no longer be acked by this
+	// consumer: its lease expired and it may already be with another one.
+	ErrLeaseLost = errors.New("custody: lease lost; the broker will redeliver the message")
+	// ErrConnectionLost means the channel or connection that carried the
+	// delivery is gone; the broker will redeliver it.
+	ErrConnectionLost = errors.New("custody: connection lost; the broker will redeliver the message")
+	// ErrRevoked means the delivery's partition was revoked or lost in a
+	// rebalance; its new owner will process it.
+	ErrRevoked = errors.New("custody: partition revoked; its new owner will process the message")
+	// ErrClosed means the source was closed.
+	ErrClosed = errors.New("custody: source closed")
+)
+
+func itoa(n int) string {
+	if n == 0 {
+		return "0"
+	}
+	var b [20]byte
+	i := len(b)
+	for n > 0 {
+		i--
+		b[i] = byte('0' + n%10)
+		n /= 10
+	}
+	return string(b[i:])
+}

@@ -1,0 +1,155 @@
+package adapters
+
+import (
+	"reflect"
+	"sync"
+	"time"
+)
+
+// Delivery is one received message as the runtime holds it. Adapters create
+// deliveries and fill the exported fields; the runtime reads them and must not
+// change them. A Delivery is handed to the runtime once and stays owned by the
+// adapter's bookkeeping until it is acked, nacked or lost.
+type Delivery struct {
+	// ID is the broker's identity of the message, stable across
+	// redeliveries where the broker has one (SQS MessageId, AMQP message-id,
+	// Kafka topic/partition/offset).
+	ID string
+	// Body is the payload.
+	Body []byte
+	// Headers are the message's attributes or headers, as strings.
+	Headers map[string]string
+	// Key is the message's own key (Kafka record key, SQS FIFO group id),
+	// empty when it has none.
+	Key string
+	// OrderingKey names the lane the delivery must be processed in: the
+	// runtime never runs two deliveries with the same non-empty OrderingKey
+	// at once, and runs them in the order received. Empty means unordered.
+	OrderingKey string
+	// Attempt is the broker's delivery count, 1 on the first delivery, or 0
+	// when the broker does not count deliveries.
+	Attempt int
+
+	// Queue is the queue or topic the message was read from.
+	Queue string
+	// Partition and Offset locate a Kafka record; -1 when not applicable.
+	Partition int32
+	Offset    int64
+
+	// PublishedAt is when the message was published, if the broker says.
+	PublishedAt time.Time
+	// FirstReceivedAt is when any consumer first received the message, if
+	// the broker says; else the zero time.
+	FirstReceivedAt time.Time
+	// ReceivedAt is when this delivery was received.
+	ReceivedAt time.Time
+
+	// Native is the broker's own message (for As). Adapters document its
+	// type.
+	Native any
+	// Handle is adapter-private state: a receipt handle, a delivery tag and
+	// channel generation, an assignment epoch. The runtime never reads it.
+	Handle any
+
+	mu      sync.Mutex
+	lost    error
+	onLost  func(error)
+	lostCh  chan struct{}
+	settled bool
+}
+
+// Lose marks the delivery as no longer ackable by this consumer and says why.
+// It cancels the handler's context with cause (see context.Cause). Only the
+// first call has an effect; it is safe to call from any goroutine.
+func (d *Delivery) Lose(cause error) {
+	d.mu.Lock()
+	if d.lost != nil {
+		d.mu.Unlock()
+		return
+	}
+	if cause == nil {
+		cause = ErrLeaseLost
+	}
+	d.lost = cause
+	fn := d.onLost
+	d.onLost = nil
+	if d.lostCh != nil {
+		close(d.lostCh)
+	}
+	d.mu.Unlock()
+	if fn != nil {
+		fn(cause)
+	}
+}
+
+// LostCause returns the cause given to Lose, or nil while the delivery is
+// still held.
+func (d *Delivery) LostCause() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lost
+}
+
+// Lost returns a channel closed when the delivery is lost.
+func (d *Delivery) Lost() <-chan struct{} {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.lostCh == nil {
+		d.lostCh = make(chan struct{})
+		if d.lost != nil {
+			close(d.lostCh)
+		}
+	}
+	return d.lostCh
+}
+
+// OnLost registers fn to run (once, on the goroutine that calls Lose) when the
+// delivery is lost; at once if it already is. It replaces an earlier
+// registration. The runtime uses it to cancel the handler's context without a
+// goroutine per message. OnLost(nil) removes the registration.
+func (d *Delivery) OnLost(fn func(error)) {
+	d.mu.Lock()
+	if d.lost != nil {
+		cause := d.lost
+		d.mu.Unlock()
+		if fn != nil {
+			fn(cause)
+		}
+		return
+	}
+	d.onLost = fn
+	d.mu.Unlock()
+}
+
+// MarkSettled records that the adapter disposed of the delivery itself (for
+// example a native dead-letter reject), so the runtime must not ack it.
+func (d *Delivery) MarkSettled() {
+	d.mu.Lock()
+	d.settled = true
+	d.mu.Unlock()
+}
+
+// Settled reports whether MarkSettled was called.
+func (d *Delivery) Settled() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.settled
+}
+
+// As sets *target to the native message when target is a non-nil pointer to a
+// type the native message is assignable to, and reports whether it did.
+func (d *Delivery) As(target any) bool {
+	if d.Native == nil || target == nil {
+		return false
+	}
+	v := reflect.ValueOf(target)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return false
+	}
+	n := reflect.ValueOf(d.Native)
+	if !n.Type().AssignableTo(v.Elem().Type()) {
+		return false
+	}
+	v.Elem().Set(n)
+	return true
+}

@@ -1,0 +1,37 @@
+// Package adapters is the contract between the custody runtime and a message
+// broker, in the spirit of database/sql/driver and gocloud's pubsub/driver:
+// adapters translate, the runtime (package consumer) decides policy.
+//
+// # The pieces
+//
+// A [Source] receives [Delivery] values in batches, acknowledges them
+// (the effect is done; never show this message again), and nacks them (give
+// this message back, to be redelivered after a delay). A Source whose broker
+// keeps deliveries on a lease also implements [Extender], and the runtime's
+// lease keeper renews every held delivery through it. A [DeadLetter] is a
+// destination for messages that cannot be processed.
+//
+// Adapters never retry a handler, never decide when to ack and never count
+// attempts on their own behalf: they report what the broker says (its delivery
+// count, its lease length, its batch limits) through [Capabilities] and the
+// Delivery fields, and the runtime does the rest in one place.
+//
+// # Losing a delivery
+//
+// Every Delivery can be lost: its lease expired and another consumer took it,
+// its channel closed, its partition was revoked. The adapter calls
+// [Delivery.Lose] with a cause as soon as it knows; the runtime has wired the
+// handler's context to that call, so the handler sees ctx.Done() with
+// [context.Cause] explaining why. An ack for a lost delivery is not sent (or is
+// harmless where the broker ignores it): the broker redelivers the message.
+//
+// # Batch results
+//
+// Ack, Nack, Extend and friends work on batches. They return nil when every
+// entry succeeded, a [*BatchError] naming the entries that failed, or any
+// other error when the whole call failed.
+//
+// # Conformance
+//
+// Package adaptertest holds the behavioural suite every adapter runs.
+package adapters
