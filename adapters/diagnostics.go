@@ -1,0 +1,68 @@
+package adapters
+
+import (
+	"strconv"
+	"time"
+)
+
+// Header names dead-letter destinations use for diagnostics. Every adapter's
+// DeadLetter writes the same names (packed into one attribute where the broker
+// limits their number), so operators and tools read one vocabulary.
+const (
+	HeaderError            = "custody-error"
+	HeaderPermanent        = "custody-permanent"
+	HeaderAttempts         = "custody-attempts"
+	HeaderFirstFailure     = "custody-first-failure"
+	HeaderLastFailure      = "custody-last-failure"
+	HeaderOriginalQueue    = "custody-original-queue"
+	HeaderOriginalID       = "custody-original-id"
+	HeaderOriginalPart     = "custody-original-partition"
+	HeaderOriginalOffset   = "custody-original-offset"
+	HeaderOriginalTime     = "custody-original-timestamp"
+	HeaderOriginalKey      = "custody-original-key"
+	HeaderConsumer         = "custody-consumer"
+	diagnosticTimeLayout   = time.RFC3339Nano
+	maxDiagnosticErrorSize = 1024
+)
+
+// Diagnostics returns the dead-letter diagnostic headers for d failing with f.
+// Times are RFC 3339 in UTC; the error text is cut to 1 KiB. Empty and
+// not-applicable values are left out.
+func Diagnostics(d *Delivery, f Failure) map[string]string {
+	h := make(map[string]string, 12)
+	if f.Err != nil {
+		msg := f.Err.Error()
+		if len(msg) > maxDiagnosticErrorSize {
+			msg = msg[:maxDiagnosticErrorSize]
+		}
+		h[HeaderError] = msg
+	}
+	h[HeaderPermanent] = strconv.FormatBool(f.Permanent)
+	h[HeaderAttempts] = strconv.Itoa(f.Attempts)
+	putTime(h, HeaderFirstFailure, f.FirstFailure)
+	putTime(h, HeaderLastFailure, f.LastFailure)
+	if d.Queue != "" {
+		h[HeaderOriginalQueue] = d.Queue
+	}
+	if d.ID != "" {
+		h[HeaderOriginalID] = d.ID
+	}
+	if d.Partition >= 0 && d.Offset >= 0 {
+		h[HeaderOriginalPart] = strconv.FormatInt(int64(d.Partition), 10)
+		h[HeaderOriginalOffset] = strconv.FormatInt(d.Offset, 10)
+	}
+	putTime(h, HeaderOriginalTime, d.PublishedAt)
+	if d.Key != "" {
+		h[HeaderOriginalKey] = d.Key
+	}
+	if f.Consumer != "" {
+		h[HeaderConsumer] = f.Consumer
+	}
+	return h
+}
+
+func putTime(h map[string]string, k string, t time.Time) {
+	if !t.IsZero() {
+		h[k] = t.UTC().Format(diagnosticTimeLayout)
+	}
+}
