@@ -1,0 +1,276 @@
+package memory
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// ErrNoQueue is returned for a queue that was not created.
+var ErrNoQueue = errors.New("memory: no such queue; create it with Broker.CreateQueue")
+
+// Broker is an in-process message broker with lease semantics. It is safe
+// for concurrent use. The zero value is not usable; call NewBroker.
+type Broker struct {
+	mu      sync.Mutex
+	queues  map[string]*queue
+	seq     uint64
+	receipt uint64
+}
+
+// NewBroker returns an empty broker.
+func NewBroker() *Broker {
+	return &Broker{queues: make(map[string]*queue)}
+}
+
+// QueueOptions configures a queue.
+type QueueOptions struct {
+	// Lease is the visibility timeout: how long a received message stays
+	// invisible before it is delivered again. Default 30s. Any positive
+	// duration works; tests use milliseconds.
+	Lease time.Duration
+	// FIFO delivers messages with the same Message.Key (the group) in
+	// publish order, one at a time: a group is blocked while one of its
+	// messages is received and not yet acked, or waiting for a delayed
+	// redelivery.
+	FIFO bool
+	// MaxReceiveCount, when positive, moves a message to DeadLetterQueue
+	// instead of delivering it for the (MaxReceiveCount+1)th time, as an SQS
+	// redrive policy does.
+	MaxReceiveCount int
+	// DeadLetterQueue names the queue redriven messages go to. It must exist
+	// when MaxReceiveCount is set.
+	DeadLetterQueue string
+}
+
+// Message is a message to publish, or one read back with Messages.
+type Message struct {
+	// ID identifies the message; Publish generates one when empty.
+	ID      string
+	Body    []byte
+	Headers map[string]string
+	// Key is the ordering key: the group of a FIFO queue. The runtime's
+	// OrderByKey option orders by it on standard queues too.
+	Key string
+	// Receives counts how often the message was received (read back only).
+	Receives int
+}
+
+// Stats counts what happened on a queue.
+type Stats struct {
+	Visible  int   // messages ready to be received
+	InFlight int   // received or delayed, not yet acked
+	Received int64 // receive events, redeliveries included
+	Acked    int64 // messages deleted by an ack
+	Redriven int64 // messages moved to the dead-letter queue by MaxReceiveCount
+	Extended int64 // successful lease extensions
+}
+
+// CreateQueue creates a queue. Creating a queue that exists fails.
+func (b *Broker) CreateQueue(name string, opts QueueOptions) error {
+	if name == "" {
+		return errors.New("memory: CreateQueue: empty queue name")
+	}
+	if opts.Lease < 0 {
+		return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.Lease %v must not be negative", name, opts.Lease)
+	}
+	if opts.Lease == 0 {
+		opts.Lease = 30 * time.Second
+	}
+	if opts.MaxReceiveCount < 0 {
+		return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.MaxReceiveCount %d must not be negative", name, opts.MaxReceiveCount)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if opts.MaxReceiveCount > 0 {
+		if _, ok := b.queues[opts.DeadLetterQueue]; !ok {
+			return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.DeadLetterQueue %q must name an existing queue when MaxReceiveCount is set", name, opts.DeadLetterQueue)
+		}
+	}
+	if _, ok := b.queues[name]; ok {
+		return fmt.Errorf("memory: CreateQueue(%q): queue exists", name)
+	}
+	b.queues[name] = newQueue(name, opts)
+	return nil
+}
+
+// Publish appends messages to a queue, in order.
+func (b *Broker) Publish(ctx context.Context, queueName string, msgs ...Message) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	now := time.Now()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	q, ok := b.queues[queueName]
+	if !ok {
+		return fmt.Errorf("memory: Publish(%q): %w", queueName, ErrNoQueue)
+	}
+	for _, m := range msgs {
+		b.publishLocked(q, m, now)
+	}
+	return nil
+}
+
+func (b *Broker) publishLocked(q *queue, m Message, now time.Time) {
+	b.seq++
+	id := m.ID
+	if id == "" {
+		id = "m" + strconv.FormatUint(b.seq, 10)
+	}
+	msg := &message{id: id, body: m.Body, headers: m.Headers, key: m.Key, seq: b.seq, published: now, ready: true}
+	heap.Push(&q.ready, msg)
+	q.signal()
+}
+
+// Stats returns a queue's counters.
+func (b *Broker) Stats(queueName string) (Stats, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	q, ok := b.queues[queueName]
+	if !ok {
+		return Stats{}, fmt.Errorf("memory: Stats(%q): %w", queueName, ErrNoQueue)
+	}
+	q.promote(time.Now())
+	s := q.stats
+	s.Visible = len(q.ready)
+	s.InFlight = len(q.waiting)
+	return s, nil
+}
+
+// Messages returns a copy of every message in a queue, visible or not, in
+// publish order. Use it to inspect a dead-letter queue.
+func (b *Broker) Messages(queueName string) ([]Message, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	q, ok := b.queues[queueName]
+	if !ok {
+		return nil, fmt.Errorf("memory: Messages(%q): %w", queueName, ErrNoQueue)
+	}
+	all := make([]*message, 0, len(q.ready)+len(q.waiting))
+	all = append(all, q.ready...)
+	all = append(all, q.waiting...)
+	sortBySeq(all)
+	out := make([]Message, len(all))
+	for i, m := range all {
+		out[i] = Message{ID: m.id, Body: m.body, Headers: maps.Clone(m.headers), Key: m.key, Receives: m.receives}
+	}
+	return out, nil
+}
+
+func sortBySeq(ms []*message) {
+	h := readyHeap(ms)
+	heap.Init(&h)
+	sorted := make([]*message, 0, len(ms))
+	for h.Len() > 0 {
+		sorted = append(sorted, heap.Pop(&h).(*message))
+	}
+	copy(ms, sorted)
+}
+
+// receive takes up to max visible messages and leases them to src. It
+// returns the deliveries whose old holders lost them, to be told outside the
+// lock, and when the next message becomes visible.
+func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*adapters.Delivery) ([]*adapters.Delivery, []*adapters.Delivery, time.Time) {
+	var lostHolders []*adapters.Delivery
+	next := q.promote(now)
+	var (
+		skipped []*message
+		taken   map[string]bool // FIFO groups this call already takes from
+	)
+	for len(out) < max && len(q.ready) > 0 {
+		m := heap.Pop(&q.ready).(*message)
+		m.ready = false
+		if q.opts.FIFO && q.busy[m.key] > 0 && !taken[m.key] {
+			// An earlier message of the group is held elsewhere: the group
+			// waits. Messages of a group this call already takes from come
+			// along in order, as SQS returns them.
+			skipped = append(skipped, m)
+			continue
+		}
+		if q.opts.FIFO {
+			if taken == nil {
+				taken = map[string]bool{}
+			}
+			taken[m.key] = true
+		}
+		m.receives++
+		if q.opts.MaxReceiveCount > 0 && m.receives > q.opts.MaxReceiveCount {
+			if m.holder != nil {
+				lostHolders = append(lostHolders, m.holder)
+			}
+			m.deleted = true
+			q.stats.Redriven++
+			dlq := b.queues[q.opts.DeadLetterQueue]
+			h := maps.Clone(m.headers)
+			if h == nil {
+				h = map[string]string{}
+			}
+			h[adapters.HeaderOriginalQueue] = q.name
+			h[adapters.HeaderAttempts] = strconv.Itoa(m.receives - 1)
+			b.publishLocked(dlq, Message{ID: m.id, Body: m.body, Headers: h, Key: m.key}, now)
+			continue
+		}
+		q.stats.Received++
+		if m.firstReceived.IsZero() {
+			m.firstReceived = now
+		}
+		if m.holder != nil {
+			lostHolders = append(lostHolders, m.holder)
+		}
+		b.receipt++
+		m.receipt = b.receipt
+		m.visibleAt = now.Add(q.opts.Lease)
+		heap.Push(&q.waiting, m)
+		if q.opts.FIFO {
+			q.busy[m.key]++
+		}
+		d := &adapters.Delivery{
+			ID:              m.id,
+			Body:            m.body,
+			Headers:         m.headers,
+			Key:             m.key,
+			Attempt:         m.receives,
+			Queue:           q.name,
+			Partition:       -1,
+			Offset:          -1,
+			PublishedAt:     m.published,
+			FirstReceivedAt: m.firstReceived,
+			ReceivedAt:      now,
+			Handle:          &handle{m: m, receipt: m.receipt, src: src},
+		}
+		if q.opts.FIFO {
+			d.OrderingKey = m.key
+		}
+		d.Native = Message{ID: m.id, Body: m.body, Headers: m.headers, Key: m.key, Receives: m.receives}
+		m.holder = d
+		out = append(out, d)
+	}
+	for _, m := range skipped {
+		m.ready = true
+		heap.Push(&q.ready, m)
+	}
+	if len(q.waiting) > 0 && (next.IsZero() || q.waiting[0].visibleAt.Before(next)) {
+		next = q.waiting[0].visibleAt
+	}
+	return out, lostHolders, next
+}
+
+// handle is a delivery's receipt: valid while the message is not deleted and
+// nobody received it since.
+type handle struct {
+	m       *message
+	receipt uint64
+	src     *Source
+}
+
+func (h *handle) valid() bool { return !h.m.deleted && h.m.receipt == h.receipt }
+
+var errStaleReceipt = fmt.Errorf("memory: stale receipt (the message was received again or deleted): %w", adapters.ErrLeaseLost)

@@ -1,0 +1,68 @@
+package memory
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"sync"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// DeadLetterQueue is an adapters.DeadLetter that publishes into a memory
+// queue: the original body, key and headers plus the diagnostic headers of
+// adapters.Diagnostics.
+type DeadLetterQueue struct {
+	b     *Broker
+	queue string
+
+	mu   sync.Mutex
+	fail func(d *adapters.Delivery) error
+}
+
+// DeadLetterQueue returns a dead-letter destination that publishes into the
+// named queue, which must exist.
+func (b *Broker) DeadLetterQueue(queueName string) (*DeadLetterQueue, error) {
+	b.mu.Lock()
+	_, ok := b.queues[queueName]
+	b.mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("memory: DeadLetterQueue(%q): %w", queueName, ErrNoQueue)
+	}
+	return &DeadLetterQueue{b: b, queue: queueName}, nil
+}
+
+// SetFault makes Send fail for deliveries fail returns an error for; nil
+// removes the fault.
+func (q *DeadLetterQueue) SetFault(fail func(d *adapters.Delivery) error) {
+	q.mu.Lock()
+	q.fail = fail
+	q.mu.Unlock()
+}
+
+// Send implements adapters.DeadLetter. The write is durable (in this
+// process's terms) when Send returns nil.
+func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	q.mu.Lock()
+	fail := q.fail
+	q.mu.Unlock()
+	if fail != nil {
+		if err := fail(d); err != nil {
+			return err
+		}
+	}
+	h := maps.Clone(d.Headers)
+	if h == nil {
+		h = make(map[string]string)
+	}
+	maps.Copy(h, adapters.Diagnostics(d, f))
+	q.b.mu.Lock()
+	defer q.b.mu.Unlock()
+	dst, ok := q.b.queues[q.queue]
+	if !ok {
+		return fmt.Errorf("memory: dead-letter queue %q: %w", q.queue, ErrNoQueue)
+	}
+	q.b.publishLocked(dst, Message{ID: d.ID, Body: d.Body, Headers: h, Key: d.Key}, time.Now())
+	return nil
+}

@@ -1,0 +1,29 @@
+// Package memory is an embedded message broker with real lease semantics:
+// the default broker for custody's quickstart, the reference adapter for the
+// conformance suite, and a fast, faithful broker for testing your own
+// handlers without infrastructure.
+//
+// # Semantics
+//
+// A [Broker] holds named queues. A received message stays invisible for the
+// queue's lease (its visibility timeout, with millisecond granularity); if it
+// is not acked by then it is delivered again, to whichever consumer asks
+// next, and the earlier delivery is lost (its handler's context is cancelled
+// and its ack has no effect). Leases can be extended while work runs; a nack
+// makes a message visible again after a delay. Every message counts its
+// receives, so the runtime knows the attempt number across consumers.
+//
+// FIFO queues deliver each group (Message.Key) in publish order and hold the
+// group back while one of its messages is in flight. A queue with
+// MaxReceiveCount moves a message to its DeadLetterQueue instead of
+// delivering it again, as an SQS redrive policy does.
+//
+// # Testing with it
+//
+// [Source.SetFaults] makes acks, nacks, extensions or receives fail;
+// [Source.Crash] makes a consumer vanish without acking, as a killed process
+// does; [DeadLetterQueue.SetFault] makes dead-letter writes fail.
+// [Broker.Stats] and [Broker.Messages] show what the broker holds.
+//
+// Nothing is persisted: the broker lives as long as the process.
+package memory

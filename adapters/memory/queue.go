@@ -1,0 +1,151 @@
+package memory
+
+import (
+	"container/heap"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// message is one message in a queue.
+type message struct {
+	id        string
+	body      []byte
+	headers   map[string]string
+	key       string
+	seq       uint64
+	published time.Time
+
+	receives      int
+	firstReceived time.Time
+	visibleAt     time.Time
+	receipt       uint64 // the receipt of the latest receive; 0 before any
+	holder        *adapters.Delivery
+	deleted       bool
+	ready         bool // in the ready heap (else in the waiting heap)
+	index         int  // position in its heap
+}
+
+// queue is guarded by Broker.mu.
+type queue struct {
+	name string
+	opts QueueOptions
+
+	ready   readyHeap   // visible messages by publish order
+	waiting waitingHeap // received or delayed messages by visibleAt
+	busy    map[string]int
+	wake    chan struct{} // closed when something becomes visible; nil when nobody waits
+
+	stats Stats
+}
+
+func newQueue(name string, opts QueueOptions) *queue {
+	return &queue{name: name, opts: opts, busy: make(map[string]int)}
+}
+
+// signal wakes receivers waiting for a visible message.
+func (q *queue) signal() {
+	if q.wake != nil {
+		close(q.wake)
+		q.wake = nil
+	}
+}
+
+func (q *queue) waitChan() chan struct{} {
+	if q.wake == nil {
+		q.wake = make(chan struct{})
+	}
+	return q.wake
+}
+
+// promote makes every message whose visibility time has come visible again,
+// and returns when the next one will be.
+func (q *queue) promote(now time.Time) (next time.Time) {
+	for len(q.waiting) > 0 {
+		m := q.waiting[0]
+		if m.visibleAt.After(now) {
+			return m.visibleAt
+		}
+		heap.Pop(&q.waiting)
+		q.makeReady(m)
+	}
+	return time.Time{}
+}
+
+func (q *queue) makeReady(m *message) {
+	if m.receipt != 0 && q.opts.FIFO {
+		q.release(m.key)
+	}
+	m.ready = true
+	heap.Push(&q.ready, m)
+	q.signal()
+}
+
+func (q *queue) release(group string) {
+	if n := q.busy[group] - 1; n > 0 {
+		q.busy[group] = n
+	} else {
+		delete(q.busy, group)
+	}
+}
+
+// remove takes m out of whichever heap holds it.
+func (q *queue) remove(m *message) {
+	if m.ready {
+		heap.Remove(&q.ready, m.index)
+	} else {
+		heap.Remove(&q.waiting, m.index)
+	}
+}
+
+// setVisibleAt moves m (ready or waiting) to become visible at t.
+func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) {
+	if !t.After(now) {
+		if !m.ready {
+			heap.Remove(&q.waiting, m.index)
+			q.makeReady(m)
+		}
+		return
+	}
+	m.visibleAt = t
+	if m.ready {
+		// The lease had run out but nobody took the message yet: the holder
+		// keeps it, as SQS lets a valid receipt handle extend visibility.
+		heap.Remove(&q.ready, m.index)
+		m.ready = false
+		if q.opts.FIFO {
+			q.busy[m.key]++
+		}
+		heap.Push(&q.waiting, m)
+		return
+	}
+	heap.Fix(&q.waiting, m.index)
+}
+
+type readyHeap []*message
+
+func (h readyHeap) Len() int           { return len(h) }
+func (h readyHeap) Less(i, j int) bool { return h[i].seq < h[j].seq }
+func (h readyHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i]; h[i].index = i; h[j].index = j }
+func (h *readyHeap) Push(x any)        { m := x.(*message); m.index = len(*h); *h = append(*h, m) }
+func (h *readyHeap) Pop() any {
+	old := *h
+	m := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return m
+}
+
+type waitingHeap []*message
+
+func (h waitingHeap) Len() int           { return len(h) }
+func (h waitingHeap) Less(i, j int) bool { return h[i].visibleAt.Before(h[j].visibleAt) }
+func (h waitingHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i]; h[i].index = i; h[j].index = j }
+func (h *waitingHeap) Push(x any)        { m := x.(*message); m.index = len(*h); *h = append(*h, m) }
+func (h *waitingHeap) Pop() any {
+	old := *h
+	m := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return m
+}

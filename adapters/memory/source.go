@@ -1,0 +1,246 @@
+package memory
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// Source consumes one queue of a Broker. It implements adapters.Source and
+// adapters.Extender. Deliveries' Native value is a memory.Message.
+type Source struct {
+	b        *Broker
+	q        *queue
+	pollWait time.Duration
+	closed   atomic.Bool
+	crashed  atomic.Bool
+
+	faultsMu sync.Mutex
+	faults   Faults
+}
+
+// Faults injects failures, for tests of what a consumer does when the broker
+// misbehaves. Each hook, when set, is asked about every delivery in a call;
+// a non-nil error fails that entry as the broker would.
+type Faults struct {
+	Ack    func(d *adapters.Delivery) error
+	Nack   func(d *adapters.Delivery) error
+	Extend func(d *adapters.Delivery) error
+	// Receive, when set, is called before each Receive; a non-nil error is
+	// returned instead of messages.
+	Receive func() error
+}
+
+// SourceOption configures a Source.
+type SourceOption func(*Source) error
+
+// WithPollWait sets how long Receive waits for a message before returning
+// none, as an SQS long poll does. Default 1s.
+func WithPollWait(d time.Duration) SourceOption {
+	return func(s *Source) error {
+		if d <= 0 {
+			return fmt.Errorf("memory: WithPollWait(%v): must be positive", d)
+		}
+		s.pollWait = d
+		return nil
+	}
+}
+
+// WithFaults installs fault hooks from the start; SetFaults changes them
+// later.
+func WithFaults(f Faults) SourceOption {
+	return func(s *Source) error { s.faults = f; return nil }
+}
+
+// Source returns a consumer of the named queue. Each Source is one consumer
+// process as far as the broker is concerned.
+func (b *Broker) Source(queueName string, opts ...SourceOption) (*Source, error) {
+	b.mu.Lock()
+	q, ok := b.queues[queueName]
+	b.mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("memory: Source(%q): %w", queueName, ErrNoQueue)
+	}
+	s := &Source{b: b, q: q, pollWait: time.Second}
+	for _, o := range opts {
+		if err := o(s); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// SetFaults replaces the fault hooks.
+func (s *Source) SetFaults(f Faults) {
+	s.faultsMu.Lock()
+	s.faults = f
+	s.faultsMu.Unlock()
+}
+
+func (s *Source) getFaults() Faults {
+	s.faultsMu.Lock()
+	defer s.faultsMu.Unlock()
+	return s.faults
+}
+
+// Crash makes the source behave like a consumer process that died: every
+// later call fails with adapters.ErrClosed, nothing it holds is acked, and
+// the broker redelivers its messages when their leases run out.
+func (s *Source) Crash() { s.crashed.Store(true) }
+
+func (s *Source) dead() bool { return s.closed.Load() || s.crashed.Load() }
+
+// Capabilities implements adapters.Source.
+func (s *Source) Capabilities() adapters.Capabilities {
+	return adapters.Capabilities{
+		Name:             "memory:" + s.q.name,
+		Lease:            s.q.opts.Lease,
+		NackDelay:        true,
+		CountsDeliveries: true,
+		Ordered:          s.q.opts.FIFO,
+	}
+}
+
+// Receive implements adapters.Source.
+func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	if max <= 0 {
+		return nil, fmt.Errorf("memory: Receive: max %d must be positive", max)
+	}
+	if f := s.getFaults().Receive; f != nil {
+		if err := f(); err != nil {
+			return nil, err
+		}
+	}
+	deadline := time.Now().Add(s.pollWait)
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for {
+		if s.dead() {
+			return nil, adapters.ErrClosed
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		now := time.Now()
+		s.b.mu.Lock()
+		out, lost, next := s.b.receive(s.q, s, max, now, nil)
+		var wake chan struct{}
+		if len(out) == 0 {
+			wake = s.q.waitChan()
+		}
+		s.b.mu.Unlock()
+		for _, d := range lost {
+			d.Lose(errStaleReceipt)
+		}
+		if len(out) > 0 {
+			return out, nil
+		}
+		if !now.Before(deadline) {
+			return nil, nil
+		}
+		wait := deadline.Sub(now)
+		if !next.IsZero() && next.Sub(now) < wait {
+			wait = next.Sub(now)
+		}
+		if timer == nil {
+			timer = time.NewTimer(wait)
+		} else {
+			timer.Reset(wait)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-wake:
+			if !timer.Stop() {
+				<-timer.C
+			}
+		case <-timer.C:
+		}
+	}
+}
+
+// settle applies op to each delivery whose receipt is still valid, after the
+// fault hook, and collects per-entry errors.
+func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) error, op func(q *queue, m *message, now time.Time)) error {
+	if s.dead() {
+		return adapters.ErrClosed
+	}
+	var failed map[int]error
+	fail := func(i int, err error) {
+		if failed == nil {
+			failed = make(map[int]error)
+		}
+		failed[i] = err
+	}
+	now := time.Now()
+	s.b.mu.Lock()
+	for i, d := range ds {
+		h, ok := d.Handle.(*handle)
+		if !ok || h.src.q != s.q {
+			fail(i, fmt.Errorf("memory: delivery %q did not come from queue %q", d.ID, s.q.name))
+			continue
+		}
+		if fault != nil {
+			if err := fault(d); err != nil {
+				fail(i, err)
+				continue
+			}
+		}
+		if !h.valid() {
+			fail(i, errStaleReceipt)
+			continue
+		}
+		op(s.q, h.m, now)
+	}
+	s.b.mu.Unlock()
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}
+
+// Ack implements adapters.Source: it deletes the messages.
+func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	return s.settle(ds, s.getFaults().Ack, func(q *queue, m *message, now time.Time) {
+		q.remove(m)
+		m.deleted = true
+		m.holder = nil
+		if q.opts.FIFO && !m.ready {
+			q.release(m.key)
+		}
+		q.stats.Acked++
+	})
+}
+
+// Nack implements adapters.Source: the messages become visible again after
+// redeliverAfter.
+func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
+	return s.settle(ds, s.getFaults().Nack, func(q *queue, m *message, now time.Time) {
+		m.holder = nil
+		q.setVisibleAt(m, now.Add(redeliverAfter), now)
+	})
+}
+
+// Extend implements adapters.Extender: the messages stay invisible for d from
+// now.
+func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	return s.settle(ds, s.getFaults().Extend, func(q *queue, m *message, now time.Time) {
+		q.setVisibleAt(m, now.Add(d), now)
+		q.stats.Extended++
+	})
+}
+
+// Close implements adapters.Source. Messages received and not acked stay
+// leased until their visibility timeout, then are delivered again.
+func (s *Source) Close() error {
+	s.closed.Store(true)
+	return nil
+}

@@ -1,0 +1,99 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// ackLoop sends acks in batches. It takes every ack that is ready (up to the
+// adapter's batch limit), lingering up to AckLinger to fill a batch, and sends
+// them in one call: while one call is on the wire the next batch gathers, so
+// batches grow with load and stay at one under light load.
+func (r *run) ackLoop() {
+	max := r.c.caps.MaxAckBatch
+	if max <= 0 {
+		max = 256
+	}
+	linger := r.c.caps.AckLinger
+	var timer *time.Timer
+	batch := make([]*job, 0, max)
+	ds := make([]*adapters.Delivery, 0, max)
+	for {
+		j, ok := <-r.acks
+		if !ok {
+			return
+		}
+		batch = append(batch[:0], j)
+		open := true
+	fill:
+		for len(batch) < max {
+			select {
+			case j, ok := <-r.acks:
+				if !ok {
+					open = false
+					break fill
+				}
+				batch = append(batch, j)
+				continue
+			default:
+			}
+			if linger <= 0 {
+				break
+			}
+			if timer == nil {
+				timer = time.NewTimer(linger)
+			} else {
+				timer.Reset(linger)
+			}
+			select {
+			case j, ok := <-r.acks:
+				if !timer.Stop() {
+					<-timer.C
+				}
+				if !ok {
+					open = false
+					break fill
+				}
+				batch = append(batch, j)
+			case <-timer.C:
+				break fill
+			}
+		}
+		ds = ds[:0]
+		for _, j := range batch {
+			ds = append(ds, j.d)
+		}
+		r.sendAcks(batch, ds)
+		if !open {
+			return
+		}
+	}
+}
+
+func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
+	var err error
+	for try := 1; try <= 3; try++ {
+		ctx, cancel := context.WithTimeout(r.settleCtx, 30*time.Second)
+		err = r.c.src.Ack(ctx, ds)
+		cancel()
+		var be *adapters.BatchError
+		if err == nil || errors.As(err, &be) {
+			break
+		}
+		time.Sleep(time.Duration(try) * 50 * time.Millisecond)
+	}
+	for i, j := range batch {
+		outcome := j.outcome
+		if e := adapters.EntryError(err, i); e != nil {
+			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source)
+			r.cfg.logger.Warn("custody: ack failed; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "error", e)
+			if outcome == outcomeAcked {
+				outcome = outcomeLost
+			}
+		}
+		r.settle(j, outcome)
+	}
+}

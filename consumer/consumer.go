@@ -1,0 +1,354 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/backoff"
+	"github.com/custody-go/custody/lease"
+)
+
+// Consumer runs a Handler over a Source. Create it with New and start it with
+// Run. A Consumer runs once.
+type Consumer struct {
+	src     adapters.Source
+	ext     adapters.Extender
+	caps    adapters.Capabilities
+	handler Handler
+	cfg     config
+	tel     *telemetry
+	batch   int // deliveries asked for per Receive
+	started atomic.Bool
+}
+
+// New returns a Consumer that feeds src's deliveries to h. It checks every
+// option and the source's capabilities, and fails with an error naming the
+// option or capability at fault.
+func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
+	if src == nil {
+		return nil, errors.New("consumer.New: nil Source; pass an adapter such as memory.Broker.Source")
+	}
+	if h == nil {
+		return nil, errors.New("consumer.New: nil Handler")
+	}
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&cfg); err != nil {
+			return nil, err
+		}
+	}
+	caps := src.Capabilities()
+	if err := cfg.fill(caps); err != nil {
+		return nil, err
+	}
+	c := &Consumer{src: src, caps: caps, handler: h, cfg: cfg}
+	if caps.Lease > 0 {
+		ext, ok := src.(adapters.Extender)
+		if !ok {
+			return nil, fmt.Errorf("consumer.New: source %q declares a %v lease but does not implement adapters.Extender, so leases could not be kept alive", caps.Name, caps.Lease)
+		}
+		c.ext = ext
+	}
+	tel, err := newTelemetry(&cfg)
+	if err != nil {
+		return nil, fmt.Errorf("consumer.New: creating OpenTelemetry instruments: %w", err)
+	}
+	c.tel = tel
+	c.batch = cfg.maxInFlight
+	if caps.MaxReceive > 0 && c.batch > caps.MaxReceive {
+		c.batch = caps.MaxReceive
+	}
+	if cfg.deadLetter == nil && !cfg.atMostOnce {
+		cfg.logger.Warn("custody: no dead-letter destination (WithDeadLetter); messages that exhaust their retries are given back to the broker at the maximum backoff and may never leave the stream",
+			"consumer", cfg.name)
+	}
+	return c, nil
+}
+
+// Run receives and handles messages until ctx is cancelled or the source
+// fails for good, then drains: it stops receiving, gives back deliveries not
+// yet started, lets running handlers finish until the shutdown timeout (then
+// cancels their contexts), acks what finished, stops lease renewals and
+// closes the source. It returns after all of that, with no goroutine of its
+// own left running. A clean shutdown returns nil.
+//
+// A handler that ignores its context keeps Run from returning.
+func (c *Consumer) Run(ctx context.Context) error {
+	if !c.started.CompareAndSwap(false, true) {
+		return errors.New("consumer: Run called twice; create a new Consumer")
+	}
+	r := newRun(c, ctx)
+	return r.run(ctx)
+}
+
+// run is the state of one Run call.
+type run struct {
+	c   *Consumer
+	cfg *config
+	tel *telemetry
+
+	handlerCtx     context.Context // lives until the shutdown deadline
+	cancelHandlers context.CancelCauseFunc
+	settleCtx      context.Context // for acks and nacks; lives until Run returns
+
+	keeper   *lease.Keeper
+	slots    chan struct{} // one token per held delivery
+	held     sync.WaitGroup
+	work     chan *job
+	acks     chan *job
+	draining atomic.Bool
+	drainCh  chan struct{}
+
+	lanesMu sync.Mutex
+	lanes   map[string][]*job // queued behind the running job of each lane
+
+	spanName string
+}
+
+// job is one held delivery.
+type job struct {
+	d            *adapters.Delivery
+	lease        *lease.Lease
+	lane         string
+	retries      int // in-place retries so far
+	firstFailure time.Time
+	outcome      string // what the pending ack completes
+	ackedEarly   bool   // at-most-once mode
+}
+
+func newRun(c *Consumer, ctx context.Context) *run {
+	base := context.WithoutCancel(ctx)
+	hctx, cancel := context.WithCancelCause(base)
+	return &run{
+		c:              c,
+		cfg:            &c.cfg,
+		tel:            c.tel,
+		handlerCtx:     hctx,
+		cancelHandlers: cancel,
+		settleCtx:      base,
+		slots:          make(chan struct{}, c.cfg.maxInFlight),
+		work:           make(chan *job, c.cfg.maxInFlight),
+		acks:           make(chan *job, c.cfg.maxInFlight),
+		drainCh:        make(chan struct{}),
+		lanes:          make(map[string][]*job),
+		spanName:       "process " + c.cfg.name,
+	}
+}
+
+func (r *run) run(ctx context.Context) error {
+	var (
+		keeperWG  sync.WaitGroup
+		workersWG sync.WaitGroup
+		ackersWG  sync.WaitGroup
+	)
+	keeperCtx, stopKeeper := context.WithCancel(r.settleCtx)
+	defer stopKeeper()
+	if r.c.ext != nil {
+		k, err := lease.New(r.c.ext, lease.Config{
+			Lease:    r.c.caps.Lease,
+			Fraction: r.cfg.leaseFraction,
+			MaxBatch: r.c.caps.MaxExtendBatch,
+			MaxHold:  r.cfg.maxProcessing,
+			Renewed:  func(n int) { r.tel.extensions.Add(r.settleCtx, int64(n), r.tel.source) },
+			Lost: func(d *adapters.Delivery, cause error) {
+				r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source)
+				r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", d.ID, "cause", cause)
+			},
+		})
+		if err != nil {
+			return fmt.Errorf("consumer: lease keeper: %w", err)
+		}
+		r.keeper = k
+		keeperWG.Add(1)
+		go func() { defer keeperWG.Done(); k.Run(keeperCtx) }()
+	}
+	ackers := 1
+	if r.c.caps.AckLinger > 0 {
+		// A broker that wants full batches bills per request and answers over
+		// the network: overlap a few requests.
+		ackers = 4
+	}
+	for i := 0; i < ackers; i++ {
+		ackersWG.Add(1)
+		go func() { defer ackersWG.Done(); r.ackLoop() }()
+	}
+	for i := 0; i < r.cfg.concurrency; i++ {
+		workersWG.Add(1)
+		go func() {
+			defer workersWG.Done()
+			for j := range r.work {
+				r.process(j)
+			}
+		}()
+	}
+
+	recvErr := r.receive(ctx)
+
+	// Drain.
+	r.draining.Store(true)
+	close(r.drainCh)
+	idle := make(chan struct{})
+	go func() { r.held.Wait(); close(idle) }()
+	timer := time.NewTimer(r.cfg.shutdownTimeout)
+	select {
+	case <-idle:
+		timer.Stop()
+	case <-timer.C:
+		r.cfg.logger.Warn("custody: shutdown timeout reached; cancelling running handlers", "consumer", r.cfg.name)
+		r.cancelHandlers(ErrShutdownTimeout)
+		<-idle
+	}
+	close(r.work)
+	workersWG.Wait()
+	close(r.acks)
+	ackersWG.Wait()
+	stopKeeper()
+	keeperWG.Wait()
+	r.cancelHandlers(context.Canceled)
+	if err := r.c.src.Close(); err != nil {
+		return errors.Join(recvErr, fmt.Errorf("consumer: closing source: %w", err))
+	}
+	return recvErr
+}
+
+// receive fills free slots from the source until ctx is done or the source
+// is closed.
+func (r *run) receive(ctx context.Context) error {
+	bo := backoff.Exponential{Initial: 50 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.5}
+	failures := 0
+	for {
+		select {
+		case r.slots <- struct{}{}:
+		case <-ctx.Done():
+			return nil
+		}
+		n := 1
+	fill:
+		for n < r.c.batch {
+			select {
+			case r.slots <- struct{}{}:
+				n++
+			default:
+				break fill
+			}
+		}
+		ds, err := r.c.src.Receive(ctx, n)
+		for i := len(ds); i < n; i++ {
+			<-r.slots
+		}
+		for i := n; i < len(ds); i++ {
+			r.slots <- struct{}{} // an adapter returned more than asked
+		}
+		if len(ds) > 0 {
+			r.accept(ds)
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, adapters.ErrClosed) {
+				return fmt.Errorf("consumer: source closed while receiving: %w", err)
+			}
+			failures++
+			r.cfg.logger.Warn("custody: receive failed; retrying", "consumer", r.cfg.name, "error", err, "failures", failures)
+			t := time.NewTimer(bo.Delay(failures))
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return nil
+			}
+			continue
+		}
+		failures = 0
+	}
+}
+
+func (r *run) accept(ds []*adapters.Delivery) {
+	ctx := r.settleCtx
+	r.held.Add(len(ds))
+	r.tel.received.Add(ctx, int64(len(ds)), r.tel.source)
+	r.tel.inFlight.Add(ctx, int64(len(ds)), r.tel.source)
+	if r.cfg.atMostOnce {
+		if err := r.c.src.Ack(ctx, ds); err != nil {
+			// Whatever failed to ack comes back; handling it now as well would
+			// be at-least-once, which this mode promised not to be.
+			kept := ds[:0:0]
+			for i, d := range ds {
+				if adapters.EntryError(err, i) != nil {
+					r.tel.ackFailures.Add(ctx, 1, r.tel.source)
+					r.settle(&job{d: d}, outcomeReleased)
+					continue
+				}
+				kept = append(kept, d)
+			}
+			ds = kept
+		}
+	}
+	for _, d := range ds {
+		if d.Attempt > 1 {
+			r.tel.redelivered.Add(ctx, 1, r.tel.source)
+		}
+		j := &job{d: d, ackedEarly: r.cfg.atMostOnce}
+		if r.keeper != nil && !j.ackedEarly {
+			j.lease = r.keeper.Track(d)
+		}
+		switch {
+		case d.OrderingKey != "":
+			j.lane = d.OrderingKey
+		case r.cfg.ordering == OrderByKey && d.Key != "":
+			j.lane = "\x00key:" + d.Key
+		}
+		r.dispatch(j)
+	}
+}
+
+// dispatch hands j to a worker, or queues it behind its lane's running job.
+func (r *run) dispatch(j *job) {
+	if j.lane != "" {
+		r.lanesMu.Lock()
+		if q, busy := r.lanes[j.lane]; busy {
+			r.lanes[j.lane] = append(q, j)
+			r.lanesMu.Unlock()
+			return
+		}
+		r.lanes[j.lane] = nil
+		r.lanesMu.Unlock()
+	}
+	r.work <- j
+}
+
+// next starts the job queued behind j in its lane, if any. Called once j no
+// longer runs.
+func (r *run) next(j *job) {
+	if j.lane == "" {
+		return
+	}
+	r.lanesMu.Lock()
+	q := r.lanes[j.lane]
+	if len(q) == 0 {
+		delete(r.lanes, j.lane)
+		r.lanesMu.Unlock()
+		return
+	}
+	n := q[0]
+	q[0] = nil
+	r.lanes[j.lane] = q[1:]
+	r.lanesMu.Unlock()
+	r.work <- n
+}
+
+// settle ends the runtime's custody of j.
+func (r *run) settle(j *job, outcome string) {
+	r.tel.settle(r.settleCtx, outcome, 1)
+	<-r.slots
+	r.held.Done()
+}

@@ -1,0 +1,75 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Permanent marks err as one that no retry can fix (a message that cannot be
+// parsed, a reference to something that does not exist). The runtime sends the
+// message to the dead-letter destination at once. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err}
+}
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// IsPermanent reports whether err, or an error it wraps, was marked Permanent.
+func IsPermanent(err error) bool {
+	var p *permanentError
+	return errors.As(err, &p)
+}
+
+// RetryAfter asks for the next attempt no sooner than d, overriding the
+// backoff policy for this retry. It still counts as an attempt.
+// RetryAfter(nil, d) is nil.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &retryAfterError{err: err, after: d}
+}
+
+type retryAfterError struct {
+	err   error
+	after time.Duration
+}
+
+func (e *retryAfterError) Error() string {
+	return fmt.Sprintf("retry after %v: %v", e.after, e.err)
+}
+func (e *retryAfterError) Unwrap() error { return e.err }
+
+func retryDelay(err error) (time.Duration, bool) {
+	var r *retryAfterError
+	if errors.As(err, &r) {
+		return r.after, true
+	}
+	return 0, false
+}
+
+// PanicError is the error a recovered handler panic becomes. It is retried and
+// dead-lettered like any other error.
+type PanicError struct {
+	Value any
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
+
+// Causes the runtime gives handler contexts when it cancels them; read them
+// with context.Cause.
+var (
+	// ErrShutdownTimeout: the shutdown timeout passed while the handler ran.
+	// The message is given back to the broker.
+	ErrShutdownTimeout = errors.New("custody: shutdown timeout reached; the message is given back to the broker")
+	// ErrHandlerTimeout: the handler ran longer than WithHandlerTimeout.
+	ErrHandlerTimeout = errors.New("custody: handler timeout reached")
+)

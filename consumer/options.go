@@ -1,0 +1,285 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Option configures a Consumer. Options are checked by New: an invalid value
+// fails New with an error naming the option.
+type Option func(*config) error
+
+// Ordering chooses which deliveries must not run concurrently.
+type Ordering int
+
+const (
+	// OrderAsDelivered keeps the order the broker promised and nothing more:
+	// deliveries the adapter gives an ordering key (a Kafka partition, an SQS
+	// FIFO group) run one at a time per key, in order. The default.
+	OrderAsDelivered Ordering = iota
+	// OrderByKey also runs messages with the same Message.Key one at a time,
+	// in the order received, on brokers that promise no order themselves.
+	// Messages without a key run unordered.
+	OrderByKey
+)
+
+type config struct {
+	name            string
+	concurrency     int
+	maxInFlight     int
+	retry           Retry
+	deadLetter      adapters.DeadLetter
+	ordering        Ordering
+	handlerTimeout  time.Duration
+	shutdownTimeout time.Duration
+	maxProcessing   time.Duration
+	leaseFraction   float64
+	logger          *slog.Logger
+	meterProvider   metric.MeterProvider
+	tracerProvider  trace.TracerProvider
+	propagator      propagation.TextMapPropagator
+	atMostOnce      bool
+}
+
+func defaultConfig() config {
+	return config{
+		concurrency:     1,
+		retry:           Retry{MaxAttempts: 5},
+		shutdownTimeout: 30 * time.Second,
+		maxProcessing:   12 * time.Hour,
+		leaseFraction:   1.0 / 3,
+	}
+}
+
+// WithName names the consumer in telemetry, logs and dead-letter
+// diagnostics. Default: the source's Capabilities().Name.
+func WithName(name string) Option {
+	return func(c *config) error { c.name = name; return nil }
+}
+
+// WithConcurrency sets how many handlers run at once. Default 1. Must be at
+// least 1.
+func WithConcurrency(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return fmt.Errorf("consumer: WithConcurrency(%d): must be at least 1", n)
+		}
+		c.concurrency = n
+		return nil
+	}
+}
+
+// WithMaxInFlight bounds the deliveries held at once: running, waiting for a
+// worker or an ordering lane, or waiting for their ack. Default: twice the
+// concurrency, and at least the adapter's receive batch. Must be at least the
+// concurrency.
+func WithMaxInFlight(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return fmt.Errorf("consumer: WithMaxInFlight(%d): must be at least 1", n)
+		}
+		c.maxInFlight = n
+		return nil
+	}
+}
+
+// WithRetry sets the retry policy. Default: 5 attempts, exponential backoff
+// from 200ms to 1m with jitter. Zero fields take their defaults.
+func WithRetry(r Retry) Option {
+	return func(c *config) error {
+		if r.MaxAttempts < 0 {
+			return fmt.Errorf("consumer: WithRetry: MaxAttempts %d must not be negative", r.MaxAttempts)
+		}
+		if r.MaxAttempts == 0 {
+			r.MaxAttempts = 5
+		}
+		if eb, ok := r.Backoff.(ExponentialBackoff); ok {
+			if eb.Initial <= 0 || eb.Multiplier < 1 || eb.Jitter < 0 || eb.Jitter > 1 || (eb.Max > 0 && eb.Max < eb.Initial) {
+				return fmt.Errorf("consumer: WithRetry: ExponentialBackoff needs Initial > 0, Multiplier >= 1, 0 <= Jitter <= 1 and Max >= Initial (or 0), got %+v", eb)
+			}
+		}
+		c.retry = r
+		return nil
+	}
+}
+
+// WithDeadLetter sets where messages go when they fail MaxAttempts times or
+// fail with a Permanent error. The original is acked only after the
+// destination confirmed the write. Without one, such messages are given back
+// to the broker at the maximum backoff delay (the broker's own redrive policy
+// may then move them), and New logs a warning.
+func WithDeadLetter(dl adapters.DeadLetter) Option {
+	return func(c *config) error {
+		if dl == nil {
+			return errors.New("consumer: WithDeadLetter(nil): pass a dead-letter destination or leave the option out")
+		}
+		c.deadLetter = dl
+		return nil
+	}
+}
+
+// WithOrdering chooses which deliveries must run one at a time. Default
+// OrderAsDelivered.
+func WithOrdering(o Ordering) Option {
+	return func(c *config) error {
+		if o != OrderAsDelivered && o != OrderByKey {
+			return fmt.Errorf("consumer: WithOrdering(%d): unknown ordering", o)
+		}
+		c.ordering = o
+		return nil
+	}
+}
+
+// WithHandlerTimeout bounds one attempt of the handler; its context is
+// cancelled with ErrHandlerTimeout after d, and the attempt counts as failed.
+// Default 0: no timeout.
+func WithHandlerTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("consumer: WithHandlerTimeout(%v): must not be negative", d)
+		}
+		c.handlerTimeout = d
+		return nil
+	}
+}
+
+// WithShutdownTimeout sets how long Run lets in-flight handlers finish after
+// its context is cancelled. Their contexts stay alive until then; afterwards
+// they are cancelled with ErrShutdownTimeout and their messages are given back
+// to the broker. Default 30s.
+func WithShutdownTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("consumer: WithShutdownTimeout(%v): must not be negative", d)
+		}
+		c.shutdownTimeout = d
+		return nil
+	}
+}
+
+// WithMaxProcessingTime caps how long a delivery's lease is kept alive,
+// counted from its receipt, retries in place included. At the cap the
+// handler's context is cancelled (lease lost) and the broker redelivers the
+// message. Default 12h, and never more than the broker's own cap (SQS: 12h
+// from the first receive).
+func WithMaxProcessingTime(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("consumer: WithMaxProcessingTime(%v): must be positive", d)
+		}
+		c.maxProcessing = d
+		return nil
+	}
+}
+
+// WithLeaseRenewal sets the fraction of the lease after which it is renewed.
+// Default 1/3: two renewals can fail before the lease runs out.
+func WithLeaseRenewal(fraction float64) Option {
+	return func(c *config) error {
+		if fraction <= 0 || fraction >= 1 {
+			return fmt.Errorf("consumer: WithLeaseRenewal(%v): must be in (0, 1)", fraction)
+		}
+		c.leaseFraction = fraction
+		return nil
+	}
+}
+
+// WithLogger sets the logger. Default slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return errors.New("consumer: WithLogger(nil): pass a logger or leave the option out")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
+// WithMeterProvider sets where metrics go. Default otel.GetMeterProvider().
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return errors.New("consumer: WithMeterProvider(nil): pass a provider or leave the option out")
+		}
+		c.meterProvider = mp
+		return nil
+	}
+}
+
+// WithTracerProvider sets where spans go. Default otel.GetTracerProvider().
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(c *config) error {
+		if tp == nil {
+			return errors.New("consumer: WithTracerProvider(nil): pass a provider or leave the option out")
+		}
+		c.tracerProvider = tp
+		return nil
+	}
+}
+
+// WithPropagator sets how trace context is read from message headers.
+// Default otel.GetTextMapPropagator() (set it to propagation.TraceContext{}
+// for W3C traceparent headers).
+func WithPropagator(p propagation.TextMapPropagator) Option {
+	return func(c *config) error {
+		if p == nil {
+			return errors.New("consumer: WithPropagator(nil): pass a propagator or leave the option out")
+		}
+		c.propagator = p
+		return nil
+	}
+}
+
+// WithAtMostOnceAckBeforeProcessingUnsafe acks every message as soon as it
+// is received, before the handler runs. A crash, a failed handler or a
+// shutdown then loses the message: nothing is retried or dead-lettered.
+// Use it only for data where losing some is acceptable (sampled metrics,
+// best-effort caches). Default off.
+func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
+	return func(c *config) error { c.atMostOnce = true; return nil }
+}
+
+func (c *config) fill(caps adapters.Capabilities) error {
+	if c.name == "" {
+		c.name = caps.Name
+	}
+	if c.name == "" {
+		c.name = "custody"
+	}
+	if c.retry.Backoff == nil {
+		c.retry.Backoff = defaultBackoff()
+	}
+	if c.maxInFlight == 0 {
+		c.maxInFlight = 2 * c.concurrency
+		if caps.MaxReceive > c.maxInFlight {
+			c.maxInFlight = caps.MaxReceive
+		}
+	}
+	if c.maxInFlight < c.concurrency {
+		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)
+	}
+	if caps.MaxLeaseAge > 0 && c.maxProcessing > caps.MaxLeaseAge {
+		c.maxProcessing = caps.MaxLeaseAge
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
+	}
+	if c.meterProvider == nil {
+		c.meterProvider = otel.GetMeterProvider()
+	}
+	if c.tracerProvider == nil {
+		c.tracerProvider = otel.GetTracerProvider()
+	}
+	if c.propagator == nil {
+		c.propagator = otel.GetTextMapPropagator()
+	}
+	return nil
+}

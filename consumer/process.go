@@ -1,0 +1,263 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"runtime/debug"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// process runs j's handler until it succeeds, runs out of attempts, or the
+// delivery leaves this consumer, and settles it.
+func (r *run) process(j *job) {
+	if r.draining.Load() {
+		r.release(j) // not started before shutdown: give it back at once
+		return
+	}
+	if j.ackedEarly {
+		r.processAtMostOnce(j)
+		return
+	}
+	maxAttempts := r.cfg.retry.MaxAttempts
+	for {
+		attempt := r.attempt(j)
+		err := r.call(j, attempt)
+		if err == nil {
+			r.ack(j, outcomeAcked)
+			return
+		}
+		if cause := j.d.LostCause(); cause != nil {
+			r.lost(j, cause)
+			return
+		}
+		now := time.Now()
+		if j.firstFailure.IsZero() {
+			j.firstFailure = now
+		}
+		if IsPermanent(err) || attempt >= maxAttempts {
+			r.exhausted(j, err, attempt, now)
+			return
+		}
+		delay, ok := retryDelay(err)
+		if !ok {
+			delay = r.cfg.retry.Backoff.Delay(attempt)
+		}
+		if r.draining.Load() {
+			r.giveBack(j, delay)
+			return
+		}
+		if r.c.caps.NackDelay && j.lane == "" {
+			// The broker holds the message for the delay; no worker waits.
+			r.nack(j, delay, outcomeRetried)
+			return
+		}
+		if !r.wait(j, delay) {
+			return
+		}
+		j.retries++
+	}
+}
+
+// exhausted dead-letters j. Should the dead-letter write fail, it keeps the
+// original (never acking it) and tries again after a backoff.
+func (r *run) exhausted(j *job, err error, attempt int, now time.Time) {
+	dl := r.cfg.deadLetter
+	for try := 1; ; try++ {
+		delay := r.cfg.retry.Backoff.Delay(attempt + try - 1)
+		if dl == nil {
+			r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination; giving it back to the broker",
+				"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
+			if r.c.caps.NackDelay && j.lane == "" {
+				r.nack(j, delay, outcomeExhausted)
+				return
+			}
+		} else {
+			f := adapters.Failure{
+				Err:          err,
+				Permanent:    IsPermanent(err),
+				Attempts:     attempt,
+				FirstFailure: j.firstFailure,
+				LastFailure:  now,
+				Consumer:     r.cfg.name,
+			}
+			if attempt > j.retries+1 && !j.d.FirstReceivedAt.IsZero() {
+				// Earlier attempts ran before this delivery: the broker's first
+				// receive is the best bound on the first failure we have.
+				f.FirstFailure = j.d.FirstReceivedAt
+			}
+			sendErr := dl.Send(r.handlerCtx, j.d, f)
+			if sendErr == nil {
+				if j.d.Settled() {
+					r.stopLease(j)
+					r.settle(j, outcomeDeadLettered)
+					r.next(j)
+					return
+				}
+				r.ack(j, outcomeDeadLettered)
+				return
+			}
+			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source)
+			r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
+				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+			if cause := j.d.LostCause(); cause != nil {
+				r.lost(j, cause)
+				return
+			}
+		}
+		if r.draining.Load() {
+			r.giveBack(j, delay)
+			return
+		}
+		if r.c.caps.NackDelay && j.lane == "" {
+			r.nack(j, delay, outcomeRetried)
+			return
+		}
+		if !r.wait(j, delay) {
+			return
+		}
+	}
+}
+
+func (r *run) processAtMostOnce(j *job) {
+	err := r.call(j, r.attempt(j))
+	outcome := outcomeAcked
+	if err != nil {
+		outcome = outcomeFailed
+		r.cfg.logger.Warn("custody: handler failed in at-most-once mode; the message is gone",
+			"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+	}
+	r.settle(j, outcome)
+	r.next(j)
+}
+
+func (r *run) attempt(j *job) int {
+	a := j.d.Attempt
+	if a < 1 {
+		a = 1
+	}
+	return a + j.retries
+}
+
+// call runs one attempt of the handler with its own context, span and panic
+// recovery.
+func (r *run) call(j *job, attempt int) (err error) {
+	d := j.d
+	m := newMessage(d, attempt)
+	ctx := r.handlerCtx
+	if len(d.Headers) > 0 {
+		ctx = r.cfg.propagator.Extract(ctx, headerCarrier(d.Headers))
+	}
+	ctx, span := r.tel.tracer.Start(ctx, r.spanName, trace.WithSpanKind(trace.SpanKindConsumer))
+	if span.IsRecording() {
+		span.SetAttributes(r.tel.spanAttrs...)
+		span.SetAttributes(
+			attribute.String("messaging.destination.name", d.Queue),
+			attribute.String("messaging.message.id", d.ID),
+			attribute.Int("custody.attempt", attempt),
+		)
+	}
+	hctx, cancel := context.WithCancelCause(ctx)
+	d.OnLost(cancel)
+	if t := r.cfg.handlerTimeout; t > 0 {
+		var cancelTimeout context.CancelFunc
+		hctx, cancelTimeout = context.WithTimeoutCause(hctx, t, ErrHandlerTimeout)
+		defer cancelTimeout()
+	}
+	start := time.Now()
+	defer func() {
+		if p := recover(); p != nil {
+			err = &PanicError{Value: p, Stack: debug.Stack()}
+			r.tel.panics.Add(r.settleCtx, 1, r.tel.source)
+			r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", d.ID, "panic", p)
+		}
+		d.OnLost(nil)
+		cancel(nil)
+		res := r.tel.resultOK
+		if err != nil {
+			res = r.tel.resultErr
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res)
+		span.End()
+	}()
+	return r.c.handler.Handle(hctx, m)
+}
+
+// wait holds j in place for delay, its lease kept alive. It reports false, and
+// settles j, when the wait was cut short by shutdown or a lost lease.
+func (r *run) wait(j *job, delay time.Duration) bool {
+	t := time.NewTimer(delay)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-j.d.Lost():
+		r.lost(j, j.d.LostCause())
+	case <-r.drainCh:
+		r.release(j)
+	case <-r.handlerCtx.Done():
+		r.release(j)
+	}
+	return false
+}
+
+func (r *run) stopLease(j *job) {
+	if j.lease != nil {
+		j.lease.Stop()
+	}
+}
+
+// ack stops j's lease and queues its ack; the ack loop settles it.
+func (r *run) ack(j *job, outcome string) {
+	r.stopLease(j)
+	j.outcome = outcome
+	r.acks <- j
+	r.next(j)
+}
+
+// nack stops j's lease and gives it back to be redelivered after delay.
+func (r *run) nack(j *job, delay time.Duration, outcome string) {
+	r.stopLease(j)
+	if err := r.c.src.Nack(r.settleCtx, []*adapters.Delivery{j.d}, delay); err != nil {
+		r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
+			"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+	}
+	r.settle(j, outcome)
+	r.next(j)
+}
+
+// giveBack returns a failed delivery during shutdown, keeping its backoff
+// where the broker can delay redelivery.
+func (r *run) giveBack(j *job, delay time.Duration) {
+	if r.c.caps.NackDelay && j.lane == "" {
+		r.nack(j, delay, outcomeRetried)
+		return
+	}
+	r.release(j)
+}
+
+// release gives j back for immediate redelivery (shutdown).
+func (r *run) release(j *job) {
+	if j.d.LostCause() != nil {
+		r.lost(j, j.d.LostCause())
+		return
+	}
+	r.nack(j, 0, outcomeReleased)
+}
+
+// lost settles a delivery this consumer can no longer ack.
+func (r *run) lost(j *job, cause error) {
+	r.stopLease(j)
+	if !errors.Is(cause, adapters.ErrLeaseLost) {
+		// Lease losses are counted by the keeper; count the rest here.
+		r.cfg.logger.Info("custody: delivery lost", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
+	}
+	r.settle(j, outcomeLost)
+	r.next(j)
+}

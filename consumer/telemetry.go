@@ -1,0 +1,135 @@
+package consumer
+
+import (
+	"context"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
+
+const instrumentationName = "github.com/custody-go/custody/consumer"
+
+// Outcomes recorded on custody.messages.settled.
+const (
+	outcomeAcked        = "acked"
+	outcomeRetried      = "retried"
+	outcomeDeadLettered = "dead_lettered"
+	outcomeReleased     = "released"
+	outcomeLost         = "lost"
+	outcomeExhausted    = "exhausted"
+	outcomeFailed       = "failed" // at-most-once: handler failed, message gone
+)
+
+// telemetry holds the instruments, created once in New, and pre-built
+// attribute options so the hot path allocates nothing for them.
+type telemetry struct {
+	tracer trace.Tracer
+
+	received    metric.Int64Counter
+	redelivered metric.Int64Counter
+	settled     metric.Int64Counter
+	duration    metric.Float64Histogram
+	panics      metric.Int64Counter
+	extensions  metric.Int64Counter
+	leasesLost  metric.Int64Counter
+	ackFailures metric.Int64Counter
+	dlqFailures metric.Int64Counter
+	inFlight    metric.Int64UpDownCounter
+
+	source    metric.MeasurementOption
+	outcomes  map[string]metric.AddOption
+	resultOK  metric.RecordOption
+	resultErr metric.RecordOption
+	spanAttrs []attribute.KeyValue
+}
+
+func newTelemetry(c *config) (*telemetry, error) {
+	m := c.meterProvider.Meter(instrumentationName)
+	t := &telemetry{tracer: c.tracerProvider.Tracer(instrumentationName)}
+	var err error
+	counter := func(name, desc string) metric.Int64Counter {
+		if err != nil {
+			return nil
+		}
+		var ctr metric.Int64Counter
+		ctr, err = m.Int64Counter(name, metric.WithDescription(desc), metric.WithUnit("{message}"))
+		return ctr
+	}
+	t.received = counter("custody.messages.received", "Deliveries received from the broker.")
+	t.redelivered = counter("custody.messages.redelivered", "Deliveries whose attempt number is above 1: retries, crashes, lost leases.")
+	t.settled = counter("custody.messages.settled", "Deliveries by final outcome: acked, retried, dead_lettered, released, lost, exhausted.")
+	t.panics = counter("custody.handler.panics", "Handler panics recovered.")
+	t.extensions = counter("custody.lease.extensions", "Lease renewals that succeeded.")
+	t.leasesLost = counter("custody.lease.lost", "Deliveries whose lease was lost while held (expect a duplicate).")
+	t.ackFailures = counter("custody.ack.failures", "Acks that failed (expect a redelivery).")
+	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed; the original was not acked.")
+	if err != nil {
+		return nil, err
+	}
+	if t.duration, err = m.Float64Histogram("custody.handler.duration",
+		metric.WithDescription("Time one handler attempt took."), metric.WithUnit("s")); err != nil {
+		return nil, err
+	}
+	if t.inFlight, err = m.Int64UpDownCounter("custody.messages.in_flight",
+		metric.WithDescription("Deliveries held: running, buffered or awaiting their ack."), metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	src := attribute.String("custody.consumer", c.name)
+	set := attribute.NewSet(src)
+	t.source = metric.WithAttributeSet(set)
+	t.outcomes = map[string]metric.AddOption{}
+	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed} {
+		t.outcomes[o] = metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))
+	}
+	t.resultOK = metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))
+	t.resultErr = metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))
+	t.spanAttrs = []attribute.KeyValue{attribute.String("messaging.consumer.group.name", c.name)}
+	return t, nil
+}
+
+func (t *telemetry) settle(ctx context.Context, outcome string, n int) {
+	t.settled.Add(ctx, int64(n), t.outcomes[outcome])
+	t.inFlight.Add(ctx, -int64(n), t.source)
+}
+
+// headerCarrier reads trace context from message headers.
+type headerCarrier map[string]string
+
+func (h headerCarrier) Get(k string) string {
+	if v, ok := h[k]; ok {
+		return v
+	}
+	// Brokers and publishers differ on case; traceparent is lower case in the
+	// W3C spec, but some clients capitalise header names.
+	for hk, v := range h {
+		if len(hk) == len(k) && equalFold(hk, k) {
+			return v
+		}
+	}
+	return ""
+}
+func (h headerCarrier) Set(k, v string) { h[k] = v }
+func (h headerCarrier) Keys() []string {
+	ks := make([]string, 0, len(h))
+	for k := range h {
+		ks = append(ks, k)
+	}
+	return ks
+}
+
+func equalFold(a, b string) bool {
+	for i := 0; i < len(a); i++ {
+		x, y := a[i], b[i]
+		if 'A' <= x && x <= 'Z' {
+			x += 'a' - 'A'
+		}
+		if 'A' <= y && y <= 'Z' {
+			y += 'a' - 'A'
+		}
+		if x != y {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,29 @@
+// Package lease keeps many broker leases alive with one scheduler.
+//
+// A lease-based broker (SQS visibility timeout, JetStream AckWait, the memory
+// broker) redelivers a message to another consumer when its lease runs out.
+// A [Keeper] renews every lease it tracks when a fraction (one third by
+// default) of the lease has elapsed, extending it back to the full length, so
+// a slow handler is never raced by a redelivery of its own message.
+//
+// # Semantics
+//
+//   - Tracking starts at receive time, so deliveries waiting in a buffer are
+//     covered as well as running ones.
+//   - Renewals are batched: every lease due now, or due soon, goes out in one
+//     call of at most MaxBatch deliveries.
+//   - [Lease.Stop] ends renewals for a delivery. It waits for a renewal of that
+//     delivery already on the wire to return, so once Stop returns no
+//     extension of it is in flight or will be sent: the runtime calls Stop
+//     after the handler finished and before the ack.
+//   - Total hold time is capped (MaxHold, counted from receipt). At the cap the
+//     keeper stops renewing and loses the delivery.
+//   - A failed renewal loses the delivery: [adapters.Delivery.Lose] is called
+//     with a cause wrapping [adapters.ErrLeaseLost], which cancels its handler's
+//     context.
+//
+// # Cost
+//
+// One goroutine runs the schedule over a heap of due times; renewals run on a
+// small, fixed number of goroutines. No timer or goroutine exists per lease.
+package lease
