@@ -35,6 +35,12 @@ func (r *run) process(j *job) {
 			r.lost(j, cause)
 			return
 		}
+		if r.handlerCtx.Err() != nil {
+			// The shutdown deadline cut the handler short: not the message's
+			// fault, so it neither counts as a failure nor waits a backoff.
+			r.release(j)
+			return
+		}
 		now := time.Now()
 		if j.firstFailure.IsZero() {
 			j.firstFailure = now

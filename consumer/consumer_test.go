@@ -1,0 +1,543 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+)
+
+func TestFailedHandlerIsRedelivered(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("a", "b")
+	c := newCounter()
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if c.inc(m.Body) < 3 {
+			return errors.New("not yet")
+		}
+		return nil
+	}, fastRetry(5))
+	waitFor(t, "both acked", func() bool { return e.stats("q").Acked == 2 })
+	r.stop()
+	if c.get("a") != 3 || c.get("b") != 3 {
+		t.Fatalf("handled a %d and b %d times, want 3 each", c.get("a"), c.get("b"))
+	}
+}
+
+func TestCrashedConsumerLosesNothing(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 100 * time.Millisecond})
+	const n = 50
+	for i := 0; i < n; i++ {
+		e.publish(fmt.Sprint(i))
+	}
+	effects := newCounter()
+	crashing := e.source()
+	var crashed atomic.Bool
+	block := make(chan struct{})
+	r1 := run(t, crashing, func(ctx context.Context, m *consumer.Message) error {
+		if crashed.Load() {
+			<-block // the dead process never finishes
+			return errors.New("dead")
+		}
+		effects.inc(m.Body)
+		return nil
+	}, consumer.WithConcurrency(4), consumer.WithShutdownTimeout(10*time.Millisecond))
+	waitFor(t, "some progress", func() bool { return effects.distinct() >= 10 })
+	crashed.Store(true)
+	crashing.Crash()
+	survivor := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		effects.inc(m.Body)
+		return nil
+	}, consumer.WithConcurrency(4))
+	waitFor(t, "every message's effect", func() bool { return effects.distinct() == n })
+	waitFor(t, "queue empty", func() bool { s := e.stats("q"); return s.Visible == 0 && s.InFlight == 0 })
+	close(block)
+	r1.stop()
+	survivor.stop()
+}
+
+// extendLog records every extension the broker sees, per message body.
+type extendLog struct {
+	mu    sync.Mutex
+	times map[string][]time.Time
+}
+
+func (l *extendLog) hook(d *adapters.Delivery) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.times[string(d.Body)] = append(l.times[string(d.Body)], time.Now())
+	return nil
+}
+
+func TestLongHandlerKeepsItsLeaseAndNeverOverlaps(t *testing.T) {
+	const lease = 150 * time.Millisecond
+	e := newEnv(t, memory.QueueOptions{Lease: lease})
+	e.publish("slow")
+	log := &extendLog{times: map[string][]time.Time{}}
+	var (
+		active, maxActive atomic.Int32
+		calls             atomic.Int32
+		returned          atomic.Int64
+	)
+	h := func(ctx context.Context, m *consumer.Message) error {
+		calls.Add(1)
+		if a := active.Add(1); a > maxActive.Load() {
+			maxActive.Store(a)
+		}
+		defer active.Add(-1)
+		select {
+		case <-time.After(3 * lease):
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+		returned.Store(time.Now().UnixNano())
+		return nil
+	}
+	// Two consumers on the queue: an expired lease would hand the message to
+	// the other one.
+	a := run(t, e.source(memory.WithFaults(memory.Faults{Extend: log.hook})), h)
+	b := run(t, e.source(memory.WithFaults(memory.Faults{Extend: log.hook})), h)
+	waitFor(t, "ack", func() bool { return e.stats("q").Acked == 1 })
+	time.Sleep(2 * lease)
+	a.stop()
+	b.stop()
+	if calls.Load() != 1 || maxActive.Load() != 1 {
+		t.Fatalf("handler ran %d times, %d at once; want once", calls.Load(), maxActive.Load())
+	}
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	ext := log.times["slow"]
+	if len(ext) < 2 {
+		t.Fatalf("lease extended %d times while a handler ran 3x the lease; want at least 2", len(ext))
+	}
+	end := time.Unix(0, returned.Load())
+	for _, at := range ext {
+		if at.After(end) {
+			t.Fatalf("lease extended at %v, after the handler returned at %v", at, end)
+		}
+	}
+}
+
+func TestFailedExtensionCancelsHandlerAsLeaseLost(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 60 * time.Millisecond})
+	e.publish("x")
+	src := e.source(memory.WithFaults(memory.Faults{Extend: func(*adapters.Delivery) error {
+		return errors.New("broker refused the extension")
+	}}))
+	cause := make(chan error, 1)
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if m.Attempt > 1 {
+			return nil
+		}
+		<-ctx.Done()
+		cause <- context.Cause(ctx)
+		return ctx.Err()
+	}, fastRetry(3))
+	select {
+	case err := <-cause:
+		if !errors.Is(err, adapters.ErrLeaseLost) {
+			t.Fatalf("cause = %v, want adapters.ErrLeaseLost", err)
+		}
+	case <-time.After(patience):
+		t.Fatal("handler context not cancelled after a failed extension")
+	}
+	r.stop()
+}
+
+func TestPoisonMessageReachesDeadLetterWithDiagnostics(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("poison", "fine")
+	c := newCounter()
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		c.inc(m.Body)
+		if string(m.Body) == "poison" {
+			return fmt.Errorf("attempt %d: bad input", m.Attempt)
+		}
+		return nil
+	}, fastRetry(4), consumer.WithDeadLetter(e.dlq()), consumer.WithName("orders-worker"))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	ms, _ := e.b.Messages("dlq")
+	h := ms[0].Headers
+	if string(ms[0].Body) != "poison" || h[adapters.HeaderAttempts] != "4" ||
+		h[adapters.HeaderError] != "attempt 4: bad input" || h[adapters.HeaderConsumer] != "orders-worker" ||
+		h[adapters.HeaderOriginalQueue] != "q" || h[adapters.HeaderFirstFailure] == "" {
+		t.Fatalf("dead letter = %q %v", ms[0].Body, h)
+	}
+	if c.get("poison") != 4 || c.get("fine") != 1 {
+		t.Fatalf("poison handled %d times (want 4), fine %d (want 1)", c.get("poison"), c.get("fine"))
+	}
+	if s := e.stats("q"); s.Visible != 0 || s.InFlight != 0 {
+		t.Fatalf("original queue still holds messages: %+v", s)
+	}
+}
+
+func TestPermanentErrorDeadLettersOnFirstAttempt(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("{not json")
+	c := newCounter()
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		c.inc(m.Body)
+		return consumer.Permanent(errors.New("cannot parse"))
+	}, fastRetry(5), consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	if c.get("{not json") != 1 {
+		t.Fatalf("handled %d times, want 1", c.get("{not json"))
+	}
+}
+
+func TestDeadLetterFailureDoesNotAckOriginal(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("x")
+	dlq := e.dlq()
+	var refusals atomic.Int32
+	dlq.SetFault(func(*adapters.Delivery) error {
+		refusals.Add(1)
+		return errors.New("dlq down")
+	})
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		return consumer.Permanent(errors.New("bad"))
+	}, fastRetry(2), consumer.WithDeadLetter(dlq))
+	waitFor(t, "refused dead-letter writes", func() bool { return refusals.Load() >= 3 })
+	r.stop()
+	if s := e.stats("q"); s.Acked != 0 || s.Visible+s.InFlight != 1 {
+		t.Fatalf("original acked or gone after failed dead-letter writes: %+v", s)
+	}
+	if e.stats("dlq").Visible != 0 {
+		t.Fatal("refused write arrived anyway")
+	}
+}
+
+func TestPanicIsRetried(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("p")
+	c := newCounter()
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if c.inc(m.Body) == 1 {
+			panic("boom")
+		}
+		return nil
+	}, fastRetry(3))
+	waitFor(t, "ack", func() bool { return e.stats("q").Acked == 1 })
+	r.stop()
+	if c.get("p") != 2 {
+		t.Fatalf("handled %d times, want 2 (panic, then success)", c.get("p"))
+	}
+}
+
+func TestPanicsDeadLetterWithTheirValue(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("p")
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		panic("nil map write")
+	}, fastRetry(2), consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	ms, _ := e.b.Messages("dlq")
+	if !strings.Contains(ms[0].Headers[adapters.HeaderError], "nil map write") {
+		t.Fatalf("error header %q does not carry the panic", ms[0].Headers[adapters.HeaderError])
+	}
+}
+
+func TestShutdownFinishesInFlightAndAcksThem(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("1", "2", "3", "4", "5", "6")
+	var started atomic.Int32
+	release := make(chan struct{})
+	var finished atomic.Int32
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		started.Add(1)
+		<-release
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		finished.Add(1)
+		return nil
+	}, consumer.WithConcurrency(3), consumer.WithMaxInFlight(6), consumer.WithShutdownTimeout(patience))
+	waitFor(t, "three running", func() bool { return started.Load() == 3 })
+	done := make(chan error)
+	go func() { done <- r.stop() }()
+	time.Sleep(20 * time.Millisecond)
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	s := e.stats("q")
+	if finished.Load() != 3 || s.Acked != 3 {
+		t.Fatalf("finished %d, acked %d; want the 3 in flight finished and acked", finished.Load(), s.Acked)
+	}
+	if s.Visible != 3 {
+		t.Fatalf("%d messages visible after shutdown; the 3 never started must be given back at once (%+v)", s.Visible, s)
+	}
+}
+
+func TestShutdownTimeoutCancelsAndReleases(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("stuck")
+	cause := make(chan error, 1)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		<-ctx.Done()
+		cause <- context.Cause(ctx)
+		return ctx.Err()
+	}, consumer.WithShutdownTimeout(50*time.Millisecond))
+	waitFor(t, "received", func() bool { return e.stats("q").InFlight == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-cause; !errors.Is(err, consumer.ErrShutdownTimeout) {
+		t.Fatalf("cause = %v, want ErrShutdownTimeout", err)
+	}
+	// Released at once rather than left to a one-minute lease.
+	if s := e.stats("q"); s.Visible != 1 {
+		t.Fatalf("stats %+v: the unfinished message was not given back", s)
+	}
+}
+
+func TestOrderByKeyUnderConcurrency(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	const perKey = 40
+	for i := 0; i < perKey; i++ {
+		for _, k := range []string{"x", "y", "z", "w"} {
+			e.b.Publish(context.Background(), "q", memory.Message{Key: k, Body: []byte(fmt.Sprintf("%s%03d", k, i))})
+		}
+	}
+	var (
+		mu      sync.Mutex
+		last    = map[string]string{}
+		busy    = map[string]bool{}
+		errs    []string
+		handled int
+	)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		if busy[m.Key] {
+			errs = append(errs, "overlap on "+m.Key)
+		}
+		busy[m.Key] = true
+		if string(m.Body) <= last[m.Key] {
+			errs = append(errs, fmt.Sprintf("%s after %s", m.Body, last[m.Key]))
+		}
+		last[m.Key] = string(m.Body)
+		mu.Unlock()
+		time.Sleep(100 * time.Microsecond)
+		mu.Lock()
+		busy[m.Key] = false
+		handled++
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(16), consumer.WithOrdering(consumer.OrderByKey))
+	waitFor(t, "all handled", func() bool { mu.Lock(); defer mu.Unlock(); return handled == 4*perKey })
+	r.stop()
+	if len(errs) > 0 {
+		t.Fatalf("ordering broken: %v", errs[:min(5, len(errs))])
+	}
+}
+
+func TestRetryAfterIsHonoured(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("r")
+	var first time.Time
+	var gap atomic.Int64
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if m.Attempt == 1 {
+			first = time.Now()
+			return consumer.RetryAfter(errors.New("rate limited"), 200*time.Millisecond)
+		}
+		gap.Store(int64(time.Since(first)))
+		return nil
+	}, fastRetry(3))
+	waitFor(t, "ack", func() bool { return e.stats("q").Acked == 1 })
+	r.stop()
+	if d := time.Duration(gap.Load()); d < 200*time.Millisecond {
+		t.Fatalf("retried after %v, before the 200ms asked for", d)
+	}
+}
+
+func TestHandlerTimeout(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("t")
+	cause := make(chan error, 3)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		<-ctx.Done()
+		cause <- context.Cause(ctx)
+		return ctx.Err()
+	}, consumer.WithHandlerTimeout(20*time.Millisecond), fastRetry(1), consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	if err := <-cause; !errors.Is(err, consumer.ErrHandlerTimeout) {
+		t.Fatalf("cause = %v, want ErrHandlerTimeout", err)
+	}
+}
+
+func TestFailedAckIsRedelivered(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 50 * time.Millisecond})
+	e.publish("a")
+	var failOnce atomic.Bool
+	failOnce.Store(true)
+	src := e.source(memory.WithFaults(memory.Faults{Ack: func(*adapters.Delivery) error {
+		if failOnce.CompareAndSwap(true, false) {
+			return errors.New("ack lost on the wire")
+		}
+		return nil
+	}}))
+	c := newCounter()
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		c.inc(m.Body)
+		return nil
+	})
+	waitFor(t, "acked on the second delivery", func() bool { return e.stats("q").Acked == 1 })
+	r.stop()
+	if c.get("a") != 2 {
+		t.Fatalf("handled %d times, want 2: the failed ack must lead to a redelivery, not a loss", c.get("a"))
+	}
+}
+
+func TestAtMostOnceLosesFailuresByDesign(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 20 * time.Millisecond})
+	e.publish("sample")
+	c := newCounter()
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		c.inc(m.Body)
+		return errors.New("dropped")
+	}, consumer.WithAtMostOnceAckBeforeProcessingUnsafe())
+	waitFor(t, "handled", func() bool { return c.get("sample") == 1 })
+	time.Sleep(100 * time.Millisecond)
+	r.stop()
+	if s := e.stats("q"); s.Acked != 1 || c.get("sample") != 1 {
+		t.Fatalf("at-most-once: handled %d times, stats %+v; want acked before handling and never retried", c.get("sample"), s)
+	}
+}
+
+func TestExhaustedWithoutDeadLetterIsGivenBack(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second, MaxReceiveCount: 2})
+	e.publish("x")
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		return errors.New("always")
+	}, consumer.WithRetry(consumer.Retry{MaxAttempts: 2, Backoff: consumer.ConstantBackoff(5 * time.Millisecond)}))
+	// No runtime dead letter: the queue's own redrive policy moves it.
+	waitFor(t, "redrive", func() bool { return e.stats("q").Redriven == 1 })
+	r.stop()
+	if e.stats("dlq").Visible != 1 {
+		t.Fatal("redriven message not in the dead-letter queue")
+	}
+}
+
+func TestInvalidOptionsFailAtNewNamingTheOption(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{})
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	cases := []struct {
+		opt  consumer.Option
+		want string
+	}{
+		{consumer.WithConcurrency(0), "WithConcurrency"},
+		{consumer.WithMaxInFlight(-1), "WithMaxInFlight"},
+		{consumer.WithRetry(consumer.Retry{MaxAttempts: -1}), "WithRetry"},
+		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ExponentialBackoff{Initial: time.Second, Multiplier: 0.5}}), "WithRetry"},
+		{consumer.WithDeadLetter(nil), "WithDeadLetter"},
+		{consumer.WithOrdering(consumer.Ordering(9)), "WithOrdering"},
+		{consumer.WithHandlerTimeout(-time.Second), "WithHandlerTimeout"},
+		{consumer.WithShutdownTimeout(-time.Second), "WithShutdownTimeout"},
+		{consumer.WithMaxProcessingTime(0), "WithMaxProcessingTime"},
+		{consumer.WithLeaseRenewal(1.5), "WithLeaseRenewal"},
+		{consumer.WithLogger(nil), "WithLogger"},
+		{consumer.WithMeterProvider(nil), "WithMeterProvider"},
+		{consumer.WithTracerProvider(nil), "WithTracerProvider"},
+		{consumer.WithPropagator(nil), "WithPropagator"},
+	}
+	for _, tc := range cases {
+		_, err := consumer.New(e.source(), h, tc.opt)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("option %s: New error = %v, want one naming it", tc.want, err)
+		}
+	}
+	if _, err := consumer.New(e.source(), h, consumer.WithConcurrency(8), consumer.WithMaxInFlight(4)); err == nil || !strings.Contains(err.Error(), "WithMaxInFlight") {
+		t.Errorf("max in flight below concurrency: %v", err)
+	}
+	if _, err := consumer.New(nil, h); err == nil {
+		t.Error("nil source accepted")
+	}
+	if _, err := consumer.New(e.source(), nil); err == nil {
+		t.Error("nil handler accepted")
+	}
+}
+
+// leaseWithoutExtender declares a lease it cannot extend.
+type leaseWithoutExtender struct{ adapters.Source }
+
+func (s leaseWithoutExtender) Capabilities() adapters.Capabilities {
+	return adapters.Capabilities{Name: "broken", Lease: time.Second}
+}
+
+func TestLeaseWithoutExtenderFailsAtNew(t *testing.T) {
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	if _, err := consumer.New(leaseWithoutExtender{}, h); err == nil || !strings.Contains(err.Error(), "Extender") {
+		t.Fatalf("New = %v, want an error about the missing Extender", err)
+	}
+}
+
+func TestRunTwiceFails(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{})
+	c, err := consumer.New(e.source(), consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := c.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Run(ctx); err == nil {
+		t.Fatal("second Run accepted")
+	}
+}
+
+func TestAsReachesTheNativeMessage(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{})
+	e.publish("n")
+	got := make(chan memory.Message, 1)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		var native memory.Message
+		if m.As(&native) {
+			got <- native
+		}
+		var wrong *int
+		if m.As(&wrong) {
+			t.Error("As accepted a wrong type")
+		}
+		return nil
+	})
+	select {
+	case n := <-got:
+		if string(n.Body) != "n" || n.Receives != 1 {
+			t.Fatalf("native = %+v", n)
+		}
+	case <-time.After(patience):
+		t.Fatal("As did not reach the native message")
+	}
+	r.stop()
+}
+
+func TestSourceClosedUnderRunEndsRunWithError(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{})
+	src := e.source()
+	r := run(t, src, func(context.Context, *consumer.Message) error { return nil })
+	src.Crash()
+	select {
+	case err := <-r.done:
+		if !errors.Is(err, adapters.ErrClosed) {
+			t.Fatalf("Run = %v, want ErrClosed", err)
+		}
+		r.once.Do(func() {})
+	case <-time.After(patience):
+		t.Fatal("Run kept going on a dead source")
+	}
+}

@@ -1,0 +1,152 @@
+package consumer_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testlog"
+	"go.uber.org/goleak"
+)
+
+// TestMain fails the package if any test leaves a goroutine behind: Run
+// must end everything it starts.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+const patience = 30 * time.Second
+
+type env struct {
+	t *testing.T
+	b *memory.Broker
+}
+
+// newEnv creates a broker with queue "q" (the given lease) and "dlq".
+func newEnv(t *testing.T, opts memory.QueueOptions) *env {
+	t.Helper()
+	b := memory.NewBroker()
+	if err := b.CreateQueue("dlq", memory.QueueOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if opts.MaxReceiveCount > 0 && opts.DeadLetterQueue == "" {
+		opts.DeadLetterQueue = "dlq"
+	}
+	if err := b.CreateQueue("q", opts); err != nil {
+		t.Fatal(err)
+	}
+	return &env{t: t, b: b}
+}
+
+func (e *env) publish(bodies ...string) {
+	e.t.Helper()
+	for _, body := range bodies {
+		if err := e.b.Publish(context.Background(), "q", memory.Message{Body: []byte(body)}); err != nil {
+			e.t.Fatal(err)
+		}
+	}
+}
+
+func (e *env) source(opts ...memory.SourceOption) *memory.Source {
+	e.t.Helper()
+	opts = append([]memory.SourceOption{memory.WithPollWait(10 * time.Millisecond)}, opts...)
+	s, err := e.b.Source("q", opts...)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return s
+}
+
+func (e *env) dlq() *memory.DeadLetterQueue {
+	d, err := e.b.DeadLetterQueue("dlq")
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return d
+}
+
+func (e *env) stats(q string) memory.Stats {
+	s, err := e.b.Stats(q)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return s
+}
+
+type running struct {
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+	err    error
+	t      *testing.T
+}
+
+func run(t *testing.T, src interface{}, h consumer.HandlerFunc, opts ...consumer.Option) *running {
+	t.Helper()
+	s := src.(*memory.Source)
+	opts = append([]consumer.Option{consumer.WithLogger(testlog.New(t))}, opts...)
+	c, err := consumer.New(s, h, opts...)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &running{cancel: cancel, done: make(chan error, 1), t: t}
+	go func() { r.done <- c.Run(ctx) }()
+	t.Cleanup(func() { r.stop() })
+	return r
+}
+
+func (r *running) stop() error {
+	r.once.Do(func() {
+		r.cancel()
+		select {
+		case r.err = <-r.done:
+		case <-time.After(patience):
+			r.t.Errorf("Run did not return")
+		}
+	})
+	return r.err
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(patience)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func fastRetry(n int) consumer.Option {
+	return consumer.WithRetry(consumer.Retry{MaxAttempts: n, Backoff: consumer.ConstantBackoff(5 * time.Millisecond)})
+}
+
+// counter counts calls per body.
+type counter struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func newCounter() *counter { return &counter{n: map[string]int{}} }
+
+func (c *counter) inc(b []byte) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.n[string(b)]++
+	return c.n[string(b)]
+}
+
+func (c *counter) get(b string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[b]
+}
+
+func (c *counter) distinct() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.n)
+}

@@ -1,0 +1,127 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// sums returns every Int64 sum data point by metric name and outcome.
+func sums(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			switch data := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, dp := range data.DataPoints {
+					name := m.Name
+					if v, ok := dp.Attributes.Value(attribute.Key("custody.outcome")); ok {
+						name += "/" + v.AsString()
+					}
+					out[name] += dp.Value
+				}
+			case metricdata.Histogram[float64]:
+				for _, dp := range data.DataPoints {
+					out[m.Name] += int64(dp.Count)
+				}
+			}
+		}
+	}
+	return out
+}
+
+func TestTelemetryCountsWhatHappened(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+
+	e := newEnv(t, memory.QueueOptions{Lease: 60 * time.Millisecond})
+	traceID := "4bf92f3577b34da6a3ce929d0e0e4736"
+	e.b.Publish(context.Background(), "q",
+		memory.Message{Body: []byte("ok"), Headers: map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"}},
+		memory.Message{Body: []byte("retry")},
+		memory.Message{Body: []byte("poison")},
+		memory.Message{Body: []byte("slow")},
+	)
+	failAck := true
+	src := e.source(memory.WithFaults(memory.Faults{Ack: func(d *adapters.Delivery) error {
+		if string(d.Body) == "ok" && failAck {
+			failAck = false
+			return errors.New("ack lost")
+		}
+		return nil
+	}}))
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		switch string(m.Body) {
+		case "retry":
+			if m.Attempt == 1 {
+				return errors.New("once")
+			}
+		case "poison":
+			return consumer.Permanent(errors.New("bad"))
+		case "slow":
+			time.Sleep(150 * time.Millisecond)
+		}
+		return nil
+	}, consumer.WithConcurrency(4), fastRetry(3), consumer.WithDeadLetter(e.dlq()),
+		consumer.WithMeterProvider(mp), consumer.WithTracerProvider(tp),
+		consumer.WithPropagator(propagation.TraceContext{}))
+	waitFor(t, "queue drained", func() bool { s := e.stats("q"); return s.Acked == 4 && s.Visible == 0 && s.InFlight == 0 })
+	r.stop()
+
+	got := sums(t, reader)
+	want := map[string]int64{
+		"custody.messages.received":              6, // ok twice (lost ack), retry twice, poison, slow
+		"custody.messages.redelivered":           2,
+		"custody.messages.settled/acked":         3,
+		"custody.messages.settled/lost":          1, // the ack that failed
+		"custody.messages.settled/retried":       1,
+		"custody.messages.settled/dead_lettered": 1,
+		"custody.ack.failures":                   1,
+		"custody.messages.in_flight":             0,
+		"custody.handler.duration":               6,
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s = %d, want %d", k, got[k], v)
+		}
+	}
+	if got["custody.lease.extensions"] < 1 {
+		t.Errorf("custody.lease.extensions = %d, want at least 1 for a handler that outlived a third of its lease", got["custody.lease.extensions"])
+	}
+
+	ended := spans.Ended()
+	if len(ended) != 6 {
+		t.Fatalf("%d spans, want one per handler attempt (6)", len(ended))
+	}
+	var linked bool
+	for _, s := range ended {
+		if s.SpanKind() != trace.SpanKindConsumer {
+			t.Errorf("span kind %v, want consumer", s.SpanKind())
+		}
+		if s.SpanContext().TraceID().String() == traceID {
+			linked = true
+		}
+	}
+	if !linked {
+		t.Error("no span continued the trace from the message's traceparent header")
+	}
+}

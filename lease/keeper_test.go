@@ -1,0 +1,255 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// recorder is an Extender that records calls and can fail or block them.
+type recorder struct {
+	mu      sync.Mutex
+	calls   [][]*adapters.Delivery
+	fail    func(d *adapters.Delivery) error
+	block   chan struct{}
+	entered chan struct{}
+}
+
+func (r *recorder) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	r.mu.Lock()
+	r.calls = append(r.calls, append([]*adapters.Delivery(nil), ds...))
+	fail, block, entered := r.fail, r.block, r.entered
+	r.mu.Unlock()
+	if entered != nil {
+		select {
+		case entered <- struct{}{}:
+		default:
+		}
+	}
+	if block != nil {
+		<-block
+	}
+	var failed map[int]error
+	for i, dl := range ds {
+		if fail != nil {
+			if err := fail(dl); err != nil {
+				if failed == nil {
+					failed = map[int]error{}
+				}
+				failed[i] = err
+			}
+		}
+	}
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}
+
+func (r *recorder) count(d *adapters.Delivery) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, c := range r.calls {
+		for _, x := range c {
+			if x == d {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+func start(t *testing.T, ext adapters.Extender, cfg Config) *Keeper {
+	t.Helper()
+	k, err := New(ext, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { k.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return k
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func TestRenewsAtAFractionInBatches(t *testing.T) {
+	rec := &recorder{}
+	k := start(t, rec, Config{Lease: 90 * time.Millisecond, MaxBatch: 10})
+	now := time.Now()
+	ds := make([]*adapters.Delivery, 25)
+	for i := range ds {
+		ds[i] = &adapters.Delivery{ID: "d", ReceivedAt: now}
+		k.Track(ds[i])
+	}
+	eventually(t, "every lease renewed twice", func() bool {
+		for _, d := range ds {
+			if rec.count(d) < 2 {
+				return false
+			}
+		}
+		return true
+	})
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, c := range rec.calls {
+		if len(c) > 10 {
+			t.Fatalf("batch of %d, above MaxBatch 10", len(c))
+		}
+	}
+	// 25 leases due together: three calls per round, not 25.
+	if len(rec.calls) > 3*4 {
+		t.Fatalf("%d Extend calls for 25 leases over about two rounds; renewals are not batched", len(rec.calls))
+	}
+}
+
+func TestStopWaitsForARenewalOnTheWire(t *testing.T) {
+	rec := &recorder{block: make(chan struct{}), entered: make(chan struct{}, 1)}
+	k := start(t, rec, Config{Lease: 30 * time.Millisecond})
+	d := &adapters.Delivery{ReceivedAt: time.Now()}
+	l := k.Track(d)
+	<-rec.entered // a renewal of d is in flight and blocked
+	stopped := make(chan struct{})
+	go func() { l.Stop(); close(stopped) }()
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned while a renewal of the lease was still on the wire")
+	case <-time.After(50 * time.Millisecond):
+	}
+	rec.mu.Lock()
+	block := rec.block
+	rec.block = nil
+	rec.mu.Unlock()
+	close(block)
+	<-stopped
+	n := rec.count(d)
+	time.Sleep(100 * time.Millisecond)
+	if rec.count(d) != n {
+		t.Fatal("lease renewed after Stop returned")
+	}
+}
+
+func TestFailedRenewalLosesTheDelivery(t *testing.T) {
+	rec := &recorder{fail: func(d *adapters.Delivery) error {
+		if d.ID == "bad" {
+			return errors.New("receipt handle is invalid")
+		}
+		return nil
+	}}
+	var lost atomic.Int32
+	k := start(t, rec, Config{Lease: 30 * time.Millisecond, Lost: func(*adapters.Delivery, error) { lost.Add(1) }})
+	good := &adapters.Delivery{ID: "good", ReceivedAt: time.Now()}
+	bad := &adapters.Delivery{ID: "bad", ReceivedAt: time.Now()}
+	k.Track(good)
+	k.Track(bad)
+	select {
+	case <-bad.Lost():
+	case <-time.After(10 * time.Second):
+		t.Fatal("failed renewal did not lose the delivery")
+	}
+	if !errors.Is(bad.LostCause(), adapters.ErrLeaseLost) {
+		t.Fatalf("cause %v does not wrap ErrLeaseLost", bad.LostCause())
+	}
+	eventually(t, "good renewed again", func() bool { return rec.count(good) >= 3 })
+	if good.LostCause() != nil || lost.Load() != 1 {
+		t.Fatalf("good lost: %v; lost count %d", good.LostCause(), lost.Load())
+	}
+	n := rec.count(bad)
+	time.Sleep(60 * time.Millisecond)
+	if rec.count(bad) != n {
+		t.Fatal("a lost lease was renewed again")
+	}
+}
+
+func TestMaxHoldCapsTotalExtension(t *testing.T) {
+	rec := &recorder{}
+	k := start(t, rec, Config{Lease: 30 * time.Millisecond, MaxHold: 100 * time.Millisecond})
+	d := &adapters.Delivery{ReceivedAt: time.Now()}
+	k.Track(d)
+	select {
+	case <-d.Lost():
+	case <-time.After(10 * time.Second):
+		t.Fatal("delivery held past MaxHold")
+	}
+	if !errors.Is(d.LostCause(), ErrMaxHold) {
+		t.Fatalf("cause = %v, want ErrMaxHold", d.LostCause())
+	}
+	if held := time.Since(d.ReceivedAt); held < 100*time.Millisecond {
+		t.Fatalf("lost after %v, before MaxHold", held)
+	}
+}
+
+func TestConfigIsChecked(t *testing.T) {
+	if _, err := New(&recorder{}, Config{}); err == nil {
+		t.Error("zero Lease accepted")
+	}
+	if _, err := New(&recorder{}, Config{Lease: time.Second, Fraction: 1}); err == nil {
+		t.Error("Fraction 1 accepted")
+	}
+	if _, err := New(nil, Config{Lease: time.Second}); err == nil {
+		t.Error("nil Extender accepted")
+	}
+}
+
+type nopExtender struct{ n atomic.Int64 }
+
+func (e *nopExtender) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	e.n.Add(int64(len(ds)))
+	return nil
+}
+
+// BenchmarkKeeper100k tracks 100,000 leases of 300ms and lets them renew for
+// b.N rounds, reporting CPU time per renewal and the goroutines in use.
+func BenchmarkKeeper100k(b *testing.B) {
+	const leases = 100_000
+	ext := &nopExtender{}
+	k, err := New(ext, Config{Lease: 300 * time.Millisecond, MaxBatch: 100})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	before := runtime.NumGoroutine()
+	go func() { k.Run(ctx); close(done) }()
+	now := time.Now()
+	for i := 0; i < leases; i++ {
+		k.Track(&adapters.Delivery{ReceivedAt: now})
+	}
+	b.ResetTimer()
+	start := cpuTime()
+	var peak int
+	target := int64(leases) * int64(b.N)
+	for ext.n.Load() < target {
+		if g := runtime.NumGoroutine() - before; g > peak {
+			peak = g
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	used := cpuTime() - start
+	b.StopTimer()
+	cancel()
+	<-done
+	b.ReportMetric(float64(used.Nanoseconds())/float64(ext.n.Load()), "cpu-ns/renewal")
+	b.ReportMetric(float64(peak), "goroutines")
+	b.ReportMetric(0, "ns/op")
+}
