@@ -8,6 +8,9 @@ import (
 
 // Source is one stream of deliveries from a broker: a queue, a consumer group
 // over topics, a subscription. Its methods may be called concurrently.
+// Ack, Nack and Extend must return in bounded time even when the broker does
+// not answer (network adapters set their own I/O timeouts): the runtime
+// waits for them.
 type Source interface {
 	// Receive blocks until at least one delivery is available, ctx is done,
 	// or the adapter's poll wait elapses, and returns at most max

@@ -1,12 +1,51 @@
 package consumer
 
 import (
-	"context"
 	"errors"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
 )
+
+// enqueueAck hands j's ack to be sent. Where the adapter wants no linger, the
+// worker that finds no flush under way sends the pending batch itself and
+// keeps sending while more arrive (group commit): no goroutine hand-off per
+// message, and batches grow with load. Otherwise the ack loops batch them.
+func (r *run) enqueueAck(j *job) {
+	if r.c.caps.AckLinger > 0 {
+		r.acks <- j
+		return
+	}
+	max := r.c.caps.MaxAckBatch
+	r.ackMu.Lock()
+	r.pendingAcks = append(r.pendingAcks, j)
+	if r.flushing {
+		r.ackMu.Unlock()
+		return
+	}
+	r.flushing = true
+	for len(r.pendingAcks) > 0 {
+		batch := r.pendingAcks
+		if max > 0 && len(batch) > max {
+			batch = batch[:max]
+		}
+		rest := r.pendingAcks[len(batch):]
+		r.pendingAcks = append(r.spareAcks[:0], rest...)
+		r.ackMu.Unlock()
+		ds := r.ackDeliveries[:0]
+		for _, j := range batch {
+			ds = append(ds, j.d)
+		}
+		r.sendAcks(batch, ds)
+		clear(ds)
+		r.ackDeliveries = ds
+		clear(batch)
+		r.ackMu.Lock()
+		r.spareAcks = batch[:0]
+	}
+	r.flushing = false
+	r.ackMu.Unlock()
+}
 
 // ackLoop sends acks in batches. It takes every ack that is ready (up to the
 // adapter's batch limit), lingering up to AckLinger to fill a batch, and sends
@@ -76,9 +115,9 @@ func (r *run) ackLoop() {
 func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 	var err error
 	for try := 1; try <= 3; try++ {
-		ctx, cancel := context.WithTimeout(r.settleCtx, 30*time.Second)
-		err = r.c.src.Ack(ctx, ds)
-		cancel()
+		// No per-call timeout: adapters bound their own I/O (the contract
+		// asks it), and a timer per call would cost more than a small ack.
+		err = r.c.src.Ack(r.settleCtx, ds)
 		var be *adapters.BatchError
 		if err == nil || errors.As(err, &be) {
 			break
@@ -88,7 +127,7 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 	for i, j := range batch {
 		outcome := j.outcome
 		if e := adapters.EntryError(err, i); e != nil {
-			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source)
+			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Warn("custody: ack failed; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "error", e)
 			if outcome == outcomeAcked {
 				outcome = outcomeLost

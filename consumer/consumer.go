@@ -62,9 +62,9 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 		return nil, fmt.Errorf("consumer.New: creating OpenTelemetry instruments: %w", err)
 	}
 	c.tel = tel
-	c.batch = cfg.maxInFlight
-	if caps.MaxReceive > 0 && c.batch > caps.MaxReceive {
-		c.batch = caps.MaxReceive
+	c.batch = receiveBatch(caps)
+	if c.batch > cfg.maxInFlight {
+		c.batch = cfg.maxInFlight
 	}
 	if cfg.deadLetter == nil && !cfg.atMostOnce {
 		cfg.logger.Warn("custody: no dead-letter destination (WithDeadLetter); messages that exhaust their retries are given back to the broker at the maximum backoff and may never leave the stream",
@@ -100,12 +100,18 @@ type run struct {
 	settleCtx      context.Context // for acks and nacks; lives until Run returns
 
 	keeper   *lease.Keeper
-	slots    chan struct{} // one token per held delivery
+	credit   *credit // bounds held deliveries
 	held     sync.WaitGroup
 	work     chan *job
 	acks     chan *job
 	draining atomic.Bool
 	drainCh  chan struct{}
+
+	ackMu         sync.Mutex
+	flushing      bool
+	pendingAcks   []*job
+	spareAcks     []*job
+	ackDeliveries []*adapters.Delivery // touched only by the flushing worker
 
 	lanesMu sync.Mutex
 	lanes   map[string][]*job // queued behind the running job of each lane
@@ -117,6 +123,7 @@ type run struct {
 type job struct {
 	d            *adapters.Delivery
 	lease        *lease.Lease
+	msg          Message // the first attempt's message, allocated with the job
 	lane         string
 	retries      int // in-place retries so far
 	firstFailure time.Time
@@ -134,7 +141,7 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		handlerCtx:     hctx,
 		cancelHandlers: cancel,
 		settleCtx:      base,
-		slots:          make(chan struct{}, c.cfg.maxInFlight),
+		credit:         newCredit(c.cfg.maxInFlight, c.batch),
 		work:           make(chan *job, c.cfg.maxInFlight),
 		acks:           make(chan *job, c.cfg.maxInFlight),
 		drainCh:        make(chan struct{}),
@@ -157,9 +164,9 @@ func (r *run) run(ctx context.Context) error {
 			Fraction: r.cfg.leaseFraction,
 			MaxBatch: r.c.caps.MaxExtendBatch,
 			MaxHold:  r.cfg.maxProcessing,
-			Renewed:  func(n int) { r.tel.extensions.Add(r.settleCtx, int64(n), r.tel.source) },
+			Renewed:  func(n int) { r.tel.extensions.Add(r.settleCtx, int64(n), r.tel.source...) },
 			Lost: func(d *adapters.Delivery, cause error) {
-				r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source)
+				r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
 				r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", d.ID, "cause", cause)
 			},
 		})
@@ -170,7 +177,7 @@ func (r *run) run(ctx context.Context) error {
 		keeperWG.Add(1)
 		go func() { defer keeperWG.Done(); k.Run(keeperCtx) }()
 	}
-	ackers := 1
+	ackers := 0
 	if r.c.caps.AckLinger > 0 {
 		// A broker that wants full batches bills per request and answers over
 		// the network: overlap a few requests.
@@ -225,28 +232,13 @@ func (r *run) receive(ctx context.Context) error {
 	bo := backoff.Exponential{Initial: 50 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.5}
 	failures := 0
 	for {
-		select {
-		case r.slots <- struct{}{}:
-		case <-ctx.Done():
+		n, ok := r.credit.acquire(ctx)
+		if !ok {
 			return nil
 		}
-		n := 1
-	fill:
-		for n < r.c.batch {
-			select {
-			case r.slots <- struct{}{}:
-				n++
-			default:
-				break fill
-			}
-		}
 		ds, err := r.c.src.Receive(ctx, n)
-		for i := len(ds); i < n; i++ {
-			<-r.slots
-		}
-		for i := n; i < len(ds); i++ {
-			r.slots <- struct{}{} // an adapter returned more than asked
-		}
+		// Keep what was used (more, if an adapter returned more than asked).
+		r.credit.release(n - len(ds))
 		if len(ds) > 0 {
 			r.accept(ds)
 		}
@@ -275,8 +267,8 @@ func (r *run) receive(ctx context.Context) error {
 func (r *run) accept(ds []*adapters.Delivery) {
 	ctx := r.settleCtx
 	r.held.Add(len(ds))
-	r.tel.received.Add(ctx, int64(len(ds)), r.tel.source)
-	r.tel.inFlight.Add(ctx, int64(len(ds)), r.tel.source)
+	r.tel.received.Add(ctx, int64(len(ds)), r.tel.source...)
+	r.tel.inFlight.Add(ctx, int64(len(ds)), r.tel.source...)
 	if r.cfg.atMostOnce {
 		if err := r.c.src.Ack(ctx, ds); err != nil {
 			// Whatever failed to ack comes back; handling it now as well would
@@ -284,7 +276,7 @@ func (r *run) accept(ds []*adapters.Delivery) {
 			kept := ds[:0:0]
 			for i, d := range ds {
 				if adapters.EntryError(err, i) != nil {
-					r.tel.ackFailures.Add(ctx, 1, r.tel.source)
+					r.tel.ackFailures.Add(ctx, 1, r.tel.source...)
 					r.settle(&job{d: d}, outcomeReleased)
 					continue
 				}
@@ -295,7 +287,7 @@ func (r *run) accept(ds []*adapters.Delivery) {
 	}
 	for _, d := range ds {
 		if d.Attempt > 1 {
-			r.tel.redelivered.Add(ctx, 1, r.tel.source)
+			r.tel.redelivered.Add(ctx, 1, r.tel.source...)
 		}
 		j := &job{d: d, ackedEarly: r.cfg.atMostOnce}
 		if r.keeper != nil && !j.ackedEarly {
@@ -349,6 +341,6 @@ func (r *run) next(j *job) {
 // settle ends the runtime's custody of j.
 func (r *run) settle(j *job, outcome string) {
 	r.tel.settle(r.settleCtx, outcome, 1)
-	<-r.slots
+	r.credit.release(1)
 	r.held.Done()
 }

@@ -37,7 +37,13 @@ type Message struct {
 }
 
 func newMessage(d *adapters.Delivery, attempt int) *Message {
-	return &Message{
+	m := new(Message)
+	fillMessage(m, d, attempt)
+	return m
+}
+
+func fillMessage(m *Message, d *adapters.Delivery, attempt int) {
+	*m = Message{
 		ID:          d.ID,
 		Body:        d.Body,
 		Headers:     d.Headers,

@@ -78,9 +78,10 @@ func WithConcurrency(n int) Option {
 }
 
 // WithMaxInFlight bounds the deliveries held at once: running, waiting for a
-// worker or an ordering lane, or waiting for their ack. Default: twice the
-// concurrency, and at least the adapter's receive batch. Must be at least the
-// concurrency.
+// worker or an ordering lane, or waiting for their ack. Held deliveries keep
+// their leases renewed. Default: twice the concurrency, and at least two
+// receive batches (the adapter's MaxReceive, else 10) so that one batch can
+// be fetched while the other is handled. Must be at least the concurrency.
 func WithMaxInFlight(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
@@ -258,10 +259,7 @@ func (c *config) fill(caps adapters.Capabilities) error {
 		c.retry.Backoff = defaultBackoff()
 	}
 	if c.maxInFlight == 0 {
-		c.maxInFlight = 2 * c.concurrency
-		if caps.MaxReceive > c.maxInFlight {
-			c.maxInFlight = caps.MaxReceive
-		}
+		c.maxInFlight = max(2*c.concurrency, 2*receiveBatch(caps))
 	}
 	if c.maxInFlight < c.concurrency {
 		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)
@@ -282,4 +280,12 @@ func (c *config) fill(caps adapters.Capabilities) error {
 		c.propagator = otel.GetTextMapPropagator()
 	}
 	return nil
+}
+
+// receiveBatch is how many deliveries one Receive asks for.
+func receiveBatch(caps adapters.Capabilities) int {
+	if caps.MaxReceive > 0 {
+		return caps.MaxReceive
+	}
+	return 10
 }

@@ -9,7 +9,6 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	"go.opentelemetry.io/otel/trace"
 )
 
 // process runs j's handler until it succeeds, runs out of attempts, or the
@@ -107,7 +106,7 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time) {
 				r.ack(j, outcomeDeadLettered)
 				return
 			}
-			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source)
+			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
 				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
 			if cause := j.d.LostCause(); cause != nil {
@@ -153,12 +152,18 @@ func (r *run) attempt(j *job) int {
 // recovery.
 func (r *run) call(j *job, attempt int) (err error) {
 	d := j.d
-	m := newMessage(d, attempt)
+	var m *Message
+	if j.retries == 0 && j.msg.d == nil {
+		m = &j.msg
+		fillMessage(m, d, attempt)
+	} else {
+		m = newMessage(d, attempt) // a handler may still hold the earlier one
+	}
 	ctx := r.handlerCtx
 	if len(d.Headers) > 0 {
 		ctx = r.cfg.propagator.Extract(ctx, headerCarrier(d.Headers))
 	}
-	ctx, span := r.tel.tracer.Start(ctx, r.spanName, trace.WithSpanKind(trace.SpanKindConsumer))
+	ctx, span := r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStart...)
 	if span.IsRecording() {
 		span.SetAttributes(r.tel.spanAttrs...)
 		span.SetAttributes(
@@ -178,7 +183,7 @@ func (r *run) call(j *job, attempt int) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = &PanicError{Value: p, Stack: debug.Stack()}
-			r.tel.panics.Add(r.settleCtx, 1, r.tel.source)
+			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", d.ID, "panic", p)
 		}
 		d.OnLost(nil)
@@ -189,7 +194,7 @@ func (r *run) call(j *job, attempt int) (err error) {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
 		}
-		r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res)
+		r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
 		span.End()
 	}()
 	return r.c.handler.Handle(hctx, m)
@@ -223,8 +228,8 @@ func (r *run) stopLease(j *job) {
 func (r *run) ack(j *job, outcome string) {
 	r.stopLease(j)
 	j.outcome = outcome
-	r.acks <- j
 	r.next(j)
+	r.enqueueAck(j)
 }
 
 // nack stops j's lease and gives it back to be redelivered after delay.

@@ -37,10 +37,13 @@ type telemetry struct {
 	dlqFailures metric.Int64Counter
 	inFlight    metric.Int64UpDownCounter
 
-	source    metric.MeasurementOption
-	outcomes  map[string]metric.AddOption
-	resultOK  metric.RecordOption
-	resultErr metric.RecordOption
+	// Options are kept as ready slices: passing a slice to a variadic
+	// parameter allocates nothing, building one per call would.
+	source    []metric.AddOption
+	outcomes  map[string][]metric.AddOption
+	resultOK  []metric.RecordOption
+	resultErr []metric.RecordOption
+	spanStart []trace.SpanStartOption
 	spanAttrs []attribute.KeyValue
 }
 
@@ -77,20 +80,21 @@ func newTelemetry(c *config) (*telemetry, error) {
 	}
 	src := attribute.String("custody.consumer", c.name)
 	set := attribute.NewSet(src)
-	t.source = metric.WithAttributeSet(set)
-	t.outcomes = map[string]metric.AddOption{}
+	t.source = []metric.AddOption{metric.WithAttributeSet(set)}
+	t.outcomes = map[string][]metric.AddOption{}
 	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed} {
-		t.outcomes[o] = metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))
+		t.outcomes[o] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))}
 	}
-	t.resultOK = metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))
-	t.resultErr = metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))
+	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
+	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
+	t.spanStart = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	t.spanAttrs = []attribute.KeyValue{attribute.String("messaging.consumer.group.name", c.name)}
 	return t, nil
 }
 
 func (t *telemetry) settle(ctx context.Context, outcome string, n int) {
-	t.settled.Add(ctx, int64(n), t.outcomes[outcome])
-	t.inFlight.Add(ctx, -int64(n), t.source)
+	t.settled.Add(ctx, int64(n), t.outcomes[outcome]...)
+	t.inFlight.Add(ctx, -int64(n), t.source...)
 }
 
 // headerCarrier reads trace context from message headers.
