@@ -1,0 +1,65 @@
+// Package consumer runs a Handler over messages from any broker adapter,
+// acknowledging each message only after its effect is done.
+//
+// # Handling
+//
+// A [Handler] is called once per attempt with a [Message]. Its return value
+// decides what happens to the message:
+//
+//   - nil: the effect is done; the message is acked.
+//   - an error: the attempt failed; the message is retried after a backoff,
+//     until Retry.MaxAttempts attempts have been made, then dead-lettered.
+//   - [Permanent](err): no retry can help (the payload does not parse); the
+//     message is dead-lettered at once.
+//   - [RetryAfter](err, d): retry no sooner than d.
+//
+// A panic in the handler is recovered and treated as an error.
+//
+// # Retries
+//
+// Retries never hot-loop. Where the broker can redeliver after a delay (SQS
+// visibility, the memory broker), the message is given back with that delay
+// and no worker waits. Where it cannot (Kafka), or where the message belongs
+// to an ordered lane (whose order a redelivery could break), the worker waits
+// in place with the lease kept alive. Attempts are counted by the broker
+// where it counts deliveries, otherwise by the runtime.
+//
+// # Dead letters
+//
+// With [WithDeadLetter], exhausted and permanently failing messages are
+// written to the dead-letter destination with diagnostic headers (error,
+// attempts, first and last failure time, original queue, partition and
+// offset). The original is acked only after the write is confirmed; a failed
+// write keeps the original and is tried again after a backoff.
+//
+// # Leases
+//
+// Every delivery held by the runtime (running, waiting for a worker or lane,
+// retrying in place) has its lease renewed at a third of its length (see
+// [WithLeaseRenewal]), in batches, until the handler finishes; renewal stops
+// before the ack. Total hold time is capped by [WithMaxProcessingTime]. When a
+// lease is lost (a renewal failed, the cap was reached, the adapter lost the
+// delivery), the handler's context is cancelled and context.Cause says why
+// (it wraps adapters.ErrLeaseLost, ErrConnectionLost or ErrRevoked).
+//
+// # Concurrency and order
+//
+// [WithConcurrency] handlers run at once. Deliveries the adapter marks with an
+// ordering key (a Kafka partition or key, an SQS FIFO group) run one at a time
+// per key, in order; [WithOrdering](OrderByKey) adds the same guarantee per
+// Message.Key on brokers that promise no order.
+//
+// # Shutdown
+//
+// Cancelling Run's context stops receiving and gives back deliveries that
+// have not started. Running handlers keep their contexts until the shutdown
+// timeout ([WithShutdownTimeout]); what finishes is acked, what does not is
+// given back to the broker. Run then stops lease renewals, closes the source
+// and returns; no goroutine it started is left running.
+//
+// # Telemetry
+//
+// Metrics and spans go to the OpenTelemetry providers given by
+// [WithMeterProvider] and [WithTracerProvider] (the global ones by default);
+// see the custody package documentation for the instrument names.
+package consumer

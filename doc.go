@@ -1,0 +1,66 @@
+// Package custody is a consumer runtime for message brokers. It keeps custody
+// of every message from the moment it is received until its effect is
+// durable, and only then acknowledges it.
+//
+// This package holds documentation only; the code lives in the packages below.
+//
+// # What custody guarantees
+//
+//   - Effect, then ack. A message is acknowledged only after its handler
+//     returned nil, or after the dead-letter destination confirmed it holds a
+//     copy. If the process dies at any point, every message whose effect did
+//     not complete is delivered again. This is at-least-once delivery, the
+//     default and the only mode that cannot lose work.
+//   - Leases are kept alive while work runs. Where the broker redelivers a
+//     message whose lease runs out (SQS visibility timeout, the memory
+//     broker), custody renews the lease of every held message at a third of
+//     its length, stops before the ack, and cancels the handler's context if
+//     the lease is lost anyway.
+//   - Offsets are committed only for durable prefixes. On Kafka the committed
+//     offset never passes a record that is still running, even when later
+//     records finished first.
+//   - Poison messages leave the stream: after bounded retries with backoff, or
+//     at once for errors marked permanent, they go to a dead-letter
+//     destination with diagnostics, and never stall their queue or partition.
+//   - Order is kept where the broker promised it (Kafka partitions, SQS FIFO
+//     groups, memory FIFO queues), and can be asked for per message key.
+//   - Shutdown drains: cancelling Run stops receiving, lets running handlers
+//     finish, acks them, gives back the rest, and returns with no goroutine
+//     left behind.
+//
+// Exactly-once is not something a broker consumer can promise in general: a
+// crash between the effect and the ack repeats the effect. custody absorbs
+// such duplicates with an idempotency layer, and offers exactly-once only
+// within a named scope: an effect written to PostgreSQL in the same
+// transaction as its deduplication record (package idempotency).
+//
+// At-most-once exists only as an explicit, loudly named option
+// (consumer.WithAtMostOnceAckBeforeProcessingUnsafe) for data where losing
+// some is acceptable.
+//
+// # The moving parts
+//
+//   - [github.com/custody-go/custody/consumer]: what users hold. Handler,
+//     Message, Consumer, options, retry policy, dead-letter routing, ordering.
+//   - [github.com/custody-go/custody/adapters]: the small contract brokers
+//     implement; adapters translate, the runtime decides policy.
+//   - [github.com/custody-go/custody/adapters/memory]: the embedded broker with
+//     real lease semantics, for the quickstart and for testing handlers.
+//   - [github.com/custody-go/custody/adapters/awssqs],
+//     [github.com/custody-go/custody/adapters/rabbitmq] and
+//     [github.com/custody-go/custody/adapters/kafka]: the broker adapters.
+//   - [github.com/custody-go/custody/adapters/adaptertest]: the conformance
+//     suite every adapter passes.
+//   - [github.com/custody-go/custody/idempotency]: deduplication middleware and
+//     stores.
+//   - [github.com/custody-go/custody/lease]: the lease keeper, one scheduler
+//     for many leases.
+//
+// # Observability
+//
+// The runtime records OpenTelemetry metrics (custody.messages.received,
+// .redelivered, .settled by outcome, .in_flight, custody.handler.duration,
+// custody.lease.extensions, custody.lease.lost, custody.ack.failures,
+// custody.deadletter.failures) and one consumer span per handler attempt,
+// continuing the trace found in the message's headers.
+package custody
