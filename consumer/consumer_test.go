@@ -13,6 +13,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testlog"
 )
 
 func TestFailedHandlerIsRedelivered(t *testing.T) {
@@ -539,5 +540,56 @@ func TestSourceClosedUnderRunEndsRunWithError(t *testing.T) {
 		r.once.Do(func() {})
 	case <-time.After(patience):
 		t.Fatal("Run kept going on a dead source")
+	}
+}
+
+// noNackDelay is a memory source posing as a broker without delayed
+// redelivery (as Kafka is): the runtime must wait in place.
+type noNackDelay struct{ *memory.Source }
+
+func (s noNackDelay) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.NackDelay = false
+	c.CountsDeliveries = false
+	return c
+}
+
+func TestRetriesWaitInPlaceWithoutBrokerDelay(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 60 * time.Millisecond})
+	e.publish("x")
+	var attempts []int
+	var mu sync.Mutex
+	src := noNackDelay{e.source()}
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		attempts = append(attempts, m.Attempt)
+		if len(attempts) < 5 {
+			return errors.New("dependency down")
+		}
+		return nil
+	}), consumer.WithRetry(consumer.Retry{MaxAttempts: 2, Backoff: consumer.ConstantBackoff(50 * time.Millisecond)}),
+		consumer.WithLogger(testlog.New(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- c.Run(ctx) }()
+	waitFor(t, "ack", func() bool { return e.stats("q").Acked == 1 })
+	cancel()
+	<-done
+	// One receive: every retry ran in place, the lease kept alive across
+	// waits longer than the lease, and without a dead-letter destination the
+	// handler kept being retried past MaxAttempts rather than dropped.
+	if s := e.stats("q"); s.Received != 1 {
+		t.Fatalf("received %d times; retries did not wait in place (%+v)", s.Received, s)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i, a := range attempts {
+		if a != i+1 {
+			t.Fatalf("attempts = %v, want 1..5 counted by the runtime", attempts)
+		}
 	}
 }

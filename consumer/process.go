@@ -24,6 +24,12 @@ func (r *run) process(j *job) {
 	}
 	maxAttempts := r.cfg.retry.MaxAttempts
 	for {
+		if cause := j.d.LostCause(); cause != nil {
+			// Lost while it waited (a revoked partition, a dead channel):
+			// running the handler now would only repeat the new owner's work.
+			r.lost(j, cause)
+			return
+		}
 		attempt := r.attempt(j)
 		err := r.call(j, attempt)
 		if err == nil {
@@ -44,13 +50,17 @@ func (r *run) process(j *job) {
 		if j.firstFailure.IsZero() {
 			j.firstFailure = now
 		}
-		if IsPermanent(err) || attempt >= maxAttempts {
-			r.exhausted(j, err, attempt, now)
-			return
-		}
 		delay, ok := retryDelay(err)
 		if !ok {
 			delay = r.cfg.retry.Backoff.Delay(attempt)
+		}
+		if IsPermanent(err) || attempt >= maxAttempts {
+			if r.exhausted(j, err, attempt, now) {
+				return
+			}
+			// No dead-letter destination and no way to give the message
+			// back: keep trying the handler in place, at the backoff's
+			// pace, rather than drop it.
 		}
 		if r.draining.Load() {
 			r.giveBack(j, delay)
@@ -69,61 +79,64 @@ func (r *run) process(j *job) {
 }
 
 // exhausted dead-letters j. Should the dead-letter write fail, it keeps the
-// original (never acking it) and tries again after a backoff.
-func (r *run) exhausted(j *job, err error, attempt int, now time.Time) {
+// original (never acking it) and tries again after a backoff. It reports
+// whether j was settled; false means there is no dead-letter destination and
+// the broker cannot take the message back with a delay, so the caller goes on
+// retrying the handler.
+func (r *run) exhausted(j *job, err error, attempt int, now time.Time) bool {
 	dl := r.cfg.deadLetter
 	for try := 1; ; try++ {
 		delay := r.cfg.retry.Backoff.Delay(attempt + try - 1)
 		if dl == nil {
-			r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination; giving it back to the broker",
+			r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination (WithDeadLetter)",
 				"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
 			if r.c.caps.NackDelay && j.lane == "" {
 				r.nack(j, delay, outcomeExhausted)
-				return
+				return true
 			}
-		} else {
-			f := adapters.Failure{
-				Err:          err,
-				Permanent:    IsPermanent(err),
-				Attempts:     attempt,
-				FirstFailure: j.firstFailure,
-				LastFailure:  now,
-				Consumer:     r.cfg.name,
+			return false
+		}
+		f := adapters.Failure{
+			Err:          err,
+			Permanent:    IsPermanent(err),
+			Attempts:     attempt,
+			FirstFailure: j.firstFailure,
+			LastFailure:  now,
+			Consumer:     r.cfg.name,
+		}
+		if attempt > j.retries+1 && !j.d.FirstReceivedAt.IsZero() {
+			// Earlier attempts ran before this delivery: the broker's first
+			// receive is the best bound on the first failure we have.
+			f.FirstFailure = j.d.FirstReceivedAt
+		}
+		sendErr := dl.Send(r.handlerCtx, j.d, f)
+		if sendErr == nil {
+			if j.d.Settled() {
+				r.stopLease(j)
+				r.settle(j, outcomeDeadLettered)
+				r.next(j)
+				return true
 			}
-			if attempt > j.retries+1 && !j.d.FirstReceivedAt.IsZero() {
-				// Earlier attempts ran before this delivery: the broker's first
-				// receive is the best bound on the first failure we have.
-				f.FirstFailure = j.d.FirstReceivedAt
-			}
-			sendErr := dl.Send(r.handlerCtx, j.d, f)
-			if sendErr == nil {
-				if j.d.Settled() {
-					r.stopLease(j)
-					r.settle(j, outcomeDeadLettered)
-					r.next(j)
-					return
-				}
-				r.ack(j, outcomeDeadLettered)
-				return
-			}
-			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
-			r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
-				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
-			if cause := j.d.LostCause(); cause != nil {
-				r.lost(j, cause)
-				return
-			}
+			r.ack(j, outcomeDeadLettered)
+			return true
+		}
+		r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
+		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
+			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+		if cause := j.d.LostCause(); cause != nil {
+			r.lost(j, cause)
+			return true
 		}
 		if r.draining.Load() {
 			r.giveBack(j, delay)
-			return
+			return true
 		}
 		if r.c.caps.NackDelay && j.lane == "" {
 			r.nack(j, delay, outcomeRetried)
-			return
+			return true
 		}
 		if !r.wait(j, delay) {
-			return
+			return true
 		}
 	}
 }
