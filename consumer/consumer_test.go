@@ -79,7 +79,7 @@ func (l *extendLog) hook(d *adapters.Delivery) error {
 }
 
 func TestLongHandlerKeepsItsLeaseAndNeverOverlaps(t *testing.T) {
-	const lease = 150 * time.Millisecond
+	const lease = 300 * time.Millisecond
 	e := newEnv(t, memory.QueueOptions{Lease: lease})
 	e.publish("slow")
 	log := &extendLog{times: map[string][]time.Time{}}
@@ -380,7 +380,7 @@ func TestHandlerTimeout(t *testing.T) {
 }
 
 func TestFailedAckIsRedelivered(t *testing.T) {
-	e := newEnv(t, memory.QueueOptions{Lease: 50 * time.Millisecond})
+	e := newEnv(t, memory.QueueOptions{Lease: 100 * time.Millisecond})
 	e.publish("a")
 	var failOnce atomic.Bool
 	failOnce.Store(true)

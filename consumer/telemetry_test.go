@@ -53,7 +53,7 @@ func TestTelemetryCountsWhatHappened(t *testing.T) {
 	spans := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
 
-	e := newEnv(t, memory.QueueOptions{Lease: 60 * time.Millisecond})
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
 	traceID := "4bf92f3577b34da6a3ce929d0e0e4736"
 	e.b.Publish(context.Background(), "q",
 		memory.Message{Body: []byte("ok"), Headers: map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"}},
@@ -78,7 +78,7 @@ func TestTelemetryCountsWhatHappened(t *testing.T) {
 		case "poison":
 			return consumer.Permanent(errors.New("bad"))
 		case "slow":
-			time.Sleep(150 * time.Millisecond)
+			time.Sleep(250 * time.Millisecond)
 		}
 		return nil
 	}, consumer.WithConcurrency(4), fastRetry(3), consumer.WithDeadLetter(e.dlq()),
