@@ -14,11 +14,11 @@ func TestConformance(t *testing.T) {
 	adaptertest.Run(t, adaptertest.Harness{NewQueue: newTestQueue})
 }
 
-// newTestQueue scales the suite's leases down by 10: the memory broker keeps
+// newTestQueue scales the suite's leases down by 4: the memory broker keeps
 // time in milliseconds, so its run of the suite stays fast.
 func newTestQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue {
 	b := memory.NewBroker()
-	lease := cfg.Lease / 10
+	lease := cfg.Lease / 4
 	if lease <= 0 {
 		lease = 100 * time.Millisecond
 	}
