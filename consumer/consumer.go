@@ -142,11 +142,14 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		cancelHandlers: cancel,
 		settleCtx:      base,
 		credit:         newCredit(c.cfg.maxInFlight, c.batch),
-		work:           make(chan *job, c.cfg.maxInFlight),
-		acks:           make(chan *job, c.cfg.maxInFlight),
-		drainCh:        make(chan struct{}),
-		lanes:          make(map[string][]*job),
-		spanName:       "process " + c.cfg.name,
+		// Never full: at most maxInFlight jobs are held, and the slack
+		// absorbs an adapter that returns more deliveries than asked, so a
+		// worker handing on its lane's next job never blocks.
+		work:     make(chan *job, 2*c.cfg.maxInFlight),
+		acks:     make(chan *job, c.cfg.maxInFlight),
+		drainCh:  make(chan struct{}),
+		lanes:    make(map[string][]*job),
+		spanName: "process " + c.cfg.name,
 	}
 }
 
