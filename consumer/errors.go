@@ -47,7 +47,9 @@ func (e *retryAfterError) Error() string {
 }
 func (e *retryAfterError) Unwrap() error { return e.err }
 
-func retryDelay(err error) (time.Duration, bool) {
+// RetryDelay reports the delay asked for with RetryAfter, if err (or an error
+// it wraps) carries one.
+func RetryDelay(err error) (time.Duration, bool) {
 	var r *retryAfterError
 	if errors.As(err, &r) {
 		return r.after, true

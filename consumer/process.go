@@ -50,7 +50,7 @@ func (r *run) process(j *job) {
 		if j.firstFailure.IsZero() {
 			j.firstFailure = now
 		}
-		delay, ok := retryDelay(err)
+		delay, ok := RetryDelay(err)
 		if !ok {
 			delay = r.cfg.retry.Backoff.Delay(attempt)
 		}

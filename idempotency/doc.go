@@ -1,0 +1,73 @@
+// Package idempotency absorbs duplicate deliveries: it claims a message's
+// idempotency key before the handler performs the effect and marks the key
+// completed after, so that the effect of each key runs once as far as the
+// store can tell, and never twice at the same time.
+//
+// Brokers deliver at least once. Duplicates come from lost acks, consumers
+// that crash after the effect and before the ack, rebalances, leases that run
+// out while a handler is still working, and producers that publish twice.
+// This package is the part of custody that turns those duplicates into
+// skipped or postponed deliveries, and counts them.
+//
+// # Use
+//
+//	store, _ := pgstore.New(pool) // or redisstore.New(rdb), idempotency.NewMemoryStore()
+//	mw, err := idempotency.New(store,
+//		idempotency.WithKeyFunc(func(m *consumer.Message) string { return m.Headers["order-id"] }),
+//		idempotency.WithFingerprint(idempotency.FingerprintBody),
+//	)
+//	c, err := consumer.New(src, consumer.Chain(handler, mw))
+//
+// # What happens to a delivery
+//
+// The key comes from the KeyFunc; by default it is the broker's stable
+// message identity ([MessageID]). A message without a key is refused with a
+// permanent [ErrNoKey] (it goes to the dead-letter destination): the
+// middleware never guesses a key, because a guessed key either lets
+// duplicates through or swallows distinct messages. Then the key is claimed:
+//
+//   - Acquired: the handler runs. The claim is extended (every third of the
+//     lease by default) while it runs, so no other delivery takes the key
+//     over mid-effect. If an extension is refused, or cannot be made before
+//     the claim would run out, the handler's context is cancelled with
+//     [ErrClaimLost] as its cause. When the handler returns nil the key is
+//     marked completed and kept for the retention; when it returns an error
+//     or panics, the claim is released so that the retry can claim it.
+//   - Completed: a sequential duplicate. The handler is skipped and the
+//     message acked (Handle returns nil).
+//   - In progress elsewhere: an overlapping duplicate. The handler is not
+//     run; Handle returns consumer.RetryAfter wrapping
+//     [ErrInProgressElsewhere], so the message comes back later, when the
+//     other delivery has finished. Two deliveries of one key never run at
+//     the same time (while the claim is held).
+//   - Fingerprint mismatch: with WithFingerprint, a key already recorded for
+//     a different payload fails with a permanent [ErrFingerprintMismatch]
+//     instead of being skipped, because two different messages sharing a
+//     key is a producer bug that a silent skip would hide.
+//
+// Sequential and overlapping duplicates are counted separately
+// ([MetricDuplicates] with the kind as an attribute), because they have
+// different causes and fixes: many sequential duplicates point at lost acks
+// or crashes; many overlapping ones at leases shorter than the handler.
+//
+// # What it guarantees, and what not
+//
+// The middleware records that an effect happened after it happened. A crash
+// between the two, or a store that cannot be reached for Complete, leaves
+// the key claimed but not completed; once the claim's lease runs out a
+// redelivery runs the effect again. So the middleware makes duplicates rare
+// and never concurrent, but the effect is still at least once. When the
+// effect is a write to PostgreSQL, the pgtx package commits the effect and
+// the dedup record in one transaction: exactly once for that write.
+//
+// A Complete that fails does not fail the message: the effect happened, and
+// failing would only make the runtime run it again. It is logged and
+// counted ([MetricStoreErrors], or [MetricClaimsLost] when the claim had
+// been taken over).
+//
+// # Stores
+//
+// [MemoryStore] (in this package) holds records in the process; the
+// redisstore and pgstore packages share them between processes. Every store
+// passes the same contract suite, storetest.Run.
+package idempotency

@@ -1,0 +1,91 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// keeper extends one claim while its handler runs. It holds no goroutine
+// while waiting: a timer fires every extendEvery and runs one Extend on the
+// timer's goroutine, which ends when Extend returns.
+type keeper struct {
+	g      *guard
+	key    string
+	tok    Token
+	cancel context.CancelCauseFunc // cancels the handler when the claim is lost
+
+	mu      sync.Mutex
+	timer   *time.Timer
+	stopped bool
+	expires time.Time          // when the claim runs out if not extended again
+	busy    chan struct{}      // closed when the running Extend returns
+	abort   context.CancelFunc // cancels the running Extend
+}
+
+func (g *guard) keep(key string, tok Token, cancel context.CancelCauseFunc) *keeper {
+	k := &keeper{g: g, key: key, tok: tok, cancel: cancel, expires: time.Now().Add(g.cfg.lease)}
+	k.mu.Lock()
+	k.timer = time.AfterFunc(g.cfg.extendEvery, k.extend)
+	k.mu.Unlock()
+	return k
+}
+
+func (k *keeper) extend() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
+	}
+	ctx, abort := context.WithTimeout(context.Background(), k.g.cfg.extendEvery)
+	busy := make(chan struct{})
+	k.busy, k.abort = busy, abort
+	k.mu.Unlock()
+
+	start := time.Now()
+	err := k.g.store.Extend(ctx, k.key, k.tok, k.g.cfg.lease)
+	abort()
+
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	defer close(busy)
+	k.busy, k.abort = nil, nil
+	if k.stopped {
+		return // the handler has finished; its outcome decides, not this
+	}
+	if err == nil {
+		k.expires = start.Add(k.g.cfg.lease)
+		k.timer.Reset(k.g.cfg.extendEvery)
+		return
+	}
+	ctxBg := context.Background()
+	lost := errors.Is(err, ErrStaleToken)
+	if !lost {
+		k.g.m.StoreErrors.Add(ctxBg, 1, k.g.m.OpExtend)
+		// Try again at the next interval if the claim is still held by
+		// then; otherwise stop the handler now, before another delivery
+		// can take the key over.
+		if time.Now().Add(k.g.cfg.extendEvery).Before(k.expires) {
+			k.timer.Reset(k.g.cfg.extendEvery)
+			return
+		}
+	}
+	k.g.m.ClaimsLost.Add(ctxBg, 1, k.g.m.OpExtend)
+	k.cancel(fmt.Errorf("%w (key %q): %v", ErrClaimLost, k.key, err))
+}
+
+// stop ends the extensions. When it returns no Extend is running or will
+// run, so the caller may complete or release the claim.
+func (k *keeper) stop() {
+	k.mu.Lock()
+	k.stopped = true
+	k.timer.Stop()
+	busy, abort := k.busy, k.abort
+	k.mu.Unlock()
+	if busy != nil {
+		abort()
+		<-busy
+	}
+}

@@ -1,0 +1,244 @@
+package idempotency
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// ErrMemoryStoreFull: every record in a MemoryStore is an unexpired
+// in-progress claim, so there is no room for another one. Raise
+// MemoryMaxEntries or lower the consumer's concurrency.
+var ErrMemoryStoreFull = errors.New("idempotency: memory store is full of in-progress claims; raise MemoryMaxEntries")
+
+// MemoryStore is a Store inside the process: for tests, for a single
+// consumer process, and for deduplicating within one process in front of a
+// shared store. It forgets everything when the process exits, so it cannot
+// absorb duplicates that arrive after a restart or at another process.
+//
+// It is bounded: when it holds MemoryMaxEntries records it first drops
+// expired ones, then the completed record closest to its expiry (forgetting
+// a completed key early can let one late duplicate through; the eviction is
+// counted by Evictions). It never evicts an unexpired in-progress claim.
+type MemoryStore struct {
+	mu         sync.Mutex
+	max        int
+	entries    map[string]*memEntry
+	inProgress expiryHeap
+	completed  expiryHeap
+	evictions  uint64
+	now        func() time.Time
+}
+
+type memEntry struct {
+	key         string
+	token       Token
+	done        bool
+	fingerprint string
+	expires     time.Time
+	index       int // position in inProgress or completed, for heap.Remove
+}
+
+// MemoryOption configures a MemoryStore.
+type MemoryOption func(*MemoryStore) error
+
+// MemoryMaxEntries bounds the records a MemoryStore holds. Default 100,000.
+// Must be at least 1.
+func MemoryMaxEntries(n int) MemoryOption {
+	return func(s *MemoryStore) error {
+		if n < 1 {
+			return fmt.Errorf("idempotency: MemoryMaxEntries(%d): must be at least 1", n)
+		}
+		s.max = n
+		return nil
+	}
+}
+
+// NewMemoryStore returns an empty MemoryStore.
+func NewMemoryStore(opts ...MemoryOption) (*MemoryStore, error) {
+	s := &MemoryStore{max: 100_000, entries: make(map[string]*memEntry), now: time.Now}
+	for _, o := range opts {
+		if err := o(s); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// Claim implements Store.
+func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease time.Duration) (State, Token, error) {
+	if err := checkDuration("lease", lease); err != nil {
+		return 0, "", err
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, "", err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	if e := s.live(key, now); e != nil {
+		if fingerprint != "" && e.fingerprint != "" && fingerprint != e.fingerprint {
+			return 0, "", fmt.Errorf("%w (key %q)", ErrFingerprintMismatch, key)
+		}
+		if e.done {
+			return Completed, "", nil
+		}
+		return InProgressElsewhere, "", nil
+	}
+	if len(s.entries) >= s.max && !s.makeRoom(now) {
+		return 0, "", ErrMemoryStoreFull
+	}
+	e := &memEntry{key: key, token: NewToken(), fingerprint: fingerprint, expires: now.Add(lease)}
+	s.entries[key] = e
+	heap.Push(&s.inProgress, e)
+	return Acquired, e.token, nil
+}
+
+// Complete implements Store.
+func (s *MemoryStore) Complete(ctx context.Context, key string, token Token, retention time.Duration) error {
+	if err := checkDuration("retention", retention); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	e := s.live(key, now)
+	if e == nil || e.token != token {
+		return staleErr(key)
+	}
+	if e.done {
+		return nil // a repeated Complete by the same holder
+	}
+	heap.Remove(&s.inProgress, e.index)
+	e.done = true
+	e.expires = now.Add(retention)
+	heap.Push(&s.completed, e)
+	return nil
+}
+
+// Release implements Store.
+func (s *MemoryStore) Release(ctx context.Context, key string, token Token) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.live(key, s.now())
+	if e == nil || e.token != token || e.done {
+		return staleErr(key)
+	}
+	s.remove(e)
+	return nil
+}
+
+// Extend implements Store.
+func (s *MemoryStore) Extend(ctx context.Context, key string, token Token, lease time.Duration) error {
+	if err := checkDuration("lease", lease); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	e := s.live(key, now)
+	if e == nil || e.token != token || e.done {
+		return staleErr(key)
+	}
+	e.expires = now.Add(lease)
+	heap.Fix(&s.inProgress, e.index)
+	return nil
+}
+
+// Len returns the number of records held, expired ones included until they
+// are swept.
+func (s *MemoryStore) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.entries)
+}
+
+// Evictions returns how many completed records were dropped before their
+// retention ran out because the store was full.
+func (s *MemoryStore) Evictions() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.evictions
+}
+
+// live returns key's record, dropping it first if it has expired.
+func (s *MemoryStore) live(key string, now time.Time) *memEntry {
+	e := s.entries[key]
+	if e != nil && !now.Before(e.expires) {
+		s.remove(e)
+		return nil
+	}
+	return e
+}
+
+func (s *MemoryStore) remove(e *memEntry) {
+	delete(s.entries, e.key)
+	if e.done {
+		heap.Remove(&s.completed, e.index)
+	} else {
+		heap.Remove(&s.inProgress, e.index)
+	}
+}
+
+// makeRoom drops expired records, or else the completed record nearest its
+// expiry, and reports whether there is room for one more.
+func (s *MemoryStore) makeRoom(now time.Time) bool {
+	for _, h := range []*expiryHeap{&s.inProgress, &s.completed} {
+		for len(*h) > 0 && !now.Before((*h)[0].expires) {
+			s.remove((*h)[0])
+		}
+	}
+	if len(s.entries) < s.max {
+		return true
+	}
+	if len(s.completed) == 0 {
+		return false
+	}
+	s.remove(s.completed[0])
+	s.evictions++
+	return true
+}
+
+// expiryHeap orders records by expiry, earliest first.
+type expiryHeap []*memEntry
+
+func (h expiryHeap) Len() int           { return len(h) }
+func (h expiryHeap) Less(i, j int) bool { return h[i].expires.Before(h[j].expires) }
+func (h expiryHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index = i
+	h[j].index = j
+}
+func (h *expiryHeap) Push(x any) {
+	e := x.(*memEntry)
+	e.index = len(*h)
+	*h = append(*h, e)
+}
+func (h *expiryHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return e
+}
+
+func checkDuration(name string, d time.Duration) error {
+	if d <= 0 {
+		return fmt.Errorf("idempotency: %s %v: must be positive", name, d)
+	}
+	return nil
+}
+
+func staleErr(key string) error { return fmt.Errorf("%w (key %q)", ErrStaleToken, key) }

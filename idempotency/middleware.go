@@ -1,0 +1,145 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/idempotency/internal/dupmetrics"
+)
+
+// New returns middleware that lets each idempotency key's effect run once:
+// it claims the key in store before calling the handler, marks it completed
+// after the handler returned nil, and releases it after an error. See the
+// package documentation for what happens to duplicates.
+func New(store Store, opts ...Option) (consumer.Middleware, error) {
+	if store == nil {
+		return nil, errors.New("idempotency: New(nil store): pass a Store such as idempotency.NewMemoryStore(), redisstore.New or pgstore.New")
+	}
+	c := defaultConfig()
+	for _, o := range opts {
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
+	if err := c.fill(); err != nil {
+		return nil, err
+	}
+	m, err := dupmetrics.New(c.meter, scope)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: creating metrics: %w", err)
+	}
+	return func(next consumer.Handler) consumer.Handler {
+		return &guard{cfg: c, store: store, next: next, m: m}
+	}, nil
+}
+
+// Middleware is New for options known to be valid when the program is
+// written; it panics with New's error otherwise.
+func Middleware(store Store, opts ...Option) consumer.Middleware {
+	mw, err := New(store, opts...)
+	if err != nil {
+		panic(err)
+	}
+	return mw
+}
+
+type guard struct {
+	cfg   config
+	store Store
+	next  consumer.Handler
+	m     *dupmetrics.Set
+}
+
+func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
+	key := g.cfg.keyFunc(msg)
+	if key == "" {
+		g.m.MissingKeys.Add(ctx, 1)
+		return consumer.Permanent(ErrNoKey)
+	}
+	var fp string
+	if g.cfg.fingerprint != nil {
+		fp = g.cfg.fingerprint(msg)
+	}
+
+	state, tok, err := g.store.Claim(ctx, key, fp, g.cfg.lease)
+	switch {
+	case errors.Is(err, ErrFingerprintMismatch):
+		g.m.Mismatches.Add(ctx, 1)
+		return consumer.Permanent(err)
+	case err != nil:
+		if ctx.Err() == nil { // a cancelled delivery is not the store's fault
+			g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)
+		}
+		return fmt.Errorf("idempotency: claiming key %q: %w", key, err)
+	case state == Completed:
+		g.m.Duplicates.Add(ctx, 1, g.m.Sequential)
+		return nil
+	case state == InProgressElsewhere:
+		g.m.Duplicates.Add(ctx, 1, g.m.Overlapping)
+		return consumer.RetryAfter(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), g.cfg.overlapDelay)
+	case state != Acquired:
+		return fmt.Errorf("idempotency: store returned invalid state %d for key %q", state, key)
+	}
+
+	hctx, cancel := context.WithCancelCause(ctx)
+	k := g.keep(key, tok, cancel)
+	finished := false
+	defer func() {
+		if !finished { // the handler panicked: let a retry claim the key
+			k.stop()
+			cancel(nil)
+			g.release(ctx, key, tok)
+		}
+	}()
+	err = g.next.Handle(hctx, msg)
+	finished = true
+	k.stop()
+	cancel(nil)
+
+	if err != nil {
+		g.release(ctx, key, tok)
+		return err
+	}
+	g.complete(ctx, key, tok)
+	return nil
+}
+
+// complete records the effect. A failure here does not fail the message:
+// the effect happened, and retrying the message would run it again. Acking
+// is the better bet; the claim expires and a later duplicate (if any) runs
+// the effect again, which the logs and MetricClaimsLost report.
+func (g *guard) complete(ctx context.Context, key string, tok Token) {
+	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
+	defer done()
+	err := g.store.Complete(sctx, key, tok, g.cfg.retention)
+	if err == nil {
+		return
+	}
+	if errors.Is(err, ErrStaleToken) {
+		g.m.ClaimsLost.Add(ctx, 1, g.m.OpComplete)
+		g.cfg.logger.WarnContext(ctx, "idempotency: the claim was lost before the effect was recorded; a duplicate may run the effect again (lengthen the lease)",
+			slog.String("key", key), slog.Any("error", err))
+		return
+	}
+	g.m.StoreErrors.Add(ctx, 1, g.m.OpComplete)
+	g.cfg.logger.ErrorContext(ctx, "idempotency: could not record the completed effect; the message is acked, but a duplicate delivered after the lease runs out would run the effect again",
+		slog.String("key", key), slog.Any("error", err))
+}
+
+// release lets a retry claim the key at once. On failure the claim simply
+// runs out after its lease, and retries meanwhile are overlapping
+// duplicates.
+func (g *guard) release(ctx context.Context, key string, tok Token) {
+	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
+	defer done()
+	err := g.store.Release(sctx, key, tok)
+	if err == nil || errors.Is(err, ErrStaleToken) {
+		return // stale: the claim had already run out or been taken over
+	}
+	g.m.StoreErrors.Add(ctx, 1, g.m.OpRelease)
+	g.cfg.logger.WarnContext(ctx, "idempotency: could not release the claim after a failed handler; retries wait until its lease runs out",
+		slog.String("key", key), slog.Any("error", err))
+}

@@ -1,0 +1,189 @@
+package idempotency
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/custody-go/custody/consumer"
+)
+
+// Option configures the middleware. New checks every option and fails with
+// an error naming the one that is invalid.
+type Option func(*config) error
+
+type config struct {
+	keyFunc      func(*consumer.Message) string
+	fingerprint  func(*consumer.Message) string
+	lease        time.Duration
+	extendEvery  time.Duration
+	retention    time.Duration
+	overlapDelay time.Duration
+	storeTimeout time.Duration
+	meter        metric.MeterProvider
+	logger       *slog.Logger
+}
+
+func defaultConfig() config {
+	return config{
+		keyFunc:      MessageID,
+		lease:        30 * time.Second,
+		retention:    24 * time.Hour,
+		storeTimeout: 10 * time.Second,
+	}
+}
+
+// MessageID is the default KeyFunc: the broker's stable identity of the
+// message (SQS MessageId, Kafka topic/partition/offset, AMQP message-id when
+// the publisher set one). It is empty when the broker gave none, and the
+// middleware then refuses the message with a permanent [ErrNoKey].
+func MessageID(m *consumer.Message) string { return m.ID }
+
+// WithKeyFunc sets how the idempotency key is read from a message. Default
+// [MessageID]. Prefer a key the producer chose for the business operation
+// (an order id, a payment id in a header): unlike a broker's message id it
+// also catches a message published twice. Return "" when there is no key;
+// the middleware then fails the message with a permanent [ErrNoKey]
+// rather than guess one.
+func WithKeyFunc(f func(*consumer.Message) string) Option {
+	return func(c *config) error {
+		if f == nil {
+			return errors.New("idempotency: WithKeyFunc(nil): pass a function or leave the option out")
+		}
+		c.keyFunc = f
+		return nil
+	}
+}
+
+// WithFingerprint stores a summary of each message's payload with its key;
+// a later message with the same key and a different fingerprint fails with
+// a permanent [ErrFingerprintMismatch] instead of being skipped as a
+// duplicate. [FingerprintBody] hashes the body. Default: no fingerprint.
+func WithFingerprint(f func(*consumer.Message) string) Option {
+	return func(c *config) error {
+		if f == nil {
+			return errors.New("idempotency: WithFingerprint(nil): pass a function such as idempotency.FingerprintBody, or leave the option out")
+		}
+		c.fingerprint = f
+		return nil
+	}
+}
+
+// WithLease sets how long a claim holds a key before another delivery may
+// take it over, should this process stop extending it (a crash). The
+// middleware extends the claim while the handler runs, so the lease bounds
+// how long a crashed consumer blocks a key, not how long a handler may run.
+// Default 30s. Must be at least 1ms.
+func WithLease(d time.Duration) Option {
+	return func(c *config) error {
+		if d < time.Millisecond {
+			return fmt.Errorf("idempotency: WithLease(%v): must be at least 1ms", d)
+		}
+		c.lease = d
+		return nil
+	}
+}
+
+// WithExtendInterval sets how often a running handler's claim is extended
+// back to the full lease. Default a third of the lease. Must be positive and
+// shorter than the lease.
+func WithExtendInterval(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("idempotency: WithExtendInterval(%v): must be positive", d)
+		}
+		c.extendEvery = d
+		return nil
+	}
+}
+
+// WithRetention sets how long a completed key is remembered. A duplicate
+// that arrives later runs the handler again, so make it longer than the
+// broker can redeliver a message: its lease or visibility timeout plus your
+// retry schedule for redeliveries, and longer if you replay queues or reset
+// offsets. Default 24h. Must be at least 1ms.
+func WithRetention(d time.Duration) Option {
+	return func(c *config) error {
+		if d < time.Millisecond {
+			return fmt.Errorf("idempotency: WithRetention(%v): must be at least 1ms", d)
+		}
+		c.retention = d
+		return nil
+	}
+}
+
+// WithOverlapRetryDelay sets how long an overlapping duplicate waits before
+// it is tried again (it is returned as consumer.RetryAfter). Each retry
+// counts as an attempt, so keep MaxAttempts × this delay longer than your
+// slowest handler, or the duplicate is dead-lettered while the original
+// is still running. Default: the lease. Must be positive.
+func WithOverlapRetryDelay(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("idempotency: WithOverlapRetryDelay(%v): must be positive", d)
+		}
+		c.overlapDelay = d
+		return nil
+	}
+}
+
+// WithStoreTimeout bounds the Complete or Release call made after the
+// handler returns. It runs on a context detached from the handler's, so
+// that a handler cancelled at its deadline still records its outcome.
+// Default 10s. Must be positive.
+func WithStoreTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("idempotency: WithStoreTimeout(%v): must be positive", d)
+		}
+		c.storeTimeout = d
+		return nil
+	}
+}
+
+// WithMeterProvider sets where the middleware's metrics go. Default
+// otel.GetMeterProvider().
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return errors.New("idempotency: WithMeterProvider(nil): pass a provider or leave the option out")
+		}
+		c.meter = mp
+		return nil
+	}
+}
+
+// WithLogger sets where store failures that do not fail the message are
+// reported (a Complete or Release that failed). Default slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return errors.New("idempotency: WithLogger(nil): pass a logger or leave the option out")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
+func (c *config) fill() error {
+	if c.extendEvery == 0 {
+		c.extendEvery = c.lease / 3
+	}
+	if c.extendEvery >= c.lease {
+		return fmt.Errorf("idempotency: WithExtendInterval(%v): must be shorter than the lease (%v), or the claim expires between extensions", c.extendEvery, c.lease)
+	}
+	if c.overlapDelay == 0 {
+		c.overlapDelay = c.lease
+	}
+	if c.meter == nil {
+		c.meter = otel.GetMeterProvider()
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
+	}
+	return nil
+}

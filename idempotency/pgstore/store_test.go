@@ -1,0 +1,144 @@
+package pgstore_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/custody-go/custody/idempotency"
+	"github.com/custody-go/custody/idempotency/internal/pgsql"
+	"github.com/custody-go/custody/idempotency/internal/teststores"
+	"github.com/custody-go/custody/idempotency/pgstore"
+	"github.com/custody-go/custody/idempotency/storetest"
+)
+
+func newStore(t testing.TB, pool *pgxpool.Pool) (*pgstore.Store, string) {
+	t.Helper()
+	table := pgsql.TestTable(t, pool, "custody_idem_test")
+	s, err := pgstore.New(pool, pgstore.WithTable(table))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.CreateSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s, table
+}
+
+func TestContract(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) idempotency.Store { return teststores.Postgres(t) })
+}
+
+func TestCreateSchemaIsRepeatable(t *testing.T) {
+	pool := pgsql.TestPool(t)
+	s, _ := newStore(t, pool)
+	if err := s.CreateSchema(context.Background()); err != nil {
+		t.Fatalf("second CreateSchema: %v", err)
+	}
+}
+
+func TestCleanupDeletesExpiredRowsInBatches(t *testing.T) {
+	ctx := context.Background()
+	pool := pgsql.TestPool(t)
+	s, table := newStore(t, pool)
+
+	// 25 completed records with a short retention, 5 expired claims, and
+	// records that must stay: a live claim and a completed one kept long.
+	for i := range 30 {
+		key := "expired-" + string(rune('a'+i))
+		_, tok, err := s.Claim(ctx, key, "", time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i < 25 {
+			err = s.Complete(ctx, key, tok, time.Millisecond)
+		} else {
+			err = s.Extend(ctx, key, tok, time.Millisecond)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, live, _ := s.Claim(ctx, "live-claim", "", time.Hour)
+	_, kept, _ := s.Claim(ctx, "kept", "", time.Hour)
+	if err := s.Complete(ctx, "kept", kept, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond) // longer than the short expiries
+
+	n, err := s.Cleanup(ctx, 7)
+	if err != nil {
+		t.Fatalf("Cleanup: %v", err)
+	}
+	if n != 30 {
+		t.Fatalf("Cleanup deleted %d rows, want the 30 expired ones", n)
+	}
+	var left int
+	if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+table).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != 2 {
+		t.Fatalf("%d rows left, want 2 (the live claim and the kept completion)", left)
+	}
+	if err := s.Complete(ctx, "live-claim", live, time.Hour); err != nil {
+		t.Fatalf("the live claim did not survive cleanup: %v", err)
+	}
+	if st, _, _ := s.Claim(ctx, "kept", "", time.Hour); st != idempotency.Completed {
+		t.Fatalf("kept = %v, want completed", st)
+	}
+	if _, err := s.Cleanup(ctx, 0); err == nil {
+		t.Fatal("Cleanup with batch 0 succeeded")
+	}
+}
+
+func TestRunCleanupStopsWithContext(t *testing.T) {
+	pool := pgsql.TestPool(t)
+	s, table := newStore(t, pool)
+	ctx, cancel := context.WithCancel(context.Background())
+	_, tok, _ := s.Claim(ctx, "k", "", time.Hour)
+	_ = s.Complete(ctx, "k", tok, time.Millisecond)
+	done := make(chan error, 1)
+	go func() { done <- s.RunCleanup(ctx, 5*time.Millisecond, 100, func(err error) { t.Error(err) }) }()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var n int
+		_ = pool.QueryRow(ctx, "SELECT count(*) FROM "+table).Scan(&n)
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("RunCleanup never deleted the expired row")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != context.Canceled {
+		t.Fatalf("RunCleanup = %v, want context.Canceled", err)
+	}
+}
+
+func TestWithTableRejectsBadNames(t *testing.T) {
+	pool := pgsql.TestPool(t)
+	for _, name := range []string{"", "a.b.c", "x; DROP TABLE y", "1abc", `a"b`} {
+		_, err := pgstore.New(pool, pgstore.WithTable(name))
+		if err == nil || !strings.Contains(err.Error(), "WithTable") {
+			t.Errorf("WithTable(%q) = %v, want an error naming the option", name, err)
+		}
+	}
+	if _, err := pgstore.New(pool, pgstore.WithTable("public.my_keys")); err != nil {
+		t.Errorf("WithTable(public.my_keys) = %v", err)
+	}
+}
+
+func BenchmarkClaimComplete(b *testing.B) {
+	pool := pgsql.TestPool(b)
+	s, _ := newStore(b, pool)
+	storetest.BenchmarkClaimComplete(b, s)
+}
+
+func BenchmarkClaimCompleteParallel(b *testing.B) {
+	storetest.BenchmarkClaimCompleteParallel(b, teststores.Postgres(b), 8)
+}

@@ -1,0 +1,62 @@
+// Package pgtx runs a message's database effect exactly once: the effect and
+// the record that the message was processed commit in one PostgreSQL
+// transaction, and the runtime acks the message only after that commit.
+//
+// # Use
+//
+//	h, err := pgtx.New(pool, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+//		_, err := tx.Exec(ctx, `INSERT INTO payments (id, amount) VALUES ($1, $2)`, ...)
+//		return err
+//	})
+//	err = h.CreateSchema(ctx) // or apply h.DDL() with your migrations
+//	c, err := consumer.New(src, h)
+//
+// # How it works
+//
+// For each delivery the handler begins a transaction and, first, inserts
+// the message's key into the processed table (custody_processed by default).
+// Then:
+//
+//   - The key was inserted: the function runs inside the same transaction.
+//     If it returns nil the transaction commits, and only then does Handle
+//     return nil so that the runtime acks. If it returns an error (or
+//     panics), the transaction rolls back, the key row with it, and the
+//     error goes to the runtime to retry or dead-letter.
+//   - The key was already there, committed: the message was processed
+//     before (a sequential duplicate). The transaction rolls back, the
+//     function does not run, and Handle returns nil, so the message is
+//     acked.
+//   - Another transaction is processing the key right now (an overlapping
+//     duplicate): Handle returns consumer.RetryAfter wrapping
+//     idempotency.ErrInProgressElsewhere without waiting for it. The check
+//     uses a transaction-scoped advisory lock on a hash of the table and
+//     key (pg_try_advisory_xact_lock), so it never blocks on the other
+//     transaction's row lock and never holds a connection idle.
+//
+// # What is exactly once, and what is not
+//
+// Covered: every write the function makes through tx, to the database the
+// transaction runs in. Each key's writes commit at most once (the primary
+// key on the processed table forbids a second commit) and at least once (a
+// delivery is acked only after its commit; a crash, a lost ack, a commit
+// whose reply was lost, or a redelivery to another consumer all end in a
+// redelivery that finds the key and is skipped). This holds for any number
+// of consumers sharing the database.
+//
+// Not covered: anything else the function does. An HTTP call, a message
+// published to a broker, a write through another connection or to another
+// database, a file, a cache, or an email is not part of the transaction: it
+// happens again whenever the transaction rolls back or the process dies
+// before committing, and a retried delivery repeats it. Use the idempotency
+// middleware (at least once, never concurrent) or a transactional outbox
+// table written through tx for those. Also not covered: two different keys
+// for one business operation (choose the KeyFunc so that a re-published
+// message keeps its key), and keys deleted by Cleanup before their last
+// redelivery.
+//
+// # Retention
+//
+// Rows stay in the processed table until [Handler.Cleanup] deletes rows
+// older than the retention you choose. Keep it longer than the broker can
+// redeliver a message (and longer than any replay you might do).
+package pgtx

@@ -1,0 +1,296 @@
+package pgtx
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/idempotency"
+	"github.com/custody-go/custody/idempotency/internal/dupmetrics"
+	"github.com/custody-go/custody/idempotency/internal/pgsql"
+)
+
+// DefaultTable is the processed-keys table unless WithTable says otherwise.
+const DefaultTable = "custody_processed"
+
+// DB is what the handler needs from pgx; *pgxpool.Pool satisfies it.
+type DB interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Func performs a message's effect through tx. It must not commit or roll
+// back tx, and should make no change outside it that must happen once (see
+// the package documentation).
+type Func func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error
+
+// Handler is a consumer.Handler that runs a Func exactly once per key within
+// a PostgreSQL transaction.
+type Handler struct {
+	db  DB
+	fn  Func
+	cfg config
+	m   *dupmetrics.Set
+
+	claimSQL, fingerprintSQL, cleanupSQL string
+}
+
+var _ consumer.Handler = (*Handler)(nil)
+
+// Option configures a Handler.
+type Option func(*config) error
+
+type config struct {
+	table        pgsql.Table
+	tableName    string
+	keyFunc      func(*consumer.Message) string
+	fingerprint  func(*consumer.Message) string
+	txOptions    pgx.TxOptions
+	overlapDelay time.Duration
+	meter        metric.MeterProvider
+}
+
+// WithTable names the processed-keys table ("name" or "schema.name").
+// Default DefaultTable ("custody_processed").
+func WithTable(name string) Option {
+	return func(c *config) error {
+		t, err := pgsql.ParseTable(name)
+		if err != nil {
+			return fmt.Errorf("pgtx: WithTable(%q): %w", name, err)
+		}
+		c.table, c.tableName = t, name
+		return nil
+	}
+}
+
+// WithKeyFunc sets how the key is read from a message. Default
+// idempotency.MessageID; an empty key fails the message with a permanent
+// idempotency.ErrNoKey.
+func WithKeyFunc(f func(*consumer.Message) string) Option {
+	return func(c *config) error {
+		if f == nil {
+			return errors.New("pgtx: WithKeyFunc(nil): pass a function or leave the option out")
+		}
+		c.keyFunc = f
+		return nil
+	}
+}
+
+// WithFingerprint stores a payload summary with each key; a duplicate whose
+// fingerprint differs fails with a permanent
+// idempotency.ErrFingerprintMismatch. Default: none.
+func WithFingerprint(f func(*consumer.Message) string) Option {
+	return func(c *config) error {
+		if f == nil {
+			return errors.New("pgtx: WithFingerprint(nil): pass a function such as idempotency.FingerprintBody, or leave the option out")
+		}
+		c.fingerprint = f
+		return nil
+	}
+}
+
+// WithTxOptions sets the transaction's isolation level and access mode.
+// Default: the database's default (READ COMMITTED unless configured).
+// Serialization failures under stricter levels are returned as ordinary
+// errors, which the runtime retries.
+func WithTxOptions(o pgx.TxOptions) Option {
+	return func(c *config) error {
+		if o.AccessMode == pgx.ReadOnly {
+			return errors.New("pgtx: WithTxOptions: a read-only transaction cannot record processed keys")
+		}
+		c.txOptions = o
+		return nil
+	}
+}
+
+// WithOverlapRetryDelay sets how long an overlapping duplicate waits before
+// it is tried again. Default 1s. Must be positive.
+func WithOverlapRetryDelay(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("pgtx: WithOverlapRetryDelay(%v): must be positive", d)
+		}
+		c.overlapDelay = d
+		return nil
+	}
+}
+
+// WithMeterProvider sets where duplicates are counted (the same metric names
+// as the idempotency middleware). Default otel.GetMeterProvider().
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return errors.New("pgtx: WithMeterProvider(nil): pass a provider or leave the option out")
+		}
+		c.meter = mp
+		return nil
+	}
+}
+
+// New returns a Handler that runs fn for each message inside a transaction
+// on db. It does not touch the database: call CreateSchema, or apply DDL
+// with your migrations, first.
+func New(db DB, fn Func, opts ...Option) (*Handler, error) {
+	if db == nil {
+		return nil, errors.New("pgtx: New(nil db): pass a *pgxpool.Pool")
+	}
+	if fn == nil {
+		return nil, errors.New("pgtx: New(nil func): pass the function that performs the effect")
+	}
+	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second, tableName: DefaultTable}
+	c.table, _ = pgsql.ParseTable(DefaultTable)
+	for _, o := range opts {
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
+	if c.meter == nil {
+		c.meter = otel.GetMeterProvider()
+	}
+	m, err := dupmetrics.New(c.meter, "github.com/custody-go/custody/idempotency/pgtx")
+	if err != nil {
+		return nil, fmt.Errorf("pgtx: creating metrics: %w", err)
+	}
+	h := &Handler{db: db, fn: fn, cfg: c, m: m}
+	h.prepareSQL()
+	return h, nil
+}
+
+func (h *Handler) prepareSQL() {
+	t := h.cfg.table.Quoted
+	// The advisory lock (on a hash of table and key, released at commit or
+	// rollback) tells a concurrent transaction for the same key apart from
+	// a committed row without waiting on the row lock. Only when it is held
+	// is the key inserted; a conflict then can only be a committed row.
+	h.claimSQL = `WITH lock AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock(hashtextextended($3 || $1, 0)) AS held
+), ins AS (
+    INSERT INTO ` + t + ` (key, fingerprint)
+    SELECT $1, $2 FROM lock WHERE lock.held
+    ON CONFLICT (key) DO NOTHING
+    RETURNING true
+)
+SELECT lock.held, EXISTS (SELECT FROM ins) FROM lock`
+	h.fingerprintSQL = `SELECT fingerprint FROM ` + t + ` WHERE key = $1`
+	h.cleanupSQL = `DELETE FROM ` + t + `
+WHERE key IN (
+    SELECT key FROM ` + t + `
+    WHERE processed_at < now() - $1::float8 * interval '1 millisecond'
+    ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)`
+}
+
+// Handle implements consumer.Handler.
+func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
+	key := h.cfg.keyFunc(m)
+	if key == "" {
+		h.m.MissingKeys.Add(ctx, 1)
+		return consumer.Permanent(idempotency.ErrNoKey)
+	}
+	var fp string
+	if h.cfg.fingerprint != nil {
+		fp = h.cfg.fingerprint(m)
+	}
+
+	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
+	if err != nil {
+		return fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err)
+	}
+	committed := false
+	defer func() {
+		if !committed { // also on a panic in fn
+			rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			_ = tx.Rollback(rctx)
+			done()
+		}
+	}()
+
+	var held, inserted bool
+	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.tableName+":").Scan(&held, &inserted); err != nil {
+		h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
+		return fmt.Errorf("pgtx: record key %q: %w", key, err)
+	}
+	if !held {
+		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
+		return consumer.RetryAfter(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
+	}
+	if !inserted {
+		if fp != "" {
+			var old string
+			if err := tx.QueryRow(ctx, h.fingerprintSQL, key).Scan(&old); err != nil {
+				return fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err)
+			}
+			if old != "" && old != fp {
+				h.m.Mismatches.Add(ctx, 1)
+				return consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key))
+			}
+		}
+		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
+		return nil
+	}
+
+	if err := h.fn(ctx, tx, m); err != nil {
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		// If the commit did happen and only its reply was lost, the
+		// retry finds the key and is skipped.
+		return fmt.Errorf("pgtx: commit key %q: %w", key, err)
+	}
+	committed = true
+	return nil
+}
+
+// DDL returns the statements CreateSchema runs, for a migration tool.
+func (h *Handler) DDL() []string {
+	t := h.cfg.table
+	return []string{
+		`CREATE TABLE IF NOT EXISTS ` + t.Quoted + ` (
+    key          text        PRIMARY KEY,
+    fingerprint  text        NOT NULL DEFAULT '',
+    processed_at timestamptz NOT NULL DEFAULT now()
+)`,
+		`CREATE INDEX IF NOT EXISTS ` + t.Index("processed_at_idx") + ` ON ` + t.Quoted + ` (processed_at)`,
+	}
+}
+
+// CreateSchema creates the processed-keys table and its index if they do not
+// exist.
+func (h *Handler) CreateSchema(ctx context.Context) error {
+	for _, q := range h.DDL() {
+		if _, err := h.db.Exec(ctx, q); err != nil {
+			return fmt.Errorf("pgtx: create schema: %w", err)
+		}
+	}
+	return nil
+}
+
+// Cleanup deletes keys processed more than retention ago, batch rows per
+// statement, and returns how many it deleted. A message redelivered after
+// its key was deleted is processed again: keep retention longer than the
+// broker can redeliver.
+func (h *Handler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
+	if retention <= 0 {
+		return 0, fmt.Errorf("pgtx: Cleanup retention %v: must be positive", retention)
+	}
+	if batch < 1 {
+		return 0, fmt.Errorf("pgtx: Cleanup batch %d: must be at least 1", batch)
+	}
+	var total int64
+	for {
+		tag, err := h.db.Exec(ctx, h.cleanupSQL, float64(retention)/float64(time.Millisecond), batch)
+		if err != nil {
+			return total, fmt.Errorf("pgtx: cleanup: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(batch) {
+			return total, nil
+		}
+	}
+}

@@ -1,0 +1,283 @@
+package pgtx_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/idempotency"
+	"github.com/custody-go/custody/idempotency/internal/pgsql"
+	"github.com/custody-go/custody/idempotency/pgtx"
+)
+
+// fixture is a processed-keys table and an effects table of the test's own.
+type fixture struct {
+	pool      *pgxpool.Pool
+	processed string
+	effects   string
+	reader    *sdkmetric.ManualReader
+	mp        *sdkmetric.MeterProvider
+}
+
+func newFixture(t testing.TB) *fixture {
+	t.Helper()
+	pool := pgsql.TestPool(t)
+	f := &fixture{
+		pool:      pool,
+		processed: pgsql.TestTable(t, pool, "custody_processed_test"),
+		effects:   pgsql.TestTable(t, pool, "custody_effects_test"),
+		reader:    sdkmetric.NewManualReader(),
+	}
+	f.mp = sdkmetric.NewMeterProvider(sdkmetric.WithReader(f.reader))
+	t.Cleanup(func() { _ = f.mp.Shutdown(context.Background()) })
+	// No unique constraint: a duplicate effect must show as a second row.
+	if _, err := pool.Exec(context.Background(), `CREATE TABLE `+f.effects+` (id bigserial PRIMARY KEY, message_id text NOT NULL, body text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// insertEffect is the effect under test: one row per run.
+func (f *fixture) insertEffect(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	_, err := tx.Exec(ctx, `INSERT INTO `+f.effects+` (message_id, body) VALUES ($1, $2)`, m.ID, string(m.Body))
+	return err
+}
+
+func (f *fixture) handler(t testing.TB, fn pgtx.Func, opts ...pgtx.Option) *pgtx.Handler {
+	t.Helper()
+	opts = append([]pgtx.Option{pgtx.WithTable(f.processed), pgtx.WithMeterProvider(f.mp)}, opts...)
+	h, err := pgtx.New(f.pool, fn, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.CreateSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func (f *fixture) rows(t testing.TB, table string) int {
+	t.Helper()
+	var n int
+	if err := f.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+table).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func (f *fixture) duplicates(t testing.TB, kind string) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := f.reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != idempotency.MetricDuplicates {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				if v, _ := dp.Attributes.Value("custody.duplicate.kind"); v.AsString() == kind {
+					n += dp.Value
+				}
+			}
+		}
+	}
+	return n
+}
+
+func msg(id, body string) *consumer.Message {
+	return &consumer.Message{ID: id, Body: []byte(body), Attempt: 1, Partition: -1, Offset: -1}
+}
+
+func TestEffectAndKeyCommitTogetherAndDuplicateIsSkipped(t *testing.T) {
+	f := newFixture(t)
+	var runs atomic.Int32
+	h := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		runs.Add(1)
+		return f.insertEffect(ctx, tx, m)
+	})
+	ctx := context.Background()
+	for range 3 {
+		if err := h.Handle(ctx, msg("m-1", "a")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if runs.Load() != 1 || f.rows(t, f.effects) != 1 || f.rows(t, f.processed) != 1 {
+		t.Fatalf("runs %d, effect rows %d, key rows %d; want 1, 1, 1", runs.Load(), f.rows(t, f.effects), f.rows(t, f.processed))
+	}
+	if got := f.duplicates(t, "sequential"); got != 2 {
+		t.Fatalf("sequential duplicates %d, want 2", got)
+	}
+}
+
+func TestFailedEffectRollsBackWithItsKey(t *testing.T) {
+	f := newFixture(t)
+	boom := errors.New("boom")
+	var runs atomic.Int32
+	h := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if err := f.insertEffect(ctx, tx, m); err != nil {
+			return err
+		}
+		if runs.Add(1) == 1 {
+			return boom // after the write: it must be rolled back
+		}
+		return nil
+	})
+	ctx := context.Background()
+	if err := h.Handle(ctx, msg("m", "a")); !errors.Is(err, boom) {
+		t.Fatalf("Handle = %v, want the function's error", err)
+	}
+	if f.rows(t, f.effects) != 0 || f.rows(t, f.processed) != 0 {
+		t.Fatalf("after a failure: %d effect rows, %d key rows; want 0 and 0", f.rows(t, f.effects), f.rows(t, f.processed))
+	}
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatal(err)
+	}
+	if runs.Load() != 2 || f.rows(t, f.effects) != 1 {
+		t.Fatalf("retry: runs %d, effect rows %d; want 2 and 1", runs.Load(), f.rows(t, f.effects))
+	}
+}
+
+func TestPanicRollsBack(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if err := f.insertEffect(ctx, tx, m); err != nil {
+			return err
+		}
+		panic("bug")
+	})
+	func() {
+		defer func() { _ = recover() }()
+		_ = h.Handle(context.Background(), msg("m", "a"))
+	}()
+	if f.rows(t, f.effects) != 0 || f.rows(t, f.processed) != 0 {
+		t.Fatalf("after a panic: %d effect rows, %d key rows; want 0 and 0", f.rows(t, f.effects), f.rows(t, f.processed))
+	}
+	var idle int
+	// The connection went back to the pool without an open transaction.
+	err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction' AND query LIKE '%`+f.effects+`%'`).Scan(&idle)
+	if err != nil || idle != 0 {
+		t.Fatalf("%d connections idle in transaction after a panic (%v)", idle, err)
+	}
+}
+
+func TestOverlappingDuplicateIsTurnedAwayWithoutWaiting(t *testing.T) {
+	f := newFixture(t)
+	entered, leave := make(chan struct{}), make(chan struct{})
+	var runs atomic.Int32
+	h := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if runs.Add(1) == 1 {
+			close(entered)
+			<-leave
+		}
+		return f.insertEffect(ctx, tx, m)
+	}, pgtx.WithOverlapRetryDelay(3*time.Second))
+	ctx := context.Background()
+	first := make(chan error, 1)
+	go func() { first <- h.Handle(ctx, msg("m", "a")) }()
+	<-entered
+
+	// Bounded so that a version that waits on the row lock fails instead
+	// of hanging until the first transaction ends.
+	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	err := h.Handle(tctx, msg("m", "a"))
+	cancel()
+	if !errors.Is(err, idempotency.ErrInProgressElsewhere) || func() bool { d, ok := consumer.RetryDelay(err); return !ok || d != 3*time.Second }() {
+		t.Fatalf("overlapping duplicate = %v, want RetryAfter(ErrInProgressElsewhere, 3s)", err)
+	}
+	close(leave)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatal(err)
+	}
+	if runs.Load() != 1 || f.rows(t, f.effects) != 1 || f.duplicates(t, "overlapping") != 1 || f.duplicates(t, "sequential") != 1 {
+		t.Fatalf("runs %d, effects %d, overlapping %d, sequential %d; want 1, 1, 1, 1",
+			runs.Load(), f.rows(t, f.effects), f.duplicates(t, "overlapping"), f.duplicates(t, "sequential"))
+	}
+}
+
+func TestFingerprintMismatchIsPermanent(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, f.insertEffect, pgtx.WithFingerprint(idempotency.FingerprintBody))
+	ctx := context.Background()
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatalf("same payload = %v, want skipped", err)
+	}
+	err := h.Handle(ctx, msg("m", "b"))
+	if !consumer.IsPermanent(err) || !errors.Is(err, idempotency.ErrFingerprintMismatch) {
+		t.Fatalf("other payload = %v, want a permanent ErrFingerprintMismatch", err)
+	}
+	if f.rows(t, f.effects) != 1 {
+		t.Fatalf("%d effect rows, want 1", f.rows(t, f.effects))
+	}
+}
+
+func TestMessageWithoutKeyIsPermanent(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, f.insertEffect)
+	err := h.Handle(context.Background(), msg("", "a"))
+	if !consumer.IsPermanent(err) || !errors.Is(err, idempotency.ErrNoKey) {
+		t.Fatalf("keyless message = %v, want a permanent ErrNoKey", err)
+	}
+	if f.rows(t, f.effects) != 0 {
+		t.Fatal("the effect ran for a keyless message")
+	}
+}
+
+func TestCleanupDeletesOldKeysInBatches(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, f.insertEffect)
+	ctx := context.Background()
+	for i := range 12 {
+		if err := h.Handle(ctx, msg(string(rune('a'+i)), "x")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := f.pool.Exec(ctx, `UPDATE `+f.processed+` SET processed_at = now() - interval '2 hours' WHERE key < 'k'`); err != nil {
+		t.Fatal(err)
+	}
+	n, err := h.Cleanup(ctx, time.Hour, 4)
+	if err != nil || n != 10 {
+		t.Fatalf("Cleanup = %d, %v; want the 10 old keys", n, err)
+	}
+	if f.rows(t, f.processed) != 2 {
+		t.Fatalf("%d keys left, want 2", f.rows(t, f.processed))
+	}
+}
+
+func TestInvalidOptionsFailNamingTheOption(t *testing.T) {
+	pool := pgsql.TestPool(t)
+	fn := func(context.Context, pgx.Tx, *consumer.Message) error { return nil }
+	cases := map[string]pgtx.Option{
+		"WithTable":             pgtx.WithTable("bad name"),
+		"WithKeyFunc":           pgtx.WithKeyFunc(nil),
+		"WithFingerprint":       pgtx.WithFingerprint(nil),
+		"WithTxOptions":         pgtx.WithTxOptions(pgx.TxOptions{AccessMode: pgx.ReadOnly}),
+		"WithOverlapRetryDelay": pgtx.WithOverlapRetryDelay(0),
+		"WithMeterProvider":     pgtx.WithMeterProvider(nil),
+	}
+	for name, opt := range cases {
+		if _, err := pgtx.New(pool, fn, opt); err == nil || !strings.Contains(err.Error(), name) {
+			t.Errorf("invalid %s: %v, want an error naming it", name, err)
+		}
+	}
+	if _, err := pgtx.New(pool, nil); err == nil {
+		t.Error("New with a nil func succeeded")
+	}
+}
