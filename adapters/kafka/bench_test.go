@@ -1,0 +1,226 @@
+package kafka
+
+import (
+	"context"
+	"log/slog"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/consumer"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+)
+
+// Benchmarks compare custody with franz-go doing the same work on the same
+// topic contents in the same run, and report the ratio. Each iteration reads
+// the whole topic with a fresh group. Run with a small -benchtime, e.g.
+//
+//	go test -run XXX -bench . -benchtime 2x ./adapters/kafka/
+//
+// Reported per side: records/s, allocs/record, commits/s (offset commit
+// requests the cluster received, per second of the run).
+
+const (
+	benchPartitions = 8
+	benchKeys       = 1000
+)
+
+// benchCluster holds a cluster with one topic of n records per partition and
+// counts the offset commit requests it receives.
+type benchCluster struct {
+	*cluster
+	commits atomic.Int64
+}
+
+func newBenchCluster(b *testing.B, perPartition int) *benchCluster {
+	b.Helper()
+	bc := &benchCluster{cluster: newCluster(b)}
+	bc.createTopic(b, "bench", benchPartitions)
+	for i := 0; i < perPartition; i += 1000 {
+		bc.produceN(b, "bench", benchPartitions, min(1000, perPartition-i), benchKeys)
+	}
+	bc.fake.ControlKey(int16(kmsg.OffsetCommit), func(kmsg.Request) (kmsg.Response, error, bool) {
+		bc.fake.KeepControl()
+		bc.commits.Add(1)
+		return nil, nil, false
+	})
+	return bc
+}
+
+// side is one measured run.
+type side struct {
+	records int
+	elapsed time.Duration
+	mallocs uint64
+	commits int64
+}
+
+func (s *side) add(o side) {
+	s.records += o.records
+	s.elapsed += o.elapsed
+	s.mallocs += o.mallocs
+	s.commits += o.commits
+}
+
+func (s side) perSec() float64 { return float64(s.records) / s.elapsed.Seconds() }
+
+func (s side) report(b *testing.B, name string) {
+	b.ReportMetric(s.perSec(), name+"_rec/s")
+	b.ReportMetric(float64(s.mallocs)/float64(s.records), name+"_allocs/rec")
+	b.ReportMetric(float64(s.commits)/s.elapsed.Seconds(), name+"_commits/s")
+}
+
+// measure runs fn and returns its elapsed time, allocations and commits.
+func (bc *benchCluster) measure(records int, fn func()) side {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	c0 := bc.commits.Load()
+	start := time.Now()
+	fn()
+	elapsed := time.Since(start)
+	runtime.ReadMemStats(&after)
+	return side{records: records, elapsed: elapsed, mallocs: after.Mallocs - before.Mallocs, commits: bc.commits.Load() - c0}
+}
+
+// rawPollLoop is the franz-go baseline: poll, run the handler on each record
+// in turn, commit what was polled, repeat.
+func (bc *benchCluster) rawPollLoop(b *testing.B, total int, handle func(*kgo.Record)) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(bc.addrs...), kgo.ConsumerGroup(newGroup()), kgo.ConsumeTopics("bench"),
+		kgo.DisableAutoCommit(), kgo.FetchMaxWait(50*time.Millisecond))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cl.Close()
+	ctx := context.Background()
+	for n := 0; n < total; {
+		fs := cl.PollFetches(ctx)
+		fs.EachRecord(func(r *kgo.Record) {
+			handle(r)
+			n++
+		})
+		if err := cl.CommitUncommittedOffsets(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// custodyRun consumes the whole topic through the runtime and stops once
+// every record was handled (the shutdown is not timed).
+func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFunc, src []Option, opts ...consumer.Option) side {
+	s, err := NewSource(append([]Option{WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
+		WithPollWait(100 * time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50 * time.Millisecond))}, src...)...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var handled atomic.Int64
+	all := make(chan struct{})
+	count := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		err := h(ctx, m)
+		if handled.Add(1) == int64(total) {
+			close(all)
+		}
+		return err
+	})
+	quiet := slog.New(slog.NewTextHandler(discard{}, nil))
+	c, err := consumer.New(s, count, append([]consumer.Option{consumer.WithLogger(quiet)}, opts...)...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	res := bc.measure(total, func() {
+		go func() { done <- c.Run(ctx) }()
+		<-all
+	})
+	cancel()
+	if err := <-done; err != nil {
+		b.Fatal(err)
+	}
+	return res
+}
+
+type discard struct{}
+
+func (discard) Write(p []byte) (int, error) { return len(p), nil }
+
+// sourceLoop drives the Source directly, without the runtime: receive a
+// batch, ack it. It isolates the adapter's own cost.
+func (bc *benchCluster) sourceLoop(b *testing.B, total int) side {
+	s, err := NewSource(WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
+		WithPollWait(100*time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50*time.Millisecond)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	ctx := context.Background()
+	return bc.measure(total, func() {
+		for n := 0; n < total; {
+			ds, err := s.Receive(ctx, 256)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := s.Ack(ctx, ds); err != nil {
+				b.Fatal(err)
+			}
+			n += len(ds)
+		}
+	})
+}
+
+// No-op handler: custody (default by-partition ordering, one worker per
+// partition) against the raw poll loop. Goal: ratio at least 0.5.
+func BenchmarkNoopAgainstRawPollLoop(b *testing.B) {
+	const perPartition = 12500
+	total := benchPartitions * perPartition
+	bc := newBenchCluster(b, perPartition)
+	noop := func(context.Context, *consumer.Message) error { return nil }
+	b.Run("SourceOnly", func(b *testing.B) {
+		var raw, src side
+		for i := 0; i < b.N; i++ {
+			raw.add(bc.measure(total, func() { bc.rawPollLoop(b, total, func(*kgo.Record) {}) }))
+			src.add(bc.sourceLoop(b, total))
+		}
+		raw.report(b, "raw")
+		src.report(b, "source")
+		b.ReportMetric(src.perSec()/raw.perSec(), "ratio")
+	})
+	for _, mode := range []Ordering{ByPartition, Unordered} {
+		b.Run(mode.String(), func(b *testing.B) {
+			var raw, cus side
+			for i := 0; i < b.N; i++ {
+				raw.add(bc.measure(total, func() { bc.rawPollLoop(b, total, func(*kgo.Record) {}) }))
+				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode)}, consumer.WithConcurrency(64)))
+			}
+			raw.report(b, "raw")
+			cus.report(b, "custody")
+			b.ReportMetric(cus.perSec()/raw.perSec(), "ratio")
+		})
+	}
+}
+
+// A 1 ms handler over 8 partitions and 1,000 keys: by-key ordering at
+// concurrency 256 against partition-serial processing (the raw poll loop, one
+// record at a time, and custody's by-partition ordering). Goal: at least 30x.
+func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
+	const perPartition = 1000
+	total := benchPartitions * perPartition
+	bc := newBenchCluster(b, perPartition)
+	work := func() { time.Sleep(time.Millisecond) }
+	h := func(context.Context, *consumer.Message) error { work(); return nil }
+	var serialRaw, serial, byKey side
+	for i := 0; i < b.N; i++ {
+		// One record at a time takes total ms; a quarter of the topic
+		// measures its rate well enough.
+		serialRaw.add(bc.measure(total/4, func() { bc.rawPollLoop(b, total/4, func(*kgo.Record) { work() }) }))
+		serial.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
+		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey)}, consumer.WithConcurrency(256)))
+	}
+	serialRaw.report(b, "rawserial")
+	serial.report(b, "bypartition")
+	byKey.report(b, "bykey")
+	b.ReportMetric(byKey.perSec()/serialRaw.perSec(), "ratio_vs_raw")
+	b.ReportMetric(byKey.perSec()/serial.perSec(), "ratio_vs_bypartition")
+}

@@ -1,0 +1,160 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testlog"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// runConsumer runs a custody consumer over s until the returned stop is called.
+func runConsumer(t *testing.T, s *Source, h consumer.HandlerFunc, opts ...consumer.Option) (stop func()) {
+	t.Helper()
+	c, err := consumer.New(s, h, append([]consumer.Option{consumer.WithLogger(testlog.New(t))}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("Run: %v", err)
+				}
+			case <-time.After(60 * time.Second):
+				t.Errorf("Run did not return")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// A poison record at the head of a partition is retried in place, then
+// dead-lettered with its headers; while the dead-letter topic refuses it the
+// commit does not pass it, although every later record is done; once the
+// produce succeeds the partition's commit moves to the end.
+func TestPoisonRecordGoesToTheDeadLetterTopic(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.createTopic(t, "orders.dlq", 1)
+	c.produce(t, &kgo.Record{Topic: "orders", Key: []byte("k0"), Value: []byte("poison"),
+		Headers: []kgo.RecordHeader{{Key: "origin", Value: []byte("test")}}})
+	c.produceN(t, "orders", 1, 20, 5) // offsets 1..20, keys other than k0
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond))
+	dl, err := s.DeadLetter("orders.dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dl.Close()
+	refuse := failProduceTo(t, c, "orders.dlq")
+
+	var mu sync.Mutex
+	attempts, handled := 0, map[int64]int{}
+	runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if string(m.Body) == "poison" {
+			attempts++
+			return errors.New("cannot parse")
+		}
+		handled[m.Offset]++
+		return nil
+	}, consumer.WithConcurrency(8),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(10 * time.Millisecond)}),
+		consumer.WithDeadLetter(dl))
+
+	eventually(t, "every later record to be handled", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(handled) == 20
+	})
+	for i := 0; i < 10; i++ {
+		if offs, _ := c.committed(t, group, "orders"); offs[0] > 0 {
+			t.Fatalf("committed %d while the poison record was not dead-lettered", offs[0])
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	refuse.Store(false)
+	eventually(t, "the commit to pass the dead-lettered record", func() bool {
+		offs, _ := c.committed(t, group, "orders")
+		return offs[0] == 21
+	})
+	mu.Lock()
+	if attempts != 3 {
+		t.Errorf("poison record handled %d times, want MaxAttempts=3", attempts)
+	}
+	for o, n := range handled {
+		if n != 1 {
+			t.Errorf("offset %d handled %d times", o, n)
+		}
+	}
+	mu.Unlock()
+	dead := c.readTopic(t, "orders.dlq", 1)
+	h := map[string]string{}
+	for _, rh := range dead[0].Headers {
+		h[rh.Key] = string(rh.Value)
+	}
+	if string(dead[0].Value) != "poison" || h["origin"] != "test" || h[adapters.HeaderAttempts] != "3" ||
+		h[adapters.HeaderOriginalOffset] != "0" || h[HeaderGroup] != group {
+		t.Fatalf("dead letter %q with headers %v", dead[0].Value, h)
+	}
+}
+
+// With by-key ordering, records with the same key in a partition run one at
+// a time in offset order while different keys overlap.
+func TestByKeyRunsKeysConcurrentlyAndInOrder(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produceN(t, "orders", 2, 200, 10)
+	s := c.open(t, newGroup(), "orders", WithOrdering(ByKey))
+
+	var mu sync.Mutex
+	last := map[string]int64{}
+	running := map[string]bool{}
+	inFlight, peak, n := 0, 0, 0
+	var bad []string
+	stop := runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {
+		lane := fmt.Sprintf("%d/%s", m.Partition, m.Key)
+		mu.Lock()
+		if running[lane] {
+			bad = append(bad, "concurrent "+lane)
+		}
+		if prev, ok := last[lane]; ok && prev >= m.Offset {
+			bad = append(bad, fmt.Sprintf("%s: %d after %d", lane, m.Offset, prev))
+		}
+		running[lane] = true
+		inFlight++
+		peak = max(peak, inFlight)
+		mu.Unlock()
+		time.Sleep(time.Millisecond)
+		mu.Lock()
+		running[lane] = false
+		last[lane] = m.Offset
+		inFlight--
+		n++
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(32))
+	eventually(t, "every record handled", func() bool { mu.Lock(); defer mu.Unlock(); return n == 400 })
+	stop()
+	if len(bad) > 0 {
+		t.Fatalf("order violations: %v", bad[:min(len(bad), 5)])
+	}
+	if peak < 4 {
+		t.Errorf("at most %d handlers ran at once over 20 lanes", peak)
+	}
+}

@@ -1,0 +1,158 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+)
+
+// readTopic reads every record of topic from the start until it holds n.
+func (c *cluster) readTopic(t testing.TB, topic string, n int) []*kgo.Record {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.ConsumeTopics(topic), kgo.FetchMaxWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var out []*kgo.Record
+	for len(out) < n {
+		fs := cl.PollFetches(ctx)
+		if err := ctx.Err(); err != nil {
+			t.Fatalf("read %d of %d records from %s: %v", len(out), n, topic, err)
+		}
+		out = append(out, fs.Records()...)
+	}
+	return out
+}
+
+// failProduceTo makes the cluster refuse produce requests to topic while the
+// returned flag is set.
+func failProduceTo(t testing.TB, cl *cluster, topic string) *atomic.Bool {
+	t.Helper()
+	td, err := cl.admin.ListTopics(context.Background(), topic)
+	if err != nil || td[topic].Err != nil {
+		t.Fatalf("listing %s: %v %v", topic, err, td[topic].Err)
+	}
+	id := td[topic].ID
+	c := cl.fake
+	var on atomic.Bool
+	on.Store(true)
+	c.ControlKey(int16(kmsg.Produce), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		req := kreq.(*kmsg.ProduceRequest)
+		if !on.Load() {
+			return nil, nil, false
+		}
+		match := false
+		for _, rt := range req.Topics {
+			match = match || rt.Topic == topic || rt.TopicID == id
+		}
+		if !match {
+			return nil, nil, false
+		}
+		resp := req.ResponseKind().(*kmsg.ProduceResponse)
+		for _, rt := range req.Topics {
+			st := kmsg.NewProduceResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewProduceResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.TopicAuthorizationFailed.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	return &on
+}
+
+func TestDeadLetterCarriesTheRecordAndDiagnostics(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.createTopic(t, "orders.dlq", 1)
+	c.produce(t, &kgo.Record{Topic: "orders", Key: []byte("k1"), Value: []byte("poison"),
+		Headers: []kgo.RecordHeader{{Key: "traceparent", Value: []byte("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")}}})
+	group := newGroup()
+	s := c.open(t, group, "orders")
+	dl, err := s.DeadLetter("orders.dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dl.Close()
+
+	d := receiveN(t, s, 1)[0]
+	now := time.Now()
+	f := adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 3, FirstFailure: now.Add(-time.Second), LastFailure: now}
+	if err := dl.Send(context.Background(), d, f); err != nil {
+		t.Fatalf("send: %v", err)
+	}
+	r := c.readTopic(t, "orders.dlq", 1)[0]
+	if string(r.Key) != "k1" || string(r.Value) != "poison" {
+		t.Fatalf("dead letter key/value %q/%q, want the original", r.Key, r.Value)
+	}
+	h := map[string]string{}
+	for _, rh := range r.Headers {
+		h[rh.Key] = string(rh.Value)
+	}
+	want := map[string]string{
+		"traceparent":                 "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+		adapters.HeaderOriginalQueue:  "orders",
+		adapters.HeaderOriginalPart:   "0",
+		adapters.HeaderOriginalOffset: "0",
+		adapters.HeaderError:          "cannot parse",
+		adapters.HeaderAttempts:       "3",
+		adapters.HeaderPermanent:      "true",
+		adapters.HeaderConsumer:       group,
+		HeaderGroup:                   group,
+		adapters.HeaderOriginalKey:    "k1",
+	}
+	for k, v := range want {
+		if h[k] != v {
+			t.Errorf("header %s = %q, want %q", k, h[k], v)
+		}
+	}
+	if h[adapters.HeaderOriginalTime] == "" {
+		t.Errorf("no original timestamp header")
+	}
+}
+
+// A refused dead-letter produce returns an error (so the original is not
+// acked and its offset not committed); once the topic accepts again, Send
+// succeeds.
+func TestDeadLetterFailedProduceReturnsError(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.createTopic(t, "orders.dlq", 1)
+	c.produceN(t, "orders", 1, 1, 1)
+	s := c.open(t, newGroup(), "orders")
+	dl, err := s.DeadLetter("orders.dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dl.Close()
+	d := receiveN(t, s, 1)[0]
+
+	refuse := failProduceTo(t, c, "orders.dlq")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := dl.Send(ctx, d, adapters.Failure{Err: errors.New("boom"), Attempts: 5}); err == nil {
+		t.Fatal("send returned nil although the produce was refused")
+	}
+	refuse.Store(false)
+	if err := dl.Send(ctx, d, adapters.Failure{Err: errors.New("boom"), Attempts: 5}); err != nil {
+		t.Fatalf("send after the topic accepts again: %v", err)
+	}
+	if got := c.readTopic(t, "orders.dlq", 1); len(got) != 1 {
+		t.Fatalf("dead-letter topic holds %d records, want 1", len(got))
+	}
+}

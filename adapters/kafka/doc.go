@@ -1,0 +1,104 @@
+// Package kafka is the custody adapter for Apache Kafka, over franz-go
+// (github.com/twmb/franz-go/pkg/kgo). A [Source] consumes a consumer group's
+// topics; a [DeadLetter] produces records that will not be processed to a
+// dead-letter topic.
+//
+//	src, err := kafka.NewSource(
+//		kafka.WithBrokers("kafka-1:9092", "kafka-2:9092"),
+//		kafka.WithGroup("payments-service"),
+//		kafka.WithTopics("payments"),
+//		kafka.WithOrdering(kafka.ByKey),
+//		kafka.WithClientOptions(kgo.DialTLSConfig(tlsCfg), kgo.SASL(mechanism)),
+//	)
+//	dlq, err := src.DeadLetter("payments.dlq")
+//	c, err := consumer.New(src, handler, consumer.WithConcurrency(256), consumer.WithDeadLetter(dlq))
+//
+// # Ordering
+//
+// Kafka keeps order per partition. The Source tells the runtime which
+// records must not overlap through Delivery.OrderingKey:
+//
+//   - [ByPartition] (default): one record at a time per partition, in
+//     offset order. Lane "topic/partition".
+//   - [ByKey]: records with the same key in a partition run in offset order,
+//     different keys run concurrently. Lane "topic/partition/key"; records
+//     without a key share the lane "topic/partition".
+//   - [Unordered]: no lanes; any records may run at once.
+//
+// Concurrency inside a partition never weakens commits (next section). A
+// retry waits in place with backoff, so its lane stalls and order holds: the
+// adapter reports NackDelay=false and the runtime counts attempts itself
+// (CountsDeliveries=false: the count restarts when another member takes the
+// partition).
+//
+// # Commits: durable prefixes only
+//
+// Each assignment of a partition gets its own completion tracker (an epoch).
+// An ack marks a record done; the committed offset is always 1 + the highest
+// offset up to which every polled record is done (handled, or written to the
+// dead-letter topic). One slow record holds its partition's commit back while
+// later records finish; when it finishes the commit jumps past all of them.
+// Commits are coalesced: every commit interval ([WithCommitInterval], 1s by
+// default), synchronously when a partition is revoked, and on Close; never
+// one per record.
+//
+// Done offsets beyond the committed one travel in the commit metadata,
+// compactly encoded (runs of offsets, base64) and bounded by
+// [WithMetadataLimit] (4096 bytes, Kafka's default offset.metadata.max.bytes).
+// After a rebalance the partition's next owner reads them back and skips
+// those records instead of running them again. A partition whose metadata
+// could outgrow the limit takes no new records until its prefix catches up.
+//
+// # Rebalances
+//
+// On revoke the Source stops handing out the partition's records, lets its
+// in-flight handlers run for up to [WithRevokeDrain] (10s by default), then
+// cancels the rest (their contexts end with cause [adapters.ErrRevoked]),
+// fences the assignment and commits its done prefix synchronously. After the
+// fence nothing of that assignment is marked or committed: a completion that
+// arrives late is refused with ErrRevoked, and the partition's new owner runs
+// the record. Lost partitions (a fatal group error) are fenced without a
+// commit. Polls block rebalances only between a poll and the moment its
+// records are booked under their epoch (franz-go's BlockRebalanceOnPoll,
+// released at once), so a record can never be booked under the wrong
+// assignment.
+//
+// # Backpressure
+//
+// [WithMaxInFlightPerPartition] (512) bounds the records of one partition
+// handed out and not acked: at the bound the partition's fetching is paused,
+// below it resumed (and resumed on revoke, since franz-go keeps pauses across
+// rebalances). [WithMaxInFlight] (4096) bounds them over all partitions: at
+// the bound the Source stops polling.
+//
+// # Dead-letter topic
+//
+// [DeadLetter.Send] produces synchronously with acks from all in-sync
+// replicas and the idempotent producer, and returns nil only once the brokers
+// acknowledged the record: only then does the runtime ack (mark done) the
+// original. The dead-letter record keeps the original key, value and headers
+// and adds the diagnostic headers of [adapters.Diagnostics] (original topic,
+// partition, offset, timestamp, key, attempts, error, failure times) plus
+// [HeaderGroup]. A failed produce returns an error; the original stays
+// unmarked and its partition's commit does not pass it.
+//
+// # Shutdown
+//
+// The runtime drains, acks what finished and nacks the rest; a nacked record
+// is not marked done, so it stays uncommitted for the next owner (during a
+// run, a nacked record is handed out again). Close commits the done prefixes,
+// leaves the group and closes the client.
+//
+// # Telemetry
+//
+// Through the MeterProvider of [WithMeterProvider] (the global one by
+// default): custody.kafka.lag (high watermark minus committed offset, per
+// partition), custody.kafka.commit.duration, custody.kafka.commit.failures and
+// custody.kafka.skipped (records skipped thanks to the commit metadata).
+// Record headers become Delivery.Headers, so the runtime picks up W3C trace
+// context (traceparent, tracestate) from them.
+//
+// # Native record
+//
+// Delivery.Native (and consumer.Message.As) holds the *kgo.Record.
+package kafka

@@ -1,0 +1,80 @@
+package kafka
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/custody-go/custody/internal/prefix"
+)
+
+func TestMetadataRoundTrip(t *testing.T) {
+	done := []int64{12, 13, 14, 20, 1000, 1001}
+	m := encodeDone(10, func(fn func(int64)) {
+		for _, d := range done {
+			fn(d)
+		}
+	})
+	got := decodeDone(m, 10)
+	want := []span{{12, 14}, {20, 20}, {1000, 1001}}
+	if !slices.Equal(got, want) {
+		t.Fatalf("decoded %v, want %v (metadata %q)", got, want, m)
+	}
+	if decodeDone(m, 11) != nil {
+		t.Fatal("metadata relative to another committed offset was used")
+	}
+	for _, bad := range []string{"", "kgo-member-1", metadataPrefix + "!!", metadataPrefix + "AA"} {
+		if decodeDone(bad, 0) != nil {
+			t.Fatalf("decoded spans from %q", bad)
+		}
+	}
+}
+
+// FuzzMetadataBound drives a tracker with arbitrary tracking and completion
+// orders, taking only what the size bound admits, and checks that the
+// encoded metadata always fits the limit and decodes to exactly the done
+// positions beyond the commit point.
+func FuzzMetadataBound(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3, 200, 4, 5, 130, 131}, uint8(40))
+	f.Add([]byte{9, 9, 9, 9, 9, 255, 129, 250}, uint8(0))
+	f.Fuzz(func(t *testing.T, ops []byte, lim uint8) {
+		limit := minMetadataLimit + int(lim)
+		p := newPartition("t", 0, 1)
+		p.tr = prefix.New()
+		next := int64(5)
+		var tracked []int64
+		for _, op := range ops {
+			if op < 128 {
+				gap := int64(op%8) * int64(1+op/8) * 37 // gaps up to a few thousand
+				c := p.trackCost(next + gap)
+				if !p.fits(c, limit) {
+					continue
+				}
+				next += gap
+				p.track(next, c)
+				tracked = append(tracked, next)
+				next++
+			} else if len(tracked) > 0 {
+				p.done(tracked[int(op-128)%len(tracked)])
+			}
+			at, ok := p.commitPoint()
+			if !ok {
+				continue
+			}
+			m := encodeDone(at, p.tr.DoneBeyond)
+			if len(m) > limit {
+				t.Fatalf("metadata of %d bytes exceeds the limit %d", len(m), limit)
+			}
+			var want []int64
+			p.tr.DoneBeyond(func(pos int64) { want = append(want, pos) })
+			var got []int64
+			for _, s := range decodeDone(m, at) {
+				for o := s.from; o <= s.to; o++ {
+					got = append(got, o)
+				}
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("metadata decodes to %v, want %v", got, want)
+			}
+		}
+	})
+}

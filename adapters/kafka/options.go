@@ -1,0 +1,293 @@
+package kafka
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+)
+
+// Ordering chooses which records of a partition may run at the same time. The
+// adapter expresses it through Delivery.OrderingKey; the runtime runs the
+// deliveries of one key one at a time, in offset order.
+type Ordering int
+
+const (
+	// ByPartition runs one record at a time per partition, in offset order:
+	// the order Kafka promises. The default.
+	ByPartition Ordering = iota
+	// ByKey runs records with the same key in a partition in offset order
+	// and records with different keys concurrently. Records without a key
+	// share one lane per partition.
+	ByKey
+	// Unordered runs any records concurrently. Commits stay prefix-safe;
+	// only the order of effects is given up.
+	Unordered
+)
+
+func (o Ordering) String() string {
+	switch o {
+	case ByPartition:
+		return "ByPartition"
+	case ByKey:
+		return "ByKey"
+	case Unordered:
+		return "Unordered"
+	}
+	return fmt.Sprintf("Ordering(%d)", int(o))
+}
+
+// Defaults of the Source options.
+const (
+	DefaultCommitInterval          = time.Second
+	DefaultMaxInFlightPerPartition = 512
+	DefaultMaxInFlight             = 4096
+	DefaultRevokeDrain             = 10 * time.Second
+	DefaultPollWait                = time.Second
+	DefaultCommitTimeout           = 10 * time.Second
+	// DefaultMetadataLimit is the offset-commit metadata limit of Kafka
+	// brokers (offset.metadata.max.bytes).
+	DefaultMetadataLimit = 4096
+	// minMetadataLimit leaves room for the header and one run.
+	minMetadataLimit = 32
+)
+
+// ClientFactory builds the franz-go client. The Source passes the options it
+// needs (seed brokers, group, topics, callbacks) after the caller's own
+// options from WithClientOptions.
+type ClientFactory func(opts ...kgo.Opt) (*kgo.Client, error)
+
+// Option configures a Source. Invalid values fail NewSource with an error
+// naming the option.
+type Option func(*config) error
+
+type config struct {
+	brokers        []string
+	group          string
+	topics         []string
+	clientOpts     []kgo.Opt
+	factory        ClientFactory
+	ordering       Ordering
+	commitInterval time.Duration
+	commitTimeout  time.Duration
+	maxPerPart     int
+	maxTotal       int
+	revokeDrain    time.Duration
+	pollWait       time.Duration
+	metadataLimit  int
+	meterProvider  metric.MeterProvider
+}
+
+func defaultConfig() config {
+	return config{
+		factory:        kgo.NewClient,
+		commitInterval: DefaultCommitInterval,
+		commitTimeout:  DefaultCommitTimeout,
+		maxPerPart:     DefaultMaxInFlightPerPartition,
+		maxTotal:       DefaultMaxInFlight,
+		revokeDrain:    DefaultRevokeDrain,
+		pollWait:       DefaultPollWait,
+		metadataLimit:  DefaultMetadataLimit,
+	}
+}
+
+// WithBrokers sets the seed broker addresses (host:port). Required.
+func WithBrokers(addrs ...string) Option {
+	return func(c *config) error {
+		if len(addrs) == 0 {
+			return errors.New("kafka: WithBrokers: give at least one broker address")
+		}
+		for _, a := range addrs {
+			if a == "" {
+				return errors.New("kafka: WithBrokers: empty broker address")
+			}
+		}
+		c.brokers = append([]string(nil), addrs...)
+		return nil
+	}
+}
+
+// WithGroup sets the consumer group. Required.
+func WithGroup(group string) Option {
+	return func(c *config) error {
+		if group == "" {
+			return errors.New("kafka: WithGroup: the group name must not be empty")
+		}
+		c.group = group
+		return nil
+	}
+}
+
+// WithTopics sets the topics the group consumes. Required.
+func WithTopics(topics ...string) Option {
+	return func(c *config) error {
+		if len(topics) == 0 {
+			return errors.New("kafka: WithTopics: give at least one topic")
+		}
+		for _, t := range topics {
+			if t == "" {
+				return errors.New("kafka: WithTopics: empty topic name")
+			}
+		}
+		c.topics = append([]string(nil), topics...)
+		return nil
+	}
+}
+
+// WithClientOptions adds franz-go options to the client: TLS (kgo.DialTLSConfig),
+// SASL (kgo.SASL), client id, fetch sizes, logger. Options that take over
+// what the adapter manages (group, topics, commits, rebalance callbacks) are
+// overridden by the adapter.
+func WithClientOptions(opts ...kgo.Opt) Option {
+	return func(c *config) error {
+		c.clientOpts = append(c.clientOpts, opts...)
+		return nil
+	}
+}
+
+// WithClientFactory replaces kgo.NewClient, for callers that build or wrap
+// their clients themselves. Default: kgo.NewClient.
+func WithClientFactory(f ClientFactory) Option {
+	return func(c *config) error {
+		if f == nil {
+			return errors.New("kafka: WithClientFactory: nil factory")
+		}
+		c.factory = f
+		return nil
+	}
+}
+
+// WithOrdering sets the ordering mode. Default ByPartition.
+func WithOrdering(o Ordering) Option {
+	return func(c *config) error {
+		if o < ByPartition || o > Unordered {
+			return fmt.Errorf("kafka: WithOrdering(%d): use ByPartition, ByKey or Unordered", int(o))
+		}
+		c.ordering = o
+		return nil
+	}
+}
+
+// WithCommitInterval sets how often the done prefixes are committed. Commits
+// also happen on revoke and on Close. A shorter interval repeats less work
+// after a crash and costs more commit requests. Default 1s.
+func WithCommitInterval(d time.Duration) Option {
+	return func(c *config) error {
+		if d < time.Millisecond {
+			return fmt.Errorf("kafka: WithCommitInterval(%v): must be at least 1ms", d)
+		}
+		c.commitInterval = d
+		return nil
+	}
+}
+
+// WithCommitTimeout bounds one commit request. Default 10s.
+func WithCommitTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("kafka: WithCommitTimeout(%v): must be positive", d)
+		}
+		c.commitTimeout = d
+		return nil
+	}
+}
+
+// WithMaxInFlightPerPartition bounds the records of one partition handed to
+// the runtime and not yet acked. At the bound the partition's fetching is
+// paused; it resumes below it. Default 512.
+func WithMaxInFlightPerPartition(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d): must be at least 1", n)
+		}
+		c.maxPerPart = n
+		return nil
+	}
+}
+
+// WithMaxInFlight bounds the records handed to the runtime and not yet acked,
+// over all partitions. At the bound the Source stops polling. Default 4096.
+func WithMaxInFlight(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return fmt.Errorf("kafka: WithMaxInFlight(%d): must be at least 1", n)
+		}
+		c.maxTotal = n
+		return nil
+	}
+}
+
+// WithRevokeDrain sets how long a revoked partition's in-flight handlers may
+// run on before their contexts are cancelled (with adapters.ErrRevoked) and
+// the partition's done prefix is committed. Keep it well below the group's
+// rebalance timeout (kgo.RebalanceTimeout, 60s by default): the rebalance
+// waits for it. Default 10s.
+func WithRevokeDrain(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("kafka: WithRevokeDrain(%v): must not be negative", d)
+		}
+		c.revokeDrain = d
+		return nil
+	}
+}
+
+// WithPollWait bounds how long one Receive waits for records. Default 1s.
+func WithPollWait(d time.Duration) Option {
+	return func(c *config) error {
+		if d < time.Millisecond {
+			return fmt.Errorf("kafka: WithPollWait(%v): must be at least 1ms", d)
+		}
+		c.pollWait = d
+		return nil
+	}
+}
+
+// WithMetadataLimit sets the size limit of the offset-commit metadata that
+// carries done offsets beyond the committed one. It must not exceed the
+// brokers' offset.metadata.max.bytes. A partition whose metadata could
+// outgrow it stops taking new records until its prefix catches up. Default
+// 4096 bytes; at least 32.
+func WithMetadataLimit(n int) Option {
+	return func(c *config) error {
+		if n < minMetadataLimit {
+			return fmt.Errorf("kafka: WithMetadataLimit(%d): must be at least %d bytes", n, minMetadataLimit)
+		}
+		c.metadataLimit = n
+		return nil
+	}
+}
+
+// WithMeterProvider sets where the adapter's metrics go (lag per partition,
+// commit latency, commit failures). Default: the global otel MeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return errors.New("kafka: WithMeterProvider: nil provider")
+		}
+		c.meterProvider = mp
+		return nil
+	}
+}
+
+func (c *config) validate() error {
+	if len(c.brokers) == 0 {
+		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
+	}
+	if c.group == "" {
+		return errors.New("kafka: WithGroup is required: give the consumer group name")
+	}
+	if len(c.topics) == 0 {
+		return errors.New("kafka: WithTopics is required: give the topics to consume")
+	}
+	if c.maxPerPart > c.maxTotal {
+		return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d) exceeds WithMaxInFlight(%d)", c.maxPerPart, c.maxTotal)
+	}
+	if c.meterProvider == nil {
+		c.meterProvider = otel.GetMeterProvider()
+	}
+	return nil
+}

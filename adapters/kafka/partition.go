@@ -1,0 +1,168 @@
+package kafka
+
+import (
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/prefix"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// maxBaseCost is the largest size of the base offset in the metadata.
+const maxBaseCost = 10
+
+// partition is one assignment of one topic partition to this member: a new
+// value per assignment, so a completion that arrives for an older assignment
+// finds its partition fenced. All fields are guarded by Source.mu.
+type partition struct {
+	topic string
+	id    int32
+	epoch uint64
+
+	// fenced is set when the partition is revoked or lost: nothing of this
+	// assignment is marked done or committed after it.
+	fenced bool
+	// draining is set when a revoke begins: nothing more is handed out.
+	draining bool
+	// drained is closed when the last held record is acked or nacked during
+	// a revoke drain.
+	drained chan struct{}
+
+	tr *prefix.Tracker
+	// costs holds, for every tracked position beyond the frontier, an upper
+	// bound of what it can add to the commit metadata; costSum is their sum.
+	costs    []int
+	costHead int
+	costSum  int
+	// lastTracked is the highest tracked offset; base is the first one of
+	// this assignment, the commit point until a frontier exists.
+	lastTracked int64
+	base        int64
+	hasTracked  bool
+
+	// backlog holds polled records not yet handed out, in offset order.
+	backlog  []*kgo.Record
+	backHead int
+	// lastPolled is the highest offset put in the backlog.
+	lastPolled int64
+	// requeue holds nacked records (already tracked) to hand out again.
+	requeue []*held
+	// held maps handed-out offsets to their deliveries until acked or nacked.
+	held map[int64]*held
+
+	// skip holds done spans read from the commit metadata on assignment.
+	skip []span
+
+	committed int64 // last committed offset, -1 while unknown
+	hwm       int64 // high watermark from the last fetch, -1 while unknown
+	dirty     bool  // something was marked done since the last commit
+	paused    bool
+
+	skippedSome bool // takeFromLocked skipped records on its last call
+}
+
+// held is a delivery handed to the runtime, with what Ack needs to find its
+// place. One allocation carries both.
+type held struct {
+	d   adapters.Delivery
+	p   *partition
+	rec *kgo.Record
+}
+
+func newPartition(topic string, id int32, epoch uint64) *partition {
+	return &partition{
+		topic:      topic,
+		id:         id,
+		epoch:      epoch,
+		tr:         prefix.New(),
+		held:       make(map[int64]*held),
+		lastPolled: -1,
+		committed:  -1,
+		hwm:        -1,
+	}
+}
+
+// backlogLen is the number of polled records waiting to be handed out.
+func (p *partition) backlogLen() int { return len(p.backlog) - p.backHead + len(p.requeue) }
+
+// trackCost is the metadata cost bound of tracking off next: its distance
+// from the previous tracked offset, plus one for the run length it may add.
+func (p *partition) trackCost(off int64) int {
+	if !p.hasTracked {
+		return 1 + 1
+	}
+	return 1 + uvarintLen(uint64(off-p.lastTracked))
+}
+
+// fits reports whether tracking one more position of cost c keeps the worst
+// case metadata (every tracked position beyond the frontier done, none
+// adjacent) within limit.
+func (p *partition) fits(c, limit int) bool {
+	if p.tr.Outstanding() == 0 {
+		return true
+	}
+	return metadataFits(maxBaseCost+p.costSum+c, limit)
+}
+
+func (p *partition) track(off int64, c int) {
+	p.tr.Track(off)
+	if !p.hasTracked {
+		p.base = off
+		p.hasTracked = true
+	}
+	p.lastTracked = off
+	p.costs = append(p.costs, c)
+	p.costSum += c
+}
+
+// done marks off done and releases the cost of positions the frontier passed.
+func (p *partition) done(off int64) {
+	before := p.tr.Outstanding()
+	if !p.tr.Done(off) {
+		p.dirty = true // a done position beyond the frontier changes the metadata
+		return
+	}
+	p.dirty = true
+	for released := before - p.tr.Outstanding(); released > 0; released-- {
+		p.costSum -= p.costs[p.costHead]
+		p.costHead++
+	}
+	if p.costHead == len(p.costs) {
+		p.costs, p.costHead = p.costs[:0], 0
+	} else if p.costHead > 64 && p.costHead >= len(p.costs)/2 {
+		n := copy(p.costs, p.costs[p.costHead:])
+		p.costs, p.costHead = p.costs[:n], 0
+	}
+}
+
+// commitPoint returns the offset to commit (the next offset to consume) and
+// whether there is one.
+func (p *partition) commitPoint() (int64, bool) {
+	if f, ok := p.tr.Frontier(); ok {
+		return f + 1, true
+	}
+	if p.hasTracked {
+		return p.base, true
+	}
+	return 0, false
+}
+
+// metadata encodes the done offsets beyond the commit point.
+func (p *partition) metadata(at int64, limit int) string {
+	m := encodeDone(at, p.tr.DoneBeyond)
+	if len(m) > limit { // cannot happen while fits is honoured; never send an oversized commit
+		return ""
+	}
+	return m
+}
+
+// skipped reports whether off was recorded done by a previous owner, and
+// forgets spans behind it (offsets arrive in increasing order).
+func (p *partition) skipped(off int64) bool {
+	for len(p.skip) > 0 && p.skip[0].to < off {
+		p.skip = p.skip[1:]
+	}
+	if len(p.skip) == 0 {
+		p.skip = nil
+		return false
+	}
+	return p.skip[0].from <= off
+}

@@ -1,0 +1,269 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// When a second member takes a partition, the old owner's held record is
+// lost with ErrRevoked after the drain time, its done prefix is committed on
+// revoke, and a late completion of the lost record is neither marked nor
+// committed by the old owner.
+func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produceN(t, "orders", 2, 10, 10)
+	group := newGroup()
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(200*time.Millisecond))
+
+	ds := receiveN(t, a, 20)
+	late := map[int32]*adapters.Delivery{}
+	for _, d := range ds {
+		if d.Offset == 4 {
+			late[d.Partition] = d
+			continue
+		}
+		ack(t, a, d)
+	}
+
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	// b must poll to join; what it receives is the revoked partition's
+	// unfinished record only (5..9 were recorded done in the metadata).
+	var got []*adapters.Delivery
+	eventually(t, "the second member to receive the revoked partition's unfinished record", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		more, _ := b.Receive(ctx, 100)
+		got = append(got, more...)
+		return len(got) > 0
+	})
+	moved := got[0].Partition
+	if o := offsets(got); !slices.Equal(o, []int64{4}) {
+		t.Fatalf("new owner received %v, want only [4]", o)
+	}
+	if cause := late[moved].LostCause(); !errors.Is(cause, adapters.ErrRevoked) {
+		t.Fatalf("old owner's held record lost with %v, want ErrRevoked", cause)
+	}
+	if offs, _ := c.committed(t, group, "orders"); offs[moved] != 4 {
+		t.Fatalf("revoke committed %d, want 4", offs[moved])
+	}
+
+	// The late completion arrives at the old owner.
+	err := a.Ack(context.Background(), []*adapters.Delivery{late[moved]})
+	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
+		t.Fatalf("late ack returned %v, want ErrRevoked", err)
+	}
+	commitNow(t, a)
+	if offs, _ := c.committed(t, group, "orders"); offs[moved] != 4 {
+		t.Fatalf("old owner committed %d for a partition it lost", offs[moved])
+	}
+
+	// The partition it kept still commits.
+	kept := 1 - moved
+	ack(t, a, late[kept])
+	commitNow(t, a)
+	if offs, _ := c.committed(t, group, "orders"); offs[kept] != 10 {
+		t.Fatalf("kept partition committed %d, want 10", offs[kept])
+	}
+}
+
+// Two members process a stream while one joins and the other leaves midway:
+// every record is finished, none is finished twice (the revoke commit and
+// the metadata cover what the old owner did), and the group ends committed at
+// the end of every partition.
+func TestMembersJoiningAndLeavingLoseNothing(t *testing.T) {
+	const parts, perPart = 4, 300
+	c := newCluster(t)
+	c.createTopic(t, "orders", parts)
+	group := newGroup()
+	// The stream keeps arriving while members join and leave.
+	produced := make(chan struct{})
+	go func() {
+		defer close(produced)
+		for i := 0; i < perPart; i += 10 {
+			rs := make([]*kgo.Record, 0, parts*10)
+			for p := int32(0); p < parts; p++ {
+				for j := i; j < i+10; j++ {
+					rs = append(rs, &kgo.Record{Topic: "orders", Partition: p, Key: []byte(fmt.Sprintf("key-%d", j%50))})
+				}
+			}
+			if err := c.prod.ProduceSync(context.Background(), rs...).FirstErr(); err != nil {
+				t.Errorf("producing: %v", err)
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+
+	var mu sync.Mutex
+	acked := map[string][]string{} // record id -> members whose ack succeeded
+	work := func(ctx context.Context, name string, s *Source) {
+		for ctx.Err() == nil {
+			ds, err := s.Receive(ctx, 16)
+			if err != nil {
+				continue
+			}
+			time.Sleep(time.Millisecond) // the effect
+			err = s.Ack(context.Background(), ds)
+			mu.Lock()
+			for i, d := range ds {
+				if adapters.EntryError(err, i) == nil {
+					acked[d.ID] = append(acked[d.ID], name)
+				}
+			}
+			mu.Unlock()
+		}
+	}
+	count := func() int { mu.Lock(); defer mu.Unlock(); return len(acked) }
+
+	var wg sync.WaitGroup
+	start := func(name string) (*Source, context.CancelFunc) {
+		s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond), WithMaxInFlightPerPartition(32))
+		ctx, cancel := context.WithCancel(context.Background())
+		wg.Add(1)
+		go func() { defer wg.Done(); work(ctx, name, s) }()
+		return s, cancel
+	}
+	a, stopA := start("a")
+	eventually(t, "a to make progress", func() bool { return count() >= 100 })
+	b, stopB := start("b")
+	defer stopB()
+	eventually(t, "b to make progress", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, who := range acked {
+			if slices.Contains(who, "b") {
+				return true
+			}
+		}
+		return false
+	})
+	stopA()
+	if err := a.Close(); err != nil {
+		t.Logf("closing a: %v", err)
+	}
+	<-produced
+	eventually(t, "every record to be finished", func() bool { return count() == parts*perPart })
+	eventually(t, "the group to commit the end of every partition", func() bool {
+		offs, _ := c.committed(t, group, "orders")
+		for p := int32(0); p < parts; p++ {
+			if offs[p] != perPart {
+				return false
+			}
+		}
+		return true
+	})
+	stopB()
+	wg.Wait()
+	_ = b.Close()
+
+	mu.Lock()
+	defer mu.Unlock()
+	by := map[string]int{}
+	for _, who := range acked {
+		for _, w := range who {
+			by[w]++
+		}
+	}
+	t.Logf("records finished per member: %v", by)
+	if by["a"] == 0 || by["b"] == 0 {
+		t.Errorf("both members should have finished records: %v", by)
+	}
+	for p := 0; p < parts; p++ {
+		for o := 0; o < perPart; o++ {
+			id := fmt.Sprintf("orders/%d/%d", p, o)
+			if who := acked[id]; len(who) != 1 {
+				t.Errorf("%s finished by %v, want exactly one member", id, who)
+			}
+		}
+	}
+}
+
+// Lost partitions (a fatal group error: the member was kicked out) are
+// fenced at once and not committed: they may already be someone else's.
+func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 5, 5)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 5)
+	ack(t, s, ds[:2]...)
+
+	// What franz-go does on a fatal group error such as UNKNOWN_MEMBER_ID.
+	s.onLost(context.Background(), s.Client(), map[string][]int32{"orders": {0}})
+
+	for _, d := range ds[2:] {
+		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("held record not lost: %v", d.LostCause())
+		}
+	}
+	if err := s.Ack(context.Background(), ds[2:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
+		t.Fatalf("ack after loss returned %v, want ErrRevoked", err)
+	}
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); hasCommit(offs, 0) {
+		t.Fatalf("lost partition committed at %d", offs[0])
+	}
+}
+
+// A handler that finishes within the revoke drain has its record marked and
+// committed by the revoke: the partition's next owner starts after it.
+func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produceN(t, "orders", 2, 10, 10)
+	group := newGroup()
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(30*time.Second))
+	ds := receiveN(t, a, 20)
+	late := map[int32]*adapters.Delivery{}
+	for _, d := range ds {
+		if d.Offset == 4 {
+			late[d.Partition] = d
+			continue
+		}
+		ack(t, a, d)
+	}
+
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	polled := make(chan struct{})
+	go func() { // b must poll to take part in the rebalance
+		defer close(polled)
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		for ctx.Err() == nil {
+			if ds, _ := b.Receive(ctx, 100); len(ds) > 0 {
+				t.Errorf("new owner received %v although everything was finished", offsets(ds))
+			}
+		}
+	}()
+	var moved int32 = -1
+	eventually(t, "a partition of a to start draining", func() bool {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		for _, p := range a.order {
+			if p.draining {
+				moved = p.id
+				return true
+			}
+		}
+		return false
+	})
+	ack(t, a, late[moved]) // finishes within the drain
+	eventually(t, "the revoke to commit the drained partition to its end", func() bool {
+		offs, _ := c.committed(t, group, "orders")
+		return offs[moved] == 10
+	})
+	if cause := late[moved].LostCause(); cause != nil {
+		t.Fatalf("record that finished in the drain was lost: %v", cause)
+	}
+	<-polled
+}

@@ -1,0 +1,486 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Source consumes a consumer group's topics and hands records to the custody
+// runtime. It implements adapters.Source. Create it with NewSource.
+type Source struct {
+	cfg  config
+	cl   *kgo.Client
+	tel  *telemetry
+	name string
+
+	mu        sync.Mutex
+	parts     map[tpKey]*partition
+	order     []*partition // assigned partitions, for round-robin hand-out
+	rr        int
+	epoch     uint64
+	totalHeld int
+	totalBack int
+	closing   bool
+	closed    bool
+	// wake is signalled when capacity frees up or records become ready.
+	wake chan struct{}
+	// pollCancel interrupts a poll in progress so that a Receive waiting on
+	// the broker notices records that became ready in a backlog.
+	pollCancel context.CancelFunc
+	// scratch is reused to build delivery IDs.
+	scratch []byte
+	// slab hands out held values allocated heldSlab at a time: one
+	// allocation per batch instead of one per record.
+	slab []held
+
+	// commitMu serialises building and sending commits, so a commit built
+	// before a fence is never sent after the revoke's own commit.
+	commitMu sync.Mutex
+
+	stopLoop chan struct{}
+	loopDone chan struct{}
+	closeErr error
+	once     sync.Once
+}
+
+const heldSlab = 64
+
+type tpKey struct {
+	topic string
+	part  int32
+}
+
+// NewSource creates a Source and its franz-go client. The client joins the
+// group when the Source is first polled.
+func NewSource(opts ...Option) (*Source, error) {
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if err := o(&cfg); err != nil {
+			return nil, err
+		}
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	s := &Source{
+		cfg:      cfg,
+		name:     "kafka:" + strings.Join(cfg.topics, ","),
+		parts:    make(map[tpKey]*partition),
+		wake:     make(chan struct{}, 1),
+		stopLoop: make(chan struct{}),
+		loopDone: make(chan struct{}),
+	}
+	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: telemetry: %w", err)
+	}
+	s.tel = tel
+	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
+	kopts = append(kopts,
+		kgo.SeedBrokers(cfg.brokers...),
+		kgo.ConsumerGroup(cfg.group),
+		kgo.ConsumeTopics(cfg.topics...),
+		kgo.DisableAutoCommit(),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.OnPartitionsAssigned(s.onAssigned),
+		kgo.OnOffsetsFetched(s.onOffsetsFetched),
+		kgo.OnPartitionsRevoked(s.onRevoked),
+		kgo.OnPartitionsLost(s.onLost),
+	)
+	cl, err := cfg.factory(kopts...)
+	if err != nil {
+		tel.close()
+		return nil, fmt.Errorf("kafka: creating the client: %w", err)
+	}
+	s.cl = cl
+	go s.commitLoop()
+	return s, nil
+}
+
+// Client returns the franz-go client, for admin calls and inspection. Do not
+// poll, commit or close it: the Source owns those.
+func (s *Source) Client() *kgo.Client { return s.cl }
+
+// Capabilities implements adapters.Source.
+func (s *Source) Capabilities() adapters.Capabilities {
+	return adapters.Capabilities{
+		Name:    s.name,
+		Ordered: s.cfg.ordering != Unordered,
+	}
+}
+
+// Receive implements adapters.Source: it hands out polled records, up to the
+// in-flight bounds, waiting at most the poll wait for new ones.
+func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, error) {
+	if want < 1 {
+		want = 1
+	}
+	s.mu.Lock()
+	if s.closed || s.closing {
+		s.mu.Unlock()
+		return nil, adapters.ErrClosed
+	}
+	out := s.takeLocked(nil, want)
+	// Backlogs are not counted: each is bounded by its partition's pause.
+	room := s.cfg.maxTotal - s.totalHeld
+	backlog := s.totalBack
+	s.mu.Unlock()
+	if len(out) > 0 {
+		return out, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if room <= 0 {
+		return s.waitForRoom(ctx, want)
+	}
+	// Poll more than this call hands out, so the backlogs hold records of
+	// every partition to interleave, but no more than the room left.
+	n := min(max(want, room-backlog), room)
+	return s.poll(ctx, n, want)
+}
+
+// waitForRoom waits, up to the poll wait, for acks to free capacity.
+func (s *Source) waitForRoom(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	t := time.NewTimer(s.cfg.pollWait)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-t.C:
+	case <-s.wake:
+	}
+	s.mu.Lock()
+	out := s.takeLocked(nil, max)
+	s.mu.Unlock()
+	return out, nil
+}
+
+func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, error) {
+	pctx, cancel := context.WithTimeout(ctx, s.cfg.pollWait)
+	s.mu.Lock()
+	s.pollCancel = cancel
+	s.mu.Unlock()
+	fs := s.cl.PollRecords(pctx, n)
+	s.mu.Lock()
+	s.pollCancel = nil
+	s.registerLocked(fs)
+	out := s.takeLocked(nil, max)
+	s.mu.Unlock()
+	cancel()
+	// Records are now in the partitions' books, under their epoch: a
+	// rebalance may proceed (BlockRebalanceOnPoll held it back until here).
+	s.cl.AllowRebalance()
+	if len(out) > 0 {
+		return out, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if fs.IsClientClosed() {
+		return nil, adapters.ErrClosed
+	}
+	var ferr error
+	fs.EachError(func(topic string, part int32, err error) {
+		if ferr == nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+			ferr = fmt.Errorf("kafka: fetching %s/%d: %w", topic, part, err)
+		}
+	})
+	return nil, ferr
+}
+
+// registerLocked appends polled records to their partitions' backlogs.
+// Records of partitions no longer assigned (or assigned anew since the fetch)
+// are dropped: their current owner reads them from the committed offset.
+func (s *Source) registerLocked(fs kgo.Fetches) {
+	fs.EachPartition(func(fp kgo.FetchTopicPartition) {
+		p := s.parts[tpKey{fp.Topic, fp.Partition}]
+		if p == nil || p.fenced || p.draining {
+			return
+		}
+		if fp.HighWatermark >= 0 {
+			p.hwm = fp.HighWatermark
+		}
+		for _, r := range fp.Records {
+			if r.Offset <= p.lastPolled {
+				continue
+			}
+			p.lastPolled = r.Offset
+			p.backlog = append(p.backlog, r)
+			s.totalBack++
+		}
+		s.updatePauseLocked(p)
+	})
+}
+
+// takeLocked hands out ready records up to limit and the in-flight bounds,
+// sharing them out evenly over the partitions with records waiting, so that a
+// runtime holding few records still gets work for every partition's lane.
+func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Delivery {
+	n := len(s.order)
+	if n == 0 {
+		return out
+	}
+	if out == nil {
+		out = make([]*adapters.Delivery, 0, min(limit, 256))
+	}
+	now := time.Now()
+	for len(out) < limit {
+		waiting := 0
+		for _, p := range s.order {
+			if p.backlogLen() > 0 {
+				waiting++
+			}
+		}
+		if waiting == 0 {
+			break
+		}
+		share := max(1, (limit-len(out))/waiting)
+		progress := false
+		for i := 0; i < n && len(out) < limit; i++ {
+			p := s.order[(s.rr+i)%n]
+			if p.backlogLen() == 0 {
+				continue
+			}
+			before := len(out)
+			out = s.takeFromLocked(p, out, min(limit, len(out)+share), now)
+			progress = progress || len(out) > before || p.skippedSome
+			p.skippedSome = false
+		}
+		if !progress {
+			break
+		}
+	}
+	s.rr = (s.rr + 1) % n
+	return out
+}
+
+// takeFromLocked hands out p's next ready records until out holds max.
+// Records a previous owner finished (per the commit metadata) are marked done
+// on the way without being handed out.
+func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int, now time.Time) []*adapters.Delivery {
+	if p.fenced || p.draining {
+		return out
+	}
+	for len(out) < max && len(p.requeue) > 0 && s.totalHeld < s.cfg.maxTotal {
+		h := p.requeue[0]
+		p.requeue = p.requeue[1:]
+		p.held[h.rec.Offset] = h
+		s.totalHeld++
+		out = append(out, &h.d)
+	}
+	for len(out) < max && p.backHead < len(p.backlog) {
+		if len(p.held) >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal {
+			break
+		}
+		r := p.backlog[p.backHead]
+		c := p.trackCost(r.Offset)
+		if !p.fits(c, s.cfg.metadataLimit) {
+			break // the metadata could not record more: wait for the prefix
+		}
+		p.backlog[p.backHead] = nil
+		p.backHead++
+		s.totalBack--
+		p.track(r.Offset, c)
+		if p.skipped(r.Offset) {
+			p.done(r.Offset)
+			p.skippedSome = true
+			s.tel.skipped.Add(context.Background(), 1, s.tel.partAttrs(p))
+			continue
+		}
+		h := s.newHeld(p, r, now)
+		p.held[r.Offset] = h
+		s.totalHeld++
+		out = append(out, &h.d)
+	}
+	if p.backHead == len(p.backlog) {
+		p.backlog, p.backHead = p.backlog[:0], 0
+	}
+	s.updatePauseLocked(p)
+	return out
+}
+
+// newHeld builds the delivery for r. Called under s.mu (it uses s.scratch).
+func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
+	if len(s.slab) == 0 {
+		s.slab = make([]held, heldSlab)
+	}
+	h := &s.slab[0]
+	s.slab = s.slab[1:]
+	h.p, h.rec = p, r
+	d := &h.d
+	// "topic/partition/offset", built in one allocation; the lane of a
+	// partition is its prefix.
+	b := append(s.scratch[:0], r.Topic...)
+	b = append(b, '/')
+	b = strconv.AppendInt(b, int64(r.Partition), 10)
+	lane := len(b)
+	b = append(b, '/')
+	b = strconv.AppendInt(b, r.Offset, 10)
+	s.scratch = b
+	d.ID = string(b)
+	d.Body = r.Value
+	if len(r.Key) > 0 {
+		d.Key = string(r.Key)
+	}
+	if len(r.Headers) > 0 {
+		d.Headers = make(map[string]string, len(r.Headers))
+		for _, rh := range r.Headers {
+			d.Headers[rh.Key] = string(rh.Value)
+		}
+	}
+	d.Queue = r.Topic
+	d.Partition = r.Partition
+	d.Offset = r.Offset
+	d.PublishedAt = r.Timestamp
+	d.ReceivedAt = now
+	d.Native = r
+	d.Handle = h
+	switch s.cfg.ordering {
+	case ByPartition:
+		d.OrderingKey = d.ID[:lane]
+	case ByKey:
+		if len(r.Key) > 0 {
+			d.OrderingKey = d.ID[:lane] + "/" + d.Key
+		} else {
+			d.OrderingKey = d.ID[:lane] // keyless records share the partition's lane
+		}
+	}
+	return h
+}
+
+// updatePauseLocked pauses fetching a partition whose backlog and in-flight
+// records reach its bound, and resumes it below the bound.
+func (s *Source) updatePauseLocked(p *partition) {
+	full := p.backlogLen()+len(p.held) >= s.cfg.maxPerPart ||
+		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
+	if full == p.paused || p.fenced {
+		return
+	}
+	p.paused = full
+	tp := map[string][]int32{p.topic: {p.id}}
+	if full {
+		s.cl.PauseFetchPartitions(tp)
+	} else {
+		s.cl.ResumeFetchPartitions(tp)
+	}
+}
+
+// Ack implements adapters.Source: it marks the records done. The commit
+// follows on the interval, on revoke or on Close. Records whose partition was
+// revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
+func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	var failed map[int]error
+	s.mu.Lock()
+	for i, d := range ds {
+		h, ok := d.Handle.(*held)
+		if !ok {
+			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
+			continue
+		}
+		p := h.p
+		if p.fenced {
+			failed = addFailure(failed, i, adapters.ErrRevoked)
+			continue
+		}
+		if p.held[h.rec.Offset] != h {
+			continue // acked twice, or nacked already
+		}
+		s.releaseLocked(p, h)
+		p.done(h.rec.Offset)
+	}
+	s.mu.Unlock()
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}
+
+// Nack implements adapters.Source. Kafka has no delayed redelivery: the
+// record is not marked done, so its offset is not committed, and it is handed
+// out again by a later Receive. At shutdown this leaves it uncommitted for the
+// partition's next owner.
+func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range ds {
+		h, ok := d.Handle.(*held)
+		if !ok || h.p.fenced || h.p.held[h.rec.Offset] != h {
+			continue
+		}
+		s.releaseLocked(h.p, h)
+		if !s.closing {
+			h.p.requeue = append(h.p.requeue, h)
+		}
+	}
+	return nil
+}
+
+// releaseLocked removes h from its partition's in-flight records and wakes
+// whoever waits for capacity or for a revoke drain.
+func (s *Source) releaseLocked(p *partition, h *held) {
+	delete(p.held, h.rec.Offset)
+	s.totalHeld--
+	if p.drained != nil && len(p.held) == 0 {
+		close(p.drained)
+		p.drained = nil
+	}
+	s.updatePauseLocked(p)
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+	if s.pollCancel != nil && p.backlogLen() > 0 {
+		s.pollCancel() // records are ready now; stop waiting on the broker
+		s.pollCancel = nil
+	}
+}
+
+func addFailure(m map[int]error, i int, err error) map[int]error {
+	if m == nil {
+		m = make(map[int]error)
+	}
+	m[i] = err
+	return m
+}
+
+// Close implements adapters.Source: it commits the done prefixes, leaves the
+// group and closes the client. Records still held are given up (their
+// contexts are cancelled with adapters.ErrClosed) and stay uncommitted.
+func (s *Source) Close() error {
+	s.once.Do(func() {
+		s.mu.Lock()
+		s.closing = true
+		var lose []*held
+		for _, p := range s.order {
+			for _, h := range p.held {
+				lose = append(lose, h)
+			}
+		}
+		s.mu.Unlock()
+		for _, h := range lose {
+			h.d.Lose(adapters.ErrClosed)
+		}
+		close(s.stopLoop)
+		<-s.loopDone
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
+		s.closeErr = s.commit(ctx, nil)
+		cancel()
+		// Leaving the group runs onRevoked, which fences every partition
+		// (and commits nothing new: the commit above took it all).
+		s.cl.CloseAllowingRebalance()
+		s.mu.Lock()
+		s.closed = true
+		s.mu.Unlock()
+		s.tel.close()
+	})
+	return s.closeErr
+}

@@ -1,0 +1,277 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+func TestInvalidOptionsNameTheOption(t *testing.T) {
+	cases := map[string][]Option{
+		"WithBrokers":                 {WithGroup("g"), WithTopics("t")},
+		"WithGroup":                   {WithBrokers("b:9092"), WithTopics("t")},
+		"WithTopics":                  {WithBrokers("b:9092"), WithGroup("g")},
+		"WithOrdering":                {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithOrdering(Ordering(7))},
+		"WithCommitInterval":          {WithCommitInterval(0)},
+		"WithMaxInFlightPerPartition": {WithMaxInFlightPerPartition(0)},
+		"WithMaxInFlight(":            {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithMaxInFlight(2), WithMaxInFlightPerPartition(3)},
+		"WithMetadataLimit":           {WithMetadataLimit(8)},
+		"WithRevokeDrain":             {WithRevokeDrain(-time.Second)},
+		"WithPollWait":                {WithPollWait(0)},
+	}
+	for name, opts := range cases {
+		_, err := NewSource(opts...)
+		if err == nil || !strings.Contains(err.Error(), name) {
+			t.Errorf("%s: got error %v, want one naming the option", name, err)
+		}
+	}
+}
+
+// One slow record holds the committed offset back while later records
+// finish; once it finishes the commit jumps past all of them.
+func TestOutOfOrderCompletionCommitsOnlyTheDonePrefix(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 20, 20)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(10*time.Millisecond))
+
+	ds := receiveN(t, s, 20)
+	var slow *adapters.Delivery
+	for _, d := range ds {
+		if d.Offset == 3 {
+			slow = d
+			continue
+		}
+		ack(t, s, d)
+	}
+	// The commit loop runs every 10ms; watch it for a while.
+	var lastMeta string
+	eventually(t, "the prefix before the slow record to be committed", func() bool {
+		offs, metas := c.committed(t, group, "orders")
+		lastMeta = metas[0]
+		return offs[0] == 3
+	})
+	for i := 0; i < 20; i++ {
+		offs, _ := c.committed(t, group, "orders")
+		if offs[0] > 3 {
+			t.Fatalf("committed %d past the unfinished offset 3", offs[0])
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := decodeDone(lastMeta, 3); !slices.Equal(got, []span{{4, 19}}) {
+		t.Fatalf("metadata records done spans %v, want [{4 19}]", got)
+	}
+	ack(t, s, slow)
+	eventually(t, "the commit to jump past every finished record", func() bool {
+		offs, _ := c.committed(t, group, "orders")
+		return offs[0] == 20
+	})
+}
+
+// Done offsets beyond the committed one are recorded in the commit metadata;
+// the partition's next owner skips them.
+func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 10, 10)
+	group := newGroup()
+
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, a, 10)
+	for _, d := range ds {
+		if d.Offset != 0 && d.Offset != 5 {
+			ack(t, a, d)
+		}
+	}
+	if err := a.Close(); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+	offs, _ := c.committed(t, group, "orders")
+	if offs[0] != 0 {
+		t.Fatalf("committed %d, want 0 (offset 0 never finished)", offs[0])
+	}
+
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	got := receiveN(t, b, 2)
+	if more := receiveFor(t, b, 500*time.Millisecond); len(more) > 0 {
+		got = append(got, more...)
+	}
+	if o := offsets(got); !slices.Equal(o, []int64{0, 5}) {
+		t.Fatalf("new owner received offsets %v, want only the unfinished [0 5]", o)
+	}
+	ack(t, b, got...)
+	commitNow(t, b)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 10 {
+		t.Fatalf("committed %d after finishing, want 10", offs[0])
+	}
+}
+
+// A partition whose done offsets could outgrow the metadata limit stops
+// taking records until its prefix catches up.
+func TestMetadataLimitStopsTakingRecords(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 50, 50)
+	s := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32))
+
+	first := receiveN(t, s, 1)
+	first = append(first, receiveFor(t, s, time.Second)...)
+	if len(first) > 4 {
+		t.Fatalf("received %d records with a 32-byte metadata limit, want 1 to 4", len(first))
+	}
+	// Finish everything but the head: the metadata now records them, and
+	// still nothing more may be taken.
+	ack(t, s, first[1:]...)
+	if more := receiveFor(t, s, 500*time.Millisecond); len(more) > 0 {
+		t.Fatalf("took %d more records while the head was unfinished", len(more))
+	}
+	ack(t, s, first[0])
+	seen := len(first)
+	for seen < 50 {
+		ds := receiveN(t, s, 1)
+		seen += len(ds)
+		ack(t, s, ds...)
+	}
+}
+
+// At the per-partition bound the partition's fetching is paused and no more
+// records are handed out; acks resume it.
+func TestBackpressurePerPartitionAndTotal(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 4)
+	c.produceN(t, "orders", 4, 30, 30)
+	s := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMaxInFlightPerPartition(3), WithMaxInFlight(10))
+
+	got := receiveN(t, s, 10)
+	if more := receiveFor(t, s, 500*time.Millisecond); len(more) > 0 {
+		t.Fatalf("handed out %d records beyond the total bound of 10", len(more))
+	}
+	per := map[int32]int{}
+	for _, d := range got {
+		per[d.Partition]++
+		if per[d.Partition] > 3 {
+			t.Fatalf("partition %d has %d records in flight, bound is 3", d.Partition, per[d.Partition])
+		}
+	}
+	paused := s.Client().PauseFetchPartitions(nil)["orders"]
+	for p, n := range per {
+		if n == 3 && !slices.Contains(paused, p) {
+			t.Errorf("partition %d at its bound is not paused (paused: %v)", p, paused)
+		}
+	}
+	ack(t, s, got...)
+	total := len(got)
+	for total < 120 {
+		ds := receiveN(t, s, 1)
+		total += len(ds)
+		ack(t, s, ds...)
+	}
+	if paused := s.Client().PauseFetchPartitions(nil); len(paused) != 0 {
+		t.Errorf("partitions still paused after draining: %v", paused)
+	}
+}
+
+// A Source closed without acking what it held commits nothing for it; the
+// next one resumes from the last committed offset.
+func TestClosedWithoutCommitResumesFromCommitted(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 20, 20)
+	group := newGroup()
+
+	a := c.open(t, group, "orders", WithCommitInterval(time.Hour))
+	ds := receiveN(t, a, 20)
+	ack(t, a, ds[:5]...)
+	commitNow(t, a)
+	ack(t, a, ds[10:]...) // done beyond the prefix but never committed
+	var lost error
+	ds[7].OnLost(func(err error) { lost = err })
+	// Simulate the process dying: the interval commit never runs again and
+	// Close is the only thing that happens.
+	a.mu.Lock()
+	for _, p := range a.order {
+		p.dirty = false
+	}
+	a.mu.Unlock()
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(lost, adapters.ErrClosed) {
+		t.Fatalf("held delivery lost with %v, want ErrClosed", lost)
+	}
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 5 {
+		t.Fatalf("committed %d, want 5", offs[0])
+	}
+
+	b := c.open(t, group, "orders", WithCommitInterval(time.Hour))
+	got := receiveN(t, b, 15)
+	if got[0].Offset != 5 || got[14].Offset != 19 {
+		t.Fatalf("resumed with offsets %v, want 5..19", offsets(got))
+	}
+}
+
+func TestOrderingKeys(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produce(t,
+		&kgo.Record{Topic: "orders", Partition: 1, Key: []byte("a"), Value: []byte("1"), Headers: []kgo.RecordHeader{{Key: "traceparent", Value: []byte("00-abc-def-01")}}},
+		&kgo.Record{Topic: "orders", Partition: 1, Value: []byte("2")},
+	)
+	want := map[Ordering][2]string{
+		ByPartition: {"orders/1", "orders/1"},
+		ByKey:       {"orders/1/a", "orders/1"},
+		Unordered:   {"", ""},
+	}
+	for mode, keys := range want {
+		s := c.open(t, newGroup(), "orders", WithOrdering(mode))
+		ds := receiveN(t, s, 2)
+		if ds[0].OrderingKey != keys[0] || ds[1].OrderingKey != keys[1] {
+			t.Errorf("%v: ordering keys %q %q, want %q %q", mode, ds[0].OrderingKey, ds[1].OrderingKey, keys[0], keys[1])
+		}
+		if ds[0].ID != "orders/1/0" || ds[0].Key != "a" || ds[0].Headers["traceparent"] != "00-abc-def-01" {
+			t.Errorf("%v: delivery %+v does not carry the record's id, key and headers", mode, ds[0])
+		}
+		var r *kgo.Record
+		if !ds[0].As(&r) || string(r.Value) != "1" {
+			t.Errorf("%v: As(*kgo.Record) does not reach the record", mode)
+		}
+		if s.Capabilities().Ordered != (mode != Unordered) {
+			t.Errorf("%v: Capabilities.Ordered = %v", mode, s.Capabilities().Ordered)
+		}
+		_ = s.Close()
+	}
+}
+
+// Nack hands the record out again and never commits it.
+func TestNackRedeliversAndHoldsThePrefix(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 3)
+	if err := s.Nack(context.Background(), ds[:1], 0); err != nil {
+		t.Fatal(err)
+	}
+	ack(t, s, ds[1:]...)
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 0 {
+		t.Fatalf("committed %d past a nacked record", offs[0])
+	}
+	again := receiveN(t, s, 1)
+	if again[0].Offset != 0 {
+		t.Fatalf("redelivered offset %d, want 0", again[0].Offset)
+	}
+	ack(t, s, again...)
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 3 {
+		t.Fatalf("committed %d, want 3", offs[0])
+	}
+}

@@ -1,0 +1,101 @@
+package kafka
+
+import (
+	"context"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+)
+
+const meterName = "github.com/custody-go/custody/adapters/kafka"
+
+// telemetry holds the adapter's instruments:
+//
+//	custody.kafka.lag             gauge, records: high watermark minus committed offset, per partition
+//	custody.kafka.commit.duration histogram, seconds: one commit request
+//	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
+//	custody.kafka.skipped         counter: records skipped because a previous owner had done them
+type telemetry struct {
+	group    attribute.KeyValue
+	commit   metric.Float64Histogram
+	failures metric.Int64Counter
+	skipped  metric.Int64Counter
+	reg      metric.Registration
+	okAttrs  metric.MeasurementOption
+	badAttrs metric.MeasurementOption
+	groupOpt metric.MeasurementOption
+	attrs    map[*partition]metric.MeasurementOption
+}
+
+func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry, error) {
+	m := mp.Meter(meterName)
+	t := &telemetry{group: attribute.String("messaging.consumer.group.name", group), attrs: make(map[*partition]metric.MeasurementOption)}
+	t.groupOpt = metric.WithAttributes(t.group)
+	t.okAttrs = metric.WithAttributes(t.group, attribute.Bool("error", false))
+	t.badAttrs = metric.WithAttributes(t.group, attribute.Bool("error", true))
+	var err error
+	if t.commit, err = m.Float64Histogram("custody.kafka.commit.duration",
+		metric.WithUnit("s"), metric.WithDescription("Duration of one offset commit request.")); err != nil {
+		return nil, err
+	}
+	if t.failures, err = m.Int64Counter("custody.kafka.commit.failures",
+		metric.WithDescription("Offset commit requests that failed in whole or in part.")); err != nil {
+		return nil, err
+	}
+	if t.skipped, err = m.Int64Counter("custody.kafka.skipped",
+		metric.WithDescription("Records skipped after a rebalance because the commit metadata recorded them done.")); err != nil {
+		return nil, err
+	}
+	lag, err := m.Int64ObservableGauge("custody.kafka.lag",
+		metric.WithDescription("High watermark minus committed offset, per assigned partition."))
+	if err != nil {
+		return nil, err
+	}
+	t.reg, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for _, p := range s.order {
+			if p.hwm < 0 || p.committed < 0 {
+				continue
+			}
+			o.ObserveInt64(lag, max(p.hwm-p.committed, 0), t.partAttrs(p))
+		}
+		return nil
+	}, lag)
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// partAttrs returns the attributes of p's measurements. Called under Source.mu.
+func (t *telemetry) partAttrs(p *partition) metric.MeasurementOption {
+	if a, ok := t.attrs[p]; ok {
+		return a
+	}
+	a := metric.WithAttributes(t.group,
+		attribute.String("messaging.destination.name", p.topic),
+		attribute.Int("messaging.destination.partition.id", int(p.id)))
+	t.attrs[p] = a
+	return a
+}
+
+// forget drops p's attributes when its assignment ends. Called under Source.mu.
+func (t *telemetry) forget(p *partition) { delete(t.attrs, p) }
+
+func (t *telemetry) commitDone(d time.Duration, failed bool) {
+	ctx := context.Background()
+	if failed {
+		t.commit.Record(ctx, d.Seconds(), t.badAttrs)
+		t.failures.Add(ctx, 1, t.groupOpt)
+		return
+	}
+	t.commit.Record(ctx, d.Seconds(), t.okAttrs)
+}
+
+func (t *telemetry) close() {
+	if t.reg != nil {
+		_ = t.reg.Unregister()
+	}
+}

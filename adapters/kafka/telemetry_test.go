@@ -1,0 +1,86 @@
+package kafka
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kmsg"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+)
+
+// collect returns the named metric from the reader.
+func collect(t *testing.T, r *sdkmetric.ManualReader, name string) metricdata.Aggregation {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := r.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == name {
+				return m.Data
+			}
+		}
+	}
+	return nil
+}
+
+func TestTelemetryLagAndCommits(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 10, 10)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour))
+
+	ds := receiveN(t, s, 10)
+	ack(t, s, ds[:4]...)
+	commitNow(t, s)
+	lag, ok := collect(t, reader, "custody.kafka.lag").(metricdata.Gauge[int64])
+	if !ok || len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 6 {
+		t.Fatalf("lag = %+v, want one partition at 10-4 = 6", lag)
+	}
+	dur, ok := collect(t, reader, "custody.kafka.commit.duration").(metricdata.Histogram[float64])
+	if !ok || len(dur.DataPoints) != 1 || dur.DataPoints[0].Count != 1 {
+		t.Fatalf("commit duration = %+v, want one successful commit", dur)
+	}
+
+	// The coordinator refuses the next commit.
+	c.fake.ControlKey(int16(kmsg.OffsetCommit), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		req := kreq.(*kmsg.OffsetCommitRequest)
+		resp := req.ResponseKind().(*kmsg.OffsetCommitResponse)
+		for _, rt := range req.Topics {
+			st := kmsg.NewOffsetCommitResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewOffsetCommitResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.GroupAuthorizationFailed.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	ack(t, s, ds[4:]...)
+	if err := s.Commit(context.Background()); err == nil {
+		t.Fatal("a refused commit returned nil")
+	}
+	fails, ok := collect(t, reader, "custody.kafka.commit.failures").(metricdata.Sum[int64])
+	if !ok || len(fails.DataPoints) != 1 || fails.DataPoints[0].Value != 1 {
+		t.Fatalf("commit failures = %+v, want 1", fails)
+	}
+	// The refused commit is retried: the next one carries it.
+	commitNow(t, s)
+	if offs, _ := c.committed(t, s.cfg.group, "orders"); offs[0] != 10 {
+		t.Fatalf("committed %d after the retry, want 10", offs[0])
+	}
+	lag, _ = collect(t, reader, "custody.kafka.lag").(metricdata.Gauge[int64])
+	if len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 0 {
+		t.Fatalf("lag = %+v after committing everything, want 0", lag)
+	}
+}
