@@ -124,6 +124,9 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 		}
 		time.Sleep(time.Duration(try) * 50 * time.Millisecond)
 	}
+	// Settle the batch with one metric update per outcome and one credit
+	// release, not one of each per message.
+	var acked, deadLettered int
 	for i, j := range batch {
 		outcome := j.outcome
 		if e := adapters.EntryError(err, i); e != nil {
@@ -133,6 +136,23 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 				outcome = outcomeLost
 			}
 		}
-		r.settle(j, outcome)
+		switch outcome {
+		case outcomeAcked:
+			acked++
+		case outcomeDeadLettered:
+			deadLettered++
+		default:
+			r.tel.settled.Add(r.settleCtx, 1, r.tel.outcomes[outcome]...)
+		}
 	}
+	if acked > 0 {
+		r.tel.settled.Add(r.settleCtx, int64(acked), r.tel.outcomes[outcomeAcked]...)
+	}
+	if deadLettered > 0 {
+		r.tel.settled.Add(r.settleCtx, int64(deadLettered), r.tel.outcomes[outcomeDeadLettered]...)
+	}
+	n := len(batch)
+	r.tel.inFlight.Add(r.settleCtx, -int64(n), r.tel.source...)
+	r.credit.release(n)
+	r.held.Add(-n)
 }
