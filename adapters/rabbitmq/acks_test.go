@@ -1,0 +1,180 @@
+package rabbitmq
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+// A run of finished deliveries in tag order goes out as few multiple=true
+// acks, and the broker forgets every one of them.
+func TestAckCoalescesContiguousRun(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 40)...)
+	s := openSource(t, q, WithPrefetch(64), WithAckCoalescing(16, 5*time.Millisecond, time.Second))
+	ds := receiveN(t, s, 40)
+	if err := s.Ack(context.Background(), ds); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	st := s.Stats()
+	if st.Acked != 40 {
+		t.Fatalf("acked %d deliveries, want 40", st.Acked)
+	}
+	if st.AckFrames > 3 || st.MultipleAcks != st.AckFrames {
+		t.Fatalf("sent %d ack frames (%d multiple) for 40 deliveries in order; want at most 3, all multiple", st.AckFrames, st.MultipleAcks)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages came back after they were acked", n)
+	}
+}
+
+// While the first delivery is still running, the finished ones behind it are
+// not covered by a multiple ack: with a long straggler wait nothing is sent,
+// and once the slow one finishes a single multiple ack settles all of them.
+func TestAckNeverCoversUnfinishedTag(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 10)...)
+	s := openSource(t, q, WithPrefetch(20), WithAckCoalescing(4, 5*time.Millisecond, time.Hour))
+	ds := receiveN(t, s, 10)
+	if string(ds[0].Body) != "m1" {
+		t.Fatalf("first delivery is %q", ds[0].Body)
+	}
+	if err := s.Ack(context.Background(), ds[1:]); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // several lingers: nothing may go out
+	if n := unacked(t, q); n != 10 {
+		t.Fatalf("broker shows %d unacked with the first delivery unfinished and stragglers held; want 10", n)
+	}
+	if st := s.Stats(); st.AckFrames != 0 {
+		t.Fatalf("sent %d ack frames while tag 1 was unfinished", st.AckFrames)
+	}
+	if err := s.Ack(context.Background(), ds[:1]); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.AckFrames != 1 || st.MultipleAcks != 1 {
+		t.Fatalf("sent %d ack frames (%d multiple), want one multiple ack", st.AckFrames, st.MultipleAcks)
+	}
+}
+
+// With the default straggler wait, finished deliveries stuck behind a slow
+// one are acked one by one, freeing the prefetch window, and the slow one
+// stays unacked until it finishes: closing without finishing it gives it
+// back, and only it.
+func TestStragglersAckedIndividuallyWhileSlowOneRuns(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 10)...)
+	s := openSource(t, q, WithPrefetch(20))
+	ds := receiveN(t, s, 10)
+	// Finish out of order: the even ones, then the odd ones but the first.
+	var order []int
+	for i := 1; i < 10; i += 2 {
+		order = append(order, i)
+	}
+	for i := 2; i < 10; i += 2 {
+		order = append(order, i)
+	}
+	for _, i := range order {
+		if err := s.Ack(context.Background(), ds[i:i+1]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitUnacked(t, q, 1) // the slow one is still in flight
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(q, 1)
+	back := a.drain(q)
+	if len(back) != 1 || string(back[0].Body) != "m1" {
+		t.Fatalf("after close the queue holds %v, want only the unfinished m1", back)
+	}
+}
+
+// Close sends acks still lingering, so nothing finished comes back.
+func TestCloseFlushesLingeringAcks(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 5)...)
+	s := openSource(t, q, WithPrefetch(20), WithAckCoalescing(64, time.Second, time.Hour))
+	ds := receiveN(t, s, 5)
+	if err := s.Ack(context.Background(), append(ds[:1:1], ds[2:]...)); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(q, 1)
+	back := a.drain(q)
+	if len(back) != 1 || string(back[0].Body) != "m2" {
+		t.Fatalf("after close the queue holds %d messages, want only the unfinished m2", len(back))
+	}
+}
+
+// A second ack or a nack after an ack of the same delivery must not reach
+// the broker: a repeated tag would close the channel.
+func TestDoubleSettleIsHarmless(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1", "m2")
+	s := openSource(t, q, WithPrefetch(20))
+	ds := receiveN(t, s, 2)
+	ctx := context.Background()
+	if err := s.Ack(ctx, ds[:1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ack(ctx, ds[:1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Nack(ctx, ds[:1], 0); err == nil {
+		t.Fatal("Nack after Ack succeeded")
+	}
+	if err := s.Ack(ctx, ds[1:]); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.Generations != 1 {
+		t.Fatalf("the channel was replaced (%d generations): a repeated tag reached the broker", st.Generations)
+	}
+}
+
+// A Nack with a delay after the delivery was acked, or a second one while it
+// waits, must not publish a copy: the message would be handled twice.
+func TestRetryAfterSettleIsRefused(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1", "m2")
+	s := openSource(t, q, WithPrefetch(10))
+	ctx := context.Background()
+	ds := receiveN(t, s, 2)
+	if err := s.Ack(ctx, ds[:1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Nack(ctx, ds[:1], time.Hour); err == nil {
+		t.Fatal("Nack with a delay after Ack succeeded")
+	}
+	if err := s.Nack(ctx, ds[1:], 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Nack(ctx, ds[1:], 100*time.Millisecond); err == nil {
+		t.Fatal("second Nack of a waiting delivery succeeded")
+	}
+	again := receiveN(t, s, 1)
+	if err := s.Ack(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d copies on the queue, want none", n)
+	}
+	if st := s.Stats(); st.RetriedInPlace != 1 || st.DelayQueued != 0 {
+		t.Fatalf("stats %+v: want exactly one retry copy", st)
+	}
+}

@@ -1,0 +1,158 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// DeadLetterExchange is a dead-letter sink that publishes each failed
+// message to an exchange, with publisher confirms, over its own connection.
+// It implements adapters.DeadLetter.
+//
+// The copy keeps the original body and properties (a per-message TTL is
+// moved to HeaderOriginalExpiration so the copy cannot expire in the
+// dead-letter queue) and is persistent. Its headers are the original
+// headers plus the diagnostics of adapters.Diagnostics and the original
+// exchange and routing key (HeaderOriginalExchange,
+// HeaderOriginalRoutingKey). Send returns nil only after the broker confirmed
+// the copy and routed it to at least one queue, so the runtime acks the
+// original only then.
+//
+// It accepts deliveries from any adapter, not only from this package's
+// Source: their body and headers are copied.
+type DeadLetterExchange struct {
+	exchange, key string
+	pub           *publisher
+}
+
+// NewDeadLetterExchange connects and checks that exchange exists ("" is the
+// default exchange, which routes by queue name: NewDeadLetterExchange(ctx,
+// "", "orders.dlq") publishes straight to the queue orders.dlq). Only the
+// connection options (WithURL, WithConfig, WithTLS, WithDialFunc,
+// WithLogger) apply.
+func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetterExchange, error) {
+	st, err := apply(opts)
+	if err != nil {
+		return nil, err
+	}
+	if len(st.sourceOnly) > 0 {
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetterExchange: %s only apply to a Source", strings.Join(st.sourceOnly, ", "))
+	}
+	if exchange == "" && routingKey == "" {
+		return nil, errors.New("rabbitmq: NewDeadLetterExchange: with the default exchange the routing key names the dead-letter queue and must not be empty")
+	}
+	x := &DeadLetterExchange{exchange: exchange, key: routingKey, pub: newPublisher(st)}
+	if err := x.pub.checkExchange(ctx, exchange); err != nil {
+		x.pub.close()
+		return nil, err
+	}
+	if exchange == "" {
+		// Publishing through the default exchange needs the queue itself.
+		if err := x.checkQueue(ctx, routingKey); err != nil {
+			x.pub.close()
+			return nil, err
+		}
+	}
+	return x, nil
+}
+
+func (x *DeadLetterExchange) checkQueue(ctx context.Context, queue string) error {
+	p := x.pub
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.ensureLocked(ctx); err != nil {
+		return err
+	}
+	if _, err := p.ch.QueueDeclarePassive(queue, true, false, false, false, nil); err != nil {
+		p.resetLocked()
+		return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first)", queue, err)
+	}
+	return nil
+}
+
+// Send implements adapters.DeadLetter.
+func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	var p amqp.Publishing
+	exchange, key := "", d.Queue
+	if m, ok := d.Native.(amqp.Delivery); ok {
+		p = republishing(&m)
+		exchange, key = originalRoute(&m)
+		if xd, ok := m.Headers["x-death"]; ok {
+			p.Headers["x-death"] = xd // the broker's own history is diagnostics too
+		}
+	} else {
+		p = amqp.Publishing{Headers: amqp.Table{}, Body: d.Body, MessageId: d.ID, Timestamp: d.PublishedAt}
+		for k, v := range d.Headers {
+			p.Headers[k] = v
+		}
+	}
+	p.DeliveryMode = amqp.Persistent
+	for k, v := range adapters.Diagnostics(d, f) {
+		p.Headers[k] = v
+	}
+	p.Headers[HeaderOriginalExchange] = exchange
+	p.Headers[HeaderOriginalRoutingKey] = key
+	if err := x.pub.publish(ctx, x.exchange, x.key, p); err != nil {
+		return fmt.Errorf("rabbitmq: dead-letter message %q: %w", d.ID, err)
+	}
+	return nil
+}
+
+// Close closes the sink's connection.
+func (x *DeadLetterExchange) Close() error {
+	x.pub.close()
+	return nil
+}
+
+// NativeDeadLetter returns a dead-letter destination that rejects a failed
+// delivery without requeueing it (basic.nack, requeue=false), so the broker
+// moves it to the queue's own dead-letter exchange, adding an x-death header
+// (queue, reason "rejected", count, time, exchange, routing keys). It then
+// marks the delivery settled, so the runtime does not ack it.
+//
+// The broker adds nothing else: the error text and attempt count are not on
+// the dead-lettered message (they are logged at warning level, with the
+// message id). Use a DeadLetterExchange to keep them.
+//
+// The queue must have a dead-letter exchange, or the broker discards what
+// is rejected: NativeDeadLetter fails unless the Source declared the queue
+// with an x-dead-letter-exchange argument (WithDeclare) or was told a policy
+// sets one (WithDeadLetterByPolicy).
+func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
+	if _, ok := s.s.queueArgs["x-dead-letter-exchange"]; !ok && !s.s.dlxByPolicy {
+		return nil, fmt.Errorf("rabbitmq: NativeDeadLetter: queue %q has no known dead-letter exchange, so rejected messages would be discarded; declare it with an x-dead-letter-exchange argument (WithDeclare) or, if a policy sets one, say so with WithDeadLetterByPolicy", s.queue)
+	}
+	return nativeDeadLetter{s}, nil
+}
+
+type nativeDeadLetter struct{ s *Source }
+
+func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	h, err := n.s.own(d)
+	if err != nil {
+		return err
+	}
+	g := h.gen
+	g.mu.Lock()
+	err = g.rejectLocked(h, false)
+	g.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("rabbitmq: reject message %q into the dead-letter exchange: %w", d.ID, err)
+	}
+	d.MarkSettled()
+	var cause string
+	if f.Err != nil {
+		cause = f.Err.Error()
+	}
+	n.s.s.logger.Warn("rabbitmq: rejected a message into the queue's dead-letter exchange",
+		"queue", n.s.queue, "id", d.ID, "attempts", f.Attempts, "permanent", f.Permanent, "error", cause,
+		"last_failure", f.LastFailure.Format(time.RFC3339))
+	return nil
+}

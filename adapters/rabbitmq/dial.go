@@ -1,0 +1,73 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// handshakeTimeout bounds TCP connect, TLS and AMQP handshakes when the
+// caller's context has no earlier deadline.
+const handshakeTimeout = 30 * time.Second
+
+// dial opens a new connection as the settings say.
+func (s *settings) dial(ctx context.Context) (*amqp.Connection, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if s.dialFunc != nil {
+		conn, err := s.dialFunc(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if conn == nil {
+			return nil, errors.New("rabbitmq: the dial function returned neither a connection nor an error")
+		}
+		if conn.IsRecoveryEnabled() {
+			conn.Close()
+			return nil, errors.New("rabbitmq: the dial function returned a connection with automatic recovery; disable Config.Recovery, the adapter reconnects by itself")
+		}
+		return conn, nil
+	}
+	cfg := s.config
+	if cfg.Dial == nil {
+		deadline := time.Now().Add(handshakeTimeout)
+		if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+			deadline = d
+		}
+		cfg.Dial = func(network, addr string) (net.Conn, error) {
+			d := net.Dialer{Deadline: deadline}
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// amqp091 clears the deadline once the handshake completes.
+			if err := c.SetDeadline(deadline); err != nil {
+				c.Close()
+				return nil, err
+			}
+			return c, nil
+		}
+	}
+	conn, err := amqp.DialConfig(s.url, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: dial %s: %w", redact(s.url), err)
+	}
+	return conn, nil
+}
+
+// redact removes the password from an AMQP URL for error messages.
+func redact(url string) string {
+	u, err := amqp.ParseURI(url)
+	if err != nil {
+		return "(invalid URL)"
+	}
+	if u.Password != "" {
+		u.Password = "xxxxx"
+	}
+	return u.String()
+}

@@ -1,0 +1,350 @@
+package rabbitmq
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// DefaultURL is the broker address used when neither WithURL nor WithDialFunc
+// is given: the conventional local development broker.
+const DefaultURL = "amqp://guest:guest@localhost:5672/"
+
+// Option configures a Source (New) or a dead-letter exchange sink
+// (NewDeadLetterExchange). Connection options (WithURL, WithConfig, WithTLS,
+// WithDialFunc, WithLogger) apply to both; the others only to a Source, and
+// NewDeadLetterExchange rejects them by name.
+type Option func(*settings) error
+
+// QueueType says how a Source declares its queue.
+type QueueType int
+
+const (
+	// CheckQueue only checks that the queue exists (a passive declare) and
+	// fails New when it does not. The default.
+	CheckQueue QueueType = iota
+	// ClassicQueue declares a durable classic queue.
+	ClassicQueue
+	// QuorumQueue declares a quorum queue (x-queue-type=quorum).
+	QuorumQueue
+)
+
+func (q QueueType) String() string {
+	switch q {
+	case ClassicQueue:
+		return "classic"
+	case QuorumQueue:
+		return "quorum"
+	default:
+		return "check"
+	}
+}
+
+type settings struct {
+	url       string
+	config    amqp.Config
+	configSet bool
+	dialFunc  func(ctx context.Context) (*amqp.Connection, error)
+	logger    *slog.Logger
+
+	prefetch        int
+	consumerTag     string
+	queueType       QueueType
+	queueArgs       amqp.Table
+	dlxByPolicy     bool
+	ackBatch        int
+	ackLinger       time.Duration
+	stragglerWait   time.Duration
+	delayThreshold  time.Duration
+	delayQueues     bool
+	consumerTimeout time.Duration
+	reconnectMin    time.Duration
+	reconnectMax    time.Duration
+	pollWait        time.Duration
+	closeTimeout    time.Duration
+
+	sourceOnly []string // names of Source-only options given, for the sink's error
+}
+
+func defaultSettings() *settings {
+	return &settings{
+		url:             DefaultURL,
+		prefetch:        256,
+		ackLinger:       5 * time.Millisecond,
+		stragglerWait:   100 * time.Millisecond,
+		delayThreshold:  5 * time.Second,
+		delayQueues:     true,
+		consumerTimeout: 30 * time.Minute,
+		reconnectMin:    100 * time.Millisecond,
+		reconnectMax:    10 * time.Second,
+		pollWait:        time.Second,
+		closeTimeout:    5 * time.Second,
+	}
+}
+
+func apply(opts []Option) (*settings, error) {
+	s := defaultSettings()
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(s); err != nil {
+			return nil, err
+		}
+	}
+	if s.dialFunc != nil && (s.configSet || s.url != DefaultURL) {
+		return nil, errors.New("rabbitmq: WithDialFunc cannot be combined with WithURL, WithConfig or WithTLS: the dial function decides how to connect")
+	}
+	if s.config.Recovery != nil {
+		return nil, errors.New("rabbitmq: WithConfig: Config.Recovery must be nil; the adapter reconnects by itself and must see every new channel to keep delivery tags apart")
+	}
+	if s.logger == nil {
+		s.logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if s.ackBatch == 0 {
+		s.ackBatch = min(64, max(1, s.prefetch/4))
+	}
+	return s, nil
+}
+
+func sourceOnly(name string, s *settings) { s.sourceOnly = append(s.sourceOnly, name) }
+
+// WithURL sets the AMQP URL to dial (default DefaultURL). amqps:// URLs use
+// TLS; see WithTLS to configure it.
+func WithURL(url string) Option {
+	return func(s *settings) error {
+		if url == "" {
+			return errors.New("rabbitmq: WithURL: the URL is empty")
+		}
+		if _, err := amqp.ParseURI(url); err != nil {
+			return fmt.Errorf("rabbitmq: WithURL: %w", err)
+		}
+		s.url = url
+		return nil
+	}
+}
+
+// WithConfig sets the amqp091 connection configuration used with the URL
+// (heartbeat, vhost, TLS, SASL, client properties). Default: amqp091's
+// defaults (10 s heartbeat). Config.Recovery must be nil.
+func WithConfig(cfg amqp.Config) Option {
+	return func(s *settings) error {
+		tlsCfg := s.config.TLSClientConfig
+		s.config = cfg
+		if s.config.TLSClientConfig == nil {
+			s.config.TLSClientConfig = tlsCfg
+		}
+		s.configSet = true
+		return nil
+	}
+}
+
+// WithTLS sets the TLS client configuration (default: none, or an empty
+// configuration for amqps:// URLs).
+func WithTLS(cfg *tls.Config) Option {
+	return func(s *settings) error {
+		if cfg == nil {
+			return errors.New("rabbitmq: WithTLS: the configuration is nil")
+		}
+		s.config.TLSClientConfig = cfg
+		s.configSet = true
+		return nil
+	}
+}
+
+// WithDialFunc makes the adapter obtain each connection, the first and every
+// reconnection, from dial instead of dialing a URL. Each call must return a
+// new connection, which the adapter then owns and closes. The connection must
+// not have automatic recovery enabled.
+func WithDialFunc(dial func(ctx context.Context) (*amqp.Connection, error)) Option {
+	return func(s *settings) error {
+		if dial == nil {
+			return errors.New("rabbitmq: WithDialFunc: the function is nil")
+		}
+		s.dialFunc = dial
+		return nil
+	}
+}
+
+// WithLogger sets where the adapter logs reconnections and warnings (default:
+// nowhere).
+func WithLogger(l *slog.Logger) Option {
+	return func(s *settings) error {
+		if l == nil {
+			return errors.New("rabbitmq: WithLogger: the logger is nil")
+		}
+		s.logger = l
+		return nil
+	}
+}
+
+// WithPrefetch sets the channel's QoS prefetch count: how many unacked
+// deliveries the broker lets this consumer hold (default 256). It must be at
+// least the consumer's concurrency, or workers idle while the window is full;
+// deliveries waiting in place for a retry also occupy it. At most 65535.
+func WithPrefetch(n int) Option {
+	return func(s *settings) error {
+		sourceOnly("WithPrefetch", s)
+		if n < 1 || n > 65535 {
+			return fmt.Errorf("rabbitmq: WithPrefetch(%d): the prefetch must be between 1 and 65535", n)
+		}
+		s.prefetch = n
+		return nil
+	}
+}
+
+// WithConsumerTag sets the consumer tag (default: "custody-" followed by the
+// queue name and a random suffix). Each connection uses it anew after a
+// reconnect.
+func WithConsumerTag(tag string) Option {
+	return func(s *settings) error {
+		sourceOnly("WithConsumerTag", s)
+		if tag == "" {
+			return errors.New("rabbitmq: WithConsumerTag: the tag is empty")
+		}
+		s.consumerTag = tag
+		return nil
+	}
+}
+
+// WithDeclare makes the Source declare its queue, durable, with the given
+// type and arguments (for example x-dead-letter-exchange,
+// x-dead-letter-routing-key, x-delivery-limit), on every connection. The
+// default, CheckQueue, only checks that the queue exists.
+func WithDeclare(t QueueType, args amqp.Table) Option {
+	return func(s *settings) error {
+		sourceOnly("WithDeclare", s)
+		switch t {
+		case CheckQueue, ClassicQueue, QuorumQueue:
+		default:
+			return fmt.Errorf("rabbitmq: WithDeclare: unknown queue type %d", int(t))
+		}
+		if t == CheckQueue && len(args) > 0 {
+			return errors.New("rabbitmq: WithDeclare(CheckQueue, args): arguments only apply when the queue is declared; use ClassicQueue or QuorumQueue")
+		}
+		if qt, ok := args["x-queue-type"]; ok {
+			want := t.String()
+			if v, _ := qt.(string); v != want {
+				return fmt.Errorf("rabbitmq: WithDeclare(%s): argument x-queue-type=%v contradicts the queue type", want, qt)
+			}
+		}
+		s.queueType = t
+		s.queueArgs = amqp.Table{}
+		for k, v := range args {
+			s.queueArgs[k] = v
+		}
+		if t == QuorumQueue {
+			s.queueArgs["x-queue-type"] = "quorum"
+		}
+		return nil
+	}
+}
+
+// WithDeadLetterByPolicy tells the Source that a broker policy (rather than
+// the queue's declared arguments) gives its queue a dead-letter exchange, so
+// NativeDeadLetter may reject messages into it.
+func WithDeadLetterByPolicy() Option {
+	return func(s *settings) error {
+		sourceOnly("WithDeadLetterByPolicy", s)
+		s.dlxByPolicy = true
+		return nil
+	}
+}
+
+// WithAckCoalescing tunes how acks are coalesced: a contiguous run of
+// finished deliveries is acked with one multiple=true ack once batch of them
+// are ready or linger has passed since the first (defaults: a quarter of the
+// prefetch, at most 64; 5 ms). Finished deliveries stuck behind an unfinished
+// one are acked one by one once the frontier has not moved for stragglerWait
+// (default 100 ms), or at once when they fill three quarters of the prefetch
+// window.
+func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
+	return func(s *settings) error {
+		sourceOnly("WithAckCoalescing", s)
+		if batch < 1 {
+			return fmt.Errorf("rabbitmq: WithAckCoalescing: batch %d must be at least 1", batch)
+		}
+		if linger <= 0 || linger > time.Second {
+			return fmt.Errorf("rabbitmq: WithAckCoalescing: linger %v must be above zero and at most 1s", linger)
+		}
+		if stragglerWait < linger {
+			return fmt.Errorf("rabbitmq: WithAckCoalescing: stragglerWait %v must be at least the linger %v", stragglerWait, linger)
+		}
+		s.ackBatch, s.ackLinger, s.stragglerWait = batch, linger, stragglerWait
+		return nil
+	}
+}
+
+// WithDelayQueueThreshold sets the longest retry delay the adapter waits out
+// in place, holding the unacked delivery (default 5 s). Longer delays are
+// republished to a delay queue that dead-letters back to the source queue. A
+// threshold of zero sends every delayed retry to a delay queue.
+func WithDelayQueueThreshold(d time.Duration) Option {
+	return func(s *settings) error {
+		sourceOnly("WithDelayQueueThreshold", s)
+		if d < 0 {
+			return fmt.Errorf("rabbitmq: WithDelayQueueThreshold(%v): the threshold must not be negative", d)
+		}
+		s.delayThreshold = d
+		return nil
+	}
+}
+
+// WithoutDelayQueues makes every delayed retry wait in place, for users who
+// may not declare queues. Delays are then cut short, with a warning, so a
+// delivery is never held past three quarters of the consumer timeout.
+func WithoutDelayQueues() Option {
+	return func(s *settings) error {
+		sourceOnly("WithoutDelayQueues", s)
+		s.delayQueues = false
+		return nil
+	}
+}
+
+// WithConsumerTimeout tells the adapter the broker's consumer_timeout
+// (default 30 min, RabbitMQ's default). The broker closes a channel whose
+// delivery stays unacked that long, so the adapter warns about deliveries
+// held for more than half of it and never waits in place beyond three
+// quarters of it.
+func WithConsumerTimeout(d time.Duration) Option {
+	return func(s *settings) error {
+		sourceOnly("WithConsumerTimeout", s)
+		if d < time.Second {
+			return fmt.Errorf("rabbitmq: WithConsumerTimeout(%v): the timeout must be at least 1s", d)
+		}
+		s.consumerTimeout = d
+		return nil
+	}
+}
+
+// WithReconnectBackoff sets the delays between reconnection attempts: from
+// initial, doubling, up to max, with jitter (defaults 100 ms and 10 s).
+func WithReconnectBackoff(initial, max time.Duration) Option {
+	return func(s *settings) error {
+		sourceOnly("WithReconnectBackoff", s)
+		if initial <= 0 || max < initial {
+			return fmt.Errorf("rabbitmq: WithReconnectBackoff(%v, %v): need 0 < initial <= max", initial, max)
+		}
+		s.reconnectMin, s.reconnectMax = initial, max
+		return nil
+	}
+}
+
+// WithPollWait sets how long Receive waits for a delivery before returning
+// an empty batch (default 1 s).
+func WithPollWait(d time.Duration) Option {
+	return func(s *settings) error {
+		sourceOnly("WithPollWait", s)
+		if d <= 0 {
+			return fmt.Errorf("rabbitmq: WithPollWait(%v): the wait must be above zero", d)
+		}
+		s.pollWait = d
+		return nil
+	}
+}

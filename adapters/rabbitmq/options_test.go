@@ -1,0 +1,120 @@
+package rabbitmq
+
+import (
+	"context"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// Invalid options fail at construction, before any connection, with an error
+// that names the option.
+func TestInvalidOptionsNameTheOption(t *testing.T) {
+	cases := []struct {
+		opt  Option
+		name string
+	}{
+		{WithPrefetch(0), "WithPrefetch"},
+		{WithPrefetch(70000), "WithPrefetch"},
+		{WithURL(""), "WithURL"},
+		{WithURL("http://x"), "WithURL"},
+		{WithConsumerTag(""), "WithConsumerTag"},
+		{WithDeclare(QueueType(9), nil), "WithDeclare"},
+		{WithDeclare(CheckQueue, amqp.Table{"x-max-length": 1}), "WithDeclare"},
+		{WithDeclare(ClassicQueue, amqp.Table{"x-queue-type": "quorum"}), "WithDeclare"},
+		{WithAckCoalescing(0, time.Millisecond, time.Second), "WithAckCoalescing"},
+		{WithAckCoalescing(8, 0, time.Second), "WithAckCoalescing"},
+		{WithAckCoalescing(8, 10*time.Millisecond, time.Millisecond), "WithAckCoalescing"},
+		{WithDelayQueueThreshold(-1), "WithDelayQueueThreshold"},
+		{WithConsumerTimeout(0), "WithConsumerTimeout"},
+		{WithReconnectBackoff(0, time.Second), "WithReconnectBackoff"},
+		{WithPollWait(0), "WithPollWait"},
+		{WithTLS(nil), "WithTLS"},
+		{WithDialFunc(nil), "WithDialFunc"},
+		{WithLogger(nil), "WithLogger"},
+		{WithConfig(amqp.Config{Recovery: &amqp.Recovery{}}), "Recovery"},
+	}
+	for _, c := range cases {
+		_, err := New(context.Background(), "q", WithURL("amqp://nowhere.invalid:1/"), c.opt)
+		if err == nil || !strings.Contains(err.Error(), c.name) {
+			t.Errorf("want an error naming %s, got %v", c.name, err)
+		}
+	}
+	_, err := New(context.Background(), "q", WithURL("amqp://x:1/"), WithDialFunc(func(context.Context) (*amqp.Connection, error) { return nil, nil }))
+	if err == nil || !strings.Contains(err.Error(), "WithDialFunc") {
+		t.Errorf("URL and dial function together: %v", err)
+	}
+	if _, err := New(context.Background(), ""); err == nil {
+		t.Error("empty queue name accepted")
+	}
+}
+
+func TestNewFailsOnMissingQueue(t *testing.T) {
+	newAdmin(t)
+	_, err := New(context.Background(), "custody-test-no-such-queue", WithURL(brokerURL))
+	if err == nil || !strings.Contains(err.Error(), "WithDeclare") || !strings.Contains(err.Error(), "custody-test-no-such-queue") {
+		t.Fatalf("New on a missing queue: %v", err)
+	}
+}
+
+func TestNewFailsOnUnreachableBroker(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err := New(ctx, "q", WithURL("amqp://guest:secret@127.0.0.1:1/"))
+	if err == nil {
+		t.Fatal("New succeeded with no broker")
+	}
+	if strings.Contains(err.Error(), "secret") {
+		t.Fatalf("error shows the password: %v", err)
+	}
+}
+
+// The dial function is used for the first connection and every reconnect.
+func TestDialFuncIsUsedForEveryConnection(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	var dials atomic.Int32
+	s2, err := New(context.Background(), q, WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
+		dials.Add(1)
+		return amqp.Dial(brokerURL)
+	}), WithReconnectBackoff(10*time.Millisecond, 50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	killConnection(t, s2)
+	waitGenerations(t, s2, 2)
+	if dials.Load() != 2 {
+		t.Fatalf("dial function called %d times, want 2", dials.Load())
+	}
+	a.publish(q, "m1")
+	d := receiveN(t, s2, 1)[0]
+	if err := s2.Ack(context.Background(), []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A quorum queue the Source declares reports attempts from the broker.
+func TestDeclareQuorumQueue(t *testing.T) {
+	a := newAdmin(t)
+	q := uniqueName(t, "quorum")
+	t.Cleanup(func() { deleteQueues(q) })
+	s := openSource(t, q, WithDeclare(QuorumQueue, amqp.Table{"x-delivery-limit": int64(10)}))
+	if c := s.Capabilities(); !c.CountsDeliveries || !c.NackDelay || c.Lease != 0 || c.Name != "rabbitmq:"+q {
+		t.Fatalf("capabilities %+v", c)
+	}
+	a.publish(q, "m1")
+	d := receiveN(t, s, 1)[0]
+	if d.Attempt != 1 || d.Queue != q || d.Partition != -1 || d.Offset != -1 {
+		t.Fatalf("delivery %+v", d)
+	}
+	var native amqp.Delivery
+	if !d.As(&native) || native.RoutingKey != q || native.Acknowledger != nil {
+		t.Fatalf("As(amqp.Delivery): %v, routing key %q, acknowledger %v", d.As(&native), native.RoutingKey, native.Acknowledger)
+	}
+}

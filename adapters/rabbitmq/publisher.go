@@ -1,0 +1,173 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// publisher publishes with publisher confirms and mandatory routing over its
+// own connection. Publishing never shares the consumer's connection: a broker
+// under a memory or disk alarm blocks publishing connections, and a blocked
+// connection would also hold back the consumer's acks.
+//
+// Publishes are serialised. That keeps a basic.return attributable to the one
+// publish in flight (the broker sends it before the confirm, and amqp091
+// queues it before it reads the confirm), and retries and dead letters are
+// the exceptional path, where one confirm round trip per message is cheap.
+type publisher struct {
+	s *settings
+
+	mu       sync.Mutex
+	conn     *amqp.Connection
+	ch       *amqp.Channel
+	chClosed chan *amqp.Error
+	returns  chan amqp.Return
+	declared map[string]bool // delay queues declared on this broker
+	shut     bool
+}
+
+func newPublisher(s *settings) *publisher {
+	return &publisher{s: s, declared: map[string]bool{}}
+}
+
+// errUnroutable is wrapped when the broker returned a mandatory publish.
+var errUnroutable = errors.New("rabbitmq: the broker could not route the message to any queue")
+
+// publish sends msg and returns nil once the broker confirmed it was routed
+// to at least one queue and stored.
+func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.ensureLocked(ctx); err != nil {
+		return err
+	}
+	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
+	if err != nil {
+		p.resetLocked()
+		return fmt.Errorf("rabbitmq: publish to exchange %q with routing key %q: %w", exchange, key, err)
+	}
+	acked, err := dc.WaitContext(ctx)
+	if err != nil {
+		// The outcome is unknown and a late return could be taken for the
+		// next publish's: start over on a fresh channel.
+		p.resetLocked()
+		return fmt.Errorf("rabbitmq: waiting for the broker to confirm a publish to exchange %q: %w", exchange, err)
+	}
+	select {
+	case r := <-p.returns:
+		return fmt.Errorf("%w: exchange %q, routing key %q: %d %s", errUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+	default:
+	}
+	if !acked {
+		var cause error = errors.New("the broker refused it (basic.nack)")
+		select {
+		case e := <-p.chClosed:
+			if e != nil {
+				cause = e
+			}
+		default:
+		}
+		p.resetLocked()
+		return fmt.Errorf("rabbitmq: publish to exchange %q with routing key %q not confirmed: %w", exchange, key, cause)
+	}
+	return nil
+}
+
+// declareDelayQueue declares (once per publisher) a queue whose messages
+// expire after ttl and are dead-lettered to target through the default
+// exchange.
+func (p *publisher) declareDelayQueue(ctx context.Context, name string, ttl time.Duration, target string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.declared[name] {
+		return nil
+	}
+	if err := p.ensureLocked(ctx); err != nil {
+		return err
+	}
+	_, err := p.ch.QueueDeclare(name, true, false, false, false, amqp.Table{
+		"x-message-ttl":             ttl.Milliseconds(),
+		"x-dead-letter-exchange":    "",
+		"x-dead-letter-routing-key": target,
+	})
+	if err != nil {
+		p.resetLocked()
+		return fmt.Errorf("rabbitmq: declare delay queue %q: %w (use WithoutDelayQueues if this user may not declare queues)", name, err)
+	}
+	p.declared[name] = true
+	return nil
+}
+
+// forget drops a delay queue from the declared cache, after a publish to it
+// came back unroutable (someone deleted it).
+func (p *publisher) forget(name string) {
+	p.mu.Lock()
+	delete(p.declared, name)
+	p.mu.Unlock()
+}
+
+// checkExchange checks that exchange exists.
+func (p *publisher) checkExchange(ctx context.Context, exchange string) error {
+	if exchange == "" {
+		return nil // the default exchange always exists
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.ensureLocked(ctx); err != nil {
+		return err
+	}
+	if err := p.ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+		p.resetLocked()
+		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it first)", exchange, err)
+	}
+	return nil
+}
+
+func (p *publisher) ensureLocked(ctx context.Context) error {
+	if p.shut {
+		return adapters.ErrClosed
+	}
+	if p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
+		return nil
+	}
+	p.resetLocked()
+	conn, err := p.s.dial(ctx)
+	if err != nil {
+		return err
+	}
+	ch, err := conn.Channel()
+	if err == nil {
+		err = ch.Confirm(false)
+	}
+	if err != nil {
+		conn.Close()
+		return fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
+	}
+	p.conn, p.ch = conn, ch
+	// Buffered for the one close error and the one return that can be
+	// outstanding: amqp091 never blocks on them, and nothing else listens.
+	p.chClosed = ch.NotifyClose(make(chan *amqp.Error, 1))
+	p.returns = ch.NotifyReturn(make(chan amqp.Return, 1))
+	return nil
+}
+
+func (p *publisher) resetLocked() {
+	if p.conn != nil {
+		_ = p.conn.CloseDeadline(time.Now().Add(p.s.closeTimeout))
+	}
+	p.conn, p.ch, p.chClosed, p.returns = nil, nil, nil, nil
+}
+
+func (p *publisher) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.resetLocked()
+	p.shut = true
+}

@@ -1,0 +1,185 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/testbroker"
+)
+
+// killConnection closes the current generation's connection from the
+// broker's side (rabbitmqctl close_connection), as an operator or a network
+// failure would.
+func killConnection(t *testing.T, s *Source) {
+	t.Helper()
+	s.mu.Lock()
+	g := s.gen
+	s.mu.Unlock()
+	if g == nil {
+		t.Fatal("no live generation to kill")
+	}
+	port := strconv.Itoa(g.conn.LocalAddr().(*net.TCPAddr).Port)
+	out, err := exec.Command("rabbitmqctl", "list_connections", "-q", "--no-table-headers", "pid", "peer_port").Output()
+	if err != nil {
+		testbroker.Unavailable(t, "rabbitmqctl (to inspect the broker)", err)
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[1] == port {
+			if out, err := exec.Command("rabbitmqctl", "close_connection", f[0], "custody test: forced close").CombinedOutput(); err != nil {
+				t.Fatalf("rabbitmqctl close_connection: %v: %s", err, out)
+			}
+			return
+		}
+	}
+	t.Fatalf("rabbitmqctl does not list a connection from port %s:\n%s", port, out)
+}
+
+func waitGenerations(t *testing.T, s *Source, n uint64) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for s.Stats().Generations < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("still %d generations, want %d", s.Stats().Generations, n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// After a reconnect the new channel numbers its deliveries from 1 again.
+// Acks for deliveries of the dead channel must be dropped, not sent on the
+// new one, where the same tags name other messages.
+func TestReconnectNeverAcksAcrossGenerations(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 6)...)
+	s := openSource(t, q, WithPrefetch(3), WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+	old := receiveN(t, s, 3)
+	killConnection(t, s)
+	for _, d := range old {
+		select {
+		case <-d.Lost():
+		case <-time.After(30 * time.Second):
+			t.Fatal("delivery of the dead channel was not lost")
+		}
+		if !errors.Is(d.LostCause(), adapters.ErrConnectionLost) {
+			t.Fatalf("lost cause %v, want ErrConnectionLost", d.LostCause())
+		}
+	}
+	waitGenerations(t, s, 2)
+	fresh := receiveN(t, s, 3)
+	for _, d := range fresh {
+		if handleOf(d).gen.id != 2 {
+			t.Fatalf("delivery from generation %d after the reconnect", handleOf(d).gen.id)
+		}
+	}
+	// The runtime finishes the old deliveries late and acks them.
+	err := s.Ack(context.Background(), old)
+	var be *adapters.BatchError
+	if !errors.As(err, &be) || len(be.Failed) != 3 || !errors.Is(be.Failed[0], adapters.ErrConnectionLost) {
+		t.Fatalf("Ack of dead-channel deliveries returned %v, want a BatchError of ErrConnectionLost for all three", err)
+	}
+	time.Sleep(50 * time.Millisecond) // give a wrongly sent ack time to land
+	if n := unacked(t, q); n != 3 {
+		t.Fatalf("broker shows %d unacked; the three fresh deliveries must all still be unacked", n)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(q, 6) // nothing was acked, so nothing is gone
+	if st := s.Stats(); st.AckFrames != 0 || st.DroppedAcks != 3 {
+		t.Fatalf("stats %+v: want no ack sent and the three stale acks dropped", st)
+	}
+}
+
+// Acks decided but not yet sent when the channel dies are dropped and
+// counted; their messages come back.
+func TestReconnectDropsPendingAcks(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 4)...)
+	s := openSource(t, q, WithPrefetch(10), WithAckCoalescing(64, time.Second, time.Hour),
+		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+	ds := receiveN(t, s, 4)
+	if err := s.Ack(context.Background(), ds[1:]); err != nil { // held behind m1
+		t.Fatal(err)
+	}
+	killConnection(t, s)
+	waitGenerations(t, s, 2)
+	if st := s.Stats(); st.DroppedAcks != 3 {
+		t.Fatalf("dropped %d pending acks, want 3", st.DroppedAcks)
+	}
+	again := receiveN(t, s, 4)
+	for _, d := range again {
+		if d.Attempt < 2 {
+			t.Fatalf("redelivered %s has Attempt %d, want at least 2", d.Body, d.Attempt)
+		}
+	}
+	if err := s.Ack(context.Background(), again); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages left", n)
+	}
+}
+
+// While the broker cannot be reached, Receive reports the reconnection error
+// (so the runtime logs it) and consumption resumes once it can.
+func TestReceiveReportsReconnectFailureAndResumes(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	var refuse atomic.Bool
+	s, err := New(context.Background(), q, WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
+		if refuse.Load() {
+			return nil, errors.New("test: broker unreachable")
+		}
+		return amqp.Dial(brokerURL)
+	}), WithReconnectBackoff(10*time.Millisecond, 50*time.Millisecond), WithPollWait(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	refuse.Store(true)
+	killConnection(t, s)
+	ctx := context.Background()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := s.Receive(ctx, 10)
+		if err != nil {
+			if !strings.Contains(err.Error(), "reconnecting") || !strings.Contains(err.Error(), "broker unreachable") {
+				t.Fatalf("Receive error %q does not say the adapter is reconnecting and why", err)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Receive never reported the failing reconnection")
+		}
+	}
+	refuse.Store(false)
+	a.publish(q, "m1")
+	var got []*adapters.Delivery
+	for len(got) == 0 {
+		ds, err := s.Receive(ctx, 10)
+		if err != nil && time.Now().After(deadline) {
+			t.Fatalf("no recovery: %v", err)
+		}
+		got = append(got, ds...)
+	}
+	if err := s.Ack(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+}

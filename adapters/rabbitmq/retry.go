@@ -1,0 +1,235 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// Nack implements adapters.Source.
+//
+// With no delay the deliveries are requeued at once (basic.nack,
+// requeue=true): the runtime does this at shutdown. With a delay, each
+// delivery's next attempt is published as a copy carrying HeaderAttempt, and
+// the original is acked only after the broker confirmed the copy:
+//
+//   - delays up to the threshold (WithDelayQueueThreshold, default 5 s) are
+//     waited out in place: the adapter keeps the delivery unacked (it holds
+//     a prefetch slot, not a worker) and republishes it to the queue when the
+//     delay is over;
+//   - longer delays republish at once to a delay queue whose TTL is the
+//     delay rounded up to a step of a fixed ladder, and which dead-letters
+//     back to the queue.
+//
+// Republishing rather than requeueing keeps an exact attempt count on
+// classic queues, which only flag a redelivery.
+func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
+	var failed map[int]error
+	fail := func(i int, err error) {
+		if failed == nil {
+			failed = map[int]error{}
+		}
+		failed[i] = err
+	}
+	for i, d := range ds {
+		h, err := s.own(d)
+		if err != nil {
+			fail(i, err)
+			continue
+		}
+		if redeliverAfter <= 0 {
+			g := h.gen
+			g.mu.Lock()
+			err = g.rejectLocked(h, true)
+			g.mu.Unlock()
+			if err != nil {
+				fail(i, err)
+			}
+			continue
+		}
+		if err := s.retryLater(ctx, d, h, redeliverAfter); err != nil {
+			fail(i, err)
+		}
+	}
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}
+
+// retryLater chooses between waiting in place and a delay queue.
+func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
+	g := h.gen
+	g.mu.Lock()
+	dead, state := g.dead, h.state
+	g.mu.Unlock()
+	switch {
+	case dead:
+		return g.lostErr()
+	case state != stateHeld:
+		return errors.New("rabbitmq: the delivery was already settled or is already waiting for a retry")
+	}
+	// Never hold a delivery until the broker's consumer timeout closes the
+	// channel (that would lose every delivery on it).
+	maxHold := max(0, s.s.consumerTimeout*3/4-time.Since(d.ReceivedAt))
+	inPlace := delay <= s.s.delayThreshold || !s.s.delayQueues
+	if inPlace && s.s.delayQueues {
+		g.mu.Lock()
+		full := g.waiting >= max(1, s.s.prefetch/2)
+		g.mu.Unlock()
+		if full || delay > maxHold {
+			// Waiting in place would fill the prefetch window or near the
+			// consumer timeout: use the delay queue instead.
+			inPlace = false
+		}
+	}
+	if !inPlace {
+		err := s.toDelayQueue(ctx, d, h, delay)
+		if err == nil || errors.Is(err, adapters.ErrConnectionLost) {
+			return err
+		}
+		s.stats.retryFailures.Add(1)
+		s.s.logger.Warn("rabbitmq: could not republish a retry to a delay queue; waiting in place instead",
+			"queue", s.queue, "id", d.ID, "delay", delay, "error", err)
+	}
+	if delay > maxHold {
+		s.s.logger.Warn("rabbitmq: retry delay cut short: waiting in place that long would near the broker's consumer timeout",
+			"queue", s.queue, "id", d.ID, "asked", delay, "waiting", maxHold, "consumer_timeout", s.s.consumerTimeout)
+		delay = maxHold
+	}
+	return s.holdInPlace(d, h, delay)
+}
+
+// republishTimeout bounds the publish and confirm of an in-place retry; the
+// runtime's context does not reach it, the wait having outlived the Nack.
+const republishTimeout = 30 * time.Second
+
+// holdInPlace keeps d unacked for delay, then republishes it to the queue.
+func (s *Source) holdInPlace(d *adapters.Delivery, h *handle, delay time.Duration) error {
+	g := h.gen
+	g.mu.Lock()
+	switch {
+	case g.dead:
+		g.mu.Unlock()
+		return g.lostErr()
+	case h.state != stateHeld:
+		g.mu.Unlock()
+		return errors.New("rabbitmq: the delivery was already settled")
+	}
+	h.state = stateWaiting
+	g.waiting++
+	// Adding to the WaitGroup under g.mu is safe: Close waits only after it
+	// marked the current generation dead, which needs g.mu.
+	s.wg.Add(1)
+	g.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		t := time.NewTimer(delay)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-g.stopped:
+			return // lost with its channel; the broker redelivers it
+		case <-s.closing:
+			return // the channel closes; the broker requeues it
+		}
+		g.mu.Lock()
+		still := !g.dead && h.state == stateWaiting
+		g.mu.Unlock()
+		if !still {
+			return // settled meanwhile: a copy now would be a duplicate
+		}
+		ctx, cancel := context.WithTimeout(s.ctx, republishTimeout)
+		err := s.republish(ctx, d, h, "", s.queue)
+		cancel()
+		switch {
+		case err == nil:
+			s.stats.retriedInPlace.Add(1)
+		case errors.Is(err, adapters.ErrConnectionLost), errors.Is(err, context.Canceled):
+		default:
+			s.stats.retryFailures.Add(1)
+			s.s.logger.Warn("rabbitmq: could not republish a retry; requeueing it", "queue", s.queue, "id", d.ID, "error", err)
+			g.mu.Lock()
+			_ = g.rejectLocked(h, true)
+			g.mu.Unlock()
+		}
+	}()
+	return nil
+}
+
+// toDelayQueue republishes d to the delay queue for delay.
+func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
+	step := delayStep(delay)
+	name := delayQueueName(s.queue, step)
+	if err := s.pub.declareDelayQueue(ctx, name, step, s.queue); err != nil {
+		return err
+	}
+	err := s.republish(ctx, d, h, "", name)
+	if errors.Is(err, errUnroutable) {
+		s.pub.forget(name) // deleted behind our back: declare it again next time
+	}
+	if err == nil {
+		s.stats.delayQueued.Add(1)
+	}
+	return err
+}
+
+// republish publishes d's next attempt to exchange/key, waits for the
+// confirm, and then acks the original.
+func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, exchange, key string) error {
+	m, ok := d.Native.(amqp.Delivery)
+	if !ok {
+		return errors.New("rabbitmq: the delivery has no AMQP message to republish")
+	}
+	if h.gen.isDead() {
+		return h.gen.lostErr()
+	}
+	p := republishing(&m)
+	p.Headers[HeaderAttempt] = int64(max(d.Attempt, 1) + 1)
+	if _, ok := p.Headers[HeaderFirstReceived]; !ok {
+		p.Headers[HeaderFirstReceived] = d.ReceivedAt.UTC().Format(time.RFC3339Nano)
+	}
+	if err := s.pub.publish(ctx, exchange, key, p); err != nil {
+		return err
+	}
+	g := h.gen
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	// If the channel died meanwhile the original comes back as well as the
+	// copy: a duplicate, never a loss.
+	return g.ackLocked(h)
+}
+
+// delayLadder holds the delay-queue steps. A delay is rounded up to the next
+// step, so a source queue gets a bounded number of delay queues and a delay
+// is never cut short (a step is at most 2.5 times the one below it; 1.7 times
+// from one second up); delays beyond the last step are capped there.
+var delayLadder = []time.Duration{
+	100 * time.Millisecond, 250 * time.Millisecond, 500 * time.Millisecond,
+	time.Second, 2 * time.Second, 3 * time.Second, 5 * time.Second, 7 * time.Second,
+	10 * time.Second, 15 * time.Second, 20 * time.Second, 30 * time.Second, 45 * time.Second,
+	time.Minute, 90 * time.Second, 2 * time.Minute, 3 * time.Minute, 5 * time.Minute, 7 * time.Minute,
+	10 * time.Minute, 15 * time.Minute, 20 * time.Minute, 30 * time.Minute, 45 * time.Minute,
+	time.Hour, 90 * time.Minute, 2 * time.Hour, 3 * time.Hour, 4 * time.Hour, 6 * time.Hour,
+	9 * time.Hour, 12 * time.Hour, 18 * time.Hour, 24 * time.Hour,
+}
+
+func delayStep(d time.Duration) time.Duration {
+	for _, s := range delayLadder {
+		if d <= s {
+			return s
+		}
+	}
+	return delayLadder[len(delayLadder)-1]
+}
+
+// delayQueueName names the delay queue of queue for one ladder step.
+func delayQueueName(queue string, step time.Duration) string {
+	return fmt.Sprintf("%s.custody-delay.%sms", queue, strconv.FormatInt(step.Milliseconds(), 10))
+}

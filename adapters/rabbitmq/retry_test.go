@@ -1,0 +1,250 @@
+package rabbitmq
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+func TestNackWithoutDelayRequeuesAndCountsAttempts(t *testing.T) {
+	for _, typ := range []QueueType{ClassicQueue, QuorumQueue} {
+		t.Run(typ.String(), func(t *testing.T) {
+			a := newAdmin(t)
+			q := a.queue(typ, nil)
+			a.publish(q, "m1")
+			s := openSource(t, q, WithPrefetch(10))
+			ctx := context.Background()
+			d := receiveN(t, s, 1)[0]
+			if d.Attempt != 1 {
+				t.Fatalf("first delivery has Attempt %d", d.Attempt)
+			}
+			if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+				t.Fatal(err)
+			}
+			d = receiveN(t, s, 1)[0]
+			if d.Attempt != 2 {
+				t.Fatalf("after one requeue Attempt is %d, want 2", d.Attempt)
+			}
+			if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+				t.Fatal(err)
+			}
+			d = receiveN(t, s, 1)[0]
+			want := 3 // quorum queues count every delivery
+			if typ == ClassicQueue {
+				want = 2 // classic queues only flag a redelivery: a lower bound
+			}
+			if d.Attempt != want {
+				t.Fatalf("after two requeues Attempt is %d, want %d", d.Attempt, want)
+			}
+			if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+				t.Fatal(err)
+			}
+			waitUnacked(t, q, 0)
+		})
+	}
+}
+
+// A short delay is waited out in place, then the message is republished with
+// the next attempt number and the original acked. On a classic queue the
+// attempt count stays exact across retries, which requeueing cannot give.
+func TestRetryInPlaceRepublishesNextAttempt(t *testing.T) {
+	for _, typ := range []QueueType{ClassicQueue, QuorumQueue} {
+		t.Run(typ.String(), func(t *testing.T) {
+			a := newAdmin(t)
+			q := a.queue(typ, nil)
+			a.publishMsg(q, amqp.Publishing{MessageId: "id-1", Body: []byte("m1"), Headers: amqp.Table{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}})
+			s := openSource(t, q, WithPrefetch(10))
+			ctx := context.Background()
+			first := receiveN(t, s, 1)[0]
+			d := first
+			for attempt := 1; attempt <= 3; attempt++ {
+				if d.Attempt != attempt {
+					t.Fatalf("delivery %d has Attempt %d", attempt, d.Attempt)
+				}
+				if d.ID != "id-1" || string(d.Body) != "m1" || d.Headers["traceparent"] == "" {
+					t.Fatalf("retry lost the message's identity: id %q body %q headers %v", d.ID, d.Body, d.Headers)
+				}
+				if attempt == 3 {
+					break
+				}
+				nacked := time.Now()
+				if err := s.Nack(ctx, []*adapters.Delivery{d}, 150*time.Millisecond); err != nil {
+					t.Fatal(err)
+				}
+				d = receiveN(t, s, 1)[0]
+				if waited := time.Since(nacked); waited < 150*time.Millisecond {
+					t.Fatalf("retry came back after %v, before its delay", waited)
+				}
+			}
+			if !d.FirstReceivedAt.Equal(first.ReceivedAt.UTC()) {
+				t.Fatalf("FirstReceivedAt %v, want the first receive %v", d.FirstReceivedAt, first.ReceivedAt)
+			}
+			if d.Headers[HeaderOriginalRoutingKey] != q {
+				t.Fatalf("original routing key header %q, want %q", d.Headers[HeaderOriginalRoutingKey], q)
+			}
+			if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+				t.Fatal(err)
+			}
+			waitUnacked(t, q, 0)
+			if st := s.Stats(); st.RetriedInPlace != 2 || st.DelayQueued != 0 {
+				t.Fatalf("stats %+v: want two in-place retries", st)
+			}
+			if n := a.ready(q); n != 0 {
+				t.Fatalf("%d copies left on the queue: an original was not acked", n)
+			}
+		})
+	}
+}
+
+// A delay above the threshold goes through a delay queue that dead-letters
+// back to the source queue; the worker is not held and neither is the
+// delivery.
+func TestRetryThroughDelayQueue(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	nacked := time.Now()
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	waitUnacked(t, q, 1) // the copy only: the original was acked once the copy was confirmed
+	if waited := time.Since(nacked); waited < 250*time.Millisecond {
+		t.Fatalf("retry came back after %v, before its rounded-up delay of 250ms", waited)
+	}
+	if d.Attempt != 2 {
+		t.Fatalf("Attempt %d after the delay queue, want 2", d.Attempt)
+	}
+	if !strings.Contains(d.Headers["x-death"], delayQueueName(q, 250*time.Millisecond)) {
+		t.Fatalf("x-death %q does not show the delay queue", d.Headers["x-death"])
+	}
+	// And again: the broker's x-death from the first trip must not make it
+	// drop the second one as a dead-letter cycle.
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	if d.Attempt != 3 {
+		t.Fatalf("Attempt %d after the second trip, want 3", d.Attempt)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DelayQueued != 2 {
+		t.Fatalf("stats %+v: want two delay-queue retries", st)
+	}
+}
+
+// When the delay queue cannot be declared (here: it exists with other
+// arguments), the retry waits in place instead of being lost.
+func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.declare(delayQueueName(q, 250*time.Millisecond), ClassicQueue, amqp.Table{"x-max-length": int64(5)})
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	if d.Attempt != 2 {
+		t.Fatalf("Attempt %d, want 2", d.Attempt)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.RetryFailures != 1 || st.RetriedInPlace != 1 {
+		t.Fatalf("stats %+v: want one failed delay-queue publish and one in-place retry", st)
+	}
+}
+
+func TestDelayStepRoundsUp(t *testing.T) {
+	cases := map[time.Duration]time.Duration{
+		time.Millisecond:        100 * time.Millisecond,
+		time.Second:             time.Second,
+		1100 * time.Millisecond: 2 * time.Second,
+		6 * time.Minute:         7 * time.Minute,
+		100 * time.Hour:         24 * time.Hour,
+	}
+	for in, want := range cases {
+		if got := delayStep(in); got != want {
+			t.Errorf("delayStep(%v) = %v, want %v", in, got, want)
+		}
+	}
+	for i := 1; i < len(delayLadder); i++ {
+		if r := float64(delayLadder[i]) / float64(delayLadder[i-1]); r > 2.5 {
+			t.Errorf("step %v after %v rounds up by %.1fx", delayLadder[i], delayLadder[i-1], r)
+		}
+	}
+}
+
+// recordingHandler keeps the messages of log records.
+type recordingHandler struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+func (r *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (r *recordingHandler) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	r.msgs = append(r.msgs, rec.Message)
+	r.mu.Unlock()
+	return nil
+}
+func (r *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return r }
+func (r *recordingHandler) WithGroup(string) slog.Handler      { return r }
+func (r *recordingHandler) contains(s string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, m := range r.msgs {
+		if strings.Contains(m, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// Without delay queues, an in-place wait is cut short, with a warning, so the
+// delivery is never held to the broker's consumer timeout (which would close
+// the channel and lose every delivery on it).
+func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	logs := &recordingHandler{}
+	s := openSource(t, q, WithPrefetch(10), WithoutDelayQueues(), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
+	d := receiveN(t, s, 1)[0]
+	nacked := time.Now()
+	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	if waited := time.Since(nacked); waited > 30*time.Second {
+		t.Fatalf("held for %v", waited)
+	}
+	if d.Attempt != 2 {
+		t.Fatalf("Attempt %d, want 2", d.Attempt)
+	}
+	if !logs.contains("consumer timeout") {
+		t.Fatalf("no warning about the consumer timeout; logged %v", logs.msgs)
+	}
+	if st := s.Stats(); st.Generations != 1 {
+		t.Fatalf("the channel was replaced: %+v", st)
+	}
+	if err := s.Ack(context.Background(), []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,247 @@
+package rabbitmq
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// Source consumes one RabbitMQ queue. It implements adapters.Source; create
+// it with New.
+type Source struct {
+	s     *settings
+	queue string
+	tag   string
+	caps  adapters.Capabilities
+	out   chan *adapters.Delivery
+	pub   *publisher // retries: republish to the queue or a delay queue
+
+	ctx    context.Context // cancelled by Close: ends waits and publishes
+	cancel context.CancelFunc
+
+	mu          sync.Mutex
+	gen         *generation // current generation; nil while reconnecting
+	genSeq      uint64
+	lastDialErr error
+	closed      bool
+	closing     chan struct{}
+	wg          sync.WaitGroup // supervisor, pumps, in-place retries
+
+	stats counters
+}
+
+// New connects to the broker, checks or declares queue as the options say,
+// and starts consuming it. It fails when the first connection cannot be made
+// or the queue is missing; later connection losses are repaired in the
+// background.
+func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
+	if queue == "" {
+		return nil, errors.New("rabbitmq: New: the queue name is empty")
+	}
+	st, err := apply(opts)
+	if err != nil {
+		return nil, err
+	}
+	tag := st.consumerTag
+	if tag == "" {
+		tag = "custody-" + queue + "-" + randomSuffix()
+	}
+	bg, cancel := context.WithCancel(context.Background())
+	s := &Source{
+		s:     st,
+		queue: queue,
+		tag:   tag,
+		caps: adapters.Capabilities{
+			Name:             "rabbitmq:" + queue,
+			NackDelay:        true,
+			CountsDeliveries: true,
+			MaxReceive:       st.prefetch,
+		},
+		// Room for a full window from the live channel plus one left over
+		// from a channel that just died (those are skipped).
+		out:     make(chan *adapters.Delivery, 2*st.prefetch),
+		pub:     newPublisher(st),
+		ctx:     bg,
+		cancel:  cancel,
+		closing: make(chan struct{}),
+	}
+	if st.delayThreshold >= st.consumerTimeout/2 {
+		st.logger.Warn("rabbitmq: the in-place retry threshold is at least half the consumer timeout; the broker closes channels whose deliveries stay unacked that long",
+			"queue", queue, "threshold", st.delayThreshold, "consumer_timeout", st.consumerTimeout)
+	}
+	g, err := s.connect(ctx)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	s.install(g)
+	s.wg.Add(1)
+	go s.supervise(g)
+	return s, nil
+}
+
+func randomSuffix() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Queue returns the name of the queue the Source consumes.
+func (s *Source) Queue() string { return s.queue }
+
+// Capabilities implements adapters.Source. RabbitMQ holds deliveries on the
+// channel rather than on a lease (Lease 0); Nack honours its delay (in place
+// or through a delay queue); Attempt comes from the broker.
+func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
+
+// pressure is how many finished-but-unacked deliveries make the adapter ack
+// stragglers at once: three quarters of the prefetch window. Much lower and
+// a worker briefly descheduled on a busy machine sets off hundreds of single
+// acks; at the full window the broker would stop delivering.
+func (s *Source) pressure() int { return max(1, s.s.prefetch*3/4) }
+
+// delivery converts an amqp091 delivery.
+func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
+	native := m
+	native.Acknowledger = nil // settling goes through the Source only
+	d := &adapters.Delivery{
+		ID:              m.MessageId,
+		Body:            m.Body,
+		Headers:         stringHeaders(m.Headers),
+		Attempt:         attemptOf(&m),
+		Queue:           s.queue,
+		Partition:       -1,
+		Offset:          -1,
+		PublishedAt:     m.Timestamp,
+		FirstReceivedAt: firstReceivedOf(&m),
+		ReceivedAt:      time.Now(),
+		Native:          native,
+	}
+	return d
+}
+
+// Receive implements adapters.Source. It waits up to the poll wait (default
+// 1 s) for a first delivery, then takes what else is buffered, up to max.
+// While the adapter reconnects it returns the last reconnection error after
+// the poll wait, so the runtime can report it.
+func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	if max < 1 {
+		max = 1
+	}
+	select {
+	case <-s.closing:
+		return nil, adapters.ErrClosed
+	default:
+	}
+	t := time.NewTimer(s.s.pollWait)
+	defer t.Stop()
+	var ds []*adapters.Delivery
+	for len(ds) == 0 {
+		select {
+		case d := <-s.out:
+			if d.LostCause() == nil {
+				ds = append(ds, d)
+			}
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-s.closing:
+			return nil, adapters.ErrClosed
+		case <-t.C:
+			s.mu.Lock()
+			err := s.lastDialErr
+			if s.gen != nil {
+				err = nil
+			}
+			s.mu.Unlock()
+			return nil, err
+		}
+	}
+	for len(ds) < max {
+		select {
+		case d := <-s.out:
+			if d.LostCause() == nil {
+				ds = append(ds, d)
+			}
+		default:
+			return ds, nil
+		}
+	}
+	return ds, nil
+}
+
+// own returns d's handle, or an error when d did not come from this Source.
+func (s *Source) own(d *adapters.Delivery) (*handle, error) {
+	h := handleOf(d)
+	if h == nil || h.gen.src != s {
+		return nil, fmt.Errorf("rabbitmq: delivery %q did not come from the Source for queue %q", d.ID, s.queue)
+	}
+	return h, nil
+}
+
+// Ack implements adapters.Source. It records the deliveries as finished and
+// returns; their acks go out coalesced (see the package documentation).
+// Deliveries whose channel died are reported in a *adapters.BatchError with
+// ErrConnectionLost: the broker redelivers them.
+func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	var failed map[int]error
+	for i, d := range ds {
+		h, err := s.own(d)
+		if err == nil {
+			g := h.gen
+			g.mu.Lock()
+			err = g.ackLocked(h)
+			g.mu.Unlock()
+		}
+		if err != nil {
+			if failed == nil {
+				failed = map[int]error{}
+			}
+			failed[i] = err
+		}
+	}
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}
+
+// Close implements adapters.Source: it sends every ack already decided,
+// closes the channel and the connection (the broker requeues what was not
+// acked), and waits for the adapter's goroutines to end.
+func (s *Source) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.closing)
+	g := s.gen
+	s.gen = nil
+	s.mu.Unlock()
+	s.cancel()
+	var err error
+	if g != nil {
+		held := g.die(true)
+		for _, d := range held {
+			d.Lose(adapters.ErrClosed)
+		}
+		if cerr := g.ch.Close(); cerr != nil && !errors.Is(cerr, amqp.ErrClosed) {
+			err = fmt.Errorf("rabbitmq: close channel: %w", cerr)
+		}
+		if cerr := g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout)); cerr != nil && !errors.Is(cerr, amqp.ErrClosed) && err == nil {
+			err = fmt.Errorf("rabbitmq: close connection: %w", cerr)
+		}
+	}
+	s.wg.Wait()
+	s.pub.close()
+	return err
+}

@@ -1,0 +1,207 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/backoff"
+	"github.com/custody-go/custody/internal/prefix"
+)
+
+// connect opens one generation: connection, channel, queue check or
+// declaration, QoS, notifications and the consumer.
+func (s *Source) connect(ctx context.Context) (*generation, error) {
+	conn, err := s.s.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	g, err := s.open(conn)
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
+		return nil, err
+	}
+	return g, nil
+}
+
+func (s *Source) open(conn *amqp.Connection) (*generation, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: open a channel: %w", err)
+	}
+	switch s.s.queueType {
+	case CheckQueue:
+		if _, err := ch.QueueDeclarePassive(s.queue, true, false, false, false, nil); err != nil {
+			return nil, fmt.Errorf("rabbitmq: queue %q: %w (declare it first, or let the adapter declare it with WithDeclare)", s.queue, err)
+		}
+	default:
+		if _, err := ch.QueueDeclare(s.queue, true, false, false, false, s.s.queueArgs); err != nil {
+			return nil, fmt.Errorf("rabbitmq: declare %s queue %q: %w (an existing queue must have the same type and arguments)", s.s.queueType, s.queue, err)
+		}
+	}
+	if err := ch.Qos(s.s.prefetch, 0, false); err != nil {
+		return nil, fmt.Errorf("rabbitmq: set prefetch %d: %w", s.s.prefetch, err)
+	}
+	g := &generation{
+		src:     s,
+		conn:    conn,
+		ch:      ch,
+		pumped:  make(chan struct{}),
+		stopped: make(chan struct{}),
+		tracker: prefix.New(),
+		held:    make(map[uint64]*adapters.Delivery, s.s.prefetch),
+	}
+	// Each notification channel is buffered for everything amqp091 can send
+	// on it (one close error; one cancel, there being one consumer), so the
+	// library never waits on us, and the supervisor reads them.
+	g.connClosed = conn.NotifyClose(make(chan *amqp.Error, 1))
+	g.chClosed = ch.NotifyClose(make(chan *amqp.Error, 1))
+	g.cancelled = ch.NotifyCancel(make(chan string, 1))
+	msgs, err := ch.Consume(s.queue, s.tag, false, false, false, false, nil)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: consume queue %q: %w", s.queue, err)
+	}
+	g.msgs = msgs
+	return g, nil
+}
+
+// install makes g the current generation and starts its pump. When the
+// Source closed meanwhile, it shuts g down instead and reports false.
+func (s *Source) install(g *generation) bool {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		g.die(false)
+		_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
+		return false
+	}
+	s.genSeq++
+	g.id = s.genSeq
+	s.gen = g
+	s.lastDialErr = nil
+	s.wg.Add(1)
+	s.mu.Unlock()
+	s.stats.generations.Add(1)
+	go g.pump()
+	return true
+}
+
+// supervise watches the current generation and replaces it when it dies,
+// until the Source closes.
+func (s *Source) supervise(g *generation) {
+	defer s.wg.Done()
+	health := time.NewTicker(max(time.Second, s.s.consumerTimeout/8))
+	defer health.Stop()
+	for {
+		var cause error
+	watch:
+		for {
+			select {
+			case e := <-g.connClosed:
+				cause = closeCause("connection closed", e)
+				break watch
+			case e := <-g.chClosed:
+				cause = closeCause("channel closed", e)
+				break watch
+			case tag := <-g.cancelled:
+				cause = fmt.Errorf("the broker cancelled consumer %q (was the queue deleted?)", tag)
+				break watch
+			case <-g.pumped:
+				cause = errors.New("the broker stopped delivering")
+				break watch
+			case <-health.C:
+				s.warnOld(g)
+			case <-s.closing:
+				return
+			}
+		}
+		s.kill(g, cause)
+		if g = s.reconnect(); g == nil {
+			return
+		}
+	}
+}
+
+func closeCause(what string, e *amqp.Error) error {
+	if e == nil {
+		return errors.New(what)
+	}
+	return fmt.Errorf("%s: %w", what, e)
+}
+
+// kill ends generation g: its deliveries are lost (their handlers' contexts
+// are cancelled with ErrConnectionLost), its pending acks dropped and
+// counted, its connection closed.
+func (s *Source) kill(g *generation, cause error) {
+	held := g.die(false)
+	s.mu.Lock()
+	if s.gen == g {
+		s.gen = nil
+	}
+	s.mu.Unlock()
+	if len(held) > 0 || cause != nil {
+		s.s.logger.Warn("rabbitmq: lost the channel; reconnecting", "queue", s.queue, "generation", g.id, "cause", cause, "deliveries_lost", len(held))
+	}
+	lost := fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause)
+	for _, d := range held {
+		d.Lose(lost)
+	}
+	s.stats.lost.Add(uint64(len(held)))
+	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
+}
+
+// reconnect dials until a new generation is consuming, backing off between
+// attempts. It returns nil when the Source closes first.
+func (s *Source) reconnect() *generation {
+	bo := backoff.Exponential{Initial: s.s.reconnectMin, Max: s.s.reconnectMax, Multiplier: 2, Jitter: 0.2}
+	for attempt := 1; ; attempt++ {
+		t := time.NewTimer(bo.Delay(attempt))
+		select {
+		case <-t.C:
+		case <-s.closing:
+			t.Stop()
+			return nil
+		}
+		ctx, cancel := context.WithTimeout(s.ctx, handshakeTimeout)
+		g, err := s.connect(ctx)
+		cancel()
+		if err != nil {
+			s.mu.Lock()
+			s.lastDialErr = fmt.Errorf("rabbitmq: reconnecting to queue %q (attempt %d): %w", s.queue, attempt, err)
+			s.mu.Unlock()
+			s.s.logger.Warn("rabbitmq: reconnect failed", "queue", s.queue, "attempt", attempt, "error", err)
+			continue
+		}
+		if !s.install(g) {
+			return nil
+		}
+		s.s.logger.Info("rabbitmq: reconnected", "queue", s.queue, "generation", g.id, "attempts", attempt)
+		return g
+	}
+}
+
+// warnOld warns about deliveries held for more than half the consumer
+// timeout: the broker will close the channel, and every delivery on it will
+// come back, when one of them reaches the timeout.
+func (s *Source) warnOld(g *generation) {
+	var oldest time.Time
+	n := 0
+	g.mu.Lock()
+	for _, d := range g.held {
+		if time.Since(d.ReceivedAt) > s.s.consumerTimeout/2 {
+			n++
+			if oldest.IsZero() || d.ReceivedAt.Before(oldest) {
+				oldest = d.ReceivedAt
+			}
+		}
+	}
+	g.mu.Unlock()
+	if n > 0 {
+		s.s.logger.Warn("rabbitmq: deliveries held unacked for more than half the consumer timeout; the broker closes the channel when one reaches it",
+			"queue", s.queue, "deliveries", n, "oldest_age", time.Since(oldest).Round(time.Second), "consumer_timeout", s.s.consumerTimeout)
+	}
+}
