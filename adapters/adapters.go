@@ -107,6 +107,12 @@ type Capabilities struct {
 	// deliveries that must be processed in order.
 	Ordered bool
 
+	// MaxUnacked is how many deliveries the broker hands out before it
+	// waits for acks (AMQP prefetch). The runtime refuses a concurrency above
+	// it, since the extra workers could never get a message, and holds no
+	// more than it by default. Zero means no such bound.
+	MaxUnacked int
+
 	// MaxReceive, MaxAckBatch and MaxExtendBatch bound batch sizes. Zero
 	// means unbounded.
 	MaxReceive     int

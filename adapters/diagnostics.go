@@ -9,20 +9,24 @@ import (
 // DeadLetter writes the same names (packed into one attribute where the broker
 // limits their number), so operators and tools read one vocabulary.
 const (
-	HeaderError            = "custody-error"
-	HeaderPermanent        = "custody-permanent"
-	HeaderAttempts         = "custody-attempts"
-	HeaderFirstFailure     = "custody-first-failure"
-	HeaderLastFailure      = "custody-last-failure"
-	HeaderOriginalQueue    = "custody-original-queue"
-	HeaderOriginalID       = "custody-original-id"
-	HeaderOriginalPart     = "custody-original-partition"
-	HeaderOriginalOffset   = "custody-original-offset"
-	HeaderOriginalTime     = "custody-original-timestamp"
-	HeaderOriginalKey      = "custody-original-key"
-	HeaderConsumer         = "custody-consumer"
-	diagnosticTimeLayout   = time.RFC3339Nano
-	maxDiagnosticErrorSize = 1024
+	HeaderError          = "custody-error"
+	HeaderPermanent      = "custody-permanent"
+	HeaderAttempts       = "custody-attempts"
+	HeaderFirstFailure   = "custody-first-failure"
+	HeaderLastFailure    = "custody-last-failure"
+	HeaderOriginalQueue  = "custody-original-queue"
+	HeaderOriginalID     = "custody-original-id"
+	HeaderOriginalPart   = "custody-original-partition"
+	HeaderOriginalOffset = "custody-original-offset"
+	HeaderOriginalTime   = "custody-original-timestamp"
+	HeaderOriginalKey    = "custody-original-key"
+	HeaderConsumer       = "custody-consumer"
+	// HeaderOriginalExchange and HeaderOriginalRoutingKey are written by
+	// AMQP dead-letter destinations.
+	HeaderOriginalExchange   = "custody-original-exchange"
+	HeaderOriginalRoutingKey = "custody-original-routing-key"
+	diagnosticTimeLayout     = time.RFC3339Nano
+	maxDiagnosticErrorSize   = 1024
 )
 
 // Diagnostics returns the dead-letter diagnostic headers for d failing with f.

@@ -593,3 +593,25 @@ func TestRetriesWaitInPlaceWithoutBrokerDelay(t *testing.T) {
 		}
 	}
 }
+
+// prefetched is a memory source posing as a broker that hands out at most 4
+// unacked deliveries.
+type prefetched struct{ *memory.Source }
+
+func (s prefetched) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.MaxUnacked = 4
+	return c
+}
+
+func TestConcurrencyAboveThePrefetchFailsAtNew(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{})
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	_, err := consumer.New(prefetched{e.source()}, h, consumer.WithConcurrency(8))
+	if err == nil || !strings.Contains(err.Error(), "WithConcurrency") || !strings.Contains(err.Error(), "prefetch") {
+		t.Fatalf("New = %v, want an error naming WithConcurrency and the prefetch", err)
+	}
+	if _, err := consumer.New(prefetched{e.source()}, h, consumer.WithConcurrency(4)); err != nil {
+		t.Fatalf("concurrency equal to the prefetch refused: %v", err)
+	}
+}

@@ -258,8 +258,15 @@ func (c *config) fill(caps adapters.Capabilities) error {
 	if c.retry.Backoff == nil {
 		c.retry.Backoff = defaultBackoff()
 	}
+	if caps.MaxUnacked > 0 && c.concurrency > caps.MaxUnacked {
+		return fmt.Errorf("consumer: WithConcurrency(%d) exceeds the %d unacked deliveries source %q hands out (its prefetch): raise the adapter's prefetch or lower the concurrency",
+			c.concurrency, caps.MaxUnacked, caps.Name)
+	}
 	if c.maxInFlight == 0 {
 		c.maxInFlight = max(2*c.concurrency, 2*receiveBatch(caps))
+		if caps.MaxUnacked > 0 && c.maxInFlight > caps.MaxUnacked {
+			c.maxInFlight = max(caps.MaxUnacked, c.concurrency)
+		}
 	}
 	if c.maxInFlight < c.concurrency {
 		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)

@@ -14,7 +14,9 @@
 //
 // New dials the broker (WithURL, WithConfig, WithTLS) or asks the caller's
 // function for a connection (WithDialFunc), opens one channel, sets its
-// prefetch (WithPrefetch, default 256; keep it at least the consumer's
+// prefetch (WithPrefetch, default 256; consumer.New refuses a concurrency
+// above it, which the adapter reports as Capabilities.MaxUnacked, since the
+// extra workers could never get a message; keep it at least the consumer's
 // concurrency) and starts consuming with manual acks. By default it only
 // checks that the queue exists; WithDeclare declares it, classic or quorum,
 // with arguments. New fails if the first connection or the check fails;

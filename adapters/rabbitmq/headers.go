@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/custody-go/custody/adapters"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -22,8 +23,8 @@ const (
 	// HeaderOriginalExchange and HeaderOriginalRoutingKey name where the
 	// message was first published. Retries republish through the default
 	// exchange, so these keep the original route for dead-letter diagnostics.
-	HeaderOriginalExchange   = "custody-original-exchange"
-	HeaderOriginalRoutingKey = "custody-original-routing-key"
+	HeaderOriginalExchange   = adapters.HeaderOriginalExchange
+	HeaderOriginalRoutingKey = adapters.HeaderOriginalRoutingKey
 	// HeaderOriginalExpiration keeps a per-message TTL that a republished
 	// copy drops.
 	HeaderOriginalExpiration = "custody-original-expiration"

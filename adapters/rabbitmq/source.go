@@ -64,6 +64,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 			NackDelay:        true,
 			CountsDeliveries: true,
 			MaxReceive:       st.prefetch,
+			MaxUnacked:       st.prefetch,
 		},
 		// Room for a full window from the live channel plus one left over
 		// from a channel that just died (those are skipped).
