@@ -1,0 +1,60 @@
+package awssqs
+
+import (
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+func TestCapabilities(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 7*time.Second, nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	want := adapters.Capabilities{
+		Name:             "sqs:" + src.name,
+		Lease:            7 * time.Second, // read from the queue
+		MaxLeaseAge:      12 * time.Hour,
+		NackDelay:        true,
+		CountsDeliveries: true,
+		MaxReceive:       DefaultPollers * 10,
+		MaxAckBatch:      10,
+		MaxExtendBatch:   10,
+		AckLinger:        DefaultAckLinger,
+	}
+	if got := src.Capabilities(); got != want {
+		t.Errorf("Capabilities() = %+v\nwant %+v", got, want)
+	}
+}
+
+// TestVisibilityTimeoutOption: the option overrides the queue's timeout for
+// every receive, and the lease reported matches what SQS applies.
+func TestVisibilityTimeoutOption(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 5*time.Minute, nil)
+	e.send(url, "m", "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions(WithVisibilityTimeout(2*time.Second))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	if l := src.Capabilities().Lease; l != 2*time.Second {
+		t.Fatalf("Lease = %v, want the 2s asked for", l)
+	}
+	ds := receiveAtLeast(t, src, 1)
+	// Not renewed: the message must come back after about 2 s, not 5 min.
+	var back bool
+	waitFor(t, "the message back after its 2 s timeout", func() bool {
+		back = back || len(e.drain(url, 0)) == 1
+		return back
+	})
+	if since := time.Since(ds[0].ReceivedAt); since < 1500*time.Millisecond {
+		t.Errorf("message back %v after the receive, before its timeout", since)
+	}
+}

@@ -1,0 +1,88 @@
+// Package awssqs is the custody adapter for Amazon SQS, over
+// github.com/aws/aws-sdk-go-v2/service/sqs.
+//
+// A [Source] reads one queue through a client you own (an *sqs.Client, or
+// anything with the methods of [Client]); the runtime in package consumer
+// drives it:
+//
+//	client := sqs.NewFromConfig(awsCfg)
+//	src, err := awssqs.New(ctx, client, queueURL)
+//	dlq, err := awssqs.NewDeadLetterQueue(client, dlqURL)
+//	c, err := consumer.New(src, handler,
+//		consumer.WithConcurrency(32),
+//		consumer.WithDeadLetter(dlq))
+//	err = c.Run(ctx)
+//
+// # Receiving
+//
+// Each ReceiveMessage call long-polls (20 s by default) for up to ten
+// messages. Up to eight calls run at once on a standard queue, one on a FIFO
+// queue (WithPollers), one per ten messages
+// of room the runtime has, so receives stay full while earlier batches are
+// handled, and no call asks for more than there is room for: a message is
+// never held unseen by the adapter while its visibility timeout runs.
+//
+// Every delivery carries the message's attributes as Headers (Binary ones in
+// base64), which is where the runtime finds the W3C trace context
+// (traceparent, tracestate); Attempt is SQS's ApproximateReceiveCount, asked
+// for through both AttributeNames and MessageSystemAttributeNames; Key is the
+// FIFO MessageGroupId. [Message], [GroupID] and [DeduplicationID] reach the
+// received types.Message from a delivery (consumer.Message.Delivery()).
+//
+// # Leases
+//
+// A received message is invisible to other consumers for the queue's
+// visibility timeout (read from the queue when the Source is created, or set
+// with WithVisibilityTimeout). That is the Source's lease: the runtime renews
+// every message it holds, running or waiting, at a third of it, through
+// Extend, with ChangeMessageVisibilityBatch requests of up to ten. Renewals
+// stop before the delete, and SQS's limit of 12 hours of invisibility per
+// receive is respected: past it the delivery is lost (its handler's context
+// is cancelled with [ErrMaxVisibility]) and the message comes back.
+//
+// A batch entry SQS refuses because the receipt handle no longer names an
+// in-flight message (the timeout ran out and the message was received again
+// or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
+// counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
+// that fail on SQS's side are retried alone, a few times.
+//
+// # Acks, retries and shutdown
+//
+// Ack deletes with DeleteMessageBatch. The runtime gathers acks into batches
+// of ten, waiting at most WithAckLinger (20 ms) to fill one, so at steady
+// state a message costs one tenth of a receive and one tenth of a delete:
+// 0.2 requests. Nack makes a message visible again after the retry delay
+// (ChangeMessageVisibilityBatch), so a retry waits in SQS, not in the
+// process; nacks from concurrent workers share requests (WithNackLinger).
+// FIFO queues are retried in place by the runtime instead, to keep group
+// order.
+//
+// At shutdown the runtime nacks with no delay what did not finish, and Close
+// releases what was received but never handed out: other consumers get them
+// at once instead of after the visibility timeout.
+//
+// # FIFO queues
+//
+// On a FIFO queue (name ending in .fifo) every delivery's OrderingKey is its
+// MessageGroupId: the runtime runs one message per group at a time, in order,
+// while groups run concurrently. SQS itself never hands out a group's next
+// message while one is in flight.
+//
+// # Dead letters
+//
+// Two ways, pick one per consumer:
+//
+//   - [DeadLetterQueue] sends a copy (body, attributes, FIFO group) to a queue
+//     you name, with the runtime's diagnostics in one JSON attribute
+//     (custody-diagnostics); the runtime deletes the original only after SQS
+//     accepted the copy.
+//   - [Source.Redrive] leaves it to the queue's redrive policy: the message is
+//     made visible again and SQS moves it when its receive count passes
+//     maxReceiveCount. It checks at start-up that maxReceiveCount equals the
+//     consumer's MaxAttempts.
+//
+// # Cost
+//
+// SQS bills per request. [Stats] counts them; see docs/sqs.md for measured
+// requests per message and throughput against raw loops.
+package awssqs

@@ -1,0 +1,183 @@
+package awssqs
+
+import (
+	"fmt"
+	"time"
+)
+
+// Defaults for the Source's options.
+const (
+	// DefaultWaitTime is the long-poll wait of each ReceiveMessage call,
+	// SQS's maximum: fewest empty receives, so fewest billed requests.
+	DefaultWaitTime = 20 * time.Second
+	// DefaultMaxMessages is how many messages each ReceiveMessage call asks
+	// for, SQS's maximum.
+	DefaultMaxMessages = 10
+	// DefaultPollers is how many ReceiveMessage calls may be in flight at
+	// once when WithPollers is not given.
+	DefaultPollers = 8
+	// DefaultAckLinger is how long the runtime may hold a finished message's
+	// delete to fill a batch of ten.
+	DefaultAckLinger = 20 * time.Millisecond
+	// DefaultNackLinger is how long a nack waits for others to share its
+	// ChangeMessageVisibilityBatch call.
+	DefaultNackLinger = 10 * time.Millisecond
+	// MaxLeaseAge is SQS's cap on how long a received message can be kept
+	// invisible: 12 hours.
+	MaxLeaseAge = 12 * time.Hour
+)
+
+// Option configures a [Source].
+type Option func(*options) error
+
+type options struct {
+	waitTime          time.Duration
+	maxMessages       int
+	pollers           int // 0: derived from each Receive's max
+	visibility        time.Duration
+	attributeNames    []string
+	ackLinger         time.Duration
+	nackLinger        time.Duration
+	emptyPollBackoff  time.Duration
+	releaseOnClose    bool
+	entryRetries      int
+	entryRetryBackoff time.Duration
+}
+
+func defaultOptions() options {
+	return options{
+		waitTime:          DefaultWaitTime,
+		maxMessages:       DefaultMaxMessages,
+		attributeNames:    []string{"All"},
+		ackLinger:         DefaultAckLinger,
+		nackLinger:        DefaultNackLinger,
+		emptyPollBackoff:  time.Second,
+		releaseOnClose:    true,
+		entryRetries:      3,
+		entryRetryBackoff: 50 * time.Millisecond,
+	}
+}
+
+// WithWaitTime sets the long-poll wait of each ReceiveMessage call, in whole
+// seconds from 0 to 20. Default 20 s. Zero makes short polls; an empty short
+// poll is then followed by a one-second pause so an idle queue is not polled
+// in a hot loop.
+func WithWaitTime(d time.Duration) Option {
+	return func(o *options) error {
+		if d < 0 || d > 20*time.Second || d%time.Second != 0 {
+			return fmt.Errorf("awssqs.WithWaitTime(%v): must be whole seconds from 0s to 20s", d)
+		}
+		o.waitTime = d
+		return nil
+	}
+}
+
+// WithMaxMessages sets how many messages each ReceiveMessage call asks for,
+// from 1 to 10. Default 10. A receive never asks for more than the runtime
+// has room for, so messages are not held unseen in a buffer.
+func WithMaxMessages(n int) Option {
+	return func(o *options) error {
+		if n < 1 || n > 10 {
+			return fmt.Errorf("awssqs.WithMaxMessages(%d): must be from 1 to 10", n)
+		}
+		o.maxMessages = n
+		return nil
+	}
+}
+
+// WithPollers sets how many ReceiveMessage calls may be in flight at once,
+// at least 1. Default 8 (DefaultPollers) on a standard queue, 1 on a FIFO
+// queue: one poll at a time hands each group's messages out in order by
+// construction. More pollers on a FIFO queue rely on SQS's promise that it
+// returns no further message of a group while one is in flight (real SQS
+// keeps it; the test emulator does not). The Source reports
+// Capabilities.MaxReceive = pollers × MaxMessages, so the runtime may ask
+// for that many messages in one Receive; the Source then starts one poll per
+// MaxMessages of room, never more than the runtime has room for. How many
+// run is therefore derived from the consumer's room (WithConcurrency,
+// WithMaxInFlight), up to this cap.
+//
+// Concurrent polls keep receives full while earlier batches are handled: on
+// the emulator each poll takes at least 10 ms, so one poller tops out near
+// 800 msg/s and eight reach about 4,000 (see the package benchmarks). Each
+// poll is one request whether it returns one message or ten, so on a queue
+// without a backlog more pollers cost more empty receives. Note that the
+// runtime's default WithMaxInFlight is at least twice MaxReceive; set
+// WithMaxInFlight (or fewer pollers) for a slow, low-concurrency consumer
+// that should not hold many messages at once.
+func WithPollers(n int) Option {
+	return func(o *options) error {
+		if n < 1 {
+			return fmt.Errorf("awssqs.WithPollers(%d): must be at least 1", n)
+		}
+		o.pollers = n
+		return nil
+	}
+}
+
+// WithVisibilityTimeout sets the visibility timeout of received messages (the
+// lease), in whole seconds from 1 s to 12 h; every ReceiveMessage call asks
+// for it. Default: the queue's own VisibilityTimeout attribute, read when the
+// Source is created. The runtime renews the lease at a third of it.
+func WithVisibilityTimeout(d time.Duration) Option {
+	return func(o *options) error {
+		if d < time.Second || d > MaxLeaseAge || d%time.Second != 0 {
+			return fmt.Errorf("awssqs.WithVisibilityTimeout(%v): must be whole seconds from 1s to 12h", d)
+		}
+		o.visibility = d
+		return nil
+	}
+}
+
+// WithMessageAttributes names the message attributes to receive. Default
+// "All". The W3C trace context attributes (traceparent, tracestate) are
+// needed for trace propagation; name them when you restrict the list.
+func WithMessageAttributes(names ...string) Option {
+	return func(o *options) error {
+		if len(names) == 0 {
+			return fmt.Errorf("awssqs.WithMessageAttributes(): name at least one attribute (or \"All\")")
+		}
+		o.attributeNames = append([]string(nil), names...)
+		return nil
+	}
+}
+
+// WithAckLinger sets how long the runtime may hold a finished message's
+// delete to fill a DeleteMessageBatch of ten (Capabilities.AckLinger), from 0
+// to 1 s. Default 20 ms: under load ten deletes gather in far less, and
+// under light load a message stays invisible (and renewed) at most that much
+// longer. Zero sends whatever is ready at once.
+func WithAckLinger(d time.Duration) Option {
+	return func(o *options) error {
+		if d < 0 || d > time.Second {
+			return fmt.Errorf("awssqs.WithAckLinger(%v): must be from 0s to 1s", d)
+		}
+		o.ackLinger = d
+		return nil
+	}
+}
+
+// WithNackLinger sets how long a Nack waits for other nacks to share its
+// ChangeMessageVisibilityBatch call, from 0 to 1 s. Default 10 ms. Nacks
+// arrive one message at a time from the runtime's workers; without the
+// linger every retry would cost a request of its own.
+func WithNackLinger(d time.Duration) Option {
+	return func(o *options) error {
+		if d < 0 || d > time.Second {
+			return fmt.Errorf("awssqs.WithNackLinger(%v): must be from 0s to 1s", d)
+		}
+		o.nackLinger = d
+		return nil
+	}
+}
+
+// WithKeepOnClose makes Close leave messages that were received but never
+// handed to the runtime invisible until their visibility timeout runs out,
+// instead of releasing them (visibility 0) for other consumers at once.
+// Default off: they are released.
+func WithKeepOnClose() Option {
+	return func(o *options) error {
+		o.releaseOnClose = false
+		return nil
+	}
+}

@@ -1,0 +1,241 @@
+package awssqs
+
+import (
+	"context"
+	"encoding/base64"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// systemAttributes are the system attributes every receive asks for. They
+// are asked through both AttributeNames (deprecated, but the only field some
+// emulators read) and MessageSystemAttributeNames (what SQS documents now).
+var systemAttributes = []string{
+	string(types.MessageSystemAttributeNameApproximateReceiveCount),
+	string(types.MessageSystemAttributeNameApproximateFirstReceiveTimestamp),
+	string(types.MessageSystemAttributeNameSentTimestamp),
+	string(types.MessageSystemAttributeNameMessageGroupId),
+	string(types.MessageSystemAttributeNameMessageDeduplicationId),
+	string(types.MessageSystemAttributeNameSequenceNumber),
+}
+
+// Receive returns up to max messages. It keeps up to one ReceiveMessage call
+// in flight per ten messages of room (see WithPollers) and returns as soon as
+// one of them brings messages; the others keep running and their messages go
+// to the next Receive. Polls never ask for more than the room max leaves, so
+// messages do not wait unseen in the Source while their lease runs.
+//
+// It returns an empty result and a nil error when a poll finds the queue
+// empty, ctx's error when ctx is done, and adapters.ErrClosed after Close.
+func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	if max <= 0 {
+		return nil, nil
+	}
+	s.mu.Lock()
+	startGen := s.emptyGen
+	for {
+		if s.closed {
+			s.mu.Unlock()
+			return nil, adapters.ErrClosed
+		}
+		if err := ctx.Err(); err != nil {
+			// Shutting down: what is buffered stays for Close to release.
+			s.mu.Unlock()
+			return nil, err
+		}
+		if len(s.buf) > 0 {
+			n := min(max, len(s.buf))
+			ds := make([]*adapters.Delivery, n)
+			copy(ds, s.buf)
+			s.buf = append(s.buf[:0], s.buf[n:]...)
+			s.mu.Unlock()
+			return ds, nil
+		}
+		if err := s.pollErr; err != nil {
+			s.pollErr = nil
+			s.mu.Unlock()
+			return nil, err
+		}
+		if s.emptyGen != startGen {
+			s.mu.Unlock()
+			return nil, nil
+		}
+		s.startPollsLocked(max)
+		changed := s.changed
+		s.mu.Unlock()
+		select {
+		case <-changed:
+		case <-ctx.Done():
+		}
+		s.mu.Lock()
+	}
+}
+
+// startPollsLocked starts polls until the room max leaves is covered or the
+// poller limit is reached.
+func (s *Source) startPollsLocked(max int) {
+	limit := s.pollers
+	room := max - len(s.buf) - s.pending
+	for s.inflight < limit && room > 0 {
+		n := min(room, s.opts.maxMessages)
+		room -= n
+		s.inflight++
+		s.pending += n
+		s.polls.Add(1)
+		go s.poll(n)
+	}
+}
+
+func (s *Source) broadcastLocked() {
+	close(s.changed)
+	s.changed = make(chan struct{})
+}
+
+// poll makes one ReceiveMessage call for up to n messages and files the
+// result for Receive.
+func (s *Source) poll(n int) {
+	defer s.polls.Done()
+	in := &sqs.ReceiveMessageInput{
+		QueueUrl:                    aws.String(s.url),
+		MaxNumberOfMessages:         int32(n),
+		WaitTimeSeconds:             int32(s.opts.waitTime / time.Second),
+		MessageAttributeNames:       s.opts.attributeNames,
+		AttributeNames:              make([]types.QueueAttributeName, len(systemAttributes)),
+		MessageSystemAttributeNames: make([]types.MessageSystemAttributeName, len(systemAttributes)),
+	}
+	for i, a := range systemAttributes {
+		in.AttributeNames[i] = types.QueueAttributeName(a)
+		in.MessageSystemAttributeNames[i] = types.MessageSystemAttributeName(a)
+	}
+	if s.opts.visibility > 0 {
+		in.VisibilityTimeout = int32(s.opts.visibility / time.Second)
+	}
+	s.stats.receives.Add(1)
+	out, err := s.client.ReceiveMessage(s.pollCtx, in)
+	now := time.Now()
+	var ds []*adapters.Delivery
+	if err == nil {
+		ds = make([]*adapters.Delivery, 0, len(out.Messages))
+		for _, m := range out.Messages {
+			ds = append(ds, s.delivery(m, now))
+		}
+		s.stats.received.Add(int64(len(ds)))
+		if len(ds) == 0 {
+			s.stats.emptyReceives.Add(1)
+			if s.opts.waitTime == 0 {
+				// A short poll on an empty queue returns at once; pause so
+				// an idle consumer does not spin.
+				select {
+				case <-time.After(s.opts.emptyPollBackoff):
+				case <-s.pollCtx.Done():
+				}
+			}
+		}
+	} else if s.pollCtx.Err() != nil {
+		err = nil // closing: not a failure
+	} else {
+		s.stats.receiveErrors.Add(1)
+		err = fmt.Errorf("awssqs: ReceiveMessage on %s: %w", s.url, err)
+	}
+
+	s.mu.Lock()
+	ds, poison := s.filterPoisonLocked(ds)
+	s.inflight--
+	s.pending -= n
+	s.buf = append(s.buf, ds...)
+	if err != nil && s.pollErr == nil {
+		s.pollErr = err
+	}
+	if err == nil && len(ds) == 0 {
+		s.emptyGen++
+	}
+	s.broadcastLocked()
+	s.mu.Unlock()
+	s.releasePoison(poison)
+}
+
+// delivery turns a received message into a Delivery.
+func (s *Source) delivery(m types.Message, now time.Time) *adapters.Delivery {
+	d := &adapters.Delivery{
+		ID:         aws.ToString(m.MessageId),
+		Body:       []byte(aws.ToString(m.Body)),
+		Queue:      s.name,
+		Partition:  -1,
+		Offset:     -1,
+		ReceivedAt: now,
+		Native:     m,
+		Handle:     aws.ToString(m.ReceiptHandle),
+	}
+	if len(m.MessageAttributes) > 0 {
+		d.Headers = make(map[string]string, len(m.MessageAttributes))
+		for k, v := range m.MessageAttributes {
+			d.Headers[k] = attributeString(v)
+		}
+	}
+	if n, err := strconv.Atoi(m.Attributes[string(types.MessageSystemAttributeNameApproximateReceiveCount)]); err == nil {
+		d.Attempt = n
+	}
+	d.PublishedAt = millis(m.Attributes[string(types.MessageSystemAttributeNameSentTimestamp)])
+	d.FirstReceivedAt = millis(m.Attributes[string(types.MessageSystemAttributeNameApproximateFirstReceiveTimestamp)])
+	if g := m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]; g != "" {
+		d.Key = g
+		if s.fifo {
+			d.OrderingKey = g
+		}
+	}
+	return d
+}
+
+// attributeString renders a message attribute as a header value: String and
+// Number attributes as they are, Binary ones in standard base64.
+func attributeString(v types.MessageAttributeValue) string {
+	if strings.HasPrefix(aws.ToString(v.DataType), "Binary") {
+		return base64.StdEncoding.EncodeToString(v.BinaryValue)
+	}
+	return aws.ToString(v.StringValue)
+}
+
+func millis(s string) time.Time {
+	ms, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || ms <= 0 {
+		return time.Time{}
+	}
+	return time.UnixMilli(ms)
+}
+
+// Message returns the SQS message a delivery was made from, with its system
+// attributes (MessageGroupId, MessageDeduplicationId, SequenceNumber,
+// ApproximateReceiveCount, ...) and message attributes. From a handler:
+// awssqs.Message(m.Delivery()), or m.As(&msg) with msg a types.Message.
+func Message(d *adapters.Delivery) (types.Message, bool) {
+	m, ok := d.Native.(types.Message)
+	return m, ok
+}
+
+// GroupID returns the FIFO message group id of a delivery ("" on a standard
+// queue). It is also the delivery's Key and OrderingKey.
+func GroupID(d *adapters.Delivery) string {
+	m, _ := Message(d)
+	return m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
+}
+
+// DeduplicationID returns the FIFO deduplication id of a delivery ("" on a
+// standard queue); SQS computes it from the body for queues with
+// content-based deduplication.
+func DeduplicationID(d *adapters.Delivery) string {
+	m, _ := Message(d)
+	return m.Attributes[string(types.MessageSystemAttributeNameMessageDeduplicationId)]
+}
+
+func receipt(d *adapters.Delivery) string {
+	h, _ := d.Handle.(string)
+	return h
+}

@@ -1,0 +1,145 @@
+package awssqs
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync/atomic"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// redrivePolicy is the part of a queue's RedrivePolicy attribute we read.
+type redrivePolicy struct {
+	DeadLetterTargetArn string
+	MaxReceiveCount     int
+}
+
+func parseRedrivePolicy(s string) (*redrivePolicy, error) {
+	var raw struct {
+		DeadLetterTargetArn string          `json:"deadLetterTargetArn"`
+		MaxReceiveCount     json.RawMessage `json:"maxReceiveCount"`
+	}
+	if err := json.Unmarshal([]byte(s), &raw); err != nil {
+		return nil, fmt.Errorf("cannot read its RedrivePolicy %q: %w", s, err)
+	}
+	// SQS returns the count as a string; documentation examples use a number.
+	count := string(raw.MaxReceiveCount)
+	if unq, err := strconv.Unquote(count); err == nil {
+		count = unq
+	}
+	n, err := strconv.Atoi(count)
+	if err != nil || n < 1 {
+		return nil, fmt.Errorf("its RedrivePolicy %q has no valid maxReceiveCount", s)
+	}
+	return &redrivePolicy{DeadLetterTargetArn: raw.DeadLetterTargetArn, MaxReceiveCount: n}, nil
+}
+
+// Redrive is an adapters.DeadLetter that leaves dead-lettering to the queue's
+// own redrive policy: SQS moves a message to the dead-letter queue when a
+// receive would take its receive count past maxReceiveCount. Create it with
+// [Source.Redrive].
+//
+// Send makes the message visible again at once and marks the delivery
+// settled, so the runtime does not delete it: the next receive (by any
+// consumer) moves it. The dead-letter queue then holds the original message
+// untouched, with SQS's own DeadLetterQueueSourceArn and receive count; the
+// runtime's diagnostics (error text, failure times) are not attached, only
+// logged and counted by the runtime. Use [DeadLetterQueue] to keep them.
+//
+// A message failing with a permanent error before its receive count reaches
+// maxReceiveCount cannot skip the remaining receives: SQS only moves it once
+// the count is reached. This Source recognises such a message when it comes
+// back and releases it again without running the handler, until SQS moves it;
+// another process receiving it runs its handler again.
+type Redrive struct {
+	s          *Source
+	maxReceive int
+	handed     atomic.Int64
+}
+
+var _ adapters.DeadLetter = (*Redrive)(nil)
+
+// RedriveOption configures [Source.Redrive].
+type RedriveOption func(*redriveOptions)
+
+type redriveOptions struct {
+	allowMismatch bool
+	logger        *slog.Logger
+}
+
+// AllowRedriveMismatch turns the start-up check of [Source.Redrive] from an
+// error into a warning logged to logger (nil: slog.Default()).
+func AllowRedriveMismatch(logger *slog.Logger) RedriveOption {
+	return func(o *redriveOptions) {
+		o.allowMismatch = true
+		o.logger = logger
+	}
+}
+
+// ErrRedriveMismatch is returned (wrapped) by [Source.Redrive] when the
+// queue's maxReceiveCount and the consumer's MaxAttempts disagree.
+var ErrRedriveMismatch = errors.New("awssqs: the queue's redrive maxReceiveCount and the consumer's MaxAttempts disagree")
+
+// Redrive returns the native dead-letter mode for this Source's queue.
+// maxAttempts is the consumer's Retry.MaxAttempts. It fails when the queue has
+// no redrive policy, and when its maxReceiveCount differs from maxAttempts
+// (unless AllowRedriveMismatch): with fewer receives SQS moves messages
+// before the consumer's retries are spent; with more, messages exhausted by
+// the consumer are received and released again until SQS's count is reached.
+func (s *Source) Redrive(maxAttempts int, opts ...RedriveOption) (*Redrive, error) {
+	var o redriveOptions
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
+	}
+	if maxAttempts < 1 {
+		return nil, fmt.Errorf("awssqs: Source.Redrive(%d): maxAttempts must be the consumer's Retry.MaxAttempts, at least 1", maxAttempts)
+	}
+	if s.redrive == nil {
+		return nil, fmt.Errorf("awssqs: Source.Redrive: queue %s has no RedrivePolicy; give it one with maxReceiveCount %d, or use NewDeadLetterQueue", s.url, maxAttempts)
+	}
+	if n := s.redrive.MaxReceiveCount; n != maxAttempts {
+		err := fmt.Errorf("%w: queue %s moves messages to %s after maxReceiveCount=%d receives, but the consumer retries up to MaxAttempts=%d; set them equal",
+			ErrRedriveMismatch, s.url, s.redrive.DeadLetterTargetArn, n, maxAttempts)
+		if !o.allowMismatch {
+			return nil, err
+		}
+		logger := o.logger
+		if logger == nil {
+			logger = slog.Default()
+		}
+		logger.Warn("custody: "+err.Error(), "queue", s.name, "maxReceiveCount", n, "maxAttempts", maxAttempts)
+	}
+	return &Redrive{s: s, maxReceive: s.redrive.MaxReceiveCount}, nil
+}
+
+// MaxReceiveCount returns the queue's redrive maxReceiveCount.
+func (r *Redrive) MaxReceiveCount() int { return r.maxReceive }
+
+// HandedOver counts messages Send gave back to the redrive policy.
+func (r *Redrive) HandedOver() int64 { return r.handed.Load() }
+
+// Send gives d back to SQS (visibility 0) for its redrive policy to move, and
+// marks it settled. It returns an error, and leaves d unsettled, only when
+// the visibility change failed for a reason other than a lost lease (a lost
+// lease means SQS already has the message back, which is what Send wants).
+func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	if d.Queue != r.s.name {
+		return fmt.Errorf("awssqs: Redrive for queue %s cannot dead-letter a message from %q", r.s.name, d.Queue)
+	}
+	if d.Attempt < r.maxReceive {
+		r.s.rememberPoison(d.ID)
+	}
+	err := adapters.EntryError(r.s.nacks.submit(ctx, []*adapters.Delivery{d}, 0), 0)
+	if err != nil && !errors.Is(err, adapters.ErrLeaseLost) {
+		return fmt.Errorf("awssqs: handing message %s back to the redrive policy: %w", d.ID, err)
+	}
+	r.handed.Add(1)
+	d.MarkSettled()
+	return nil
+}
