@@ -615,3 +615,20 @@ func TestConcurrencyAboveThePrefetchFailsAtNew(t *testing.T) {
 		t.Fatalf("concurrency equal to the prefetch refused: %v", err)
 	}
 }
+
+func TestLeaveUnfinishedOnShutdownKeepsTheLease(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
+	e.publish("stuck")
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		<-ctx.Done()
+		return ctx.Err()
+	}, consumer.WithShutdownTimeout(20*time.Millisecond), consumer.WithLeaveUnfinishedOnShutdown())
+	waitFor(t, "received", func() bool { return e.stats("q").InFlight == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if s := e.stats("q"); s.Visible != 0 || s.InFlight != 1 {
+		t.Fatalf("stats %+v: the unfinished message was given back; it should wait out its lease", s)
+	}
+	waitFor(t, "the lease to run out", func() bool { return e.stats("q").Visible == 1 })
+}

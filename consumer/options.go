@@ -47,6 +47,7 @@ type config struct {
 	tracerProvider  trace.TracerProvider
 	propagator      propagation.TextMapPropagator
 	atMostOnce      bool
+	leaveOnShutdown bool
 }
 
 func defaultConfig() config {
@@ -79,9 +80,9 @@ func WithConcurrency(n int) Option {
 
 // WithMaxInFlight bounds the deliveries held at once: running, waiting for a
 // worker or an ordering lane, or waiting for their ack. Held deliveries keep
-// their leases renewed. Default: twice the concurrency, and at least two
-// receive batches (the adapter's MaxReceive, else 10) so that one batch can
-// be fetched while the other is handled. Must be at least the concurrency.
+// their leases renewed. Default: twice the concurrency and at least 20, so
+// that one batch can be fetched while another is handled (and never more
+// than the adapter's MaxUnacked). Must be at least the concurrency.
 func WithMaxInFlight(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
@@ -248,6 +249,16 @@ func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
 	return func(c *config) error { c.atMostOnce = true; return nil }
 }
 
+// WithLeaveUnfinishedOnShutdown keeps the runtime from giving deliveries back
+// at shutdown: those that did not finish (or never started) stay with the
+// broker until their lease runs out or their connection closes, instead of
+// being released for immediate redelivery. Use it when another consumer
+// should not pick them up at once, for example while a deploy replaces this
+// one. Default off: unfinished deliveries are released (Nack with no delay).
+func WithLeaveUnfinishedOnShutdown() Option {
+	return func(c *config) error { c.leaveOnShutdown = true; return nil }
+}
+
 func (c *config) fill(caps adapters.Capabilities) error {
 	if c.name == "" {
 		c.name = caps.Name
@@ -263,7 +274,10 @@ func (c *config) fill(caps adapters.Capabilities) error {
 			c.concurrency, caps.MaxUnacked, caps.Name)
 	}
 	if c.maxInFlight == 0 {
-		c.maxInFlight = max(2*c.concurrency, 2*receiveBatch(caps))
+		// Not scaled by the adapter's batch: a source that polls wide (SQS
+		// with several pollers) would otherwise hold, and keep renewing,
+		// far more than a small consumer can work through.
+		c.maxInFlight = max(2*c.concurrency, 20)
 		if caps.MaxUnacked > 0 && c.maxInFlight > caps.MaxUnacked {
 			c.maxInFlight = max(caps.MaxUnacked, c.concurrency)
 		}

@@ -272,6 +272,12 @@ func (r *run) release(j *job) {
 		r.lost(j, j.d.LostCause())
 		return
 	}
+	if r.cfg.leaveOnShutdown {
+		r.stopLease(j)
+		r.settle(j, outcomeLeft)
+		r.next(j)
+		return
+	}
 	r.nack(j, 0, outcomeReleased)
 }
 

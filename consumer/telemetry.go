@@ -19,6 +19,7 @@ const (
 	outcomeLost         = "lost"
 	outcomeExhausted    = "exhausted"
 	outcomeFailed       = "failed" // at-most-once: handler failed, message gone
+	outcomeLeft         = "left"   // shutdown: left to the broker's lease
 )
 
 // telemetry holds the instruments, created once in New, and pre-built
@@ -61,7 +62,7 @@ func newTelemetry(c *config) (*telemetry, error) {
 	}
 	t.received = counter("custody.messages.received", "Deliveries received from the broker.")
 	t.redelivered = counter("custody.messages.redelivered", "Deliveries whose attempt number is above 1: retries, crashes, lost leases.")
-	t.settled = counter("custody.messages.settled", "Deliveries by final outcome: acked, retried, dead_lettered, released, lost, exhausted.")
+	t.settled = counter("custody.messages.settled", "Deliveries by final outcome: acked, retried, dead_lettered, released, left, lost, exhausted, failed.")
 	t.panics = counter("custody.handler.panics", "Handler panics recovered.")
 	t.extensions = counter("custody.lease.extensions", "Lease renewals that succeeded.")
 	t.leasesLost = counter("custody.lease.lost", "Deliveries whose lease was lost while held (expect a duplicate).")
@@ -82,7 +83,7 @@ func newTelemetry(c *config) (*telemetry, error) {
 	set := attribute.NewSet(src)
 	t.source = []metric.AddOption{metric.WithAttributeSet(set)}
 	t.outcomes = map[string][]metric.AddOption{}
-	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed} {
+	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed, outcomeLeft} {
 		t.outcomes[o] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))}
 	}
 	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}

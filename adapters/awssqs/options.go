@@ -101,10 +101,9 @@ func WithMaxMessages(n int) Option {
 // the emulator each poll takes at least 10 ms, so one poller tops out near
 // 800 msg/s and eight reach about 4,000 (see the package benchmarks). Each
 // poll is one request whether it returns one message or ten, so on a queue
-// without a backlog more pollers cost more empty receives. Note that the
-// runtime's default WithMaxInFlight is at least twice MaxReceive; set
-// WithMaxInFlight (or fewer pollers) for a slow, low-concurrency consumer
-// that should not hold many messages at once.
+// without a backlog more pollers cost more empty receives. The runtime's
+// WithMaxInFlight (default: twice the concurrency, at least 20) decides how
+// much room there is, so a small consumer runs few polls at once.
 func WithPollers(n int) Option {
 	return func(o *options) error {
 		if n < 1 {
