@@ -62,10 +62,7 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 		return nil, fmt.Errorf("consumer.New: creating OpenTelemetry instruments: %w", err)
 	}
 	c.tel = tel
-	c.batch = receiveBatch(caps)
-	if c.batch > cfg.maxInFlight {
-		c.batch = cfg.maxInFlight
-	}
+	c.batch = receiveBatch(caps, cfg.maxInFlight)
 	if cfg.deadLetter == nil && !cfg.atMostOnce {
 		cfg.logger.Warn("custody: no dead-letter destination (WithDeadLetter); messages that exhaust their retries are given back to the broker at the maximum backoff and may never leave the stream",
 			"consumer", cfg.name)

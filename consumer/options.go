@@ -303,10 +303,13 @@ func (c *config) fill(caps adapters.Capabilities) error {
 	return nil
 }
 
-// receiveBatch is how many deliveries one Receive asks for.
-func receiveBatch(caps adapters.Capabilities) int {
+// receiveBatch is how many deliveries one Receive asks for: the adapter's
+// limit where it has one, otherwise half the in-flight bound, so that a fast
+// source fills the runtime in a few calls rather than one call per ten
+// messages.
+func receiveBatch(caps adapters.Capabilities, maxInFlight int) int {
 	if caps.MaxReceive > 0 {
-		return caps.MaxReceive
+		return min(caps.MaxReceive, maxInFlight)
 	}
-	return 10
+	return max(1, maxInFlight/2)
 }
