@@ -3,6 +3,7 @@ package adapters
 import (
 	"strconv"
 	"time"
+	"unicode/utf8"
 )
 
 // Header names dead-letter destinations use for diagnostics. Every adapter's
@@ -30,14 +31,22 @@ const (
 )
 
 // Diagnostics returns the dead-letter diagnostic headers for d failing with f.
-// Times are RFC 3339 in UTC; the error text is cut to 1 KiB. Empty and
-// not-applicable values are left out.
+// Times are RFC 3339 in UTC; the error text is cut to at most 1 KiB, on a
+// character boundary. The error header is present whenever f has an error,
+// even one with empty text; other empty or not-applicable values are left
+// out.
 func Diagnostics(d *Delivery, f Failure) map[string]string {
 	h := make(map[string]string, 12)
 	if f.Err != nil {
 		msg := f.Err.Error()
 		if len(msg) > maxDiagnosticErrorSize {
-			msg = msg[:maxDiagnosticErrorSize]
+			// Cut before a character that would straddle the limit, so
+			// the header stays valid UTF-8 for brokers that check.
+			cut := maxDiagnosticErrorSize
+			for i := 0; i < utf8.UTFMax-1 && !utf8.RuneStart(msg[cut]); i++ {
+				cut--
+			}
+			msg = msg[:cut]
 		}
 		h[HeaderError] = msg
 	}

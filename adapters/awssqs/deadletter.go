@@ -1,6 +1,7 @@
 package awssqs
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -169,6 +170,7 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 		if err != nil {
 			return nil, fmt.Errorf("awssqs: encoding dead-letter diagnostics: %w", err)
 		}
+		js = escapeNonCharacters(js)
 		attrs[q.attr] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(string(js))}
 		size := messageSize(in)
 		if size <= q.maxSize {
@@ -182,6 +184,15 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 		cut := max(minErrorTextKept, len(msg)-(size-q.maxSize))
 		diag[adapters.HeaderError] = strings.ToValidUTF8(msg[:cut], "")
 	}
+}
+
+// escapeNonCharacters writes U+FFFE and U+FFFF in JSON text as escapes.
+// encoding/json leaves them raw, but SQS rejects a string attribute holding
+// them (it accepts the same characters as in a body), and an error text may
+// contain them; the escapes decode to the same text.
+func escapeNonCharacters(js []byte) []byte {
+	js = bytes.ReplaceAll(js, []byte("\uFFFE"), []byte(`\ufffe`))
+	return bytes.ReplaceAll(js, []byte("\uFFFF"), []byte(`\uffff`))
 }
 
 // originalAttributes returns d's message attributes with their SQS types,

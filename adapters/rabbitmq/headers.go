@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -135,19 +136,26 @@ func headerInt(t amqp.Table, k string) (int64, bool) {
 // the redeliveries of this copy in x-delivery-count; classic queues only say
 // whether it was redelivered at all, which counts as one more attempt: a
 // lower bound.
+//
+// Any publisher can set HeaderAttempt, so the sum saturates at maxAttempt:
+// an overflow would otherwise wrap to a negative attempt, which the runtime
+// reads as a first attempt.
 func attemptOf(m *amqp.Delivery) int {
 	base := int64(1)
 	if n, ok := headerInt(m.Headers, HeaderAttempt); ok && n > 1 {
-		base = n
+		base = min(n, maxAttempt)
 	}
 	if n, ok := headerInt(m.Headers, "x-delivery-count"); ok && n >= 0 {
-		return int(base + n)
+		return int(min(base+min(n, maxAttempt), maxAttempt))
 	}
 	if m.Redelivered {
-		return int(base + 1)
+		return int(min(base+1, maxAttempt))
 	}
 	return int(base)
 }
+
+// maxAttempt caps the attempt a delivery reports; it fits an int everywhere.
+const maxAttempt = math.MaxInt32
 
 // firstReceivedOf reads HeaderFirstReceived.
 func firstReceivedOf(m *amqp.Delivery) time.Time {

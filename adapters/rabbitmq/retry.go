@@ -208,8 +208,9 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 
 // delayLadder holds the delay-queue steps. A delay is rounded up to the next
 // step, so a source queue gets a bounded number of delay queues and a delay
-// is never cut short (a step is at most 2.5 times the one below it; 1.7 times
-// from one second up); delays beyond the last step are capped there.
+// is never cut short (a step is at most 2.5 times the one below it, twice it
+// from one second up, 1.7 times from two seconds up); delays beyond the last
+// step are capped there.
 var delayLadder = []time.Duration{
 	100 * time.Millisecond, 250 * time.Millisecond, 500 * time.Millisecond,
 	time.Second, 2 * time.Second, 3 * time.Second, 5 * time.Second, 7 * time.Second,
