@@ -56,6 +56,30 @@ func BenchmarkRawReceiveAckLoop(b *testing.B) {
 	}
 }
 
+// BenchmarkRawReceiveAckEachLoop acks every message on its own, as most
+// hand-written consumers do: the ratio against it is the other bound.
+func BenchmarkRawReceiveAckEachLoop(b *testing.B) {
+	br := benchBroker(b, b.N)
+	src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
+	ctx := context.Background()
+	handler := func(context.Context, *consumer.Message) error { return nil }
+	b.ReportAllocs()
+	b.ResetTimer()
+	for done := 0; done < b.N; {
+		ds, err := src.Receive(ctx, benchBatch)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i, d := range ds {
+			_ = handler(ctx, &consumer.Message{ID: d.ID, Body: d.Body})
+			if err := src.Ack(ctx, ds[i:i+1]); err != nil {
+				b.Fatal(err)
+			}
+		}
+		done += len(ds)
+	}
+}
+
 func benchmarkConsumer(b *testing.B, concurrency int) {
 	br := benchBroker(b, b.N)
 	src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
