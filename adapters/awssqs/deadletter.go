@@ -93,6 +93,11 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 
 // NewDeadLetterQueue returns a DeadLetter sending to the queue at queueURL.
 // A URL ending in .fifo is treated as a FIFO queue.
+//
+// It is meant for deliveries received from SQS. A delivery from another
+// broker is sent with its headers as String attributes, unchecked: SQS
+// refuses empty values, names it does not allow and bodies that are not
+// valid text, and Send then fails (the original stays where it was).
 func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
 	if client == nil {
 		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: nil client; pass an *sqs.Client")
