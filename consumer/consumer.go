@@ -41,7 +41,7 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 		if o == nil {
 			continue
 		}
-		if err := o(&cfg); err != nil {
+		if err := o.apply(&cfg); err != nil {
 			return nil, err
 		}
 	}

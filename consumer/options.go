@@ -15,7 +15,13 @@ import (
 
 // Option configures a Consumer. Options are checked by New: an invalid value
 // fails New with an error naming the option.
-type Option func(*config) error
+type Option interface {
+	apply(*config) error
+}
+
+type optionFunc func(*config) error
+
+func (f optionFunc) apply(c *config) error { return f(c) }
 
 // Ordering chooses which deliveries must not run concurrently.
 type Ordering int
@@ -63,19 +69,19 @@ func defaultConfig() config {
 // WithName names the consumer in telemetry, logs and dead-letter
 // diagnostics. Default: the source's Capabilities().Name.
 func WithName(name string) Option {
-	return func(c *config) error { c.name = name; return nil }
+	return optionFunc(func(c *config) error { c.name = name; return nil })
 }
 
 // WithConcurrency sets how many handlers run at once. Default 1. Must be at
 // least 1.
 func WithConcurrency(n int) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if n < 1 {
 			return fmt.Errorf("consumer: WithConcurrency(%d): must be at least 1", n)
 		}
 		c.concurrency = n
 		return nil
-	}
+	})
 }
 
 // WithMaxInFlight bounds the deliveries held at once: running, waiting for a
@@ -84,19 +90,19 @@ func WithConcurrency(n int) Option {
 // that one batch can be fetched while another is handled (and never more
 // than the adapter's MaxUnacked). Must be at least the concurrency.
 func WithMaxInFlight(n int) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if n < 1 {
 			return fmt.Errorf("consumer: WithMaxInFlight(%d): must be at least 1", n)
 		}
 		c.maxInFlight = n
 		return nil
-	}
+	})
 }
 
 // WithRetry sets the retry policy. Default: 5 attempts, exponential backoff
 // from 200ms to 1m with jitter. Zero fields take their defaults.
 func WithRetry(r Retry) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if r.MaxAttempts < 0 {
 			return fmt.Errorf("consumer: WithRetry: MaxAttempts %d must not be negative", r.MaxAttempts)
 		}
@@ -110,7 +116,7 @@ func WithRetry(r Retry) Option {
 		}
 		c.retry = r
 		return nil
-	}
+	})
 }
 
 // WithDeadLetter sets where messages go when they fail MaxAttempts times or
@@ -119,38 +125,38 @@ func WithRetry(r Retry) Option {
 // to the broker at the maximum backoff delay (the broker's own redrive policy
 // may then move them), and New logs a warning.
 func WithDeadLetter(dl adapters.DeadLetter) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if dl == nil {
 			return errors.New("consumer: WithDeadLetter(nil): pass a dead-letter destination or leave the option out")
 		}
 		c.deadLetter = dl
 		return nil
-	}
+	})
 }
 
 // WithOrdering chooses which deliveries must run one at a time. Default
 // OrderAsDelivered.
 func WithOrdering(o Ordering) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if o != OrderAsDelivered && o != OrderByKey {
 			return fmt.Errorf("consumer: WithOrdering(%d): unknown ordering", o)
 		}
 		c.ordering = o
 		return nil
-	}
+	})
 }
 
 // WithHandlerTimeout bounds one attempt of the handler; its context is
 // cancelled with ErrHandlerTimeout after d, and the attempt counts as failed.
 // Default 0: no timeout.
 func WithHandlerTimeout(d time.Duration) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("consumer: WithHandlerTimeout(%v): must not be negative", d)
 		}
 		c.handlerTimeout = d
 		return nil
-	}
+	})
 }
 
 // WithShutdownTimeout sets how long Run lets in-flight handlers finish after
@@ -158,13 +164,13 @@ func WithHandlerTimeout(d time.Duration) Option {
 // they are cancelled with ErrShutdownTimeout and their messages are given back
 // to the broker. Default 30s.
 func WithShutdownTimeout(d time.Duration) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("consumer: WithShutdownTimeout(%v): must not be negative", d)
 		}
 		c.shutdownTimeout = d
 		return nil
-	}
+	})
 }
 
 // WithMaxProcessingTime caps how long a delivery's lease is kept alive,
@@ -173,71 +179,71 @@ func WithShutdownTimeout(d time.Duration) Option {
 // message. Default 12h, and never more than the broker's own cap (SQS: 12h
 // from the first receive).
 func WithMaxProcessingTime(d time.Duration) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if d <= 0 {
 			return fmt.Errorf("consumer: WithMaxProcessingTime(%v): must be positive", d)
 		}
 		c.maxProcessing = d
 		return nil
-	}
+	})
 }
 
 // WithLeaseRenewal sets the fraction of the lease after which it is renewed.
 // Default 1/3: two renewals can fail before the lease runs out.
 func WithLeaseRenewal(fraction float64) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if fraction <= 0 || fraction >= 1 {
 			return fmt.Errorf("consumer: WithLeaseRenewal(%v): must be in (0, 1)", fraction)
 		}
 		c.leaseFraction = fraction
 		return nil
-	}
+	})
 }
 
 // WithLogger sets the logger. Default slog.Default().
 func WithLogger(l *slog.Logger) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if l == nil {
 			return errors.New("consumer: WithLogger(nil): pass a logger or leave the option out")
 		}
 		c.logger = l
 		return nil
-	}
+	})
 }
 
 // WithMeterProvider sets where metrics go. Default otel.GetMeterProvider().
 func WithMeterProvider(mp metric.MeterProvider) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if mp == nil {
 			return errors.New("consumer: WithMeterProvider(nil): pass a provider or leave the option out")
 		}
 		c.meterProvider = mp
 		return nil
-	}
+	})
 }
 
 // WithTracerProvider sets where spans go. Default otel.GetTracerProvider().
 func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if tp == nil {
 			return errors.New("consumer: WithTracerProvider(nil): pass a provider or leave the option out")
 		}
 		c.tracerProvider = tp
 		return nil
-	}
+	})
 }
 
 // WithPropagator sets how trace context is read from message headers.
 // Default otel.GetTextMapPropagator() (set it to propagation.TraceContext{}
 // for W3C traceparent headers).
 func WithPropagator(p propagation.TextMapPropagator) Option {
-	return func(c *config) error {
+	return optionFunc(func(c *config) error {
 		if p == nil {
 			return errors.New("consumer: WithPropagator(nil): pass a propagator or leave the option out")
 		}
 		c.propagator = p
 		return nil
-	}
+	})
 }
 
 // WithAtMostOnceAckBeforeProcessingUnsafe acks every message as soon as it
@@ -246,7 +252,7 @@ func WithPropagator(p propagation.TextMapPropagator) Option {
 // Use it only for data where losing some is acceptable (sampled metrics,
 // best-effort caches). Default off.
 func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
-	return func(c *config) error { c.atMostOnce = true; return nil }
+	return optionFunc(func(c *config) error { c.atMostOnce = true; return nil })
 }
 
 // WithLeaveUnfinishedOnShutdown keeps the runtime from giving deliveries back
@@ -256,7 +262,7 @@ func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
 // should not pick them up at once, for example while a deploy replaces this
 // one. Default off: unfinished deliveries are released (Nack with no delay).
 func WithLeaveUnfinishedOnShutdown() Option {
-	return func(c *config) error { c.leaveOnShutdown = true; return nil }
+	return optionFunc(func(c *config) error { c.leaveOnShutdown = true; return nil })
 }
 
 func (c *config) fill(caps adapters.Capabilities) error {
