@@ -34,31 +34,15 @@ func benchBroker(b *testing.B, n int) *memory.Broker {
 	return br
 }
 
-func BenchmarkRawReceiveAckLoop(b *testing.B) {
-	br := benchBroker(b, b.N)
-	src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
-	ctx := context.Background()
-	handler := func(context.Context, *consumer.Message) error { return nil }
-	b.ReportAllocs()
-	b.ResetTimer()
-	for done := 0; done < b.N; {
-		ds, err := src.Receive(ctx, benchBatch)
-		if err != nil {
-			b.Fatal(err)
-		}
-		for _, d := range ds {
-			_ = handler(ctx, &consumer.Message{ID: d.ID, Body: d.Body})
-		}
-		if err := src.Ack(ctx, ds); err != nil {
-			b.Fatal(err)
-		}
-		done += len(ds)
-	}
-}
+func BenchmarkRawReceiveAckLoop(b *testing.B) { benchmarkRawLoop(b, false) }
 
 // BenchmarkRawReceiveAckEachLoop acks every message on its own, as most
 // hand-written consumers do: the ratio against it is the other bound.
-func BenchmarkRawReceiveAckEachLoop(b *testing.B) {
+func BenchmarkRawReceiveAckEachLoop(b *testing.B) { benchmarkRawLoop(b, true) }
+
+// benchmarkRawLoop receives batches of ten, calls a no-op handler on each
+// message and acks the batch at once, or each message after its handler.
+func benchmarkRawLoop(b *testing.B, ackEach bool) {
 	br := benchBroker(b, b.N)
 	src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
 	ctx := context.Background()
@@ -72,7 +56,14 @@ func BenchmarkRawReceiveAckEachLoop(b *testing.B) {
 		}
 		for i, d := range ds {
 			_ = handler(ctx, &consumer.Message{ID: d.ID, Body: d.Body})
-			if err := src.Ack(ctx, ds[i:i+1]); err != nil {
+			if ackEach {
+				if err := src.Ack(ctx, ds[i:i+1]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		if !ackEach {
+			if err := src.Ack(ctx, ds); err != nil {
 				b.Fatal(err)
 			}
 		}
