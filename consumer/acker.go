@@ -118,8 +118,7 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 		// No per-call timeout: adapters bound their own I/O (the contract
 		// asks it), and a timer per call would cost more than a small ack.
 		err = r.c.src.Ack(r.settleCtx, ds)
-		var be *adapters.BatchError
-		if err == nil || errors.As(err, &be) {
+		if err == nil || isBatchError(err) {
 			break
 		}
 		time.Sleep(time.Duration(try) * 50 * time.Millisecond)
@@ -155,4 +154,13 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 	r.tel.inFlight.Add(r.settleCtx, -int64(n), r.tel.source...)
 	r.credit.release(n)
 	r.held.Add(-n)
+}
+
+// isBatchError reports whether err says which entries failed (so retrying
+// the whole call would repeat the ones that succeeded). Kept out of line: the
+// target errors.As needs escapes to the heap, which should cost nothing on
+// the path where the ack succeeded.
+func isBatchError(err error) bool {
+	var be *adapters.BatchError
+	return errors.As(err, &be)
 }

@@ -119,7 +119,8 @@ type run struct {
 // job is one held delivery.
 type job struct {
 	d            *adapters.Delivery
-	lease        *lease.Lease
+	lease        lease.Lease // kept when leased
+	leased       bool
 	msg          Message // the first attempt's message, allocated with the job
 	lane         string
 	retries      int // in-place retries so far
@@ -285,13 +286,19 @@ func (r *run) accept(ds []*adapters.Delivery) {
 			ds = kept
 		}
 	}
-	for _, d := range ds {
+	// One allocation for the batch's jobs, not one per job: the batch's
+	// memory lives until its last job is settled, which the in-flight bound
+	// keeps small.
+	jobs := make([]job, len(ds))
+	for i, d := range ds {
 		if d.Attempt > 1 {
 			r.tel.redelivered.Add(ctx, 1, r.tel.source...)
 		}
-		j := &job{d: d, ackedEarly: r.cfg.atMostOnce}
+		j := &jobs[i]
+		j.d, j.ackedEarly = d, r.cfg.atMostOnce
 		if r.keeper != nil && !j.ackedEarly {
-			j.lease = r.keeper.Track(d)
+			r.keeper.Start(&j.lease, d)
+			j.leased = true
 		}
 		switch {
 		case d.OrderingKey != "":

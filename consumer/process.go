@@ -9,6 +9,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // process runs j's handler until it succeeds, runs out of attempts, or the
@@ -176,8 +177,11 @@ func (r *run) call(j *job, attempt int) (err error) {
 	if len(d.Headers) > 0 {
 		ctx = r.cfg.propagator.Extract(ctx, headerCarrier(d.Headers))
 	}
-	ctx, span := r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStart...)
-	if span.IsRecording() {
+	var span trace.Span
+	if r.tel.spans() {
+		ctx, span = r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStart...)
+	}
+	if span != nil && span.IsRecording() {
 		span.SetAttributes(r.tel.spanAttrs...)
 		span.SetAttributes(
 			attribute.String("messaging.destination.name", d.Queue),
@@ -204,11 +208,15 @@ func (r *run) call(j *job, attempt int) (err error) {
 		res := r.tel.resultOK
 		if err != nil {
 			res = r.tel.resultErr
-			span.RecordError(err)
-			span.SetStatus(codes.Error, err.Error())
 		}
 		r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
-		span.End()
+		if span != nil {
+			if err != nil {
+				span.RecordError(err)
+				span.SetStatus(codes.Error, err.Error())
+			}
+			span.End()
+		}
 	}()
 	return r.c.handler.Handle(hctx, m)
 }
@@ -232,7 +240,7 @@ func (r *run) wait(j *job, delay time.Duration) bool {
 }
 
 func (r *run) stopLease(j *job) {
-	if j.lease != nil {
+	if j.leased {
 		j.lease.Stop()
 	}
 }

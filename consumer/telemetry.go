@@ -2,10 +2,13 @@ package consumer
 
 import (
 	"context"
+	"reflect"
 
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 const instrumentationName = "github.com/custody-go/custody/consumer"
@@ -26,6 +29,9 @@ const (
 // attribute options so the hot path allocates nothing for them.
 type telemetry struct {
 	tracer trace.Tracer
+	// spans says whether processing spans can reach anything; see
+	// newSpanSwitch.
+	spans func() bool
 
 	received    metric.Int64Counter
 	redelivered metric.Int64Counter
@@ -50,7 +56,7 @@ type telemetry struct {
 
 func newTelemetry(c *config) (*telemetry, error) {
 	m := c.meterProvider.Meter(instrumentationName)
-	t := &telemetry{tracer: c.tracerProvider.Tracer(instrumentationName)}
+	t := &telemetry{tracer: c.tracerProvider.Tracer(instrumentationName), spans: newSpanSwitch(c.tracerProvider)}
 	var err error
 	counter := func(name, desc string) metric.Int64Counter {
 		if err != nil {
@@ -91,6 +97,39 @@ func newTelemetry(c *config) (*telemetry, error) {
 	t.spanStart = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	t.spanAttrs = []attribute.KeyValue{attribute.String("messaging.consumer.group.name", c.name)}
 	return t, nil
+}
+
+// newSpanSwitch returns a check, cheap enough for every message, of whether a
+// span started through tp could be recorded. Starting a span that goes
+// nowhere still costs allocations on every message: a consumer on the
+// OpenTelemetry global provider before any SDK is installed, or on the no-op
+// provider, skips it. The check follows the global provider, so installing an
+// SDK after New turns spans on. The trace context extracted from the
+// message's headers reaches the handler either way.
+func newSpanSwitch(tp trace.TracerProvider) func() bool {
+	switch tp.(type) {
+	case noop.TracerProvider, *noop.TracerProvider:
+		return func() bool { return false }
+	}
+	if !isGlobalDefault(tp) {
+		return func() bool { return true }
+	}
+	return func() bool {
+		// Different dynamic types compare unequal without a panic, even
+		// when the installed provider's type is not comparable.
+		return otel.GetTracerProvider() != tp
+	}
+}
+
+// isGlobalDefault reports whether tp is OpenTelemetry's delegating global
+// provider, which records nothing until an SDK is installed. Its type is
+// internal to OpenTelemetry, so it is recognised by name; a mismatch after an
+// upgrade only means spans are always started, as before.
+func isGlobalDefault(tp trace.TracerProvider) bool {
+	t := reflect.TypeOf(tp)
+	return t != nil && t.Kind() == reflect.Pointer &&
+		t.Elem().Name() == "tracerProvider" &&
+		t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global"
 }
 
 func (t *telemetry) settle(ctx context.Context, outcome string, n int) {

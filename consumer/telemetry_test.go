@@ -3,12 +3,14 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -16,6 +18,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // sums returns every Int64 sum data point by metric name and outcome.
@@ -123,5 +126,46 @@ func TestTelemetryCountsWhatHappened(t *testing.T) {
 	}
 	if !linked {
 		t.Error("no span continued the trace from the message's traceparent header")
+	}
+}
+
+var globalTracingUnset = func() *atomic.Bool { var b atomic.Bool; b.Store(true); return &b }()
+
+// A consumer built before the application installs its tracing SDK through
+// the OpenTelemetry globals skips spans while nothing could record them, and
+// starts them once the SDK is installed; the trace context in the message's
+// headers reaches the handler in both phases.
+func TestSpansFollowTheGlobalProvider(t *testing.T) {
+	if !globalTracingUnset.CompareAndSwap(true, false) {
+		t.Skip("the OpenTelemetry global provider can be installed only once per process (-count > 1)")
+	}
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	traceID := "4bf92f3577b34da6a3ce929d0e0e4736"
+	header := map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"}
+	seen := make(chan string, 2)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		seen <- trace.SpanContextFromContext(ctx).TraceID().String()
+		return nil
+	})
+	spans := tracetest.NewSpanRecorder()
+	e.b.Publish(context.Background(), "q", memory.Message{Body: []byte("before"), Headers: header})
+	if got := <-seen; got != traceID {
+		t.Errorf("before the SDK: handler saw trace %s, want %s", got, traceID)
+	}
+	otel.SetTracerProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)))
+	t.Cleanup(func() { otel.SetTracerProvider(noop.NewTracerProvider()) })
+	e.b.Publish(context.Background(), "q", memory.Message{Body: []byte("after"), Headers: header})
+	if got := <-seen; got != traceID {
+		t.Errorf("after the SDK: handler saw trace %s, want %s", got, traceID)
+	}
+	waitFor(t, "both acked", func() bool { return e.stats("q").Acked == 2 })
+	r.stop()
+	ended := spans.Ended()
+	if len(ended) != 1 {
+		t.Fatalf("%d spans recorded, want 1 (the message handled after the SDK was installed)", len(ended))
+	}
+	if got := ended[0].SpanContext().TraceID().String(); got != traceID {
+		t.Errorf("span in trace %s, want %s", got, traceID)
 	}
 }

@@ -102,11 +102,20 @@ func New(ext adapters.Extender, cfg Config) (*Keeper, error) {
 // Track starts keeping d's lease alive, counting from d.ReceivedAt (or now
 // when that is zero).
 func (k *Keeper) Track(d *adapters.Delivery) *Lease {
+	l := new(Lease)
+	k.Start(l, d)
+	return l
+}
+
+// Start is Track with a Lease the caller provides, typically embedded in its
+// own per-delivery state to save an allocation per delivery. l must be a zero
+// Lease, or one that was stopped; it must not be copied while tracked.
+func (k *Keeper) Start(l *Lease, d *adapters.Delivery) {
 	start := d.ReceivedAt
 	if start.IsZero() {
 		start = time.Now()
 	}
-	l := &Lease{k: k, d: d, due: start.Add(k.interval), index: -1}
+	*l = Lease{k: k, d: d, due: start.Add(k.interval), index: -1}
 	if k.cfg.MaxHold > 0 {
 		l.deadline = start.Add(k.cfg.MaxHold)
 		if l.deadline.Before(l.due) {
@@ -116,7 +125,7 @@ func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 	k.mu.Lock()
 	if k.closed {
 		k.mu.Unlock()
-		return l
+		return
 	}
 	heap.Push(&k.due, l)
 	first := l.index == 0
@@ -124,7 +133,6 @@ func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 	if first {
 		k.poke()
 	}
-	return l
 }
 
 // Stop ends renewals of the lease. If a renewal of it is on the wire, Stop
