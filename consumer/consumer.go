@@ -123,6 +123,7 @@ type job struct {
 	leased       bool
 	msg          Message // the first attempt's message, allocated with the job
 	lane         string
+	successor    *job // the lane's next job, once this one is done
 	retries      int // in-place retries so far
 	firstFailure time.Time
 	outcome      string // what the pending ack completes
@@ -193,7 +194,7 @@ func (r *run) run(ctx context.Context) error {
 		go func() {
 			defer workersWG.Done()
 			for j := range r.work {
-				r.process(j)
+				r.runLane(j)
 			}
 		}()
 	}
@@ -325,8 +326,32 @@ func (r *run) dispatch(j *job) {
 	r.work <- j
 }
 
-// next starts the job queued behind j in its lane, if any. Called once j no
-// longer runs.
+// laneRun bounds how many jobs of one lane a worker runs back to back before
+// it hands the lane's next job to whichever worker is free: long enough to
+// skip a channel hand-off for most jobs of a busy lane, short enough that
+// lanes share the workers fairly when there are fewer workers than lanes.
+const laneRun = 16
+
+// runLane processes j and then, on the same worker, the jobs queued behind
+// it in its lane, up to laneRun of them.
+func (r *run) runLane(j *job) {
+	for n := 1; ; n++ {
+		r.process(j)
+		s := j.successor
+		if s == nil {
+			return
+		}
+		j.successor = nil
+		if n == laneRun {
+			r.work <- s // never blocks: see newRun
+			return
+		}
+		j = s
+	}
+}
+
+// next passes j's lane on to the job queued behind it, if any: the worker
+// that ran j runs it next (see runLane). Called once j no longer runs.
 func (r *run) next(j *job) {
 	if j.lane == "" {
 		return
@@ -342,7 +367,7 @@ func (r *run) next(j *job) {
 	q[0] = nil
 	r.lanes[j.lane] = q[1:]
 	r.lanesMu.Unlock()
-	r.work <- n
+	j.successor = n
 }
 
 // settle ends the runtime's custody of j.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -340,6 +341,32 @@ func TestOrderByKeyUnderConcurrency(t *testing.T) {
 	r.stop()
 	if len(errs) > 0 {
 		t.Fatalf("ordering broken: %v", errs[:min(5, len(errs))])
+	}
+}
+
+// A busy lane does not keep a worker to itself: with one worker, a key
+// queued behind sixty messages of another key runs long before they are done.
+func TestLanesShareWorkers(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	for i := 0; i < 60; i++ {
+		e.b.Publish(context.Background(), "q", memory.Message{Key: "busy", Body: []byte("busy")})
+	}
+	e.b.Publish(context.Background(), "q", memory.Message{Key: "other", Body: []byte("other")})
+	var (
+		mu    sync.Mutex
+		order []string
+	)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		order = append(order, m.Key)
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(1), consumer.WithMaxInFlight(200), consumer.WithOrdering(consumer.OrderByKey))
+	waitFor(t, "all handled", func() bool { mu.Lock(); defer mu.Unlock(); return len(order) == 61 })
+	r.stop()
+	at := slices.Index(order, "other")
+	if at > 30 {
+		t.Fatalf("the other key ran at position %d of 61: the busy lane kept the only worker", at)
 	}
 }
 
