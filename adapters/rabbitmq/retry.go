@@ -145,6 +145,10 @@ func (s *Source) holdInPlace(d *adapters.Delivery, h *handle, delay time.Duratio
 		if !still {
 			return // settled meanwhile: a copy now would be a duplicate
 		}
+		if !s.beginRepublish() {
+			return // the channel closes; the broker requeues the original
+		}
+		defer s.endRepublish()
 		ctx, cancel := context.WithTimeout(s.ctx, republishTimeout)
 		err := s.republish(ctx, d, h, "", s.queue)
 		cancel()
@@ -233,4 +237,27 @@ func delayStep(d time.Duration) time.Duration {
 // delayQueueName names the delay queue of queue for one ladder step.
 func delayQueueName(queue string, step time.Duration) string {
 	return fmt.Sprintf("%s.custody-delay.%sms", queue, strconv.FormatInt(step.Milliseconds(), 10))
+}
+
+// beginRepublish registers an in-place retry about to publish its copy and
+// ack the original, unless the source is closing. Close waits for those
+// registered, so it never closes the channel between the copy and the ack
+// (which would bring the original back next to its copy).
+func (s *Source) beginRepublish() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.republishing++
+	return true
+}
+
+func (s *Source) endRepublish() {
+	s.mu.Lock()
+	s.republishing--
+	if s.republishing == 0 {
+		s.republished.Broadcast()
+	}
+	s.mu.Unlock()
 }

@@ -33,7 +33,11 @@ type Source struct {
 	lastDialErr error
 	closed      bool
 	closing     chan struct{}
-	wg          sync.WaitGroup // supervisor, pumps, in-place retries
+	// republishing counts in-place retries between their copy and the
+	// original's ack; republished is signalled when it falls to zero.
+	republishing int
+	republished  sync.Cond
+	wg           sync.WaitGroup // supervisor, pumps, in-place retries
 
 	stats counters
 }
@@ -74,6 +78,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		cancel:  cancel,
 		closing: make(chan struct{}),
 	}
+	s.republished.L = &s.mu
 	if st.delayThreshold >= st.consumerTimeout/2 {
 		st.logger.Warn("rabbitmq: the in-place retry threshold is at least half the consumer timeout; the broker closes channels whose deliveries stay unacked that long",
 			"queue", queue, "threshold", st.delayThreshold, "consumer_timeout", st.consumerTimeout)
@@ -225,6 +230,9 @@ func (s *Source) Close() error {
 	}
 	s.closed = true
 	close(s.closing)
+	for s.republishing > 0 {
+		s.republished.Wait() // bounded by republishTimeout
+	}
 	g := s.gen
 	s.gen = nil
 	s.mu.Unlock()
