@@ -120,8 +120,11 @@ type Capabilities struct {
 	MaxExtendBatch int
 
 	// AckLinger is how long the runtime may hold a ready ack to fill a batch
-	// (SQS bills per request, so filling batches of ten saves money). Zero
-	// means acks are flushed as soon as no more are immediately ready.
+	// (SQS bills per request, so filling batches of ten saves money); the
+	// runtime then sends acks from a few goroutines of its own, so a slow
+	// Ack call never holds up a handler. Zero suits adapters whose Ack is
+	// cheap and quick: the workers send acks themselves, as soon as a batch
+	// is full, a worker runs out of work, or a millisecond has passed.
 	AckLinger time.Duration
 }
 

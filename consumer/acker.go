@@ -7,22 +7,81 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// enqueueAck hands j's ack to be sent. Where the adapter wants no linger, the
-// worker that finds no flush under way sends the pending batch itself and
-// keeps sending while more arrive (group commit): no goroutine hand-off per
-// message, and batches grow with load. Otherwise the ack loops batch them.
+// groupCommitLinger bounds how long a finished message's ack waits for
+// others to share its call, for adapters that leave the linger to the
+// runtime (Capabilities.AckLinger zero). Acks rarely wait that long: a batch
+// is sent as soon as it is full or a worker runs out of work.
+const groupCommitLinger = time.Millisecond
+
+// enqueueAck hands j's ack to be sent. Where the adapter leaves the linger to
+// the runtime, acks are group-committed by the workers themselves, with no
+// goroutine hand-off per message: the pending batch is sent by the worker
+// that fills it, by a worker about to wait for work (see flushAcks), or by
+// the linger timer, whichever comes first, and while one call is under way
+// the next batch gathers. Otherwise the ack loops batch them.
 func (r *run) enqueueAck(j *job) {
 	if r.c.caps.AckLinger > 0 {
 		r.acks <- j
 		return
 	}
-	max := r.c.caps.MaxAckBatch
 	r.ackMu.Lock()
 	r.pendingAcks = append(r.pendingAcks, j)
 	if r.flushing {
 		r.ackMu.Unlock()
 		return
 	}
+	if len(r.pendingAcks) < r.ackBatch {
+		if !r.lingering {
+			r.lingering = true
+			r.lingerWG.Add(1)
+			r.lingerTimer.Reset(groupCommitLinger)
+		}
+		r.ackMu.Unlock()
+		return
+	}
+	r.flushLocked()
+}
+
+// flushAcks sends the pending acks unless a flush is under way (which sends
+// them). Workers call it before they wait for work, so a message's ack never
+// waits on a worker that has nothing to do.
+func (r *run) flushAcks() {
+	r.ackMu.Lock()
+	if r.flushing || len(r.pendingAcks) == 0 {
+		r.ackMu.Unlock()
+		return
+	}
+	r.flushLocked()
+}
+
+// lingerExpired runs on the linger timer's goroutine.
+func (r *run) lingerExpired() {
+	defer r.lingerWG.Done()
+	r.ackMu.Lock()
+	r.lingering = false
+	if r.flushing || len(r.pendingAcks) == 0 {
+		r.ackMu.Unlock()
+		return
+	}
+	r.flushLocked()
+}
+
+// stopLinger ends the linger timer; after it returns no timer callback runs.
+func (r *run) stopLinger() {
+	r.ackMu.Lock()
+	if r.lingering && r.lingerTimer.Stop() {
+		r.lingering = false
+		r.lingerWG.Done()
+	}
+	r.ackMu.Unlock()
+	r.lingerWG.Wait()
+}
+
+// flushLocked sends pending acks, in calls of at most the adapter's batch
+// limit, until none is left. Called with ackMu held; returns with it
+// released.
+func (r *run) flushLocked() {
+	max := r.c.caps.MaxAckBatch
 	r.flushing = true
 	for len(r.pendingAcks) > 0 {
 		batch := r.pendingAcks

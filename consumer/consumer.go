@@ -105,7 +105,11 @@ type run struct {
 	drainCh  chan struct{}
 
 	ackMu         sync.Mutex
+	ackBatch      int // pending acks that make a full batch
 	flushing      bool
+	lingering     bool // lingerTimer is armed
+	lingerTimer   *time.Timer
+	lingerWG      sync.WaitGroup // an armed or running timer callback
 	pendingAcks   []*job
 	spareAcks     []*job
 	ackDeliveries []*adapters.Delivery // touched only by the flushing worker
@@ -124,7 +128,7 @@ type job struct {
 	msg          Message // the first attempt's message, allocated with the job
 	lane         string
 	successor    *job // the lane's next job, once this one is done
-	retries      int // in-place retries so far
+	retries      int  // in-place retries so far
 	firstFailure time.Time
 	outcome      string // what the pending ack completes
 	ackedEarly   bool   // at-most-once mode
@@ -133,7 +137,7 @@ type job struct {
 func newRun(c *Consumer, ctx context.Context) *run {
 	base := context.WithoutCancel(ctx)
 	hctx, cancel := context.WithCancelCause(base)
-	return &run{
+	r := &run{
 		c:              c,
 		cfg:            &c.cfg,
 		tel:            c.tel,
@@ -149,7 +153,16 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		drainCh:  make(chan struct{}),
 		lanes:    make(map[string][]*job),
 		spanName: "process " + c.cfg.name,
+		// A full batch frees room for the receiver's next Receive (see
+		// credit), so the two overlap.
+		ackBatch: c.batch,
 	}
+	if m := c.caps.MaxAckBatch; m > 0 && m < r.ackBatch {
+		r.ackBatch = m
+	}
+	r.lingerTimer = time.AfterFunc(time.Hour, r.lingerExpired)
+	r.lingerTimer.Stop()
+	return r
 }
 
 func (r *run) run(ctx context.Context) error {
@@ -193,7 +206,19 @@ func (r *run) run(ctx context.Context) error {
 		workersWG.Add(1)
 		go func() {
 			defer workersWG.Done()
-			for j := range r.work {
+			for {
+				var j *job
+				select {
+				case j = <-r.work:
+				default:
+					// Nothing to do right now: send the acks that wait
+					// for company before waiting for work.
+					r.flushAcks()
+					j = <-r.work
+				}
+				if j == nil {
+					return // r.work closed
+				}
 				r.runLane(j)
 			}
 		}()
@@ -217,6 +242,7 @@ func (r *run) run(ctx context.Context) error {
 	}
 	close(r.work)
 	workersWG.Wait()
+	r.stopLinger()
 	close(r.acks)
 	ackersWG.Wait()
 	stopKeeper()
@@ -291,16 +317,24 @@ func (r *run) accept(ds []*adapters.Delivery) {
 	// memory lives until its last job is settled, which the in-flight bound
 	// keeps small.
 	jobs := make([]job, len(ds))
+	if r.keeper != nil && !r.cfg.atMostOnce {
+		// Leases are tracked before any job is dispatched, so a job that
+		// finishes at once never stops a lease that was not started.
+		r.keeper.StartAll(func(yield func(*lease.Lease, *adapters.Delivery) bool) {
+			for i, d := range ds {
+				if !yield(&jobs[i].lease, d) {
+					return
+				}
+			}
+		})
+	}
 	for i, d := range ds {
 		if d.Attempt > 1 {
 			r.tel.redelivered.Add(ctx, 1, r.tel.source...)
 		}
 		j := &jobs[i]
 		j.d, j.ackedEarly = d, r.cfg.atMostOnce
-		if r.keeper != nil && !j.ackedEarly {
-			r.keeper.Start(&j.lease, d)
-			j.leased = true
-		}
+		j.leased = r.keeper != nil && !j.ackedEarly
 		switch {
 		case d.OrderingKey != "":
 			j.lane = d.OrderingKey

@@ -370,6 +370,24 @@ func TestLanesShareWorkers(t *testing.T) {
 	}
 }
 
+// A finished message's ack does not wait for the next handler: with one
+// worker busy on a long handler, the message before it is acked meanwhile.
+func TestAckDoesNotWaitForTheNextHandler(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.b.Publish(context.Background(), "q", memory.Message{Body: []byte("quick")}, memory.Message{Body: []byte("long")})
+	release := make(chan struct{})
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "long" {
+			<-release
+		}
+		return nil
+	}, consumer.WithConcurrency(1))
+	waitFor(t, "the quick message acked while the long one runs", func() bool { return e.stats("q").Acked == 1 })
+	close(release)
+	waitFor(t, "both acked", func() bool { return e.stats("q").Acked == 2 })
+	r.stop()
+}
+
 func TestRetryAfterIsHonoured(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("r")

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"sync"
 	"time"
 
@@ -111,24 +112,36 @@ func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 // own per-delivery state to save an allocation per delivery. l must be a zero
 // Lease, or one that was stopped; it must not be copied while tracked.
 func (k *Keeper) Start(l *Lease, d *adapters.Delivery) {
-	start := d.ReceivedAt
-	if start.IsZero() {
-		start = time.Now()
-	}
-	*l = Lease{k: k, d: d, due: start.Add(k.interval), index: -1}
-	if k.cfg.MaxHold > 0 {
-		l.deadline = start.Add(k.cfg.MaxHold)
-		if l.deadline.Before(l.due) {
-			l.due = l.deadline
-		}
-	}
+	k.StartAll(func(yield func(*Lease, *adapters.Delivery) bool) { yield(l, d) })
+}
+
+// StartAll is Start for every pair leases yields, under one lock: a receiver
+// tracks a whole batch at the cost of one.
+func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
+	var now time.Time
+	first := false
 	k.mu.Lock()
-	if k.closed {
-		k.mu.Unlock()
-		return
+	for l, d := range leases {
+		start := d.ReceivedAt
+		if start.IsZero() {
+			if now.IsZero() {
+				now = time.Now()
+			}
+			start = now
+		}
+		*l = Lease{k: k, d: d, due: start.Add(k.interval), index: -1}
+		if k.cfg.MaxHold > 0 {
+			l.deadline = start.Add(k.cfg.MaxHold)
+			if l.deadline.Before(l.due) {
+				l.due = l.deadline
+			}
+		}
+		if k.closed {
+			continue
+		}
+		heap.Push(&k.due, l)
+		first = first || l.index == 0
 	}
-	heap.Push(&k.due, l)
-	first := l.index == 0
 	k.mu.Unlock()
 	if first {
 		k.poke()
