@@ -1,6 +1,8 @@
 package kafka
 
 import (
+	"strconv"
+
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/internal/prefix"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -45,8 +47,17 @@ type partition struct {
 	lastPolled int64
 	// requeue holds nacked records (already tracked) to hand out again.
 	requeue []*held
-	// held maps handed-out offsets to their deliveries until acked or nacked.
-	held map[int64]*held
+	// out holds the handed-out deliveries until they are acked or nacked,
+	// in hand-out order from outHead on, nil where one was released (no map
+	// operation per record); nheld counts them.
+	out     []*held
+	outHead int
+	nheld   int
+	// lane is "topic/partition": the prefix of the partition's delivery IDs
+	// and its ordering lane.
+	lane string
+	// released is set while the partition is on Source.released.
+	released bool
 
 	// skip holds done spans read from the commit metadata on assignment.
 	skip []span
@@ -60,11 +71,14 @@ type partition struct {
 }
 
 // held is a delivery handed to the runtime, with what Ack needs to find its
-// place. One allocation carries both.
+// place. Held values are allocated heldSlab at a time (see Source.newHeld);
+// keep the type at 288 bytes, so that a slab fills its size class.
 type held struct {
-	d   adapters.Delivery
-	p   *partition
-	rec *kgo.Record
+	d adapters.Delivery
+	p *partition
+	// slot is the delivery's index in p.out while it is handed out, and -1
+	// otherwise (not yet handed out, acked, nacked, or its partition fenced).
+	slot int
 }
 
 func newPartition(topic string, id int32, epoch uint64) *partition {
@@ -73,11 +87,69 @@ func newPartition(topic string, id int32, epoch uint64) *partition {
 		id:         id,
 		epoch:      epoch,
 		tr:         prefix.New(),
-		held:       make(map[int64]*held),
+		lane:       topic + "/" + strconv.FormatInt(int64(id), 10),
 		lastPolled: -1,
 		committed:  -1,
 		hwm:        -1,
 	}
+}
+
+// hold adds h to the handed-out deliveries.
+func (p *partition) hold(h *held) {
+	if n := len(p.out) - p.outHead; n >= 64 && n >= 2*p.nheld {
+		p.compactOut() // mostly released slots: reuse them
+	}
+	h.slot = len(p.out)
+	p.out = append(p.out, h)
+	p.nheld++
+}
+
+// unhold removes h, which is handed out, from the handed-out deliveries.
+func (p *partition) unhold(h *held) {
+	p.out[h.slot] = nil
+	h.slot = -1
+	p.nheld--
+	for p.outHead < len(p.out) && p.out[p.outHead] == nil {
+		p.outHead++
+	}
+	if p.outHead == len(p.out) {
+		p.out, p.outHead = p.out[:0], 0
+	}
+}
+
+// compactOut moves the handed-out deliveries to the front of p.out.
+func (p *partition) compactOut() {
+	n := 0
+	for _, h := range p.out[p.outHead:] {
+		if h != nil {
+			h.slot = n
+			p.out[n] = h
+			n++
+		}
+	}
+	clear(p.out[n:])
+	p.out, p.outHead = p.out[:n], 0
+}
+
+// eachHeld calls fn for every handed-out delivery.
+func (p *partition) eachHeld(fn func(h *held)) {
+	for _, h := range p.out[p.outHead:] {
+		if h != nil {
+			fn(h)
+		}
+	}
+}
+
+// dropHeld forgets every handed-out delivery, appending them to lose.
+func (p *partition) dropHeld(lose []*held) []*held {
+	for _, h := range p.out[p.outHead:] {
+		if h != nil {
+			h.slot = -1
+			lose = append(lose, h)
+		}
+	}
+	p.out, p.outHead, p.nheld = nil, 0, 0
+	return lose
 }
 
 // backlogLen is the number of polled records waiting to be handed out.

@@ -20,7 +20,7 @@ func (s *Source) onAssigned(_ context.Context, _ *kgo.Client, assigned map[strin
 			if old := s.parts[k]; old != nil {
 				old.fenced = true // cannot happen with a well-behaved group; be safe
 				s.totalBack -= old.backlogLen() - len(old.requeue)
-				s.totalHeld -= len(old.held)
+				s.totalHeld -= old.nheld
 			}
 			s.epoch++
 			s.parts[k] = newPartition(topic, id, s.epoch)
@@ -80,7 +80,7 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 	for _, p := range ps {
 		p.draining = true
 		s.dropBacklogLocked(p)
-		if len(p.held) > 0 && !s.closing {
+		if p.nheld > 0 && !s.closing {
 			p.drained = make(chan struct{})
 			waits = append(waits, p.drained)
 		}
@@ -155,11 +155,8 @@ func (s *Source) fenceLocked(ps []*partition) []*held {
 	var lose []*held
 	for _, p := range ps {
 		p.fenced = true
-		for _, h := range p.held {
-			lose = append(lose, h)
-		}
-		s.totalHeld -= len(p.held)
-		p.held = nil
+		s.totalHeld -= p.nheld
+		lose = p.dropHeld(lose)
 		p.drained = nil
 		if s.parts[tpKey{p.topic, p.id}] == p {
 			delete(s.parts, tpKey{p.topic, p.id})

@@ -35,11 +35,16 @@ type Source struct {
 	// pollCancel interrupts a poll in progress so that a Receive waiting on
 	// the broker notices records that became ready in a backlog.
 	pollCancel context.CancelFunc
-	// scratch is reused to build delivery IDs.
-	scratch []byte
 	// slab hands out held values allocated heldSlab at a time: one
 	// allocation per batch instead of one per record.
 	slab []held
+	// strs holds the bytes of the deliveries' strings (IDs, keys, ordering
+	// keys, headers), strChunk at a time. Bytes written are never changed:
+	// a Builder only appends, and Reset starts a new buffer.
+	strs strings.Builder
+	// released lists the partitions an Ack or Nack released deliveries of,
+	// for the bookkeeping done once per call (see settleLocked).
+	released []*partition
 
 	// commitMu serialises building and sending commits, so a commit built
 	// before a fence is never sent after the revoke's own commit.
@@ -52,6 +57,14 @@ type Source struct {
 }
 
 const heldSlab = 64
+
+// strChunk is the size of the buffers that delivery strings are cut from;
+// strings longer than maxSharedStr get their own allocation, so that a small
+// string kept alive does not pin a large buffer, nor a large one a chunk.
+const (
+	strChunk     = 4096
+	maxSharedStr = 256
+)
 
 type tpKey struct {
 	topic string
@@ -272,13 +285,14 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 	}
 	for len(out) < max && len(p.requeue) > 0 && s.totalHeld < s.cfg.maxTotal {
 		h := p.requeue[0]
+		p.requeue[0] = nil
 		p.requeue = p.requeue[1:]
-		p.held[h.rec.Offset] = h
+		p.hold(h)
 		s.totalHeld++
 		out = append(out, &h.d)
 	}
 	for len(out) < max && p.backHead < len(p.backlog) {
-		if len(p.held) >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal {
+		if p.nheld >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal {
 			break
 		}
 		r := p.backlog[p.backHead]
@@ -297,7 +311,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 			continue
 		}
 		h := s.newHeld(p, r, now)
-		p.held[r.Offset] = h
+		p.hold(h)
 		s.totalHeld++
 		out = append(out, &h.d)
 	}
@@ -308,33 +322,34 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 	return out
 }
 
-// newHeld builds the delivery for r. Called under s.mu (it uses s.scratch).
+// newHeld builds the delivery for r. Called under s.mu (it uses s.slab and
+// s.strs).
 func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 	if len(s.slab) == 0 {
 		s.slab = make([]held, heldSlab)
 	}
 	h := &s.slab[0]
 	s.slab = s.slab[1:]
-	h.p, h.rec = p, r
+	h.p, h.slot = p, -1
 	d := &h.d
-	// "topic/partition/offset", built in one allocation; the lane of a
-	// partition is its prefix.
-	b := append(s.scratch[:0], r.Topic...)
-	b = append(b, '/')
-	b = strconv.AppendInt(b, int64(r.Partition), 10)
-	lane := len(b)
-	b = append(b, '/')
-	b = strconv.AppendInt(b, r.Offset, 10)
-	s.scratch = b
-	d.ID = string(b)
-	d.Body = r.Value
+	// "topic/partition/offset"; the lane of a partition is its prefix.
+	var num [20]byte
+	off := strconv.AppendInt(num[:0], r.Offset, 10)
+	d.ID = s.str(p.lane, off)
 	if len(r.Key) > 0 {
-		d.Key = string(r.Key)
+		if s.cfg.ordering == ByKey {
+			// "topic/partition/key": the key is its suffix.
+			d.OrderingKey = s.str(p.lane, r.Key)
+			d.Key = d.OrderingKey[len(p.lane)+1:]
+		} else {
+			d.Key = s.str("", r.Key)
+		}
 	}
+	d.Body = r.Value
 	if len(r.Headers) > 0 {
 		d.Headers = make(map[string]string, len(r.Headers))
 		for _, rh := range r.Headers {
-			d.Headers[rh.Key] = string(rh.Value)
+			d.Headers[rh.Key] = s.str("", rh.Value)
 		}
 	}
 	d.Queue = r.Topic
@@ -346,21 +361,61 @@ func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 	d.Handle = h
 	switch s.cfg.ordering {
 	case ByPartition:
-		d.OrderingKey = d.ID[:lane]
+		d.OrderingKey = p.lane
 	case ByKey:
-		if len(r.Key) > 0 {
-			d.OrderingKey = d.ID[:lane] + "/" + d.Key
-		} else {
-			d.OrderingKey = d.ID[:lane] // keyless records share the partition's lane
+		if len(r.Key) == 0 {
+			d.OrderingKey = p.lane // keyless records share the partition's lane
 		}
 	}
 	return h
 }
 
+// str returns b as a string, prefixed with prefix and '/' unless prefix is
+// empty. Short strings are cut from the shared buffer s.strs (one allocation
+// per strChunk bytes); long ones are allocated alone, so that a short string
+// kept alive does not pin a large buffer. Called under s.mu.
+func (s *Source) str(prefix string, b []byte) string {
+	n := len(b)
+	if prefix != "" {
+		n += len(prefix) + 1
+	}
+	switch {
+	case n == 0:
+		return ""
+	case n > maxSharedStr:
+		return joinStr(prefix, b, n)
+	}
+	sb := &s.strs
+	if sb.Cap()-sb.Len() < n {
+		sb.Reset() // the strings cut from the old buffer keep it alive
+		sb.Grow(strChunk)
+	}
+	start := sb.Len()
+	if prefix != "" {
+		sb.WriteString(prefix)
+		sb.WriteByte('/')
+	}
+	sb.Write(b)
+	return sb.String()[start:]
+}
+
+// joinStr returns prefix, '/' and b (b alone when prefix is empty), n bytes
+// in all, in one allocation.
+func joinStr(prefix string, b []byte, n int) string {
+	var sb strings.Builder
+	sb.Grow(n)
+	if prefix != "" {
+		sb.WriteString(prefix)
+		sb.WriteByte('/')
+	}
+	sb.Write(b)
+	return sb.String()
+}
+
 // updatePauseLocked pauses fetching a partition whose backlog and in-flight
 // records reach its bound, and resumes it below the bound.
 func (s *Source) updatePauseLocked(p *partition) {
-	full := p.backlogLen()+len(p.held) >= s.cfg.maxPerPart ||
+	full := p.backlogLen()+p.nheld >= s.cfg.maxPerPart ||
 		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
 	if full == p.paused || p.fenced {
 		return
@@ -391,12 +446,13 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			failed = addFailure(failed, i, adapters.ErrRevoked)
 			continue
 		}
-		if p.held[h.rec.Offset] != h {
+		if h.slot < 0 {
 			continue // acked twice, or nacked already
 		}
 		s.releaseLocked(p, h)
-		p.done(h.rec.Offset)
+		p.done(h.d.Offset)
 	}
+	s.settleLocked()
 	s.mu.Unlock()
 	if failed != nil {
 		return &adapters.BatchError{Failed: failed}
@@ -413,7 +469,7 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Durat
 	defer s.mu.Unlock()
 	for _, d := range ds {
 		h, ok := d.Handle.(*held)
-		if !ok || h.p.fenced || h.p.held[h.rec.Offset] != h {
+		if !ok || h.p.fenced || h.slot < 0 {
 			continue
 		}
 		s.releaseLocked(h.p, h)
@@ -421,24 +477,45 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Durat
 			h.p.requeue = append(h.p.requeue, h)
 		}
 	}
+	s.settleLocked()
 	return nil
 }
 
-// releaseLocked removes h from its partition's in-flight records and wakes
-// whoever waits for capacity or for a revoke drain.
+// releaseLocked removes h from its partition's in-flight records. The caller
+// calls settleLocked once it has released all it will.
 func (s *Source) releaseLocked(p *partition, h *held) {
-	delete(p.held, h.rec.Offset)
+	p.unhold(h)
 	s.totalHeld--
-	if p.drained != nil && len(p.held) == 0 {
-		close(p.drained)
-		p.drained = nil
+	if !p.released {
+		p.released = true
+		s.released = append(s.released, p)
 	}
-	s.updatePauseLocked(p)
+}
+
+// settleLocked does, once per Ack or Nack, what releasing deliveries calls
+// for: it ends the revoke drains now complete, updates the pauses, and wakes
+// whoever waits for capacity or for records.
+func (s *Source) settleLocked() {
+	if len(s.released) == 0 {
+		return
+	}
+	ready := false
+	for i, p := range s.released {
+		s.released[i] = nil
+		p.released = false
+		if p.drained != nil && p.nheld == 0 {
+			close(p.drained)
+			p.drained = nil
+		}
+		s.updatePauseLocked(p)
+		ready = ready || p.backlogLen() > 0
+	}
+	s.released = s.released[:0]
 	select {
 	case s.wake <- struct{}{}:
 	default:
 	}
-	if s.pollCancel != nil && p.backlogLen() > 0 {
+	if s.pollCancel != nil && ready {
 		s.pollCancel() // records are ready now; stop waiting on the broker
 		s.pollCancel = nil
 	}
@@ -461,9 +538,7 @@ func (s *Source) Close() error {
 		s.closing = true
 		var lose []*held
 		for _, p := range s.order {
-			for _, h := range p.held {
-				lose = append(lose, h)
-			}
+			p.eachHeld(func(h *held) { lose = append(lose, h) })
 		}
 		s.mu.Unlock()
 		for _, h := range lose {
