@@ -186,7 +186,10 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 	// release, not one of each per message.
 	var acked, deadLettered int
 	for i, j := range batch {
-		outcome := j.outcome
+		outcome := outcomeAcked
+		if j.deadLettered {
+			outcome = outcomeDeadLettered
+		}
 		if e := adapters.EntryError(err, i); e != nil {
 			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Warn("custody: ack failed; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "error", e)

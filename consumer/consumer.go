@@ -116,6 +116,7 @@ type run struct {
 
 	lanesMu sync.Mutex
 	lanes   map[string][]*job // queued behind the running job of each lane
+	heads   []*job            // the receiver's scratch for dispatchLaned
 
 	spanName string
 }
@@ -123,15 +124,14 @@ type run struct {
 // job is one held delivery.
 type job struct {
 	d            *adapters.Delivery
-	lease        lease.Lease // kept when leased
-	leased       bool
-	msg          Message // the first attempt's message, allocated with the job
+	lease        *lease.Lease // nil without a lease keeper
+	msg          Message      // the first attempt's message, allocated with the job
 	lane         string
 	successor    *job // the lane's next job, once this one is done
 	retries      int  // in-place retries so far
 	firstFailure time.Time
-	outcome      string // what the pending ack completes
-	ackedEarly   bool   // at-most-once mode
+	deadLettered bool // the pending ack completes a dead-lettering
+	ackedEarly   bool // at-most-once mode
 }
 
 func newRun(c *Consumer, ctx context.Context) *run {
@@ -319,45 +319,71 @@ func (r *run) accept(ds []*adapters.Delivery) {
 	jobs := make([]job, len(ds))
 	if r.keeper != nil && !r.cfg.atMostOnce {
 		// Leases are tracked before any job is dispatched, so a job that
-		// finishes at once never stops a lease that was not started.
+		// finishes at once never stops a lease that was not started. They
+		// are allocated apart from the jobs, so that sources without leases
+		// do not pay for them.
+		leases := make([]lease.Lease, len(ds))
 		r.keeper.StartAll(func(yield func(*lease.Lease, *adapters.Delivery) bool) {
 			for i, d := range ds {
-				if !yield(&jobs[i].lease, d) {
+				jobs[i].lease = &leases[i]
+				if !yield(&leases[i], d) {
 					return
 				}
 			}
 		})
 	}
+	redelivered, laned := 0, false
 	for i, d := range ds {
 		if d.Attempt > 1 {
-			r.tel.redelivered.Add(ctx, 1, r.tel.source...)
+			redelivered++
 		}
 		j := &jobs[i]
 		j.d, j.ackedEarly = d, r.cfg.atMostOnce
-		j.leased = r.keeper != nil && !j.ackedEarly
 		switch {
 		case d.OrderingKey != "":
 			j.lane = d.OrderingKey
 		case r.cfg.ordering == OrderByKey && d.Key != "":
 			j.lane = "\x00key:" + d.Key
 		}
-		r.dispatch(j)
+		laned = laned || j.lane != ""
 	}
+	if redelivered > 0 {
+		r.tel.redelivered.Add(ctx, int64(redelivered), r.tel.source...)
+	}
+	if !laned {
+		for i := range jobs {
+			r.work <- &jobs[i] // never blocks: see newRun
+		}
+		return
+	}
+	r.dispatchLaned(jobs)
 }
 
-// dispatch hands j to a worker, or queues it behind its lane's running job.
-func (r *run) dispatch(j *job) {
-	if j.lane != "" {
-		r.lanesMu.Lock()
+// dispatchLaned hands each job to a worker, or queues it behind its lane's
+// running job. The lanes are sorted under one lock per batch; the jobs that
+// start lanes are handed on once it is released.
+func (r *run) dispatchLaned(jobs []job) {
+	heads := r.heads[:0]
+	r.lanesMu.Lock()
+	for i := range jobs {
+		j := &jobs[i]
+		if j.lane == "" {
+			heads = append(heads, j)
+			continue
+		}
 		if q, busy := r.lanes[j.lane]; busy {
 			r.lanes[j.lane] = append(q, j)
-			r.lanesMu.Unlock()
-			return
+			continue
 		}
 		r.lanes[j.lane] = nil
-		r.lanesMu.Unlock()
+		heads = append(heads, j)
 	}
-	r.work <- j
+	r.lanesMu.Unlock()
+	for _, j := range heads {
+		r.work <- j // never blocks: see newRun
+	}
+	clear(heads)
+	r.heads = heads
 }
 
 // laneRun bounds how many jobs of one lane a worker runs back to back before
@@ -386,9 +412,13 @@ func (r *run) runLane(j *job) {
 
 // next passes j's lane on to the job queued behind it, if any: the worker
 // that ran j runs it next (see runLane). Called once j no longer runs.
+//
+// It takes up to laneRun queued jobs at once and links them through their
+// successor fields, so a busy lane costs one lock per run of jobs rather
+// than one per job; the lane stays busy until the last of them is done.
 func (r *run) next(j *job) {
-	if j.lane == "" {
-		return
+	if j.lane == "" || j.successor != nil {
+		return // no lane, or the job's successor was taken with it
 	}
 	r.lanesMu.Lock()
 	q := r.lanes[j.lane]
@@ -397,11 +427,14 @@ func (r *run) next(j *job) {
 		r.lanesMu.Unlock()
 		return
 	}
-	n := q[0]
-	q[0] = nil
-	r.lanes[j.lane] = q[1:]
+	n := min(len(q), laneRun)
+	for i := 0; i < n-1; i++ {
+		q[i].successor = q[i+1]
+	}
+	j.successor = q[0]
+	clear(q[:n])
+	r.lanes[j.lane] = q[n:]
 	r.lanesMu.Unlock()
-	j.successor = n
 }
 
 // settle ends the runtime's custody of j.

@@ -240,7 +240,7 @@ func (r *run) wait(j *job, delay time.Duration) bool {
 }
 
 func (r *run) stopLease(j *job) {
-	if j.leased {
+	if j.lease != nil {
 		j.lease.Stop()
 	}
 }
@@ -248,7 +248,7 @@ func (r *run) stopLease(j *job) {
 // ack stops j's lease and queues its ack; the ack loop settles it.
 func (r *run) ack(j *job, outcome string) {
 	r.stopLease(j)
-	j.outcome = outcome
+	j.deadLettered = outcome == outcomeDeadLettered
 	r.next(j)
 	r.enqueueAck(j)
 }
