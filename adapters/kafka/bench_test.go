@@ -53,6 +53,9 @@ func newBenchCluster(b *testing.B, perPartition int) *benchCluster {
 type side struct {
 	records int
 	elapsed time.Duration
+	// steady is the time from the first record handed to the handler to
+	// the last: the run without the group join and first fetch.
+	steady  time.Duration
 	mallocs uint64
 	commits int64
 }
@@ -60,34 +63,46 @@ type side struct {
 func (s *side) add(o side) {
 	s.records += o.records
 	s.elapsed += o.elapsed
+	s.steady += o.steady
 	s.mallocs += o.mallocs
 	s.commits += o.commits
 }
 
 func (s side) perSec() float64 { return float64(s.records) / s.elapsed.Seconds() }
 
+func (s side) steadyPerSec() float64 { return float64(s.records) / s.steady.Seconds() }
+
 func (s side) report(b *testing.B, name string) {
 	b.ReportMetric(s.perSec(), name+"_rec/s")
+	if s.steady > 0 {
+		b.ReportMetric(s.steadyPerSec(), name+"_steady_rec/s")
+	}
 	b.ReportMetric(float64(s.mallocs)/float64(s.records), name+"_allocs/rec")
 	b.ReportMetric(float64(s.commits)/s.elapsed.Seconds(), name+"_commits/s")
 }
 
-// measure runs fn and returns its elapsed time, allocations and commits.
-func (bc *benchCluster) measure(records int, fn func()) side {
+// measure runs fn and returns its elapsed time, allocations and commits. fn
+// calls first when it hands the first record to its handler.
+func (bc *benchCluster) measure(records int, fn func(first func())) side {
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	c0 := bc.commits.Load()
 	start := time.Now()
-	fn()
+	var firstAt atomic.Int64
+	fn(func() { firstAt.CompareAndSwap(0, int64(time.Since(start))) })
 	elapsed := time.Since(start)
 	runtime.ReadMemStats(&after)
-	return side{records: records, elapsed: elapsed, mallocs: after.Mallocs - before.Mallocs, commits: bc.commits.Load() - c0}
+	s := side{records: records, elapsed: elapsed, mallocs: after.Mallocs - before.Mallocs, commits: bc.commits.Load() - c0}
+	if f := firstAt.Load(); f > 0 {
+		s.steady = elapsed - time.Duration(f)
+	}
+	return s
 }
 
 // rawPollLoop is the franz-go baseline: poll, run the handler on each record
 // in turn, commit what was polled, repeat.
-func (bc *benchCluster) rawPollLoop(b *testing.B, total int, handle func(*kgo.Record)) {
+func (bc *benchCluster) rawPollLoop(b *testing.B, total int, first func(), handle func(*kgo.Record)) {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(bc.addrs...), kgo.ConsumerGroup(newGroup()), kgo.ConsumeTopics("bench"),
 		kgo.DisableAutoCommit(), kgo.FetchMaxWait(50*time.Millisecond))
 	if err != nil {
@@ -97,6 +112,9 @@ func (bc *benchCluster) rawPollLoop(b *testing.B, total int, handle func(*kgo.Re
 	ctx := context.Background()
 	for n := 0; n < total; {
 		fs := cl.PollFetches(ctx)
+		if n == 0 && fs.NumRecords() > 0 {
+			first()
+		}
 		fs.EachRecord(func(r *kgo.Record) {
 			handle(r)
 			n++
@@ -117,7 +135,11 @@ func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFu
 	}
 	var handled atomic.Int64
 	all := make(chan struct{})
+	var first func()
 	count := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if handled.Load() == 0 {
+			first()
+		}
 		err := h(ctx, m)
 		if handled.Add(1) == int64(total) {
 			close(all)
@@ -131,7 +153,8 @@ func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFu
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	res := bc.measure(total, func() {
+	res := bc.measure(total, func(f func()) {
+		first = f
 		go func() { done <- c.Run(ctx) }()
 		<-all
 	})
@@ -156,11 +179,14 @@ func (bc *benchCluster) sourceLoop(b *testing.B, total int) side {
 	}
 	defer s.Close()
 	ctx := context.Background()
-	return bc.measure(total, func() {
+	return bc.measure(total, func(first func()) {
 		for n := 0; n < total; {
 			ds, err := s.Receive(ctx, 256)
 			if err != nil {
 				b.Fatal(err)
+			}
+			if n == 0 && len(ds) > 0 {
+				first()
 			}
 			if err := s.Ack(ctx, ds); err != nil {
 				b.Fatal(err)
@@ -180,23 +206,25 @@ func BenchmarkNoopAgainstRawPollLoop(b *testing.B) {
 	b.Run("SourceOnly", func(b *testing.B) {
 		var raw, src side
 		for i := 0; i < b.N; i++ {
-			raw.add(bc.measure(total, func() { bc.rawPollLoop(b, total, func(*kgo.Record) {}) }))
+			raw.add(bc.measure(total, func(first func()) { bc.rawPollLoop(b, total, first, func(*kgo.Record) {}) }))
 			src.add(bc.sourceLoop(b, total))
 		}
 		raw.report(b, "raw")
 		src.report(b, "source")
 		b.ReportMetric(src.perSec()/raw.perSec(), "ratio")
+		b.ReportMetric(src.steadyPerSec()/raw.steadyPerSec(), "steady_ratio")
 	})
 	for _, mode := range []Ordering{ByPartition, Unordered} {
 		b.Run(mode.String(), func(b *testing.B) {
 			var raw, cus side
 			for i := 0; i < b.N; i++ {
-				raw.add(bc.measure(total, func() { bc.rawPollLoop(b, total, func(*kgo.Record) {}) }))
+				raw.add(bc.measure(total, func(first func()) { bc.rawPollLoop(b, total, first, func(*kgo.Record) {}) }))
 				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode)}, consumer.WithConcurrency(64)))
 			}
 			raw.report(b, "raw")
 			cus.report(b, "custody")
 			b.ReportMetric(cus.perSec()/raw.perSec(), "ratio")
+			b.ReportMetric(cus.steadyPerSec()/raw.steadyPerSec(), "steady_ratio")
 		})
 	}
 }
@@ -214,7 +242,7 @@ func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		// One record at a time takes total ms; a quarter of the topic
 		// measures its rate well enough.
-		serialRaw.add(bc.measure(total/4, func() { bc.rawPollLoop(b, total/4, func(*kgo.Record) { work() }) }))
+		serialRaw.add(bc.measure(total/4, func(first func()) { bc.rawPollLoop(b, total/4, first, func(*kgo.Record) { work() }) }))
 		serial.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
 		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey)}, consumer.WithConcurrency(256)))
 	}
