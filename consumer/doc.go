@@ -57,6 +57,14 @@
 // given back to the broker. Run then stops lease renewals, closes the source
 // and returns; no goroutine it started is left running.
 //
+// # Acks
+//
+// Acks are sent in batches, never before the handler returned. Where the
+// adapter asks for a linger (SQS fills delete batches of ten), a few ack
+// goroutines wait up to that long; otherwise the workers send the pending
+// acks themselves as soon as a batch is full, a worker runs out of work, or
+// a millisecond has passed since the oldest was queued.
+//
 // # Telemetry
 //
 // Metrics and spans go to the OpenTelemetry providers given by

@@ -223,6 +223,11 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 }
 
 // WithTracerProvider sets where spans go. Default otel.GetTracerProvider().
+// While that global provider has no SDK behind it, and with the no-op
+// provider, no span is started (they would record nothing and cost
+// allocations per message); the trace context in the message's headers still
+// reaches the handler. Installing an SDK through otel.SetTracerProvider after
+// New turns spans on.
 func WithTracerProvider(tp trace.TracerProvider) Option {
 	return optionFunc(func(c *config) error {
 		if tp == nil {

@@ -26,4 +26,6 @@
 //
 // One goroutine runs the schedule over a heap of due times; renewals run on a
 // small, fixed number of goroutines. No timer or goroutine exists per lease.
+// [Keeper.StartAll] tracks a received batch under one lock, in Lease values
+// the caller allocates with its own per-delivery state.
 package lease
