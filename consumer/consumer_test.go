@@ -388,6 +388,39 @@ func TestAckDoesNotWaitForTheNextHandler(t *testing.T) {
 	r.stop()
 }
 
+// A message deferred more often than MaxAttempts is not dead-lettered, on a
+// broker that redelivers after a delay and in an ordered lane that waits in
+// place; in the lane the deferrals leave the attempt number alone.
+func TestDeferNeverExhaustsAttempts(t *testing.T) {
+	for _, ordered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("ordered=%v", ordered), func(t *testing.T) {
+			e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+			e.b.Publish(context.Background(), "q", memory.Message{Key: "k", Body: []byte("x")})
+			var calls atomic.Int32
+			lastAttempt := make(chan int, 1)
+			opts := []consumer.Option{fastRetry(2), consumer.WithDeadLetter(e.dlq())}
+			if ordered {
+				opts = append(opts, consumer.WithOrdering(consumer.OrderByKey))
+			}
+			r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+				if calls.Add(1) <= 5 {
+					return consumer.Defer(errors.New("the original still runs"), 5*time.Millisecond)
+				}
+				lastAttempt <- m.Attempt
+				return nil
+			}, opts...)
+			waitFor(t, "the message acked", func() bool { return e.stats("q").Acked == 1 })
+			r.stop()
+			if n := e.stats("dlq").Visible; n != 0 {
+				t.Fatalf("%d messages dead-lettered; deferrals must not use up attempts", n)
+			}
+			if got := <-lastAttempt; ordered && got != 1 {
+				t.Errorf("attempt %d after deferrals in place, want 1", got)
+			}
+		})
+	}
+}
+
 func TestRetryAfterIsHonoured(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("r")

@@ -12,6 +12,9 @@
 //   - [Permanent](err): no retry can help (the payload does not parse); the
 //     message is dead-lettered at once.
 //   - [RetryAfter](err, d): retry no sooner than d.
+//   - [Defer](err, d): not now, for a reason outside the message (its
+//     original is still running elsewhere): try again no sooner than d,
+//     without counting the attempt; a deferral never dead-letters.
 //
 // A panic in the handler is recovered and treated as an error.
 //

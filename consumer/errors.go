@@ -37,24 +37,54 @@ func RetryAfter(err error, d time.Duration) error {
 	return &retryAfterError{err: err, after: d}
 }
 
+// Defer asks for the message again no sooner than d, without counting the
+// attempt against the retry policy's MaxAttempts: for a message that cannot
+// be handled yet for a reason outside it, such as a duplicate whose original
+// is still running elsewhere. A deferred message is never dead-lettered for
+// running out of attempts, however often it is deferred; only a failure of
+// its own (or a Permanent error) can send it there.
+//
+// Where the runtime waits in place (ordered lanes, brokers without delayed
+// redelivery), a deferral leaves Message.Attempt as it was. Where the broker
+// redelivers the message after the delay and counts deliveries itself (SQS,
+// RabbitMQ, the memory broker), the next delivery's Attempt is one higher,
+// and a broker's own redrive policy (an SQS maxReceiveCount, a memory queue's
+// MaxReceiveCount) still counts it. Defer(nil, d) is nil.
+func Defer(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &retryAfterError{err: err, after: d, deferred: true}
+}
+
 type retryAfterError struct {
-	err   error
-	after time.Duration
+	err      error
+	after    time.Duration
+	deferred bool
 }
 
 func (e *retryAfterError) Error() string {
+	if e.deferred {
+		return fmt.Sprintf("deferred for %v: %v", e.after, e.err)
+	}
 	return fmt.Sprintf("retry after %v: %v", e.after, e.err)
 }
 func (e *retryAfterError) Unwrap() error { return e.err }
 
-// RetryDelay reports the delay asked for with RetryAfter, if err (or an error
-// it wraps) carries one.
+// RetryDelay reports the delay asked for with RetryAfter or Defer, if err (or
+// an error it wraps) carries one.
 func RetryDelay(err error) (time.Duration, bool) {
 	var r *retryAfterError
 	if errors.As(err, &r) {
 		return r.after, true
 	}
 	return 0, false
+}
+
+// IsDeferred reports whether err, or an error it wraps, was made with Defer.
+func IsDeferred(err error) bool {
+	var r *retryAfterError
+	return errors.As(err, &r) && r.deferred
 }
 
 // PanicError is the error a recovered handler panic becomes. It is retried and

@@ -48,14 +48,15 @@ func (r *run) process(j *job) {
 			return
 		}
 		now := time.Now()
-		if j.firstFailure.IsZero() {
+		deferred := IsDeferred(err)
+		if j.firstFailure.IsZero() && !deferred {
 			j.firstFailure = now
 		}
 		delay, ok := RetryDelay(err)
 		if !ok {
 			delay = r.cfg.retry.Backoff.Delay(attempt)
 		}
-		if IsPermanent(err) || attempt >= maxAttempts {
+		if IsPermanent(err) || (attempt >= maxAttempts && !deferred) {
 			if r.exhausted(j, err, attempt, now) {
 				return
 			}
@@ -75,7 +76,9 @@ func (r *run) process(j *job) {
 		if !r.wait(j, delay) {
 			return
 		}
-		j.retries++
+		if !deferred {
+			j.retries++
+		}
 	}
 }
 

@@ -36,10 +36,12 @@
 //   - Completed: a sequential duplicate. The handler is skipped and the
 //     message acked (Handle returns nil).
 //   - In progress elsewhere: an overlapping duplicate. The handler is not
-//     run; Handle returns consumer.RetryAfter wrapping
+//     run; Handle returns consumer.Defer wrapping
 //     [ErrInProgressElsewhere], so the message comes back later, when the
-//     other delivery has finished. Two deliveries of one key never run at
-//     the same time (while the claim is held).
+//     other delivery has finished, without using up one of its attempts
+//     (however long the original runs, the duplicate is never
+//     dead-lettered for it). Two deliveries of one key never run at the
+//     same time (while the claim is held).
 //   - Fingerprint mismatch: with WithFingerprint, a key already recorded for
 //     a different payload fails with a permanent [ErrFingerprintMismatch]
 //     instead of being skipped, because two different messages sharing a

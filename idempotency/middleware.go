@@ -79,7 +79,7 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 		return nil
 	case state == InProgressElsewhere:
 		g.m.Duplicates.Add(ctx, 1, g.m.Overlapping)
-		return consumer.RetryAfter(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), g.cfg.overlapDelay)
+		return consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), g.cfg.overlapDelay)
 	case state != Acquired:
 		return fmt.Errorf("idempotency: store returned invalid state %d for key %q", state, key)
 	}

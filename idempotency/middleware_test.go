@@ -71,8 +71,8 @@ func TestOverlappingDuplicateIsRetriedLaterNotRun(t *testing.T) {
 	if !errors.Is(err, idempotency.ErrInProgressElsewhere) {
 		t.Fatalf("overlapping delivery returned %v, want ErrInProgressElsewhere", err)
 	}
-	if consumer.IsPermanent(err) || func() bool { d, ok := consumer.RetryDelay(err); return !ok || d != 7*time.Second }() {
-		t.Fatalf("overlapping delivery returned %q, want consumer.RetryAfter(_, 7s)", err)
+	if consumer.IsPermanent(err) || !consumer.IsDeferred(err) || func() bool { d, ok := consumer.RetryDelay(err); return !ok || d != 7*time.Second }() {
+		t.Fatalf("overlapping delivery returned %q, want consumer.Defer(_, 7s)", err)
 	}
 	close(leave)
 	if err := <-first; err != nil {

@@ -117,10 +117,12 @@ func WithRetention(d time.Duration) Option {
 }
 
 // WithOverlapRetryDelay sets how long an overlapping duplicate waits before
-// it is tried again (it is returned as consumer.RetryAfter). Each retry
-// counts as an attempt, so keep MaxAttempts × this delay longer than your
-// slowest handler, or the duplicate is dead-lettered while the original
-// is still running. Default: the lease. Must be positive.
+// it is tried again (it is returned as consumer.Defer, which does not use up
+// an attempt, so the duplicate is never dead-lettered for waiting on a slow
+// original). Where the broker counts deliveries, each deferral still raises
+// the next delivery's Attempt, and a broker-side redrive policy (an SQS
+// maxReceiveCount) still counts it: keep that limit above your slowest
+// handler divided by this delay. Default: the lease. Must be positive.
 func WithOverlapRetryDelay(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {

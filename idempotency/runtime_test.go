@@ -95,3 +95,42 @@ func TestDuplicatesThroughTheRuntime(t *testing.T) {
 		})
 	}
 }
+
+// A duplicate whose original runs far longer than MaxAttempts × the overlap
+// delay waits for it instead of being dead-lettered: the deferrals do not use
+// up its attempts.
+func TestOverlappingDuplicateOutwaitsASlowOriginal(t *testing.T) {
+	b := memory.NewBroker()
+	for _, q := range []string{"q", "dlq"} {
+		if err := b.CreateQueue(q, memory.QueueOptions{Lease: 5 * time.Second}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if err := b.Publish(context.Background(), "q", memory.Message{ID: "order-8", Body: []byte("x")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dlq, err := b.DeadLetterQueue("dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	h := newGuard(t, newMemory(t), func(ctx context.Context, _ *consumer.Message) error {
+		runs.Add(1)
+		time.Sleep(300 * time.Millisecond) // 30 overlap delays
+		return nil
+	}, idempotency.WithOverlapRetryDelay(10*time.Millisecond))
+	runUntilDrained(t, b, "q", h, consumer.WithConcurrency(2), consumer.WithDeadLetter(dlq),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(10 * time.Millisecond)}))
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("effect ran %d times, want 1", n)
+	}
+	st, err := b.Stats("dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Visible != 0 {
+		t.Fatalf("%d copies dead-lettered while the original ran", st.Visible)
+	}
+}

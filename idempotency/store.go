@@ -108,9 +108,10 @@ var (
 
 	// ErrInProgressElsewhere: the middleware found the key claimed by
 	// another delivery that is still running (an overlapping duplicate). It
-	// returns it wrapped in consumer.RetryAfter, so the message is tried
-	// again later, by which time the other delivery has completed (the
-	// retry is then skipped) or failed (the retry runs the handler).
+	// returns it wrapped in consumer.Defer, so the message is tried again
+	// later, by which time the other delivery has completed (the retry is
+	// then skipped) or failed (the retry runs the handler). Deferrals do not
+	// count against the retry policy's MaxAttempts.
 	ErrInProgressElsewhere = errors.New("idempotency: the key is being processed by another delivery (an overlapping duplicate); retrying later")
 
 	// ErrClaimLost is the cause given to the handler's context when the

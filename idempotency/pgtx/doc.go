@@ -27,7 +27,7 @@
 //     function does not run, and Handle returns nil, so the message is
 //     acked.
 //   - Another transaction is processing the key right now (an overlapping
-//     duplicate): Handle returns consumer.RetryAfter wrapping
+//     duplicate): Handle returns consumer.Defer wrapping
 //     idempotency.ErrInProgressElsewhere without waiting for it. The check
 //     uses a transaction-scoped advisory lock on a hash of the table and
 //     key (pg_try_advisory_xact_lock), so it never blocks on the other

@@ -218,7 +218,7 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	}
 	if !held {
 		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		return consumer.RetryAfter(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
+		return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
 	}
 	if !inserted {
 		if fp != "" {

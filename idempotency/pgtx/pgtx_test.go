@@ -193,8 +193,8 @@ func TestOverlappingDuplicateIsTurnedAwayWithoutWaiting(t *testing.T) {
 	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	err := h.Handle(tctx, msg("m", "a"))
 	cancel()
-	if !errors.Is(err, idempotency.ErrInProgressElsewhere) || func() bool { d, ok := consumer.RetryDelay(err); return !ok || d != 3*time.Second }() {
-		t.Fatalf("overlapping duplicate = %v, want RetryAfter(ErrInProgressElsewhere, 3s)", err)
+	if !errors.Is(err, idempotency.ErrInProgressElsewhere) || !consumer.IsDeferred(err) || func() bool { d, ok := consumer.RetryDelay(err); return !ok || d != 3*time.Second }() {
+		t.Fatalf("overlapping duplicate = %v, want Defer(ErrInProgressElsewhere, 3s)", err)
 	}
 	close(leave)
 	if err := <-first; err != nil {
