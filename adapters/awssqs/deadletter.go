@@ -94,10 +94,13 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 // NewDeadLetterQueue returns a DeadLetter sending to the queue at queueURL.
 // A URL ending in .fifo is treated as a FIFO queue.
 //
-// It is meant for deliveries received from SQS. A delivery from another
-// broker is sent with its headers as String attributes, unchecked: SQS
-// refuses empty values, names it does not allow and bodies that are not
-// valid text, and Send then fails (the original stays where it was).
+// It also takes deliveries from other brokers. Their headers become String
+// attributes where SQS allows the name and the value; the others (names with
+// characters SQS refuses, empty values, values that are not text) travel in
+// the diagnostics as "custody-original-attribute.NAME". A body that is not
+// text SQS accepts is sent base64-encoded, and an empty one as a single
+// space; the diagnostics then say so in "custody-body-encoding" ("base64" or
+// "empty").
 func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
 	if client == nil {
 		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: nil client; pass an *sqs.Client")
@@ -134,7 +137,23 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 // message builds the SendMessage input for d.
 func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sqs.SendMessageInput, error) {
 	diag := adapters.Diagnostics(d, f)
-	attrs := originalAttributes(d)
+	body := string(d.Body)
+	var attrs map[string]types.MessageAttributeValue
+	if m, ok := Message(d); ok {
+		attrs = nativeAttributes(m)
+	} else {
+		// Another broker's delivery: what SQS would refuse travels in the
+		// diagnostics (see foreign.go).
+		var refused map[string]string
+		attrs, refused = foreignAttributes(d)
+		for k, v := range refused {
+			diag[diagAttrPrefix+k] = v
+		}
+		var encoding string
+		if body, encoding = foreignBody(d.Body); encoding != "" {
+			diag[diagBodyEncoding] = encoding
+		}
+	}
 	delete(attrs, q.attr) // a message dead-lettered twice gets fresh diagnostics
 	names := make([]string, 0, len(attrs))
 	for k := range attrs {
@@ -155,7 +174,7 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 
 	in := &sqs.SendMessageInput{
 		QueueUrl:          aws.String(q.url),
-		MessageBody:       aws.String(string(d.Body)),
+		MessageBody:       aws.String(body),
 		MessageAttributes: attrs,
 	}
 	if q.fifo {
@@ -200,18 +219,12 @@ func escapeNonCharacters(js []byte) []byte {
 	return bytes.ReplaceAll(js, []byte("\uFFFF"), []byte(`\uffff`))
 }
 
-// originalAttributes returns d's message attributes with their SQS types,
-// from the received message when there is one, else from d.Headers.
-func originalAttributes(d *adapters.Delivery) map[string]types.MessageAttributeValue {
+// nativeAttributes returns a received SQS message's attributes with their
+// SQS types.
+func nativeAttributes(m types.Message) map[string]types.MessageAttributeValue {
 	attrs := map[string]types.MessageAttributeValue{}
-	if m, ok := Message(d); ok {
-		for k, v := range m.MessageAttributes {
-			attrs[k] = types.MessageAttributeValue{DataType: v.DataType, StringValue: v.StringValue, BinaryValue: v.BinaryValue}
-		}
-		return attrs
-	}
-	for k, v := range d.Headers {
-		attrs[k] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
+	for k, v := range m.MessageAttributes {
+		attrs[k] = types.MessageAttributeValue{DataType: v.DataType, StringValue: v.StringValue, BinaryValue: v.BinaryValue}
 	}
 	return attrs
 }

@@ -1,7 +1,9 @@
 package awssqs
 
 import (
+	"bytes"
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"strings"
@@ -13,6 +15,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testlog"
 )
@@ -169,6 +172,72 @@ func TestDeadLetterQueueSink(t *testing.T) {
 			// The original is gone from its queue: deleted after the send.
 			waitFor(t, "the source queue to empty", func() bool { v, f := e.counts(url); return v+f == 0 })
 		})
+	}
+}
+
+// A poison message from another broker (here the memory broker), with a
+// binary body and headers SQS would refuse as attributes, reaches the SQS
+// dead-letter queue whole: the body base64-encoded, the refused headers in
+// the diagnostics.
+func TestDeadLetterQueueTakesAnotherBrokersDelivery(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dlqURL, _ := e.queue(false, 30*time.Second, nil)
+	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := memory.NewBroker()
+	if err := b.CreateQueue("orders", memory.QueueOptions{Lease: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	body := []byte{0x00, 0xff, 0xfe, 'b', 'i', 'n', 0x01}
+	headers := map[string]string{
+		"content-type":    "application/x-protobuf", // kept as an attribute
+		"x retry reason!": "spaces and ! are refused in names",
+		"AWS.trace":       "reserved prefix",
+		"empty":           "",
+		"control-char":    "a\x00b",
+	}
+	if err := b.Publish(e.ctx(), "orders", memory.Message{Body: body, Headers: headers}); err != nil {
+		t.Fatal(err)
+	}
+	src, err := b.Source("orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []types.Message
+	runUntil(t, src, consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		return consumer.Permanent(errors.New("unknown schema"))
+	}), "the copy in the SQS dead-letter queue", func() bool {
+		got = append(got, e.drain(dlqURL, 0)...)
+		return len(got) > 0
+	}, consumer.WithDeadLetter(dlq))
+	if st, _ := b.Stats("orders"); st.Acked != 1 {
+		t.Fatalf("original not acked after the copy was stored: %+v", st)
+	}
+	m := got[0]
+	diag, err := DecodeDiagnostics(m.MessageAttributes, DefaultDiagnosticsAttribute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diag[diagBodyEncoding] != "base64" {
+		t.Fatalf("%s = %q, want base64 for a binary body", diagBodyEncoding, diag[diagBodyEncoding])
+	}
+	decoded, err := base64.StdEncoding.DecodeString(aws.ToString(m.Body))
+	if err != nil || !bytes.Equal(decoded, body) {
+		t.Fatalf("copy body %q decodes to %q (%v), want %q", aws.ToString(m.Body), decoded, err, body)
+	}
+	if v := aws.ToString(m.MessageAttributes["content-type"].StringValue); v != headers["content-type"] {
+		t.Errorf("attribute content-type = %q, want %q", v, headers["content-type"])
+	}
+	for _, k := range []string{"x retry reason!", "AWS.trace", "empty", "control-char"} {
+		if _, ok := m.MessageAttributes[k]; ok {
+			t.Errorf("header %q sent as an attribute; SQS refuses it", k)
+		}
+		if v, ok := diag[diagAttrPrefix+k]; !ok || v != headers[k] {
+			t.Errorf("header %q = %q in the diagnostics (present %v), want %q", k, v, ok, headers[k])
+		}
 	}
 }
 

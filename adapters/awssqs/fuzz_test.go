@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -277,13 +278,35 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			}
 			d.Native = m
 			d.Key = group
-		} else {
-			// A delivery from elsewhere: its headers become String attributes.
+		}
+		// What the copy's body must be; a foreign delivery's refused
+		// headers (added to want below) and body encoding.
+		wantBody, encoding := string(body), ""
+		var refused map[string]string
+		if !native {
+			// A delivery from elsewhere: its headers become String
+			// attributes where SQS allows them (by the rules as AWS
+			// documents them, modelled here with a regular expression),
+			// the rest go into the diagnostics.
 			d.Headers = map[string]string{}
 			for k, v := range attrs {
 				d.Headers[k] = attributeString(v)
 			}
-			attrs = originalAttributes(d)
+			attrs = map[string]types.MessageAttributeValue{}
+			refused = map[string]string{}
+			for k, v := range d.Headers {
+				if modelAttributeName(k) && v != "" && invalidSQSChar(v) < 0 {
+					attrs[k] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
+				} else {
+					refused[k] = v
+				}
+			}
+			switch {
+			case len(body) == 0:
+				wantBody, encoding = " ", "empty"
+			case invalidSQSChar(string(body)) >= 0:
+				wantBody, encoding = base64.StdEncoding.EncodeToString(body), "base64"
+			}
 			group, dedup = "", ""
 		}
 		fail := adapters.Failure{Attempts: 5, Permanent: true, Consumer: "c",
@@ -300,6 +323,12 @@ func FuzzDeadLetterMessage(f *testing.F) {
 		if dedup != "" {
 			want[diagDedupID] = dedup
 		}
+		for k, v := range refused {
+			want[diagAttrPrefix+k] = v
+		}
+		if encoding != "" {
+			want[diagBodyEncoding] = encoding
+		}
 
 		in, err := q.message(d, fail)
 		if err != nil {
@@ -309,7 +338,7 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			if e, ok := min[adapters.HeaderError]; ok && len(e) > minErrorTextKept {
 				min[adapters.HeaderError] = validPrefix(strings.ToValidUTF8(e, ""), minErrorTextKept)
 			}
-			size := len(body)
+			size := len(wantBody)
 			for k, v := range attrs {
 				if k == q.attr {
 					continue
@@ -340,8 +369,19 @@ func FuzzDeadLetterMessage(f *testing.F) {
 		if size > q.maxSize {
 			t.Fatalf("copy is %d bytes, over the %d limit", size, q.maxSize)
 		}
-		if aws.ToString(in.MessageBody) != string(body) {
-			t.Fatalf("body changed")
+		if aws.ToString(in.MessageBody) != wantBody {
+			t.Fatalf("body %q, want %q", aws.ToString(in.MessageBody), wantBody)
+		}
+		if !native {
+			// Everything sent must be acceptable to SQS.
+			if b := aws.ToString(in.MessageBody); b == "" || invalidSQSChar(b) >= 0 {
+				t.Fatalf("body %q is not text SQS accepts", b)
+			}
+			for k, v := range in.MessageAttributes {
+				if !modelAttributeName(k) || aws.ToString(v.StringValue) == "" || invalidSQSChar(aws.ToString(v.StringValue)) >= 0 {
+					t.Fatalf("attribute %q = %q would be refused by SQS", k, aws.ToString(v.StringValue))
+				}
+			}
 		}
 		raw := aws.ToString(in.MessageAttributes[q.attr].StringValue)
 		if i := invalidSQSChar(raw); i >= 0 {
@@ -537,4 +577,14 @@ func FuzzDecodeDiagnostics(f *testing.F) {
 			}
 		}
 	})
+}
+
+var attributeNameChars = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,256}$`)
+
+// modelAttributeName is SQS's rule for message attribute names as AWS
+// documents it, written independently of validAttributeName.
+func modelAttributeName(k string) bool {
+	l := strings.ToLower(k)
+	return attributeNameChars.MatchString(k) && !strings.HasPrefix(k, ".") && !strings.HasSuffix(k, ".") &&
+		!strings.Contains(k, "..") && !strings.HasPrefix(l, "aws.") && !strings.HasPrefix(l, "amazon.")
 }
