@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -212,6 +215,79 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 	commitNow(t, s)
 	if offs, _ := c.committed(t, group, "orders"); hasCommit(offs, 0) {
 		t.Fatalf("lost partition committed at %d", offs[0])
+	}
+}
+
+// The same through the group protocol: the cluster answers a heartbeat with
+// UNKNOWN_MEMBER_ID (the member was kicked out), franz-go declares the
+// partitions lost, and the Source fences them without committing, refuses
+// late acks, rejoins and delivers the uncommitted records again.
+func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 5, 5)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 5)
+	ack(t, s, ds[:2]...)
+
+	var kicked atomic.Bool
+	kick := func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.fake.KeepControl()
+		if kicked.Load() {
+			return nil, nil, false
+		}
+		switch r := req.(type) {
+		case *kmsg.HeartbeatRequest:
+			if r.Group != group {
+				return nil, nil, false
+			}
+			kicked.Store(true)
+			resp := r.ResponseKind().(*kmsg.HeartbeatResponse)
+			resp.ErrorCode = kerr.UnknownMemberID.Code
+			return resp, nil, true
+		case *kmsg.ConsumerGroupHeartbeatRequest:
+			if r.Group != group {
+				return nil, nil, false
+			}
+			kicked.Store(true)
+			resp := r.ResponseKind().(*kmsg.ConsumerGroupHeartbeatResponse)
+			resp.ErrorCode = kerr.UnknownMemberID.Code
+			return resp, nil, true
+		}
+		return nil, nil, false
+	}
+	c.fake.ControlKey(int16(kmsg.Heartbeat), kick)
+	c.fake.ControlKey(int16(kmsg.ConsumerGroupHeartbeat), kick)
+
+	eventually(t, "the held records lost", func() bool { return ds[2].LostCause() != nil })
+	for _, d := range ds[2:] {
+		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("held record lost with %v, want ErrRevoked", d.LostCause())
+		}
+	}
+	if err := s.Ack(context.Background(), ds[2:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
+		t.Fatalf("ack after loss returned %v, want ErrRevoked", err)
+	}
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); hasCommit(offs, 0) {
+		t.Fatalf("lost partition committed at %d", offs[0])
+	}
+	// The member rejoins and gets the partition back: nothing was
+	// committed, so every record comes again. Until it has, Receive
+	// reports the lost session (the runtime logs it and retries).
+	var again []*adapters.Delivery
+	eventually(t, "the records delivered again", func() bool {
+		ds, err := s.Receive(context.Background(), 5-len(again))
+		var session *kgo.ErrGroupSession
+		if err != nil && !errors.As(err, &session) {
+			t.Fatalf("receive after rejoining: %v", err)
+		}
+		again = append(again, ds...)
+		return len(again) == 5
+	})
+	if got := offsets(again); !slices.Equal(got, []int64{0, 1, 2, 3, 4}) {
+		t.Fatalf("after rejoining, offsets %v, want 0..4", got)
 	}
 }
 
