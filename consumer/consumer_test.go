@@ -421,6 +421,25 @@ func TestDeferNeverExhaustsAttempts(t *testing.T) {
 	}
 }
 
+// A deferral without a delay waits the policy's backoff rather than coming
+// straight back: it has no attempt limit to end a hot loop.
+func TestDeferWithoutDelayWaitsTheBackoff(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.b.Publish(context.Background(), "q", memory.Message{Key: "k", Body: []byte("x")})
+	var calls atomic.Int32
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		calls.Add(1)
+		return consumer.Defer(errors.New("not yet"), 0)
+	}, consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(50 * time.Millisecond)}),
+		consumer.WithOrdering(consumer.OrderByKey))
+	time.Sleep(300 * time.Millisecond)
+	r.stop()
+	// About 6 calls at one per 50 ms; a hot loop makes thousands.
+	if n := calls.Load(); n > 30 {
+		t.Fatalf("%d handler calls in 300 ms: a deferral without a delay came straight back", n)
+	}
+}
+
 func TestRetryAfterIsHonoured(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("r")

@@ -28,8 +28,8 @@ func IsPermanent(err error) bool {
 }
 
 // RetryAfter asks for the next attempt no sooner than d, overriding the
-// backoff policy for this retry. It still counts as an attempt.
-// RetryAfter(nil, d) is nil.
+// backoff policy for this retry. It still counts as an attempt. A d of zero
+// or less means the policy's backoff. RetryAfter(nil, d) is nil.
 func RetryAfter(err error, d time.Duration) error {
 	if err == nil {
 		return nil
@@ -49,7 +49,9 @@ func RetryAfter(err error, d time.Duration) error {
 // redelivers the message after the delay and counts deliveries itself (SQS,
 // RabbitMQ, the memory broker), the next delivery's Attempt is one higher,
 // and a broker's own redrive policy (an SQS maxReceiveCount, a memory queue's
-// MaxReceiveCount) still counts it. Defer(nil, d) is nil.
+// MaxReceiveCount) still counts it. A d of zero or less means the retry
+// policy's backoff: a deferral has no attempt limit to stop it, so it must
+// never come back at once. Defer(nil, d) is nil.
 func Defer(err error, d time.Duration) error {
 	if err == nil {
 		return nil

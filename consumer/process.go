@@ -53,7 +53,10 @@ func (r *run) process(j *job) {
 			j.firstFailure = now
 		}
 		delay, ok := RetryDelay(err)
-		if !ok {
+		if !ok || delay <= 0 {
+			// No delay asked for, or none at all: the policy's backoff, so
+			// that nothing retries in a hot loop (a deferral never runs out
+			// of attempts to stop it).
 			delay = r.cfg.retry.Backoff.Delay(attempt)
 		}
 		if IsPermanent(err) || (attempt >= maxAttempts && !deferred) {
