@@ -45,7 +45,12 @@ func (t *Tracker) Track(pos int64) bool {
 // nothing.
 func (t *Tracker) Done(pos int64) bool {
 	live := t.pos[t.head:]
-	i := sort.Search(len(live), func(i int) bool { return live[i] >= pos })
+	var i int
+	if len(live) == 0 || live[0] != pos {
+		// In-order completion (the common case) finds pos at the head;
+		// anything else is searched for.
+		i = sort.Search(len(live), func(i int) bool { return live[i] >= pos })
+	}
 	if i == len(live) || live[i] != pos || t.done[t.head+i] {
 		return false
 	}
