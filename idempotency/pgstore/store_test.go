@@ -142,3 +142,62 @@ func BenchmarkClaimComplete(b *testing.B) {
 func BenchmarkClaimCompleteParallel(b *testing.B) {
 	storetest.BenchmarkClaimCompleteParallel(b, teststores.Postgres(b), 8)
 }
+
+// A claim that waits on another transaction's insert of the same key finds,
+// once that transaction commits, a live record its own snapshot cannot see:
+// the statement returns no row at all. Claim must look again and report the
+// record, not fail.
+func TestClaimRacingAnUncommittedInsertSeesIt(t *testing.T) {
+	ctx := context.Background()
+	pool := pgsql.TestPool(t)
+	s, table := newStore(t, pool)
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+table+` (key, token, state, fingerprint, expires_at)
+VALUES ('raced', 'other', 'completed', '', now() + interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+
+	type result struct {
+		state idempotency.State
+		err   error
+	}
+	done := make(chan result, 1)
+	go func() {
+		st, _, err := s.Claim(ctx, "raced", "", time.Minute)
+		done <- result{st, err}
+	}()
+
+	// Commit only once the claim waits on the insert's row lock, so that
+	// its statement snapshot predates the record.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting bool
+		err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+WHERE wait_event_type = 'Lock' AND query LIKE 'WITH claimed AS%' AND strpos(query, $1) > 0)`, table).Scan(&waiting)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the claim never waited on the uncommitted insert")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("Claim after the racing insert committed: %v", r.err)
+	}
+	if r.state != idempotency.Completed {
+		t.Fatalf("Claim = %v, want Completed (the committed record)", r.state)
+	}
+}
