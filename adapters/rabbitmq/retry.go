@@ -202,6 +202,9 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	if err := s.pub.publish(ctx, exchange, key, p); err != nil {
 		return err
 	}
+	if s.testHookRepublished != nil {
+		s.testHookRepublished()
+	}
 	g := h.gen
 	g.mu.Lock()
 	defer g.mu.Unlock()

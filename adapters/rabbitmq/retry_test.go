@@ -248,3 +248,34 @@ func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Close during an in-place retry, after the copy was confirmed and before the
+// original was acked, waits for the ack: closing the channel in between
+// would bring the original back beside its copy.
+func TestCloseWaitsForAnInPlaceRetryBetweenCopyAndAck(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10))
+	d := receiveN(t, s, 1)[0]
+
+	closed := make(chan error, 1)
+	s.testHookRepublished = func() {
+		go func() { closed <- s.Close() }()
+		// Give Close every chance to close the channel under the retry.
+		time.Sleep(200 * time.Millisecond)
+	}
+	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	ms := a.drain(q)
+	if len(ms) != 1 {
+		t.Fatalf("%d messages on the queue after Close, want the retry's copy alone", len(ms))
+	}
+	if got := ms[0].Headers[HeaderAttempt]; got != int64(2) {
+		t.Fatalf("the message left is not the copy: %s = %v", HeaderAttempt, got)
+	}
+}

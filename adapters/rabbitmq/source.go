@@ -40,6 +40,10 @@ type Source struct {
 	wg           sync.WaitGroup // supervisor, pumps, in-place retries
 
 	stats counters
+
+	// testHookRepublished, when set by a test, runs between a retry's
+	// confirmed copy and the original's ack.
+	testHookRepublished func()
 }
 
 // New connects to the broker, checks or declares queue as the options say,
