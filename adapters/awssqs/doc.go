@@ -19,8 +19,11 @@
 // messages. Up to eight calls run at once on a standard queue, one on a FIFO
 // queue (WithPollers), one per ten messages
 // of room the runtime has, so receives stay full while earlier batches are
-// handled, and no call asks for more than there is room for: a message is
-// never held unseen by the adapter while its visibility timeout runs.
+// handled, and no call asks for more than there is room for. A poll may
+// still come back after the Receive that started it returned, and the runtime
+// asks again only when a batch fits; the Source renews the visibility of
+// messages waiting for it at a third of the timeout (Stats.BufferRenewed),
+// so none runs out unseen.
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context

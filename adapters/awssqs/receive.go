@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -29,9 +30,11 @@ var systemAttributes = []string{
 
 // Receive returns up to max messages. It keeps up to one ReceiveMessage call
 // in flight per ten messages of room (see WithPollers) and returns as soon as
-// one of them brings messages; the others keep running and their messages go
-// to the next Receive. Polls never ask for more than the room max leaves, so
-// messages do not wait unseen in the Source while their lease runs.
+// one of them brings messages; the others keep running and their messages
+// wait in the Source for the next Receive. Polls never ask for more than the
+// room max leaves, but the runtime may ask again only later (it fetches in
+// batches), so the Source renews the visibility of messages that wait for it
+// (see keepBuffered).
 //
 // It returns an empty result and a nil error when a poll finds the queue
 // empty, ctx's error when ctx is done, and adapters.ErrClosed after Close.
@@ -56,6 +59,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 			ds := make([]*adapters.Delivery, n)
 			copy(ds, s.buf)
 			s.buf = append(s.buf[:0], s.buf[n:]...)
+			s.bufSince = append(s.bufSince[:0], s.bufSince[n:]...)
 			s.mu.Unlock()
 			return ds, nil
 		}
@@ -151,6 +155,9 @@ func (s *Source) poll(n int) {
 	s.inflight--
 	s.pending -= n
 	s.buf = append(s.buf, ds...)
+	for range ds {
+		s.bufSince = append(s.bufSince, now)
+	}
 	if err != nil && s.pollErr == nil {
 		s.pollErr = err
 	}
@@ -238,4 +245,51 @@ func DeduplicationID(d *adapters.Delivery) string {
 func receipt(d *adapters.Delivery) string {
 	h, _ := d.Handle.(string)
 	return h
+}
+
+// keepBuffered renews the visibility of messages waiting in the Source's
+// buffer, so that none runs out unseen: a poll can bring messages after the
+// Receive that started it returned, and the runtime takes them only when it
+// next has room for a batch. Every sixth of the timeout it extends, to a full
+// timeout, those that have waited a third of it; the runtime's lease keeper
+// takes over once Receive hands them out. It ends when Close stops the polls.
+func (s *Source) keepBuffered() {
+	defer s.polls.Done()
+	renewAfter := s.visibility / 3
+	tick := time.NewTicker(s.visibility / 6)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+		case <-s.pollCtx.Done():
+			return
+		}
+		now := time.Now()
+		var due []*adapters.Delivery
+		s.mu.Lock()
+		for i, d := range s.buf {
+			if now.Sub(s.bufSince[i]) >= renewAfter {
+				due = append(due, d)
+			}
+		}
+		s.mu.Unlock()
+		if len(due) == 0 {
+			continue
+		}
+		// A failed entry whose receipt expired is marked lost by Extend, so
+		// the runtime will not run it; any other failure is tried again at
+		// the next tick.
+		err := s.Extend(s.pollCtx, due, s.visibility)
+		s.mu.Lock()
+		for i, d := range due {
+			if adapters.EntryError(err, i) != nil {
+				continue
+			}
+			s.stats.bufferRenewed.Add(1)
+			if j := slices.Index(s.buf, d); j >= 0 {
+				s.bufSince[j] = now
+			}
+		}
+		s.mu.Unlock()
+	}
 }

@@ -39,6 +39,7 @@ type Source struct {
 
 	mu       sync.Mutex
 	buf      []*adapters.Delivery // received, not yet handed to the runtime
+	bufSince []time.Time          // when each of buf was last made invisible for a full timeout
 	pending  int                  // messages asked for by polls in flight
 	inflight int                  // polls in flight
 	pollErr  error                // first error of a finished poll, not yet reported
@@ -138,6 +139,8 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 	}
 	s.pollCtx, s.stopPolls = context.WithCancel(context.Background())
 	s.nacks = newVisibilityBatcher(s, o.nackLinger)
+	s.polls.Add(1)
+	go s.keepBuffered()
 	return s, nil
 }
 
@@ -194,7 +197,7 @@ func (s *Source) Close() error {
 
 	s.mu.Lock()
 	left := s.buf
-	s.buf = nil
+	s.buf, s.bufSince = nil, nil
 	s.mu.Unlock()
 
 	var err error

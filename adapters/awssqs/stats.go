@@ -26,6 +26,10 @@ type Stats struct {
 	// Released counts messages received but never handed to the runtime,
 	// made visible again by Close.
 	Released int64
+	// BufferRenewed counts visibility renewals of messages that waited in
+	// the Source for the runtime to take them (polls that came back after
+	// the Receive that started them returned).
+	BufferRenewed int64
 }
 
 type counters struct {
@@ -33,6 +37,7 @@ type counters struct {
 	deleteRequests, deleted                          atomic.Int64
 	visibilityRequests, visibilityChanged            atomic.Int64
 	leaseLost, entryRetries, released                atomic.Int64
+	bufferRenewed                                    atomic.Int64
 }
 
 // Stats returns the Source's counters.
@@ -50,5 +55,6 @@ func (s *Source) Stats() Stats {
 		LeaseLost:          c.leaseLost.Load(),
 		EntryRetries:       c.entryRetries.Load(),
 		Released:           c.released.Load(),
+		BufferRenewed:      c.bufferRenewed.Load(),
 	}
 }

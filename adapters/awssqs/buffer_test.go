@@ -1,0 +1,82 @@
+package awssqs
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
+
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testlog"
+)
+
+// staggeredClient makes the first ReceiveMessage return at most three
+// messages (SQS often returns fewer than asked) and slows the second and
+// third, so polls come back one after another, after the Receive that
+// started them returned.
+type staggeredClient struct {
+	*sqs.Client
+	calls atomic.Int32
+}
+
+func (c *staggeredClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, o ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	switch c.calls.Add(1) {
+	case 1:
+		cp := *in
+		cp.MaxNumberOfMessages = 3
+		in = &cp
+	case 2:
+		time.Sleep(300 * time.Millisecond)
+	case 3:
+		time.Sleep(600 * time.Millisecond)
+	}
+	return c.Client.ReceiveMessage(ctx, in, o...)
+}
+
+// Messages a late poll brought while the runtime, holding most of its
+// in-flight bound, waits for room for a whole batch, wait in the Source. They
+// must not become visible to other consumers meanwhile: that would run them
+// twice, at once.
+func TestMessagesWaitingInTheSourceKeepTheirVisibility(t *testing.T) {
+	e := newEnv(t)
+	url, _ := e.queue(false, 2*time.Second, nil)
+	for range 20 {
+		e.send(url, "m", "", nil)
+	}
+	src, err := New(e.ctx(), &staggeredClient{Client: e.client}, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		select {
+		case <-time.After(time.Second):
+		case <-ctx.Done():
+		}
+		return nil
+	}), consumer.WithConcurrency(1), consumer.WithLogger(testlog.New(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- c.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+
+	// Every message is in this consumer's custody (received, not deleted)
+	// for the whole test; by 2.8 s a message left unrenewed since its
+	// receive would have become visible again.
+	time.Sleep(2800 * time.Millisecond)
+	out, err := e.client.ReceiveMessage(e.ctx(), &sqs.ReceiveMessageInput{QueueUrl: aws.String(url), MaxNumberOfMessages: 10, VisibilityTimeout: 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(out.Messages); n > 0 {
+		t.Fatalf("another consumer received %d messages this one still holds (Stats %+v)", n, src.Stats())
+	}
+	if src.Stats().BufferRenewed == 0 {
+		t.Fatalf("no message waited in the Source (Stats %+v): the test did not set up the case", src.Stats())
+	}
+}
