@@ -92,7 +92,8 @@ type Capabilities struct {
 	Lease time.Duration
 
 	// MaxLeaseAge caps how long a delivery may be held in total, counted
-	// from its first receive (SQS: 12 hours). Zero means no cap.
+	// from its receive, Delivery.ReceivedAt (SQS: 12 hours of invisibility
+	// per receive). Zero means no cap.
 	MaxLeaseAge time.Duration
 
 	// NackDelay reports whether Nack honours redeliverAfter. When false the

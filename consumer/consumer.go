@@ -64,17 +64,18 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 	c.tel = tel
 	c.batch = receiveBatch(caps, cfg.maxInFlight)
 	if cfg.deadLetter == nil && !cfg.atMostOnce {
-		cfg.logger.Warn("custody: no dead-letter destination (WithDeadLetter); messages that exhaust their retries are given back to the broker at the maximum backoff and may never leave the stream",
+		cfg.logger.Warn("custody: no dead-letter destination (WithDeadLetter); messages that exhaust their retries are given back to the broker after the policy's backoff and may never leave the stream",
 			"consumer", cfg.name)
 	}
 	return c, nil
 }
 
 // Run receives and handles messages until ctx is cancelled or the source
-// fails for good, then drains: it stops receiving, gives back deliveries not
-// yet started, lets running handlers finish until the shutdown timeout (then
-// cancels their contexts), acks what finished, stops lease renewals and
-// closes the source. It returns after all of that, with no goroutine of its
+// fails for good, then drains: it stops receiving, gives back at once the
+// deliveries not yet started (those queued behind a running message of
+// their ordering key follow it, to keep their order), lets running handlers
+// finish until the shutdown timeout (then cancels their contexts), acks what
+// finished, stops lease renewals and closes the source. It returns after all of that, with no goroutine of its
 // own left running. A clean shutdown returns nil.
 //
 // A handler that ignores its context keeps Run from returning.
@@ -229,6 +230,9 @@ func (r *run) run(ctx context.Context) error {
 	// Drain.
 	r.draining.Store(true)
 	close(r.drainCh)
+	if !r.cfg.atMostOnce {
+		r.releaseWaiting()
+	}
 	idle := make(chan struct{})
 	go func() { r.held.Wait(); close(idle) }()
 	timer := time.NewTimer(r.cfg.shutdownTimeout)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -304,6 +305,123 @@ func TestShutdownTimeoutCancelsAndReleases(t *testing.T) {
 	}
 }
 
+// Deliveries waiting for a worker when shutdown begins are given back at
+// once, not when a worker frees up (which may be the whole shutdown timeout
+// away); one queued behind a running message of its key waits for it, so
+// that the key's order holds.
+func TestShutdownGivesBackWaitingDeliveriesAtOnce(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	err := e.b.Publish(context.Background(), "q",
+		memory.Message{Key: "k", Body: []byte("slow")}, memory.Message{Key: "k", Body: []byte("behind")},
+		memory.Message{Body: []byte("free1")}, memory.Message{Body: []byte("free2")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{})
+	release := make(chan struct{})
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "slow" {
+			close(started)
+			<-release
+		}
+		return nil
+	}, consumer.WithOrdering(consumer.OrderByKey), consumer.WithShutdownTimeout(patience))
+	<-started
+	waitFor(t, "all four received", func() bool { return e.stats("q").InFlight == 4 })
+	done := make(chan error, 1)
+	go func() { done <- r.stop() }()
+	waitFor(t, "the two waiting for a worker given back", func() bool { return e.stats("q").Visible == 2 })
+	if s := e.stats("q"); s.InFlight != 2 {
+		t.Fatalf("stats %+v: the message behind the running one of its key must stay until it ends", s)
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if s := e.stats("q"); s.Acked != 1 || s.Visible != 3 || s.InFlight != 0 {
+		t.Fatalf("stats %+v after shutdown: want the running message acked and the other three given back", s)
+	}
+}
+
+// nackCounter counts the deliveries a source is asked to nack.
+type nackCounter struct {
+	*memory.Source
+	nacked atomic.Int64
+}
+
+func (s *nackCounter) Nack(ctx context.Context, ds []*adapters.Delivery, after time.Duration) error {
+	s.nacked.Add(int64(len(ds)))
+	return s.Source.Nack(ctx, ds, after)
+}
+
+// In at-most-once mode every delivery was acked on receipt: shutdown cannot
+// give one back, so it still handles those received, and never nacks.
+func TestAtMostOnceShutdownHandlesWhatItReceived(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("slow", "b1", "b2")
+	src := &nackCounter{Source: e.source()}
+	started := make(chan struct{})
+	release := make(chan struct{})
+	c := newCounter()
+	cons, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		c.inc(m.Body)
+		if string(m.Body) == "slow" {
+			close(started)
+			<-release
+		}
+		return nil
+	}), consumer.WithAtMostOnceAckBeforeProcessingUnsafe(), consumer.WithLogger(testlog.New(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- cons.Run(ctx) }()
+	<-started
+	waitFor(t, "all three acked on receipt", func() bool { return e.stats("q").Acked == 3 })
+	cancel()
+	// Let the receiver see the cancellation (its poll waits 10ms) and the
+	// drain begin before the two waiting messages can reach the worker.
+	time.Sleep(100 * time.Millisecond)
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := src.nacked.Load(); n != 0 {
+		t.Fatalf("%d deliveries already acked on receipt were nacked at shutdown", n)
+	}
+	if c.distinct() != 3 {
+		t.Fatalf("%d of the 3 messages received were handled; the rest were dropped at shutdown", c.distinct())
+	}
+}
+
+// zeroBackoff is a policy that asks for no wait at all.
+type zeroBackoff struct{}
+
+func (zeroBackoff) Delay(int) time.Duration { return 0 }
+
+// Whatever a Backoff returns, a retry or deferral waits: a deferral never
+// runs out of attempts, so a policy returning zero would otherwise call the
+// handler in a hot loop.
+func TestBackoffNeverRetriesWithoutWaiting(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("x")
+	var calls atomic.Int64
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		calls.Add(1)
+		return consumer.Defer(errors.New("not yet"), 0)
+	}, consumer.WithRetry(consumer.Retry{Backoff: zeroBackoff{}}))
+	waitFor(t, "a few attempts", func() bool { return calls.Load() >= 3 })
+	start, before := time.Now(), calls.Load()
+	time.Sleep(100 * time.Millisecond)
+	n, elapsed := calls.Load()-before, time.Since(start)
+	r.stop()
+	// Each call waits at least a millisecond after the one before.
+	if most := int64(elapsed/time.Millisecond) + 1; n > most {
+		t.Fatalf("%d handler calls in %v: retries did not wait", n, elapsed)
+	}
+}
+
 func TestOrderByKeyUnderConcurrency(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	const perKey = 40
@@ -546,6 +664,12 @@ func TestInvalidOptionsFailAtNewNamingTheOption(t *testing.T) {
 		{consumer.WithShutdownTimeout(-time.Second), "WithShutdownTimeout"},
 		{consumer.WithMaxProcessingTime(0), "WithMaxProcessingTime"},
 		{consumer.WithLeaseRenewal(1.5), "WithLeaseRenewal"},
+		{consumer.WithLeaseRenewal(math.NaN()), "WithLeaseRenewal"},
+		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ConstantBackoff(0)}), "WithRetry"},
+		{consumer.WithRetry(consumer.Retry{Backoff: &consumer.ExponentialBackoff{}}), "WithRetry"},
+		{consumer.WithRetry(consumer.Retry{Backoff: (*consumer.ExponentialBackoff)(nil)}), "WithRetry"},
+		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ExponentialBackoff{Initial: time.Second, Multiplier: 2, Jitter: math.NaN()}}), "WithRetry"},
+		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ExponentialBackoff{Initial: time.Second, Multiplier: math.NaN()}}), "WithRetry"},
 		{consumer.WithLogger(nil), "WithLogger"},
 		{consumer.WithMeterProvider(nil), "WithMeterProvider"},
 		{consumer.WithTracerProvider(nil), "WithTracerProvider"},

@@ -109,10 +109,8 @@ func WithRetry(r Retry) Option {
 		if r.MaxAttempts == 0 {
 			r.MaxAttempts = 5
 		}
-		if eb, ok := r.Backoff.(ExponentialBackoff); ok {
-			if eb.Initial <= 0 || eb.Multiplier < 1 || eb.Jitter < 0 || eb.Jitter > 1 || (eb.Max > 0 && eb.Max < eb.Initial) {
-				return fmt.Errorf("consumer: WithRetry: ExponentialBackoff needs Initial > 0, Multiplier >= 1, 0 <= Jitter <= 1 and Max >= Initial (or 0), got %+v", eb)
-			}
+		if err := checkBackoff(r.Backoff); err != nil {
+			return err
 		}
 		c.retry = r
 		return nil
@@ -122,8 +120,10 @@ func WithRetry(r Retry) Option {
 // WithDeadLetter sets where messages go when they fail MaxAttempts times or
 // fail with a Permanent error. The original is acked only after the
 // destination confirmed the write. Without one, such messages are given back
-// to the broker at the maximum backoff delay (the broker's own redrive policy
-// may then move them), and New logs a warning.
+// to the broker after the retry policy's backoff for their attempt, which
+// grows with every redelivery (the broker's own redrive policy may then move
+// them); where the broker cannot delay a redelivery, the handler is retried
+// in place at that pace. New logs a warning.
 func WithDeadLetter(dl adapters.DeadLetter) Option {
 	return optionFunc(func(c *config) error {
 		if dl == nil {
@@ -177,7 +177,7 @@ func WithShutdownTimeout(d time.Duration) Option {
 // counted from its receipt, retries in place included. At the cap the
 // handler's context is cancelled (lease lost) and the broker redelivers the
 // message. Default 12h, and never more than the broker's own cap (SQS: 12h
-// from the first receive).
+// from the receive).
 func WithMaxProcessingTime(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d <= 0 {
@@ -192,7 +192,7 @@ func WithMaxProcessingTime(d time.Duration) Option {
 // Default 1/3: two renewals can fail before the lease runs out.
 func WithLeaseRenewal(fraction float64) Option {
 	return optionFunc(func(c *config) error {
-		if fraction <= 0 || fraction >= 1 {
+		if !(fraction > 0 && fraction < 1) { // NaN too
 			return fmt.Errorf("consumer: WithLeaseRenewal(%v): must be in (0, 1)", fraction)
 		}
 		c.leaseFraction = fraction
@@ -252,10 +252,12 @@ func WithPropagator(p propagation.TextMapPropagator) Option {
 }
 
 // WithAtMostOnceAckBeforeProcessingUnsafe acks every message as soon as it
-// is received, before the handler runs. A crash, a failed handler or a
-// shutdown then loses the message: nothing is retried or dead-lettered.
-// Use it only for data where losing some is acceptable (sampled metrics,
-// best-effort caches). Default off.
+// is received, before the handler runs. A crash or a failed handler then
+// loses the message: nothing is retried or dead-lettered. At shutdown the
+// messages already received are still handled (they cannot be given back),
+// within the shutdown timeout; past it their handlers get a cancelled
+// context. Use it only for data where losing some is acceptable (sampled
+// metrics, best-effort caches). Default off.
 func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
 	return optionFunc(func(c *config) error { c.atMostOnce = true; return nil })
 }

@@ -15,12 +15,14 @@ import (
 // process runs j's handler until it succeeds, runs out of attempts, or the
 // delivery leaves this consumer, and settles it.
 func (r *run) process(j *job) {
-	if r.draining.Load() {
-		r.release(j) // not started before shutdown: give it back at once
+	if j.ackedEarly {
+		// Acked on receipt: it can no longer be given back, even during
+		// shutdown, so handling it is its only chance.
+		r.processAtMostOnce(j)
 		return
 	}
-	if j.ackedEarly {
-		r.processAtMostOnce(j)
+	if r.draining.Load() {
+		r.release(j) // not started before shutdown: give it back at once
 		return
 	}
 	maxAttempts := r.cfg.retry.MaxAttempts
@@ -57,7 +59,7 @@ func (r *run) process(j *job) {
 			// No delay asked for, or none at all: the policy's backoff, so
 			// that nothing retries in a hot loop (a deferral never runs out
 			// of attempts to stop it).
-			delay = r.cfg.retry.Backoff.Delay(attempt)
+			delay = backoffDelay(r.cfg.retry.Backoff, attempt)
 		}
 		if IsPermanent(err) || (attempt >= maxAttempts && !deferred) {
 			if r.exhausted(j, err, attempt, now) {
@@ -93,7 +95,7 @@ func (r *run) process(j *job) {
 func (r *run) exhausted(j *job, err error, attempt int, now time.Time) bool {
 	dl := r.cfg.deadLetter
 	for try := 1; ; try++ {
-		delay := r.cfg.retry.Backoff.Delay(attempt + try - 1)
+		delay := backoffDelay(r.cfg.retry.Backoff, attempt+try-1)
 		if dl == nil {
 			r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination (WithDeadLetter)",
 				"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
@@ -278,6 +280,62 @@ func (r *run) giveBack(j *job, delay time.Duration) {
 		return
 	}
 	r.release(j)
+}
+
+// releaseWaiting gives back, at shutdown, the jobs that wait for a worker,
+// at once and in one call, rather than when a worker frees up, which may be
+// the whole shutdown timeout away. A job whose lane is busy waits for the
+// lane's running job, so that its key's order holds; it is given back as
+// soon as that job ends. Called once receiving has stopped, and never in
+// at-most-once mode, where every job was acked on receipt and still runs.
+func (r *run) releaseWaiting() {
+	var waiting []*job
+	for {
+		var j *job
+		select {
+		case j = <-r.work:
+		default:
+		}
+		if j == nil {
+			break
+		}
+		if j.lane != "" {
+			r.runLane(j) // its lane's queued jobs are given back after it
+			continue
+		}
+		waiting = append(waiting, j)
+	}
+	if len(waiting) == 0 {
+		return
+	}
+	var give []*job
+	for _, j := range waiting {
+		switch {
+		case j.d.LostCause() != nil:
+			r.lost(j, j.d.LostCause())
+		case r.cfg.leaveOnShutdown:
+			r.stopLease(j)
+			r.settle(j, outcomeLeft)
+		default:
+			r.stopLease(j)
+			give = append(give, j)
+		}
+	}
+	if len(give) == 0 {
+		return
+	}
+	ds := make([]*adapters.Delivery, len(give))
+	for i, j := range give {
+		ds[i] = j.d
+	}
+	err := r.c.src.Nack(r.settleCtx, ds, 0)
+	for i, j := range give {
+		if e := adapters.EntryError(err, i); e != nil {
+			r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
+				"consumer", r.cfg.name, "id", j.d.ID, "error", e)
+		}
+		r.settle(j, outcomeReleased)
+	}
 }
 
 // release gives j back for immediate redelivery (shutdown).

@@ -73,7 +73,7 @@ func New(ext adapters.Extender, cfg Config) (*Keeper, error) {
 	if cfg.Fraction == 0 {
 		cfg.Fraction = 1.0 / 3
 	}
-	if cfg.Fraction <= 0 || cfg.Fraction >= 1 {
+	if !(cfg.Fraction > 0 && cfg.Fraction < 1) { // NaN too
 		return nil, fmt.Errorf("lease: Config.Fraction must be in (0, 1), got %v", cfg.Fraction)
 	}
 	if cfg.MaxBatch <= 0 {

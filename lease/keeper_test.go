@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"errors"
+	"math"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -205,6 +206,9 @@ func TestConfigIsChecked(t *testing.T) {
 	}
 	if _, err := New(&recorder{}, Config{Lease: time.Second, Fraction: 1}); err == nil {
 		t.Error("Fraction 1 accepted")
+	}
+	if _, err := New(&recorder{}, Config{Lease: time.Second, Fraction: math.NaN()}); err == nil {
+		t.Error("Fraction NaN accepted: every renewal would come due at once")
 	}
 	if _, err := New(nil, Config{Lease: time.Second}); err == nil {
 		t.Error("nil Extender accepted")

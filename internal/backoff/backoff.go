@@ -18,16 +18,26 @@ type Exponential struct {
 }
 
 // Delay returns the delay before retry number n (n = 1 for the first retry).
+// Without a Max, it stops growing at the largest time.Duration rather than
+// overflowing into a negative one.
 func (e Exponential) Delay(n int) time.Duration {
 	if n < 1 {
 		n = 1
 	}
+	limit := float64(math.MaxInt64)
+	if e.Max > 0 {
+		limit = float64(e.Max)
+	}
 	d := float64(e.Initial) * math.Pow(e.Multiplier, float64(n-1))
-	if max := float64(e.Max); e.Max > 0 && (d > max || math.IsInf(d, 0) || math.IsNaN(d)) {
-		d = max
+	if !(d < limit) { // also +Inf and NaN
+		d = limit
 	}
 	if e.Jitter > 0 {
 		d -= d * e.Jitter * rand.Float64()
+	}
+	if d >= float64(math.MaxInt64) {
+		// float64(MaxInt64) rounds up to 2^63, which does not convert.
+		return time.Duration(math.MaxInt64)
 	}
 	return time.Duration(d)
 }

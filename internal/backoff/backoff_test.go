@@ -1,6 +1,7 @@
 package backoff
 
 import (
+	"math"
 	"testing"
 	"time"
 )
@@ -27,5 +28,30 @@ func TestExponentialGrowsCapsAndJitters(t *testing.T) {
 	}
 	if len(seen) < 10 {
 		t.Fatalf("jitter produced only %d distinct delays", len(seen))
+	}
+}
+
+// Without a Max the delay grows until it no longer fits a time.Duration; it
+// must stop there, not wrap to a negative delay (a retry with no wait).
+func TestUncappedDelayStopsAtTheLargestDuration(t *testing.T) {
+	for _, e := range []Exponential{
+		{Initial: 200 * time.Millisecond, Multiplier: 2},
+		{Initial: 200 * time.Millisecond, Multiplier: 2, Jitter: 0.5},
+		{Initial: time.Second, Multiplier: math.Inf(1)},
+	} {
+		prev := time.Duration(0)
+		for n := 1; n <= 2000; n++ {
+			d := e.Delay(n)
+			if d <= 0 {
+				t.Fatalf("%+v: Delay(%d) = %v", e, n, d)
+			}
+			if e.Jitter == 0 && d < prev {
+				t.Fatalf("%+v: Delay(%d) = %v, less than Delay(%d) = %v", e, n, d, n-1, prev)
+			}
+			prev = d
+		}
+		if e.Jitter == 0 && prev != time.Duration(math.MaxInt64) {
+			t.Errorf("%+v: Delay(2000) = %v, want the largest Duration", e, prev)
+		}
 	}
 }
