@@ -70,10 +70,6 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 // contexts are cancelled with adapters.ErrRevoked), fences the partitions and
 // commits their done prefixes synchronously.
 func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
-	// Paused partitions stay paused across rebalances in franz-go: a
-	// partition paused now and assigned back later would never be fetched.
-	cl.ResumeFetchPartitions(revoked)
-
 	s.mu.Lock()
 	ps := s.partitionsLocked(revoked)
 	var waits []chan struct{}
@@ -86,6 +82,10 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 		}
 	}
 	s.mu.Unlock()
+	// Paused partitions stay paused across rebalances in franz-go: a
+	// partition paused now and assigned back later would never be fetched.
+	// Resumed once draining is set: nothing pauses a draining partition.
+	cl.ResumeFetchPartitions(revoked)
 
 	if len(waits) > 0 {
 		t := time.NewTimer(s.cfg.revokeDrain)
@@ -119,7 +119,6 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 // onLost fences the lost partitions without committing: they may already be
 // someone else's.
 func (s *Source) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
-	cl.ResumeFetchPartitions(lost)
 	s.mu.Lock()
 	ps := s.partitionsLocked(lost)
 	for _, p := range ps {
@@ -127,6 +126,8 @@ func (s *Source) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int
 	}
 	lose := s.fenceLocked(ps)
 	s.mu.Unlock()
+	// Resumed once fenced, so that nothing pauses them again (see onRevoked).
+	cl.ResumeFetchPartitions(lost)
 	for _, h := range lose {
 		h.d.Lose(adapters.ErrRevoked)
 	}

@@ -4,16 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/twmb/franz-go/pkg/kerr"
-	"github.com/twmb/franz-go/pkg/kmsg"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/custody-go/custody/adapters"
 )
 
 // When a second member takes a partition, the old owner's held record is
@@ -342,4 +344,108 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 		t.Fatalf("record that finished in the drain was lost: %v", cause)
 	}
 	<-polled
+}
+
+// Commit metadata lists done offsets beyond the committed one. When fetching
+// cannot start at that offset (the log was truncated or the topic recreated,
+// and the client reset to the log start), those offsets name other records:
+// they must be handed out, not skipped and committed past.
+func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3) // offsets 0..2
+	group := newGroup()
+
+	// A previous owner committed 10, with 12 and 13 recorded done.
+	meta := encodeDone(10, func(fn func(int64)) { fn(12); fn(13) })
+	var os kadm.Offsets
+	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 10, LeaderEpoch: -1, Metadata: meta})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if resp, err := c.admin.CommitOffsets(ctx, group, os); err != nil || resp.Error() != nil {
+		t.Fatalf("commit: %v %v", err, resp.Error())
+	}
+
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	got := receiveN(t, s, 3) // offset 10 is out of range: reset to the log start
+	ack(t, s, got...)
+	c.produceN(t, "orders", 1, 15, 15) // offsets 3..17, new records
+	got = append(got, receiveN(t, s, 13)...)
+	got = append(got, receiveFor(t, s, 500*time.Millisecond)...)
+	ack(t, s, got[3:]...)
+	if o := offsets(got); !slices.Contains(o, 12) || !slices.Contains(o, 13) || len(o) != 18 {
+		t.Fatalf("received offsets %v (%d records of 18): 12 and 13 were skipped on stale metadata", o, len(o))
+	}
+}
+
+// franz-go keeps a partition paused across rebalances. A partition paused
+// while its revoke drains (here by a nack that refills its backlog past the
+// metadata bound) would never be fetched again once assigned back.
+func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32),
+		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour),
+		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
+	ds := receiveN(t, a, 3)
+
+	a.mu.Lock()
+	old := a.parts[tpKey{"orders", 0}]
+	a.mu.Unlock()
+	a.Client().ForceRebalance() // the only member rejoins: revoke, then assign back
+	eventually(t, "the revoke drain to begin", func() bool {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return old.draining
+	})
+	// One record is given back during the drain; the other two are still
+	// running when it ends.
+	if err := a.Nack(context.Background(), ds[2:], 0); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the partition to be assigned back", func() bool {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		p := a.parts[tpKey{"orders", 0}]
+		return p != nil && p != old
+	})
+	if paused := a.Client().PauseFetchPartitions(nil); len(paused) > 0 {
+		t.Errorf("franz-go still pauses %v for the new assignment", paused)
+	}
+	c.produceN(t, "orders", 1, 3, 3)
+	if got := receiveFor(t, a, 3*time.Second); len(got) == 0 {
+		t.Fatal("the partition assigned back is never fetched")
+	}
+}
+
+// Close during a revoke's drain gives the held records up, so the revoke
+// need not wait out its drain time (here an hour) before Close can leave the
+// group.
+func TestCloseEndsARevokeDrainUnderWay(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithRevokeDrain(time.Hour),
+		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
+	receiveN(t, a, 3)
+	a.mu.Lock()
+	p := a.parts[tpKey{"orders", 0}]
+	a.mu.Unlock()
+	a.Client().ForceRebalance()
+	eventually(t, "the revoke drain to begin", func() bool {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return p.draining
+	})
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close still waits for the revoke's hour-long drain")
+	}
 }

@@ -222,6 +222,12 @@ func (s *Source) registerLocked(fs kgo.Fetches) {
 		if fp.HighWatermark >= 0 {
 			p.hwm = fp.HighWatermark
 		}
+		if p.lastPolled < 0 && len(fp.Records) > 0 && fp.Records[0].Offset < p.committed {
+			// Fetching started below the committed offset (the log was
+			// truncated or recreated, and the client reset): the done
+			// offsets in the commit metadata describe other records.
+			p.skip = nil
+		}
 		for _, r := range fp.Records {
 			if r.Offset <= p.lastPolled {
 				continue
@@ -417,7 +423,7 @@ func joinStr(prefix string, b []byte, n int) string {
 func (s *Source) updatePauseLocked(p *partition) {
 	full := p.backlogLen()+p.nheld >= s.cfg.maxPerPart ||
 		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
-	if full == p.paused || p.fenced {
+	if full == p.paused || p.fenced || p.draining {
 		return
 	}
 	p.paused = full
@@ -539,6 +545,12 @@ func (s *Source) Close() error {
 		var lose []*held
 		for _, p := range s.order {
 			p.eachHeld(func(h *held) { lose = append(lose, h) })
+			if p.drained != nil {
+				// A revoke under way waits for these records; they are
+				// given up now, so it need not wait out its drain time.
+				close(p.drained)
+				p.drained = nil
+			}
 		}
 		s.mu.Unlock()
 		for _, h := range lose {
