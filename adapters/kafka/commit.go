@@ -14,6 +14,7 @@ import (
 type pendingCommit struct {
 	p      *partition
 	offset int64
+	epoch  int32 // leader epoch of the last record committed, -1 if unknown
 	meta   string
 }
 
@@ -64,7 +65,7 @@ func (s *Source) snapshotLocked(ps []*partition) []pendingCommit {
 			continue
 		}
 		p.dirty = false
-		pcs = append(pcs, pendingCommit{p: p, offset: at, meta: p.metadata(at, s.cfg.metadataLimit)})
+		pcs = append(pcs, pendingCommit{p: p, offset: at, epoch: p.leaderEpochBefore(at), meta: p.metadata(at, s.cfg.metadataLimit)})
 	}
 	return pcs
 }
@@ -82,7 +83,7 @@ func (s *Source) send(ctx context.Context, pcs []pendingCommit) error {
 			offsets[pc.p.topic] = make(map[int32]kgo.EpochOffset)
 			metas[pc.p.topic] = make(map[int32]*string)
 		}
-		offsets[pc.p.topic][pc.p.id] = kgo.EpochOffset{Epoch: -1, Offset: pc.offset}
+		offsets[pc.p.topic][pc.p.id] = kgo.EpochOffset{Epoch: pc.epoch, Offset: pc.offset}
 		metas[pc.p.topic][pc.p.id] = &pc.meta
 	}
 	ctx = kgo.PreCommitFnContext(ctx, func(req *kmsg.OffsetCommitRequest) error {

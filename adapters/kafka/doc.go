@@ -40,13 +40,17 @@
 // later records finish; when it finishes the commit jumps past all of them.
 // Commits are coalesced: every commit interval ([WithCommitInterval], 1s by
 // default), synchronously when a partition is revoked, and on Close; never
-// one per record.
+// one per record. Each commit carries the leader epoch of the last record it
+// covers, as franz-go's own commits do, so that the partition's next owner
+// can tell when the log was truncated under the commit (KIP-320).
 //
 // Done offsets beyond the committed one travel in the commit metadata,
 // compactly encoded (runs of offsets, base64) and bounded by
 // [WithMetadataLimit] (4096 bytes, Kafka's default offset.metadata.max.bytes).
 // After a rebalance the partition's next owner reads them back and skips
-// those records instead of running them again. A partition whose metadata
+// those records instead of running them again, unless fetching starts below
+// the committed offset (the log was truncated or recreated): the offsets
+// would then name other records, and the metadata is ignored. A partition whose metadata
 // could outgrow the limit takes no new records until its prefix catches up.
 //
 // # Rebalances

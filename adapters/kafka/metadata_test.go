@@ -50,7 +50,7 @@ func FuzzMetadataBound(f *testing.F) {
 					continue
 				}
 				next += gap
-				p.track(next, c)
+				p.track(next, -1, c)
 				tracked = append(tracked, next)
 				next++
 			} else if len(tracked) > 0 {
@@ -77,4 +77,26 @@ func FuzzMetadataBound(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestLeaderEpochBeforeACommitPoint(t *testing.T) {
+	p := newPartition("t", 0, 1)
+	for _, r := range []struct {
+		off   int64
+		epoch int32
+	}{{5, 1}, {6, 1}, {7, 2}, {8, 3}} {
+		p.track(r.off, r.epoch, 2)
+	}
+	// Commit points only grow within an assignment.
+	for _, c := range []struct {
+		at   int64
+		want int32
+	}{{5, -1}, {6, 1}, {7, 1}, {8, 2}, {9, 3}, {9, 3}} {
+		if got := p.leaderEpochBefore(c.at); got != c.want {
+			t.Errorf("leaderEpochBefore(%d) = %d, want %d", c.at, got, c.want)
+		}
+	}
+	if len(p.epochs) != 1 {
+		t.Errorf("%d epoch starts kept after committing past all but the last", len(p.epochs))
+	}
 }

@@ -39,6 +39,10 @@ type partition struct {
 	lastTracked int64
 	base        int64
 	hasTracked  bool
+	// epochs holds where each leader epoch begins among the tracked
+	// offsets, oldest first, so a commit can carry the epoch of the last
+	// record it covers.
+	epochs []epochStart
 
 	// backlog holds polled records not yet handed out, in offset order.
 	backlog  []*kgo.Record
@@ -174,7 +178,16 @@ func (p *partition) fits(c, limit int) bool {
 	return metadataFits(maxBaseCost+p.costSum+c, limit)
 }
 
-func (p *partition) track(off int64, c int) {
+// epochStart is the first tracked offset written under a leader epoch.
+type epochStart struct {
+	from  int64
+	epoch int32
+}
+
+func (p *partition) track(off int64, leaderEpoch int32, c int) {
+	if n := len(p.epochs); n == 0 || p.epochs[n-1].epoch != leaderEpoch {
+		p.epochs = append(p.epochs, epochStart{from: off, epoch: leaderEpoch})
+	}
 	p.tr.Track(off)
 	if !p.hasTracked {
 		p.base = off
@@ -215,6 +228,21 @@ func (p *partition) commitPoint() (int64, bool) {
 		return p.base, true
 	}
 	return 0, false
+}
+
+// leaderEpochBefore returns the leader epoch of the last tracked record
+// below at (the last one a commit at at covers), or -1 when none is tracked,
+// and forgets the epochs of older records. Committing it lets the next owner
+// detect a log truncated under the commit (KIP-320), as franz-go's own
+// commits do.
+func (p *partition) leaderEpochBefore(at int64) int32 {
+	for len(p.epochs) > 1 && p.epochs[1].from < at {
+		p.epochs = p.epochs[1:]
+	}
+	if len(p.epochs) == 0 || p.epochs[0].from >= at {
+		return -1
+	}
+	return p.epochs[0].epoch
 }
 
 // metadata encodes the done offsets beyond the commit point.

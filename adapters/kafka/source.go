@@ -309,7 +309,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		p.backlog[p.backHead] = nil
 		p.backHead++
 		s.totalBack--
-		p.track(r.Offset, c)
+		p.track(r.Offset, r.LeaderEpoch, c)
 		if p.skipped(r.Offset) {
 			p.done(r.Offset)
 			p.skippedSome = true

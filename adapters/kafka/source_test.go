@@ -275,3 +275,51 @@ func TestNackRedeliversAndHoldsThePrefix(t *testing.T) {
 		t.Fatalf("committed %d, want 3", offs[0])
 	}
 }
+
+// Commits carry the leader epoch of the last record they cover, as
+// franz-go's own commits do, so that the partition's next owner can detect a
+// log truncated under the commit (KIP-320) instead of reading past it.
+func TestCommitsCarryTheLeaderEpochOfTheirLastRecord(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3) // offsets 0..2 under the first epoch
+	// Moving the partition to its own broker (kfake has one) bumps its
+	// leader epoch.
+	if err := c.fake.MoveTopicPartition("orders", 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	c.produceN(t, "orders", 1, 3, 3) // offsets 3..5 under the next one
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 6)
+	epochOf := func(off int64) int32 {
+		for _, d := range ds {
+			if d.Offset == off {
+				return d.Native.(*kgo.Record).LeaderEpoch
+			}
+		}
+		t.Fatalf("offset %d not received", off)
+		return 0
+	}
+	if epochOf(2) == epochOf(3) {
+		t.Fatalf("the leader move did not change the epoch (%d): the test cannot tell epochs apart", epochOf(2))
+	}
+	committedEpoch := func() (int64, int32) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		resp, err := c.admin.FetchOffsets(ctx, group)
+		if err != nil {
+			t.Fatal(err)
+		}
+		o, _ := resp.Lookup("orders", 0)
+		return o.At, o.LeaderEpoch
+	}
+	for _, upTo := range []int{3, 6} {
+		ack(t, s, ds[upTo-3:upTo]...)
+		commitNow(t, s)
+		at, epoch := committedEpoch()
+		if want := epochOf(int64(upTo - 1)); at != int64(upTo) || epoch != want {
+			t.Fatalf("committed %d with leader epoch %d, want %d with %d (the epoch of offset %d)", at, epoch, upTo, want, upTo-1)
+		}
+	}
+}
