@@ -55,3 +55,39 @@ func TestUncappedDelayStopsAtTheLargestDuration(t *testing.T) {
 		}
 	}
 }
+
+// FuzzExponentialDelay checks Delay against the policy's promise for any
+// valid settings: never below the jitter's floor of the exact delay, never
+// above it or Max, and never negative.
+func FuzzExponentialDelay(f *testing.F) {
+	f.Add(int64(200*time.Millisecond), int64(time.Minute), 2.0, 0.5, 40)
+	f.Add(int64(time.Millisecond), int64(0), 10.0, 0.0, 1000)
+	f.Fuzz(func(t *testing.T, initial, maxDelay int64, mult, jitter float64, n int) {
+		if initial <= 0 || maxDelay < 0 || (maxDelay > 0 && maxDelay < initial) ||
+			!(mult >= 1) || !(jitter >= 0 && jitter <= 1) {
+			t.Skip() // settings the consumer options refuse
+		}
+		n %= 5000 // keeps the reference loop short
+		e := Exponential{Initial: time.Duration(initial), Max: time.Duration(maxDelay), Multiplier: mult, Jitter: jitter}
+		d := e.Delay(n)
+		// The reference: exact growth in big steps, capped.
+		limit := math.MaxInt64 * 1.0
+		if maxDelay > 0 {
+			limit = float64(maxDelay)
+		}
+		exact := float64(initial)
+		for i := 1; i < max(n, 1) && exact < limit; i++ {
+			exact *= mult
+		}
+		exact = math.Min(exact, limit)
+		if d < 0 {
+			t.Fatalf("%+v: Delay(%d) = %v, negative", e, n, d)
+		}
+		if float64(d) > exact*(1+1e-9)+1 {
+			t.Fatalf("%+v: Delay(%d) = %v, above the exact delay %v", e, n, d, time.Duration(exact))
+		}
+		if floor := exact * (1 - jitter); float64(d) < floor*(1-1e-9)-1 {
+			t.Fatalf("%+v: Delay(%d) = %v, below the jitter floor %v", e, n, d, time.Duration(floor))
+		}
+	})
+}
