@@ -181,6 +181,10 @@ func (r *run) run(ctx context.Context) error {
 			MaxBatch: r.c.caps.MaxExtendBatch,
 			MaxHold:  r.cfg.maxProcessing,
 			Renewed:  func(n int) { r.tel.extensions.Add(r.settleCtx, int64(n), r.tel.source...) },
+			Retrying: func(n int, err error) {
+				r.cfg.logger.Warn("custody: lease renewal failed; trying again before the lease runs out",
+					"consumer", r.cfg.name, "leases", n, "error", err)
+			},
 			Lost: func(d *adapters.Delivery, cause error) {
 				r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
 				r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", d.ID, "cause", cause)

@@ -189,7 +189,10 @@ func WithMaxProcessingTime(d time.Duration) Option {
 }
 
 // WithLeaseRenewal sets the fraction of the lease after which it is renewed.
-// Default 1/3: two renewals can fail before the lease runs out.
+// Default 1/3. A renewal that fails without the adapter saying the lease is
+// gone (a network error, throttling) is tried again while the lease has time
+// left; one the adapter refuses as lost cancels the handler at once (see
+// package lease).
 func WithLeaseRenewal(fraction float64) Option {
 	return optionFunc(func(c *config) error {
 		if !(fraction > 0 && fraction < 1) { // NaN too

@@ -18,9 +18,15 @@
 //     after the handler finished and before the ack.
 //   - Total hold time is capped (MaxHold, counted from receipt). At the cap the
 //     keeper stops renewing and loses the delivery.
-//   - A failed renewal loses the delivery: [adapters.Delivery.Lose] is called
-//     with a cause wrapping [adapters.ErrLeaseLost], which cancels its handler's
-//     context.
+//   - A renewal the adapter refuses because the lease is gone (its error
+//     wraps [adapters.ErrLeaseLost]: a stale receipt, a revoked partition)
+//     loses the delivery at once: [adapters.Delivery.Lose] is called with
+//     that cause, which cancels its handler's context.
+//   - Any other failure (a network error, throttling, a timeout) leaves the
+//     lease as the broker last granted it, so the renewal is tried again,
+//     every sixth of the lease by default, while the lease has more than a
+//     twelfth of its length left; past that the delivery is lost with a
+//     cause wrapping [adapters.ErrLeaseLost] and the last failure.
 //
 // # Cost
 //

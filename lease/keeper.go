@@ -32,9 +32,12 @@ type Config struct {
 	// Timeout bounds one Extend call. Default: the renewal interval.
 	Timeout time.Duration
 	// Renewed, when set, is called after each successful renewal batch with
-	// the number of leases renewed. Lost is called for each lease lost.
-	Renewed func(n int)
-	Lost    func(d *adapters.Delivery, cause error)
+	// the number of leases renewed. Retrying is called when n renewals
+	// failed with err but their leases have time left, so they are tried
+	// again. Lost is called for each lease lost.
+	Renewed  func(n int)
+	Retrying func(n int, err error)
+	Lost     func(d *adapters.Delivery, cause error)
 }
 
 // Keeper renews leases. Create it with New, start it with Run, and end it by
@@ -56,6 +59,7 @@ type Lease struct {
 	k        *Keeper
 	d        *adapters.Delivery
 	due      time.Time
+	expires  time.Time // when the broker lets the lease run out, as last granted
 	deadline time.Time // zero: no cap
 	index    int       // position in the heap, -1 when not in it
 	renewing chan struct{}
@@ -129,7 +133,7 @@ func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
 			}
 			start = now
 		}
-		*l = Lease{k: k, d: d, due: start.Add(k.interval), index: -1}
+		*l = Lease{k: k, d: d, due: start.Add(k.interval), expires: start.Add(k.cfg.Lease), index: -1}
 		if k.cfg.MaxHold > 0 {
 			l.deadline = start.Add(k.cfg.MaxHold)
 			if l.deadline.Before(l.due) {
@@ -286,24 +290,43 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 	for i, l := range b.leases {
 		ds[i] = l.d
 	}
+	sent := time.Now()
 	cctx, cancel := context.WithTimeout(ctx, k.cfg.Timeout)
 	err := k.ext.Extend(cctx, ds, b.extendTo)
 	cancel()
 	now := time.Now()
-	var lost []int
+	var (
+		lost     []int
+		retrying int
+		retryErr error
+	)
 	renewed := 0
 	k.mu.Lock()
 	for i, l := range b.leases {
 		close(l.renewing)
 		l.renewing = nil
 		if e := adapters.EntryError(err, i); e != nil {
-			if !l.stopped {
-				lost = append(lost, i)
+			if l.stopped || k.closed {
+				l.stopped = true
+				continue
 			}
+			// A failure that does not say the lease is gone (a network
+			// error, throttling, a timeout) leaves the lease as last
+			// granted: try again while it has time left.
+			left := l.expires.Sub(now)
+			if !errors.Is(e, adapters.ErrLeaseLost) && left > k.slack {
+				l.due = now.Add(min(k.interval/2, left/2))
+				heap.Push(&k.due, l)
+				retrying++
+				retryErr = e
+				continue
+			}
+			lost = append(lost, i)
 			l.stopped = true
 			continue
 		}
 		renewed++
+		l.expires = sent.Add(b.extendTo)
 		if l.stopped || k.closed {
 			continue
 		}
@@ -322,10 +345,13 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 	if renewed > 0 && k.cfg.Renewed != nil {
 		k.cfg.Renewed(renewed)
 	}
+	if retrying > 0 && k.cfg.Retrying != nil {
+		k.cfg.Retrying(retrying, retryErr)
+	}
 	for _, i := range lost {
 		cause := adapters.EntryError(err, i)
 		if !errors.Is(cause, adapters.ErrLeaseLost) {
-			cause = fmt.Errorf("%w: renewal failed: %w", adapters.ErrLeaseLost, cause)
+			cause = fmt.Errorf("%w: renewals failed until the lease ran out: %w", adapters.ErrLeaseLost, cause)
 		}
 		k.lose(b.leases[i].d, cause)
 	}

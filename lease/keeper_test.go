@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"runtime"
 	"sync"
@@ -21,6 +22,7 @@ type recorder struct {
 	mu      sync.Mutex
 	calls   [][]*adapters.Delivery
 	fail    func(d *adapters.Delivery) error
+	callErr func(call int) error // fails whole calls (numbered from 1)
 	block   chan struct{}
 	entered chan struct{}
 }
@@ -29,7 +31,13 @@ func (r *recorder) Extend(ctx context.Context, ds []*adapters.Delivery, d time.D
 	r.mu.Lock()
 	r.calls = append(r.calls, append([]*adapters.Delivery(nil), ds...))
 	fail, block, entered := r.fail, r.block, r.entered
+	call := len(r.calls)
 	r.mu.Unlock()
+	if r.callErr != nil {
+		if err := r.callErr(call); err != nil {
+			return err
+		}
+	}
 	if entered != nil {
 		select {
 		case entered <- struct{}{}:
@@ -150,10 +158,12 @@ func TestStopWaitsForARenewalOnTheWire(t *testing.T) {
 	}
 }
 
+// A renewal that keeps failing without saying the lease is gone is tried
+// again until the lease runs out, and the delivery is lost then.
 func TestFailedRenewalLosesTheDelivery(t *testing.T) {
 	rec := &recorder{fail: func(d *adapters.Delivery) error {
 		if d.ID == "bad" {
-			return errors.New("receipt handle is invalid")
+			return errors.New("service unavailable")
 		}
 		return nil
 	}}
@@ -171,6 +181,9 @@ func TestFailedRenewalLosesTheDelivery(t *testing.T) {
 	if !errors.Is(bad.LostCause(), adapters.ErrLeaseLost) {
 		t.Fatalf("cause %v does not wrap ErrLeaseLost", bad.LostCause())
 	}
+	if n := rec.count(bad); n < 2 {
+		t.Fatalf("lost after %d renewal attempt(s); a failure that does not say the lease is gone is retried while it lasts", n)
+	}
 	eventually(t, "good renewed again", func() bool { return rec.count(good) >= 3 })
 	if good.LostCause() != nil || lost.Load() != 1 {
 		t.Fatalf("good lost: %v; lost count %d", good.LostCause(), lost.Load())
@@ -179,6 +192,50 @@ func TestFailedRenewalLosesTheDelivery(t *testing.T) {
 	time.Sleep(60 * time.Millisecond)
 	if rec.count(bad) != n {
 		t.Fatal("a lost lease was renewed again")
+	}
+}
+
+// A renewal refused because the lease is gone (the error wraps
+// ErrLeaseLost) loses the delivery at once: retrying could only fail again,
+// and its handler should stop before the broker's redelivery runs it twice.
+func TestRenewalRefusedAsLostLosesAtOnce(t *testing.T) {
+	rec := &recorder{fail: func(d *adapters.Delivery) error {
+		return fmt.Errorf("stale receipt: %w", adapters.ErrLeaseLost)
+	}}
+	k := start(t, rec, Config{Lease: 300 * time.Millisecond})
+	d := &adapters.Delivery{ReceivedAt: time.Now()}
+	k.Track(d)
+	select {
+	case <-d.Lost():
+	case <-time.After(10 * time.Second):
+		t.Fatal("refused renewal did not lose the delivery")
+	}
+	if n := rec.count(d); n != 1 {
+		t.Fatalf("%d renewal attempts; a lease the adapter reports gone is not retried", n)
+	}
+}
+
+// A transient failure (the whole call failed: a network error, throttling)
+// leaves the lease as last granted; the renewal is tried again before it
+// runs out, and the delivery is kept.
+func TestTransientRenewalFailureIsRetriedWhileTheLeaseLasts(t *testing.T) {
+	rec := &recorder{callErr: func(call int) error {
+		if call <= 2 {
+			return errors.New("throttled")
+		}
+		return nil
+	}}
+	var retrying atomic.Int32
+	k := start(t, rec, Config{Lease: 1500 * time.Millisecond,
+		Retrying: func(n int, err error) { retrying.Add(int32(n)) }})
+	d := &adapters.Delivery{ReceivedAt: time.Now()}
+	k.Track(d)
+	eventually(t, "two renewals after the failures", func() bool { return rec.count(d) >= 4 })
+	if cause := d.LostCause(); cause != nil {
+		t.Fatalf("lost after transient failures: %v", cause)
+	}
+	if n := retrying.Load(); n != 2 {
+		t.Fatalf("Retrying reported %d leases, want 2 (one per failed call)", n)
 	}
 }
 
