@@ -20,8 +20,11 @@
 //     offset never passes a record that is still running, even when later
 //     records finished first.
 //   - Poison messages leave the stream: after bounded retries with backoff, or
-//     at once for errors marked permanent, they go to a dead-letter
-//     destination with diagnostics, and never stall their queue or partition.
+//     at once for errors marked permanent, they go to the dead-letter
+//     destination (consumer.WithDeadLetter) with diagnostics, and stop
+//     stalling their queue or partition. Without a destination (and without
+//     a broker redrive policy) they are retried at the backoff's pace for
+//     ever; New warns about it.
 //   - Order is kept where the broker promised it (Kafka partitions, SQS FIFO
 //     groups, memory FIFO queues), and can be asked for per message key.
 //   - Shutdown drains: cancelling Run stops receiving, lets running handlers

@@ -59,7 +59,7 @@ func fillMessage(m *Message, d *adapters.Delivery, attempt int) {
 }
 
 // As sets target to the broker's native message when target is a pointer to
-// its type (for example **types.Message for SQS, *amqp091.Delivery for
+// its type (for example *types.Message for SQS, *amqp091.Delivery for
 // RabbitMQ, **kgo.Record for Kafka), and reports whether it did.
 func (m *Message) As(target any) bool {
 	if m.d == nil {

@@ -122,8 +122,10 @@ func WithRetry(r Retry) Option {
 // destination confirmed the write. Without one, such messages are given back
 // to the broker after the retry policy's backoff for their attempt, which
 // grows with every redelivery (the broker's own redrive policy may then move
-// them); where the broker cannot delay a redelivery, the handler is retried
-// in place at that pace. New logs a warning.
+// them); where the broker cannot delay a redelivery, or the message is in an
+// ordered lane (a Kafka partition, a FIFO group) that a redelivery would let
+// later messages overtake, the handler is retried in place at that pace,
+// holding up the lane. New logs a warning.
 func WithDeadLetter(dl adapters.DeadLetter) Option {
 	return optionFunc(func(c *config) error {
 		if dl == nil {
@@ -147,8 +149,9 @@ func WithOrdering(o Ordering) Option {
 }
 
 // WithHandlerTimeout bounds one attempt of the handler; its context is
-// cancelled with ErrHandlerTimeout after d, and the attempt counts as failed.
-// Default 0: no timeout.
+// cancelled with ErrHandlerTimeout after d. The attempt fails if the handler
+// then returns an error (as one that honours its context does); a handler
+// that still returns nil has its message acked. Default 0: no timeout.
 func WithHandlerTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 0 {

@@ -27,7 +27,8 @@
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context
-// (traceparent, tracestate); Attempt is SQS's ApproximateReceiveCount, asked
+// (traceparent, tracestate; once a propagator is set, see
+// consumer.WithPropagator); Attempt is SQS's ApproximateReceiveCount, asked
 // for through both AttributeNames and MessageSystemAttributeNames; Key is the
 // FIFO MessageGroupId. [Message], [GroupID] and [DeduplicationID] reach the
 // received types.Message from a delivery (consumer.Message.Delivery()).

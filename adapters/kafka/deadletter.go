@@ -23,8 +23,9 @@ type DeadLetterConfig struct {
 	// diagnostic header when the runtime names no consumer).
 	Group string
 	// ClientOptions are extra franz-go options (TLS, SASL, client id). The
-	// sink adds its own: acks from all in-sync replicas and the idempotent
-	// producer (franz-go's defaults, asserted), no linger.
+	// sink adds its own: acks from all in-sync replicas (forced) and no
+	// linger. Writes are idempotent, franz-go's default, unless these options
+	// disable it (kgo.DisableIdempotentWrite), which the sink does not undo.
 	ClientOptions []kgo.Opt
 	// Client, when set, is used instead of creating one; the sink does not
 	// close it. It must produce with acks=all for the guarantee to hold.

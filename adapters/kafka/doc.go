@@ -100,7 +100,9 @@
 // partition), custody.kafka.commit.duration, custody.kafka.commit.failures and
 // custody.kafka.skipped (records skipped thanks to the commit metadata).
 // Record headers become Delivery.Headers, so the runtime picks up W3C trace
-// context (traceparent, tracestate) from them.
+// context (traceparent, tracestate) from them
+// (once a propagator is set: OpenTelemetry's default global propagator is a
+// no-op; see consumer.WithPropagator).
 //
 // # Native record
 //

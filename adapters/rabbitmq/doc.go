@@ -116,7 +116,9 @@
 // AMQP headers become Delivery.Headers as strings (text as is, numbers in
 // decimal, nested tables such as x-death as JSON), so W3C trace context
 // (traceparent, tracestate) published in the headers reaches the runtime's
-// processing span.
+// processing span
+// (once a propagator is set: OpenTelemetry's default global propagator is a
+// no-op; see consumer.WithPropagator).
 //
 // # Native messages and identity
 //

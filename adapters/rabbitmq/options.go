@@ -283,8 +283,11 @@ func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 
 // WithDelayQueueThreshold sets the longest retry delay the adapter waits out
 // in place, holding the unacked delivery (default 5 s). Longer delays are
-// republished to a delay queue that dead-letters back to the source queue. A
-// threshold of zero sends every delayed retry to a delay queue.
+// republished to a delay queue that dead-letters back to the source queue, and
+// so are shorter ones once half the prefetch window already waits in place
+// (so that waiting retries never starve the channel of deliveries) or when
+// waiting would near the broker's consumer timeout. A threshold of zero
+// sends every delayed retry to a delay queue.
 func WithDelayQueueThreshold(d time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithDelayQueueThreshold", s)
