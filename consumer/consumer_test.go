@@ -597,14 +597,7 @@ func TestHandlerTimeout(t *testing.T) {
 func TestFailedAckIsRedelivered(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: 100 * time.Millisecond})
 	e.publish("a")
-	var failOnce atomic.Bool
-	failOnce.Store(true)
-	src := e.source(memory.WithFaults(memory.Faults{Ack: func(*adapters.Delivery) error {
-		if failOnce.CompareAndSwap(true, false) {
-			return errors.New("ack lost on the wire")
-		}
-		return nil
-	}}))
+	src := e.sourceLosingFirstAck()
 	c := newCounter()
 	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
 		c.inc(m.Body)

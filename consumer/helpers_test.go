@@ -2,10 +2,13 @@ package consumer_test
 
 import (
 	"context"
+	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testlog"
@@ -56,6 +59,19 @@ func (e *env) source(opts ...memory.SourceOption) *memory.Source {
 		e.t.Fatal(err)
 	}
 	return s
+}
+
+// sourceLosingFirstAck returns a source whose first ack fails, as one lost
+// on the wire would.
+func (e *env) sourceLosingFirstAck() *memory.Source {
+	var failOnce atomic.Bool
+	failOnce.Store(true)
+	return e.source(memory.WithFaults(memory.Faults{Ack: func(*adapters.Delivery) error {
+		if failOnce.CompareAndSwap(true, false) {
+			return errors.New("ack lost on the wire")
+		}
+		return nil
+	}}))
 }
 
 func (e *env) dlq() *memory.DeadLetterQueue {

@@ -181,3 +181,20 @@ func TestNativeDeadLetterNeedsADeadLetterExchange(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestDeadLetterRefusedByTheBrokerFails: a dead-letter publish the broker
+// refuses (basic.nack: here a full queue with reject-publish overflow) is not
+// a confirmed write; Send must fail so the runtime keeps the original.
+func TestDeadLetterRefusedByTheBrokerFails(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, amqp.Table{"x-max-length": int32(0), "x-overflow": "reject-publish"})
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10))
+	x := openSink(t, "", dlq)
+	d := receiveN(t, s, 1)[0]
+	err := x.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom"), Attempts: 3})
+	if err == nil {
+		t.Fatal("Send returned nil although the broker refused the dead-letter copy; the original would be acked and lost")
+	}
+}

@@ -1,0 +1,63 @@
+package rabbitmq
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// TestInPlaceRetriesLeaveRoomInThePrefetchWindow: short retries wait in
+// place only up to half the prefetch window; the rest go to a delay queue,
+// so that a burst of failures never stops the consumer from receiving new
+// messages while the retries wait.
+func TestInPlaceRetriesLeaveRoomInThePrefetchWindow(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "bad1", "bad2", "bad3", "bad4")
+	s := openSource(t, q, WithPrefetch(4))
+	ctx := context.Background()
+	bad := receiveN(t, s, 4)
+	for _, d := range bad {
+		if err := s.Nack(ctx, []*adapters.Delivery{d}, 3*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a.publish(q, "good1", "good2")
+	rctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancel()
+	var got []*adapters.Delivery
+	for len(got) < 2 {
+		ds, err := s.Receive(rctx, 2-len(got))
+		if err != nil {
+			t.Fatalf("received %v within 1.5s while four retries wait 3s: the waiting retries fill the prefetch window (%v)", bodies(got), err)
+		}
+		got = append(got, ds...)
+	}
+	if err := s.Ack(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestAckPressureFlushesStragglersBeforeTheWindowFills: with one slow
+// delivery at the head, finished deliveries behind it are acked one by one as
+// soon as they fill most of the prefetch window, without waiting for the
+// linger or straggler timers; otherwise the broker stops delivering.
+func TestAckPressureFlushesStragglersBeforeTheWindowFills(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 8)...)
+	s := openSource(t, q, WithPrefetch(8), WithAckCoalescing(64, time.Second, time.Hour))
+	ds := receiveN(t, s, 8)
+	// ds[0] still runs; six finish behind it, which is the pressure mark
+	// (three quarters of the window); ds[7] is still being handled.
+	if err := s.Ack(context.Background(), ds[1:7]); err != nil {
+		t.Fatal(err)
+	}
+	// Sent by the Ack call itself, not by the linger timer a second later.
+	if st := s.Stats(); st.Acked != 6 {
+		t.Fatalf("right after Ack, %d deliveries acked on the wire; want the 6 finished ones", st.Acked)
+	}
+	waitUnacked(t, q, 2)
+}

@@ -1,0 +1,137 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testlog"
+)
+
+// boundedSource is a memory source that, like SQS, receives at most
+// maxReceive per call, and counts the deliveries handed to the runtime that
+// were not yet acked or nacked.
+type boundedSource struct {
+	*memory.Source
+	maxReceive int
+
+	mu         sync.Mutex
+	held, peak int
+}
+
+func (s *boundedSource) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.MaxReceive = s.maxReceive
+	return c
+}
+
+func (s *boundedSource) Receive(ctx context.Context, n int) ([]*adapters.Delivery, error) {
+	ds, err := s.Source.Receive(ctx, n)
+	s.mu.Lock()
+	s.held += len(ds)
+	s.peak = max(s.peak, s.held)
+	s.mu.Unlock()
+	return ds, err
+}
+
+func (s *boundedSource) settled(n int) {
+	s.mu.Lock()
+	s.held -= n
+	s.mu.Unlock()
+}
+
+func (s *boundedSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	s.settled(len(ds))
+	return s.Source.Ack(ctx, ds)
+}
+
+func (s *boundedSource) Nack(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	s.settled(len(ds))
+	return s.Source.Nack(ctx, ds, d)
+}
+
+// TestInFlightNeverExceedsMaxInFlight: with a source whose receive batch is
+// as large as the in-flight bound, the runtime never holds more deliveries
+// than WithMaxInFlight allows, however the acks free room.
+func TestInFlightNeverExceedsMaxInFlight(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 5 * time.Second})
+	for i := 0; i < 60; i++ {
+		e.publish(string(rune('a' + i%26)))
+	}
+	src := &boundedSource{Source: e.source(), maxReceive: 4}
+	var handled atomic.Int32
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		time.Sleep(time.Duration(1+handled.Add(1)%3) * 5 * time.Millisecond)
+		return nil
+	}), consumer.WithLogger(testlog.New(t)), consumer.WithConcurrency(4), consumer.WithMaxInFlight(4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	waitFor(t, "all handled", func() bool { return e.stats("q").Acked == 60 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if src.peak > 4 {
+		t.Fatalf("the runtime held %d deliveries at once, above WithMaxInFlight(4)", src.peak)
+	}
+}
+
+// TestAtMostOnceFailedEarlyAckIsNotHandled: in at-most-once mode a delivery
+// whose early ack failed comes back from the broker; handling it now as well
+// would run it twice, which the mode promised never to do.
+func TestAtMostOnceFailedEarlyAckIsNotHandled(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 50 * time.Millisecond})
+	e.publish("a")
+	src := e.sourceLosingFirstAck()
+	cnt := newCounter()
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		cnt.inc(m.Body)
+		return nil
+	}, consumer.WithAtMostOnceAckBeforeProcessingUnsafe())
+	waitFor(t, "acked on the redelivery", func() bool { return e.stats("q").Acked == 1 })
+	waitFor(t, "handled", func() bool { return cnt.get("a") >= 1 })
+	time.Sleep(150 * time.Millisecond) // room for a second, wrong, run
+	r.stop()
+	if n := cnt.get("a"); n != 1 {
+		t.Fatalf("handled %d times in at-most-once mode, want 1", n)
+	}
+}
+
+// TestDeadLetterFirstFailureSpansRedeliveries: when the retries went through
+// the broker (one delivery per attempt), the dead letter's first-failure time
+// is the first attempt's, not the last delivery's.
+func TestDeadLetterFirstFailureSpansRedeliveries(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("poison")
+	var first atomic.Int64
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		first.CompareAndSwap(0, time.Now().UnixNano())
+		return errors.New("bad input")
+	}, consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(150 * time.Millisecond)}),
+		consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	ms, _ := e.b.Messages("dlq")
+	h := ms[0].Headers
+	ff, err1 := time.Parse(time.RFC3339Nano, h[adapters.HeaderFirstFailure])
+	lf, err2 := time.Parse(time.RFC3339Nano, h[adapters.HeaderLastFailure])
+	if err1 != nil || err2 != nil {
+		t.Fatalf("diagnostic times: %v %v (%v)", err1, err2, h)
+	}
+	if lf.Sub(ff) < 250*time.Millisecond {
+		t.Fatalf("first failure %v, last %v: three attempts 150ms apart must span at least 300ms", ff, lf)
+	}
+	if d := ff.Sub(time.Unix(0, first.Load())); d > 100*time.Millisecond || d < -time.Second {
+		t.Fatalf("first failure is %v after the first attempt", d)
+	}
+}
