@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -133,5 +134,34 @@ func TestDeadLetterFirstFailureSpansRedeliveries(t *testing.T) {
 	}
 	if d := ff.Sub(time.Unix(0, first.Load())); d > 100*time.Millisecond || d < -time.Second {
 		t.Fatalf("first failure is %v after the first attempt", d)
+	}
+}
+
+// A delivery whose lease is lost while it waits out a retry's backoff in
+// place (here an ordered lane, which never nacks) stops waiting at once: it
+// is settled as lost, frees its lane and its in-flight slot, and the broker's
+// redelivery runs instead of queuing behind an hour-long wait.
+func TestLeaseLostDuringABackoffEndsTheWait(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 150 * time.Millisecond})
+	if err := e.b.Publish(context.Background(), "q", memory.Message{Key: "k", Body: []byte("x")}); err != nil {
+		t.Fatal(err)
+	}
+	src := e.source(memory.WithFaults(memory.Faults{Extend: func(d *adapters.Delivery) error {
+		if d.Attempt == 1 {
+			return fmt.Errorf("taken back: %w", adapters.ErrLeaseLost)
+		}
+		return nil
+	}}))
+	var attempts atomic.Int32
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if attempts.Add(1) == 1 {
+			return consumer.RetryAfter(errors.New("try much later"), time.Hour)
+		}
+		return nil
+	}, consumer.WithOrdering(consumer.OrderByKey))
+	waitFor(t, "the redelivery handled", func() bool { return e.stats("q").Acked == 1 })
+	r.stop()
+	if n := attempts.Load(); n != 2 {
+		t.Fatalf("%d handler calls, want the first and the broker's redelivery", n)
 	}
 }
