@@ -63,7 +63,8 @@
 //
 // The runtime records OpenTelemetry metrics (custody.messages.received,
 // .redelivered, .settled by outcome, .in_flight, custody.handler.duration,
-// custody.lease.extensions, custody.lease.lost, custody.ack.failures,
+// custody.lease.extensions, custody.lease.renewal_failures,
+// custody.lease.lost, custody.ack.failures,
 // custody.deadletter.failures) and one consumer span per handler attempt,
 // continuing the trace found in the message's headers.
 package custody

@@ -182,6 +182,7 @@ func (r *run) run(ctx context.Context) error {
 			MaxHold:  r.cfg.maxProcessing,
 			Renewed:  func(n int) { r.tel.extensions.Add(r.settleCtx, int64(n), r.tel.source...) },
 			Retrying: func(n int, err error) {
+				r.tel.renewFails.Add(r.settleCtx, int64(n), r.tel.source...)
 				r.cfg.logger.Warn("custody: lease renewal failed; trying again before the lease runs out",
 					"consumer", r.cfg.name, "leases", n, "error", err)
 			},

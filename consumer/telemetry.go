@@ -40,6 +40,7 @@ type telemetry struct {
 	panics      metric.Int64Counter
 	extensions  metric.Int64Counter
 	leasesLost  metric.Int64Counter
+	renewFails  metric.Int64Counter
 	ackFailures metric.Int64Counter
 	dlqFailures metric.Int64Counter
 	inFlight    metric.Int64UpDownCounter
@@ -72,6 +73,7 @@ func newTelemetry(c *config) (*telemetry, error) {
 	t.panics = counter("custody.handler.panics", "Handler panics recovered.")
 	t.extensions = counter("custody.lease.extensions", "Lease renewals that succeeded.")
 	t.leasesLost = counter("custody.lease.lost", "Deliveries whose lease was lost while held (expect a duplicate).")
+	t.renewFails = counter("custody.lease.renewal_failures", "Lease renewals that failed (throttling, network errors) and are tried again while the lease lasts.")
 	t.ackFailures = counter("custody.ack.failures", "Acks that failed (expect a redelivery).")
 	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed; the original was not acked.")
 	if err != nil {

@@ -169,3 +169,41 @@ func TestSpansFollowTheGlobalProvider(t *testing.T) {
 		t.Errorf("span in trace %s, want %s", got, traceID)
 	}
 }
+
+// A renewal that fails without the lease being gone (the broker throttled
+// it) is counted, tried again, and the handler keeps its lease and finishes.
+func TestTransientRenewalFailureIsCountedAndTheHandlerKeepsItsLease(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: 600 * time.Millisecond})
+	e.publish("slow")
+	var extendCalls atomic.Int32
+	src := e.source(memory.WithFaults(memory.Faults{Extend: func(*adapters.Delivery) error {
+		if extendCalls.Add(1) == 1 {
+			return errors.New("throttled")
+		}
+		return nil
+	}}))
+	var cause atomic.Value
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		select {
+		case <-time.After(time.Second): // outlives the lease: renewals must work
+			return nil
+		case <-ctx.Done():
+			cause.Store(context.Cause(ctx))
+			return ctx.Err()
+		}
+	}, consumer.WithMeterProvider(mp))
+	waitFor(t, "acked", func() bool { return e.stats("q").Acked == 1 })
+	r.stop()
+	if c := cause.Load(); c != nil {
+		t.Fatalf("handler cancelled after one throttled renewal: %v", c)
+	}
+	got := sums(t, reader)
+	if got["custody.lease.renewal_failures"] != 1 || got["custody.lease.lost"] != 0 {
+		t.Fatalf("renewal_failures = %d, lost = %d; want 1 and 0", got["custody.lease.renewal_failures"], got["custody.lease.lost"])
+	}
+	if s := e.stats("q"); s.Acked != 1 || s.Visible != 0 {
+		t.Fatalf("stats %+v: want the message acked once", s)
+	}
+}
