@@ -473,8 +473,18 @@ func TestLanesShareWorkers(t *testing.T) {
 	var (
 		mu    sync.Mutex
 		order []string
+		first sync.Once
 	)
-	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+	src := &receiveCounter{Source: e.source()}
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		// Hold the first message until the receiver has handed out the
+		// whole batch and asked for more: then the other key's message waits
+		// beside the busy lane whatever the receiver's pace (a receiver
+		// starved of CPU would otherwise let the worker finish the busy lane
+		// before the other key is even dispatched).
+		first.Do(func() {
+			waitFor(t, "the batch dispatched", func() bool { return src.calls.Load() >= 2 })
+		})
 		mu.Lock()
 		order = append(order, m.Key)
 		mu.Unlock()

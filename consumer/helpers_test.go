@@ -61,6 +61,17 @@ func (e *env) source(opts ...memory.SourceOption) *memory.Source {
 	return s
 }
 
+// receiveCounter counts a source's Receive calls.
+type receiveCounter struct {
+	*memory.Source
+	calls atomic.Int32
+}
+
+func (s *receiveCounter) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	s.calls.Add(1)
+	return s.Source.Receive(ctx, max)
+}
+
 // sourceLosingFirstAck returns a source whose first ack fails, as one lost
 // on the wire would.
 func (e *env) sourceLosingFirstAck() *memory.Source {
@@ -98,11 +109,16 @@ type running struct {
 	t      *testing.T
 }
 
-func run(t *testing.T, src interface{}, h consumer.HandlerFunc, opts ...consumer.Option) *running {
+func run(t *testing.T, src *memory.Source, h consumer.HandlerFunc, opts ...consumer.Option) *running {
 	t.Helper()
-	s := src.(*memory.Source)
+	return runOn(t, src, h, opts...)
+}
+
+// runOn is run for any source, such as a memory source wrapped by a test.
+func runOn(t *testing.T, src adapters.Source, h consumer.HandlerFunc, opts ...consumer.Option) *running {
+	t.Helper()
 	opts = append([]consumer.Option{consumer.WithLogger(testlog.New(t))}, opts...)
-	c, err := consumer.New(s, h, opts...)
+	c, err := consumer.New(src, h, opts...)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
