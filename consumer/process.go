@@ -265,11 +265,17 @@ func (r *run) ack(j *job, outcome string) {
 func (r *run) nack(j *job, delay time.Duration, outcome string) {
 	r.stopLease(j)
 	if err := r.c.src.Nack(r.settleCtx, []*adapters.Delivery{j.d}, delay); err != nil {
-		r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+		r.nackFailed(j, err)
 	}
 	r.settle(j, outcome)
 	r.next(j)
+}
+
+// nackFailed logs a nack that did not reach the broker: nothing is lost, the
+// message only waits for its lease to run out.
+func (r *run) nackFailed(j *job, err error) {
+	r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
+		"consumer", r.cfg.name, "id", j.d.ID, "error", err)
 }
 
 // giveBack returns a failed delivery during shutdown, keeping its backoff
@@ -331,8 +337,7 @@ func (r *run) releaseWaiting() {
 	err := r.c.src.Nack(r.settleCtx, ds, 0)
 	for i, j := range give {
 		if e := adapters.EntryError(err, i); e != nil {
-			r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
-				"consumer", r.cfg.name, "id", j.d.ID, "error", e)
+			r.nackFailed(j, e)
 		}
 		r.settle(j, outcomeReleased)
 	}
