@@ -16,6 +16,9 @@ type Source interface {
 	// or the adapter's poll wait elapses, and returns at most max
 	// deliveries. An empty result with a nil error is normal (a long poll
 	// that found nothing). After ctx is done it returns ctx's error.
+	// Deliveries returned with an error (a partial failure, such as one
+	// Kafka partition's fetch error among other partitions' records) are
+	// held like any others: the runtime handles them and logs the error.
 	Receive(ctx context.Context, max int) ([]*Delivery, error)
 
 	// Ack settles deliveries whose effect is complete. The broker must not

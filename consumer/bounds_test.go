@@ -165,3 +165,45 @@ func TestLeaseLostDuringABackoffEndsTheWait(t *testing.T) {
 		t.Fatalf("%d handler calls, want the first and the broker's redelivery", n)
 	}
 }
+
+// partialFailureSource returns an error with every batch of deliveries, as a
+// Kafka source does when one partition fails among others that deliver.
+type partialFailureSource struct {
+	*memory.Source
+}
+
+func (s partialFailureSource) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.MaxReceive = 1
+	return c
+}
+
+func (s partialFailureSource) Receive(ctx context.Context, n int) ([]*adapters.Delivery, error) {
+	ds, err := s.Source.Receive(ctx, n)
+	if err == nil && len(ds) > 0 {
+		err = errors.New("partition 7: not authorised")
+	}
+	return ds, err
+}
+
+// TestPartialReceiveFailuresDoNotStallTheRest: deliveries a source returns
+// together with an error are handled, and the error does not make the
+// runtime back off as from a failed receive: with the backoff, each of these
+// 40 receives waited longer than the last, up to 5 s, and the queue took
+// minutes to drain.
+func TestPartialReceiveFailuresDoNotStallTheRest(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 5 * time.Second})
+	for i := 0; i < 40; i++ {
+		e.publish(fmt.Sprint(i))
+	}
+	var handled atomic.Int32
+	r := runOn(t, partialFailureSource{e.source()}, func(ctx context.Context, m *consumer.Message) error {
+		handled.Add(1)
+		return nil
+	})
+	defer r.stop()
+	waitFor(t, "every delivery handled", func() bool { return e.stats("q").Acked == 40 })
+	if n := handled.Load(); n != 40 {
+		t.Errorf("handled %d deliveries; want 40", n)
+	}
+}

@@ -286,6 +286,13 @@ func (r *run) receive(ctx context.Context) error {
 			if errors.Is(err, adapters.ErrClosed) {
 				return fmt.Errorf("consumer: source closed while receiving: %w", err)
 			}
+			if len(ds) > 0 {
+				// A partial failure (one partition's error among others'
+				// records): say so, but do not slow the rest down.
+				r.cfg.logger.Warn("custody: receive reported an error with its deliveries", "consumer", r.cfg.name, "error", err, "deliveries", len(ds))
+				failures = 0
+				continue
+			}
 			failures++
 			r.cfg.logger.Warn("custody: receive failed; retrying", "consumer", r.cfg.name, "error", err, "failures", failures)
 			t := time.NewTimer(bo.Delay(failures))

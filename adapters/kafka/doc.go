@@ -67,6 +67,23 @@
 // released at once), so a record can never be booked under the wrong
 // assignment.
 //
+// # Data loss
+//
+// When the broker loses records this consumer already polled (an unclean
+// leader election, a log truncated under it), franz-go reports a
+// kgo.ErrDataLoss and rewinds the partition. Receive returns that error
+// (with any records of other partitions; the runtime logs it), and the
+// Source starts a new epoch for the partition: the records of the old log in
+// flight lose their contexts with cause [ErrRewound] (which wraps
+// adapters.ErrRevoked) and their acks mark nothing, and fetching resumes at
+// the rewind point or at the old epoch's commit point, whichever is lower, so
+// that the records now in the log are all handed out and nothing polled but
+// unfinished is committed past. The new epoch commits its start at once, even
+// below the offset committed before, so a consumer starting after a crash
+// does not skip the records that replaced the lost ones. Records of the old
+// log that finished had their effects; that cannot be undone.
+// custody.kafka.rewinds counts these rewinds.
+//
 // # Backpressure
 //
 // [WithMaxInFlightPerPartition] (512) bounds the records of one partition
@@ -97,8 +114,9 @@
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
 // default): custody.kafka.lag (high watermark minus committed offset, per
-// partition), custody.kafka.commit.duration, custody.kafka.commit.failures and
-// custody.kafka.skipped (records skipped thanks to the commit metadata).
+// partition), custody.kafka.commit.duration, custody.kafka.commit.failures,
+// custody.kafka.skipped (records skipped thanks to the commit metadata) and
+// custody.kafka.rewinds (partitions rewound after data loss).
 // Record headers become Delivery.Headers, so the runtime picks up W3C trace
 // context (traceparent, tracestate) from them
 // (once a propagator is set: OpenTelemetry's default global propagator is a

@@ -185,15 +185,25 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	fs := s.cl.PollRecords(pctx, n)
 	s.mu.Lock()
 	s.pollCancel = nil
-	s.registerLocked(fs)
+	refetch, lose := s.registerLocked(fs)
 	out := s.takeLocked(nil, max)
 	s.mu.Unlock()
 	cancel()
+	for _, h := range lose {
+		h.d.Lose(ErrRewound)
+	}
+	if len(refetch) > 0 {
+		// Before AllowRebalance, as franz-go asks: no revoke runs meanwhile.
+		s.cl.SetOffsets(refetch)
+	}
 	// Records are now in the partitions' books, under their epoch: a
 	// rebalance may proceed (BlockRebalanceOnPoll held it back until here).
 	s.cl.AllowRebalance()
+	ferr := fetchError(fs)
 	if len(out) > 0 {
-		return out, nil
+		// A partition's error (lost data, a topic not authorised) must not
+		// hide behind other partitions' records: the runtime logs it.
+		return out, ferr
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -201,23 +211,56 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	if fs.IsClientClosed() {
 		return nil, adapters.ErrClosed
 	}
+	return nil, ferr
+}
+
+// fetchError returns the first error of fs that is not a poll's own context
+// ending, or nil.
+func fetchError(fs kgo.Fetches) error {
 	var ferr error
 	fs.EachError(func(topic string, part int32, err error) {
-		if ferr == nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+		if ferr == nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, kgo.ErrClientClosed) {
 			ferr = fmt.Errorf("kafka: fetching %s/%d: %w", topic, part, err)
 		}
 	})
-	return nil, ferr
+	return ferr
 }
 
 // registerLocked appends polled records to their partitions' backlogs.
 // Records of partitions no longer assigned (or assigned anew since the fetch)
 // are dropped: their current owner reads them from the committed offset.
-func (s *Source) registerLocked(fs kgo.Fetches) {
+// It returns the offsets to fetch again from, for partitions the client
+// rewound after losing data (see rewindLocked); the caller passes them to
+// SetOffsets, and the rewound records in flight, for the caller to lose
+// outside the lock.
+func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held) {
+	var refetching map[tpKey]bool
 	fs.EachPartition(func(fp kgo.FetchTopicPartition) {
-		p := s.parts[tpKey{fp.Topic, fp.Partition}]
-		if p == nil || p.fenced || p.draining {
+		k := tpKey{fp.Topic, fp.Partition}
+		p := s.parts[k]
+		if p == nil || p.fenced || p.draining || refetching[k] {
 			return
+		}
+		var loss *kgo.ErrDataLoss
+		if errors.As(fp.Err, &loss) && loss.ResetTo <= p.lastPolled {
+			var from int64
+			p, from, lose = s.rewindLocked(p, loss.ResetTo, lose)
+			if from < loss.ResetTo {
+				// Records between from and the reset point were polled but
+				// not all done; fetch them again, and ignore what else this
+				// poll holds for the partition (it would arrive out of order).
+				if refetch == nil {
+					refetch = map[string]map[int32]kgo.EpochOffset{}
+					refetching = map[tpKey]bool{}
+				}
+				if refetch[fp.Topic] == nil {
+					refetch[fp.Topic] = map[int32]kgo.EpochOffset{}
+				}
+				refetch[fp.Topic][fp.Partition] = kgo.EpochOffset{Epoch: -1, Offset: from}
+				refetching[k] = true
+				s.updatePauseLocked(p) // the old epoch may have been paused
+				return
+			}
 		}
 		if fp.HighWatermark >= 0 {
 			p.hwm = fp.HighWatermark
@@ -230,7 +273,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) {
 		}
 		for _, r := range fp.Records {
 			if r.Offset <= p.lastPolled {
-				continue
+				continue // already polled: a refetch, not new records
 			}
 			p.lastPolled = r.Offset
 			p.backlog = append(p.backlog, r)
@@ -238,6 +281,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) {
 		}
 		s.updatePauseLocked(p)
 	})
+	return refetch, lose
 }
 
 // takeLocked hands out ready records up to limit and the in-flight bounds,

@@ -16,11 +16,13 @@ const meterName = "github.com/custody-go/custody/adapters/kafka"
 //	custody.kafka.commit.duration histogram, seconds: one commit request
 //	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
 //	custody.kafka.skipped         counter: records skipped because a previous owner had done them
+//	custody.kafka.rewinds         counter: partitions rewound after the broker lost data (see ErrRewound)
 type telemetry struct {
 	group    attribute.KeyValue
 	commit   metric.Float64Histogram
 	failures metric.Int64Counter
 	skipped  metric.Int64Counter
+	rewinds  metric.Int64Counter
 	reg      metric.Registration
 	okAttrs  metric.MeasurementOption
 	badAttrs metric.MeasurementOption
@@ -45,6 +47,10 @@ func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry,
 	}
 	if t.skipped, err = m.Int64Counter("custody.kafka.skipped",
 		metric.WithDescription("Records skipped after a rebalance because the commit metadata recorded them done.")); err != nil {
+		return nil, err
+	}
+	if t.rewinds, err = m.Int64Counter("custody.kafka.rewinds",
+		metric.WithDescription("Partitions the client rewound below records already polled, after the broker lost data.")); err != nil {
 		return nil, err
 	}
 	lag, err := m.Int64ObservableGauge("custody.kafka.lag",
