@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -30,5 +31,42 @@ func TestExtensionCutShortByCompletionIsNotAStoreError(t *testing.T) {
 	}
 	if n := m.count(t, idempotency.MetricClaimsLost, "custody.idempotency.op", "extend"); n != 0 {
 		t.Fatalf("claims lost (extend) = %d after a clean completion, want 0", n)
+	}
+}
+
+// TestExtensionNeverOutlivesTheClaim: an Extend stuck on a store that does
+// not answer must give up by the time the claim runs out, so that the
+// handler is told (ErrClaimLost) before another delivery can take the key
+// over. An attempt allowed to run a full interval past the expiry leaves
+// the handler running, uncancelled, beside the new holder.
+func TestExtensionNeverOutlivesTheClaim(t *testing.T) {
+	const lease = 300 * time.Millisecond
+	store := &faultyStore{Store: newMemory(t)}
+	store.extendHangs.Store(true)
+	var cause error
+	h := newGuard(t, store, func(ctx context.Context, _ *consumer.Message) error {
+		select {
+		case <-ctx.Done():
+		case <-time.After(30 * time.Second):
+			return errors.New("the handler was never told that its claim could not be kept")
+		}
+		cause = context.Cause(ctx)
+		return ctx.Err()
+	}, idempotency.WithLease(lease), idempotency.WithExtendInterval(250*time.Millisecond))
+	if err := h.Handle(context.Background(), msg("m", "x")); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Handle = %v, want the cancelled handler's error", err)
+	}
+	if !errors.Is(cause, idempotency.ErrClaimLost) {
+		t.Fatalf("handler's context cause = %v, want ErrClaimLost", cause)
+	}
+	// The store made the claim before Claim returned, so it ran out by
+	// claimed+lease; no extension attempt may still be waiting after that.
+	expiry := store.claimed.Load().Add(lease)
+	until := store.extendUntil.Load()
+	if until == nil {
+		t.Fatal("the claim was never extended")
+	}
+	if until.After(expiry) {
+		t.Fatalf("an extension was allowed to wait until %v after the claim ran out", until.Sub(expiry))
 	}
 }

@@ -74,10 +74,24 @@ type faultyStore struct {
 	extending   atomic.Int64 // Extend calls running now
 	completeErr atomic.Pointer[error]
 	releases    atomic.Int64
+	claimed     atomic.Pointer[time.Time] // when the last Claim returned: the claim runs out no later than this plus its lease
+	extendUntil atomic.Pointer[time.Time] // the latest deadline an Extend was given
+}
+
+func (s *faultyStore) Claim(ctx context.Context, key, fp string, lease time.Duration) (idempotency.State, idempotency.Token, error) {
+	st, tok, err := s.Store.Claim(ctx, key, fp, lease)
+	now := time.Now()
+	s.claimed.Store(&now)
+	return st, tok, err
 }
 
 func (s *faultyStore) Extend(ctx context.Context, key string, tok idempotency.Token, lease time.Duration) error {
 	s.extends.Add(1)
+	if d, ok := ctx.Deadline(); ok {
+		if p := s.extendUntil.Load(); p == nil || d.After(*p) {
+			s.extendUntil.Store(&d)
+		}
+	}
 	s.extending.Add(1)
 	defer s.extending.Add(-1)
 	if s.extendHangs.Load() {

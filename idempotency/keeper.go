@@ -25,8 +25,10 @@ type keeper struct {
 	abort   context.CancelFunc // cancels the running Extend
 }
 
-func (g *guard) keep(key string, tok Token, cancel context.CancelCauseFunc) *keeper {
-	k := &keeper{g: g, key: key, tok: tok, cancel: cancel, expires: time.Now().Add(g.cfg.lease)}
+// claimed is when the Claim was sent: the store started the lease no
+// earlier, so claimed+lease never overestimates how long the claim is held.
+func (g *guard) keep(key string, tok Token, claimed time.Time, cancel context.CancelCauseFunc) *keeper {
+	k := &keeper{g: g, key: key, tok: tok, cancel: cancel, expires: claimed.Add(g.cfg.lease)}
 	k.mu.Lock()
 	k.timer = time.AfterFunc(g.cfg.extendEvery, k.extend)
 	k.mu.Unlock()
@@ -39,7 +41,14 @@ func (k *keeper) extend() {
 		k.mu.Unlock()
 		return
 	}
-	ctx, abort := context.WithTimeout(context.Background(), k.g.cfg.extendEvery)
+	// An Extend still waiting when the claim runs out cannot keep it any
+	// more, and the handler must not run on past the expiry: give up then,
+	// so that the failure below cancels the handler in time.
+	deadline := time.Now().Add(k.g.cfg.extendEvery)
+	if k.expires.Before(deadline) {
+		deadline = k.expires
+	}
+	ctx, abort := context.WithDeadline(context.Background(), deadline)
 	busy := make(chan struct{})
 	k.busy, k.abort = busy, abort
 	k.mu.Unlock()

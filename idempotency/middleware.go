@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency/internal/dupmetrics"
@@ -64,6 +65,7 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 		fp = g.cfg.fingerprint(msg)
 	}
 
+	claimed := time.Now()
 	state, tok, err := g.store.Claim(ctx, key, fp, g.cfg.lease)
 	switch {
 	case errors.Is(err, ErrFingerprintMismatch):
@@ -85,7 +87,7 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
-	k := g.keep(key, tok, cancel)
+	k := g.keep(key, tok, claimed, cancel)
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: let a retry claim the key

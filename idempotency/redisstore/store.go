@@ -78,6 +78,12 @@ func (s *Store) Claim(ctx context.Context, key, fingerprint string, lease time.D
 	if err != nil {
 		return 0, "", fmt.Errorf("redisstore: claim %q: %w", key, err)
 	}
+	if strings.HasPrefix(old, inProgress+string(tok)+":") {
+		// Our own record: go-redis retried the SET after losing the reply
+		// to a first send that Redis had run. The token is fresh, so no
+		// other claim can hold it.
+		return idempotency.Acquired, tok, nil
+	}
 	state, oldFP, ok := parse(old)
 	if !ok {
 		return 0, "", fmt.Errorf("redisstore: claim %q: key %q holds %q, which is not an idempotency record; is the prefix shared with other data?", key, s.prefix+key, old)

@@ -61,6 +61,41 @@ func TestForeignValueIsReportedNotOverwritten(t *testing.T) {
 	}
 }
 
+// replayingClient sends every SET twice and returns the second reply, as
+// go-redis does when the reply to a SET that Redis already ran is lost (a
+// read timeout, a reset connection) and it retries the command.
+type replayingClient struct{ *redis.Client }
+
+func (c replayingClient) SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd {
+	c.Client.SetArgs(ctx, key, value, a)
+	return c.Client.SetArgs(ctx, key, value, a)
+}
+
+// A Claim whose SET is retried finds the record its own first send wrote.
+// That is this claim, not another delivery's: reporting it as in progress
+// elsewhere would defer a first delivery for a whole lease and count it as
+// an overlapping duplicate, and nothing could complete or release the key.
+func TestRetriedClaimFindsItsOwnRecord(t *testing.T) {
+	ctx := context.Background()
+	c := teststores.RedisClient(t)
+	prefix := "custody-test:" + storetest.Key(t) + ":"
+	s, err := redisstore.New(replayingClient{c}, redisstore.WithPrefix(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Del(ctx, prefix+"k") })
+	st, tok, err := s.Claim(ctx, "k", "fp", time.Hour)
+	if err != nil || st != idempotency.Acquired || tok == "" {
+		t.Fatalf("retried Claim of an absent key = (%v, %q, %v), want acquired with a token", st, tok, err)
+	}
+	if err := s.Complete(ctx, "k", tok, time.Hour); err != nil {
+		t.Fatalf("Complete with the retried claim's token: %v", err)
+	}
+	if st, _, err := s.Claim(ctx, "k", "fp", time.Hour); err != nil || st != idempotency.Completed {
+		t.Fatalf("Claim after completion = (%v, %v), want completed", st, err)
+	}
+}
+
 func TestInvalidOptions(t *testing.T) {
 	if _, err := redisstore.New(nil); err == nil {
 		t.Fatal("New(nil) succeeded")
