@@ -33,7 +33,11 @@
 // written to the dead-letter destination with diagnostic headers (error,
 // attempts, first and last failure time, original queue, partition and
 // offset). The original is acked only after the write is confirmed; a failed
-// write keeps the original and is tried again after a backoff.
+// write keeps the original and is tried again after a backoff. The two steps
+// are not atomic: if the original's ack fails or the process stops between
+// them, the original comes back and is dead-lettered again, so the
+// destination can hold two copies of one message (same
+// adapters.HeaderOriginalID).
 //
 // # Leases
 //
