@@ -24,6 +24,16 @@ type Consumer struct {
 	tel     *telemetry
 	batch   int // deliveries asked for per Receive
 	started atomic.Bool
+
+	// stop is cancelled by Shutdown: Run stops receiving and drains.
+	stop    context.Context
+	stopRun context.CancelFunc
+	// cut is cancelled when Shutdown's context ends before the drain did:
+	// the drain stops waiting for running handlers.
+	cut      context.Context
+	cutDrain context.CancelFunc
+	// done is closed when Run returns.
+	done chan struct{}
 }
 
 // New returns a Consumer that feeds src's deliveries to h. It checks every
@@ -49,7 +59,9 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 	if err := cfg.fill(caps); err != nil {
 		return nil, err
 	}
-	c := &Consumer{src: src, caps: caps, handler: h, cfg: cfg}
+	c := &Consumer{src: src, caps: caps, handler: h, cfg: cfg, done: make(chan struct{})}
+	c.stop, c.stopRun = context.WithCancel(context.Background())
+	c.cut, c.cutDrain = context.WithCancel(context.Background())
 	if caps.Lease > 0 {
 		ext, ok := src.(adapters.Extender)
 		if !ok {
@@ -79,12 +91,50 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 // own left running. A clean shutdown returns nil.
 //
 // A handler that ignores its context keeps Run from returning.
+//
+// Shutdown stops Run the same way; after Shutdown, Run returns at once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("consumer: Run called twice; create a new Consumer")
 	}
+	defer close(c.done)
 	r := newRun(c, ctx)
+	// Shutdown stops receiving as cancelling ctx does; the handlers' and the
+	// acks' contexts do not derive from this one (see newRun).
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(c.stop, cancel)()
+	if c.stop.Err() != nil {
+		cancel() // AfterFunc would cancel too, but from another goroutine, later
+	}
 	return r.run(ctx)
+}
+
+// Shutdown stops c gracefully and waits for Run to return: Run stops
+// receiving and drains as when its context is cancelled (see Run), acking
+// what finishes and giving back the rest, then closes the source.
+//
+// If ctx ends before Run returns, Shutdown stops waiting for the running
+// handlers: their contexts are cancelled with cause ErrShutdownTimeout, as
+// when the shutdown timeout is reached, and Shutdown returns ctx's error
+// while Run finishes giving back what is left. The drain also ends at the
+// shutdown timeout ([WithShutdownTimeout]), whichever comes first.
+//
+// Shutdown may be called from any goroutine, more than once. Called before
+// Run, it makes Run return at once (after closing the source) and returns
+// nil.
+func (c *Consumer) Shutdown(ctx context.Context) error {
+	c.stopRun()
+	if !c.started.Load() {
+		return nil
+	}
+	select {
+	case <-c.done:
+		return nil
+	case <-ctx.Done():
+		c.cutDrain()
+		return ctx.Err()
+	}
 }
 
 // run is the state of one Run call.
@@ -246,6 +296,11 @@ func (r *run) run(ctx context.Context) error {
 		timer.Stop()
 	case <-timer.C:
 		r.cfg.logger.Warn("custody: shutdown timeout reached; cancelling running handlers", "consumer", r.cfg.name)
+		r.cancelHandlers(ErrShutdownTimeout)
+		<-idle
+	case <-r.c.cut.Done():
+		timer.Stop()
+		r.cfg.logger.Warn("custody: Shutdown's context ended; cancelling running handlers", "consumer", r.cfg.name)
 		r.cancelHandlers(ErrShutdownTimeout)
 		<-idle
 	}

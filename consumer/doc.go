@@ -58,11 +58,14 @@
 //
 // # Shutdown
 //
-// Cancelling Run's context stops receiving and gives back deliveries that
-// have not started. Running handlers keep their contexts until the shutdown
-// timeout ([WithShutdownTimeout]); what finishes is acked, what does not is
-// given back to the broker. Run then stops lease renewals, closes the source
-// and returns; no goroutine it started is left running.
+// Cancelling Run's context, or calling [Consumer.Shutdown], stops receiving
+// and gives back deliveries that have not started. Running handlers keep
+// their contexts until the shutdown timeout ([WithShutdownTimeout]) or the
+// end of Shutdown's context, whichever comes first; what finishes is acked,
+// what does not is given back to the broker. Run then stops lease renewals,
+// closes the source and returns; no goroutine it started is left running.
+// Shutdown returns once Run has, as net/http's Server.Shutdown does once its
+// connections are idle.
 //
 // # Acks
 //

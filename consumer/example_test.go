@@ -75,3 +75,39 @@ func ExampleChain() {
 	_ = h.Handle(context.Background(), &consumer.Message{ID: "m1", Attempt: 1})
 	// Output: message m1 attempt 1: <nil>
 }
+
+// Shutdown drains: it stops receiving, lets running handlers finish (for as
+// long as its context allows), acks them and waits for Run to return.
+// Services call it from their own shutdown path, such as on SIGTERM.
+func ExampleConsumer_Shutdown() {
+	ctx := context.Background()
+	broker := memory.NewBroker()
+	_ = broker.CreateQueue("emails", memory.QueueOptions{})
+	_ = broker.Publish(ctx, "emails", memory.Message{Body: []byte("welcome")})
+	src, _ := broker.Source("emails", memory.WithPollWait(10*time.Millisecond))
+
+	sending := make(chan struct{})
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		close(sending)
+		time.Sleep(20 * time.Millisecond) // the effect, still running when Shutdown begins
+		return nil
+	}))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	ran := make(chan error, 1)
+	go func() { ran <- c.Run(ctx) }()
+
+	<-sending
+	shutdownCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	fmt.Println("shutdown:", c.Shutdown(shutdownCtx))
+	fmt.Println("run:", <-ran)
+	s, _ := broker.Stats("emails")
+	fmt.Println("acked:", s.Acked)
+	// Output:
+	// shutdown: <nil>
+	// run: <nil>
+	// acked: 1
+}
