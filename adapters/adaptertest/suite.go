@@ -42,7 +42,9 @@ func Run(t *testing.T, h Harness) {
 		{"DeadLetterFailureKeepsOriginal", testDeadLetterFailure},
 		{"OrderPerKey", testOrderPerKey},
 		{"ShutdownDrains", testShutdownDrains},
+		{"ShutdownGivesBackUnfinished", testShutdownGivesBack},
 		{"LeaseLostCancelsHandler", testLeaseLost},
+		{"StaleDeliveryReportsLeaseLost", testStaleDelivery},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })
@@ -250,14 +252,18 @@ func testRedeliveryAfterCrash(t *testing.T, h Harness) {
 	src := q.Open(t)
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
-	var took int
-	for took == 0 && ctx.Err() == nil {
+	var held []string
+	for len(held) == 0 && ctx.Err() == nil {
 		ds, err := src.Receive(ctx, len(bodies))
 		if err != nil {
 			t.Fatalf("Receive: %v", err)
 		}
-		took += len(ds)
+		for _, d := range ds {
+			held = append(held, string(d.Body))
+		}
 	}
+	took := len(held)
+	counts := src.Capabilities().CountsDeliveries
 	if err := src.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
@@ -271,6 +277,18 @@ func testRedeliveryAfterCrash(t *testing.T, h Harness) {
 		t.Fatalf("Run: %v", err)
 	}
 	t.Logf("the crashed consumer held %d of %d messages; all %d were handled afterwards", took, len(bodies), rec.distinct())
+	if counts {
+		// The broker counts deliveries (CountsDeliveries), so the count must
+		// survive the crash: MaxAttempts depends on it for a message that
+		// kills every consumer that takes it.
+		rec.mu.Lock()
+		defer rec.mu.Unlock()
+		for _, b := range held {
+			if got := rec.attempts[b]; len(got) == 0 || got[0] < 2 {
+				t.Errorf("message %q, received by the crashed consumer, came back with attempts %v, want the first >= 2", b, got)
+			}
+		}
+	}
 }
 
 func testNoConcurrentDuplicate(t *testing.T, h Harness) {
@@ -334,7 +352,15 @@ func deadLettered(t *testing.T, q *Queue, want int) map[string]Message {
 		if err != nil {
 			t.Fatalf("DeadLettered: %v", err)
 		}
+		seen := map[string]bool{}
 		for _, m := range ms {
+			// One read never holds a message twice (DeadLettered returns
+			// what arrived so far, or consumes it): a second copy is a
+			// message dead-lettered twice.
+			if seen[string(m.Body)] {
+				t.Fatalf("message %q is in the dead-letter destination twice", m.Body)
+			}
+			seen[string(m.Body)] = true
 			got[string(m.Body)] = m
 		}
 		return len(got) >= want
@@ -352,9 +378,16 @@ func testDeadLetterAfterMaxAttempts(t *testing.T, h Harness) {
 	}
 	rec := newRecorder()
 	before := time.Now()
+	var (
+		srcMu  sync.Mutex
+		source *consumer.Message // the poison message as the handler saw it
+	)
 	s := start(t, q.Open(t), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		rec.record(m)
 		if string(m.Body) == poison {
+			srcMu.Lock()
+			source = m
+			srcMu.Unlock()
 			return errors.New("cannot process " + poison)
 		}
 		return nil
@@ -365,13 +398,16 @@ func testDeadLetterAfterMaxAttempts(t *testing.T, h Harness) {
 		t.Fatalf("Run: %v", err)
 	}
 	m, ok := dl[poison]
-	if !ok {
-		t.Fatalf("dead-letter destination holds %v, not the poison message", keys(dl))
+	if !ok || len(dl) != 1 {
+		t.Fatalf("dead-letter destination holds %v, want only the poison message", keys(dl))
 	}
 	if n := rec.count(poison); n != 3 {
 		t.Errorf("poison message handled %d times, want MaxAttempts=3", n)
 	}
 	checkDiagnostics(t, m, "3", "false", "cannot process", before)
+	srcMu.Lock()
+	checkSource(t, m, source)
+	srcMu.Unlock()
 	if m.Headers["origin"] != "suite" {
 		t.Errorf("original header lost in the dead-letter copy: %v", m.Headers)
 	}
@@ -406,6 +442,25 @@ func checkDiagnostics(t *testing.T, m Message, attempts, permanent, errText stri
 	}
 	if last.Before(first) || first.Before(before.Add(-time.Minute)) || last.After(time.Now().Add(time.Minute)) {
 		t.Errorf("failure times out of order or range: first %v, last %v", first, last)
+	}
+}
+
+// checkSource checks that the dead-letter copy m names where the original
+// came from: its queue or topic, and its partition and offset where it has
+// them.
+func checkSource(t *testing.T, m Message, orig *consumer.Message) {
+	t.Helper()
+	hd := m.Headers
+	if hd[adapters.HeaderOriginalQueue] != orig.Queue {
+		t.Errorf("%s = %q, want %q", adapters.HeaderOriginalQueue, hd[adapters.HeaderOriginalQueue], orig.Queue)
+	}
+	if orig.Partition < 0 || orig.Offset < 0 {
+		return
+	}
+	wantPart, wantOff := strconv.FormatInt(int64(orig.Partition), 10), strconv.FormatInt(orig.Offset, 10)
+	if hd[adapters.HeaderOriginalPart] != wantPart || hd[adapters.HeaderOriginalOffset] != wantOff {
+		t.Errorf("%s/%s = %q/%q, want %s/%s", adapters.HeaderOriginalPart, adapters.HeaderOriginalOffset,
+			hd[adapters.HeaderOriginalPart], hd[adapters.HeaderOriginalOffset], wantPart, wantOff)
 	}
 }
 
@@ -625,4 +680,81 @@ func testLeaseLost(t *testing.T, h Harness) {
 	if err := s.stop(); err != nil {
 		t.Fatalf("Run: %v", err)
 	}
+}
+
+// testShutdownGivesBack checks the other half of the drain: handlers that do
+// not finish by the shutdown timeout, and deliveries still waiting for a
+// worker, are given back to the broker, neither acked nor lost.
+func testShutdownGivesBack(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: 2 * time.Second})
+	bodies := publishN(t, q, 6, "")
+	first := newRecorder()
+	s := start(t, q.Open(t), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		first.record(m)
+		<-ctx.Done() // runs until the shutdown timeout cuts it short
+		return context.Cause(ctx)
+	}), consumer.WithConcurrency(2), consumer.WithShutdownTimeout(100*time.Millisecond))
+	waitFor(t, "two handlers running", func() bool { return first.total() >= 2 })
+	if err := s.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	rec := newRecorder()
+	s2 := start(t, q.Open(t), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		rec.record(m)
+		return nil
+	}), consumer.WithConcurrency(4))
+	waitFor(t, "every unfinished message handled by the next consumer", func() bool { return rec.distinct() == len(bodies) })
+	if err := s2.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	t.Logf("the first consumer started %d handlers; all %d messages came back", first.total(), rec.distinct())
+}
+
+// testStaleDelivery checks that an adapter tells a lost lease apart from
+// other failures: once another consumer received the message after the
+// lease ran out, and acked it, renewing the first delivery fails with
+// adapters.ErrLeaseLost. LeaseLostCancelsHandler alone does not show this:
+// there the runtime's own cap (WithMaxProcessingTime) ends the lease.
+func testStaleDelivery(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: time.Second})
+	if q.Lease <= 0 {
+		t.Skip("the broker does not lease deliveries; adapter tests cover its own ways of losing a delivery")
+	}
+	bodies := publishN(t, q, 1, "")
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	receiveOne := func(src adapters.Source) *adapters.Delivery {
+		t.Helper()
+		for ctx.Err() == nil {
+			ds, err := src.Receive(ctx, 1)
+			if err != nil {
+				t.Fatalf("Receive: %v", err)
+			}
+			if len(ds) > 0 {
+				if len(ds) != 1 || string(ds[0].Body) != bodies[0] {
+					t.Fatalf("received %d deliveries, want the one message", len(ds))
+				}
+				return ds[0]
+			}
+		}
+		t.Fatalf("no delivery within %v", patience)
+		return nil
+	}
+	a, b := q.Open(t), q.Open(t)
+	defer a.Close()
+	defer b.Close()
+	stale := receiveOne(a) // never renewed: its lease runs out
+	fresh := receiveOne(b)
+	if err := b.Ack(ctx, []*adapters.Delivery{fresh}); err != nil {
+		t.Fatalf("Ack of the fresh delivery: %v", err)
+	}
+	ext, ok := a.(adapters.Extender)
+	if !ok {
+		t.Fatalf("%T leases deliveries but does not implement adapters.Extender", a)
+	}
+	err := ext.Extend(ctx, []*adapters.Delivery{stale}, q.Lease)
+	if e := adapters.EntryError(err, 0); !errors.Is(e, adapters.ErrLeaseLost) {
+		t.Fatalf("renewing a delivery whose message another consumer received and acked: %v, want an error wrapping adapters.ErrLeaseLost", err)
+	}
+	expectNothingMore(t, q)
 }

@@ -1,11 +1,13 @@
 package memory
 
 import (
+	"cmp"
 	"container/heap"
 	"context"
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -165,14 +167,11 @@ func (b *Broker) Messages(queueName string) ([]Message, error) {
 	return out, nil
 }
 
+// sortBySeq sorts a copy of the queue's messages. It must not go through a
+// readyHeap: heap moves rewrite message.index, the position each message has
+// in the queue's own heaps, and a later ack would remove the wrong message.
 func sortBySeq(ms []*message) {
-	h := readyHeap(ms)
-	heap.Init(&h)
-	sorted := make([]*message, 0, len(ms))
-	for h.Len() > 0 {
-		sorted = append(sorted, heap.Pop(&h).(*message))
-	}
-	copy(ms, sorted)
+	slices.SortFunc(ms, func(a, b *message) int { return cmp.Compare(a.seq, b.seq) })
 }
 
 // receive takes up to max visible messages and leases them to src. It

@@ -34,7 +34,7 @@ type queue struct {
 	ready   readyHeap   // visible messages by publish order
 	waiting waitingHeap // received or delayed messages by visibleAt
 	busy    map[string]int
-	wake    chan struct{} // closed when something becomes visible; nil when nobody waits
+	wake    chan struct{} // closed when something becomes visible or will sooner; nil when nobody waits
 
 	stats Stats
 }
@@ -86,6 +86,9 @@ func (q *queue) release(group string) {
 		q.busy[group] = n
 	} else {
 		delete(q.busy, group)
+		// Messages of the group that were held back are receivable now: a
+		// receiver waiting for them must not sleep until its poll ends.
+		q.signal()
 	}
 }
 
@@ -107,6 +110,7 @@ func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) {
 		}
 		return
 	}
+	earlier := t.Before(m.visibleAt)
 	m.visibleAt = t
 	if m.ready {
 		// The lease had run out but nobody took the message yet: the holder
@@ -120,6 +124,12 @@ func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) {
 		return
 	}
 	heap.Fix(&q.waiting, m.index)
+	if earlier {
+		// Receivers wait until the time they last computed for the next
+		// message to become visible (a nacked message's lease); wake them
+		// to wait for the new, earlier one.
+		q.signal()
+	}
 }
 
 type readyHeap []*message

@@ -25,7 +25,8 @@ type Source struct {
 
 // Faults injects failures, for tests of what a consumer does when the broker
 // misbehaves. Each hook, when set, is asked about every delivery in a call;
-// a non-nil error fails that entry as the broker would.
+// a non-nil error fails that entry as the broker would. Hooks run outside the
+// broker's lock, so they may use the Broker (Stats, Publish).
 type Faults struct {
 	Ack    func(d *adapters.Delivery) error
 	Nack   func(d *adapters.Delivery) error
@@ -180,19 +181,28 @@ func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) 
 		}
 		failed[i] = err
 	}
-	now := time.Now()
-	s.b.mu.Lock()
+	hs := make([]*handle, len(ds))
 	for i, d := range ds {
 		h, ok := d.Handle.(*handle)
 		if !ok || h.src.q != s.q {
 			fail(i, fmt.Errorf("memory: delivery %q did not come from queue %q", d.ID, s.q.name))
 			continue
 		}
+		// The hook is the caller's code and may use the broker (Stats,
+		// Publish): ask it before taking the broker's lock.
 		if fault != nil {
 			if err := fault(d); err != nil {
 				fail(i, err)
 				continue
 			}
+		}
+		hs[i] = h
+	}
+	now := time.Now()
+	s.b.mu.Lock()
+	for i, h := range hs {
+		if h == nil {
+			continue
 		}
 		if !h.valid() {
 			fail(i, errStaleReceipt)

@@ -1,0 +1,273 @@
+package memory
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// patience bounds waits for something that must happen. The tests below use
+// leases and poll waits of an hour, so a wait that only ends at the lease or
+// the poll deadline shows as a failure after patience, never as slowness.
+const patience = 30 * time.Second
+
+func newTestBroker(t *testing.T, opts QueueOptions) *Broker {
+	t.Helper()
+	b := NewBroker()
+	if err := b.CreateQueue("q", opts); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func openSource(t *testing.T, b *Broker, opts ...SourceOption) *Source {
+	t.Helper()
+	s, err := b.Source("q", opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+func receive(t *testing.T, s *Source, max int) []*adapters.Delivery {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	ds, err := s.Receive(ctx, max)
+	if err != nil {
+		t.Fatalf("Receive: %v", err)
+	}
+	return ds
+}
+
+func ids(ds []*adapters.Delivery) []string {
+	out := make([]string, len(ds))
+	for i, d := range ds {
+		out[i] = d.ID
+	}
+	return out
+}
+
+// receiveInBackground starts a Receive on s and waits until it blocks in the
+// broker for something to become visible.
+func receiveInBackground(t *testing.T, b *Broker, s *Source) <-chan []*adapters.Delivery {
+	t.Helper()
+	got := make(chan []*adapters.Delivery, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	t.Cleanup(cancel)
+	go func() {
+		ds, err := s.Receive(ctx, 10)
+		if err != nil {
+			t.Errorf("background Receive: %v", err)
+		}
+		got <- ds
+	}()
+	deadline := time.Now().Add(patience)
+	for {
+		b.mu.Lock()
+		waiting := s.q.wake != nil
+		b.mu.Unlock()
+		if waiting {
+			return got
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the background Receive never waited")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// Messages must not disturb the queue: it once sorted the broker's own
+// messages through a heap, which rewrote their heap positions, so a later ack
+// removed another message from the queue (lost for good) and left the acked
+// one in place (delivered again).
+func TestMessagesKeepsQueueIntact(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a"}, Message{ID: "b"}, Message{ID: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	src := openSource(t, b)
+	ds := receive(t, src, 3)
+	if len(ds) != 3 {
+		t.Fatalf("received %v, want a, b and c", ids(ds))
+	}
+	if _, err := b.Messages("q"); err != nil {
+		t.Fatal(err)
+	}
+	if err := src.Ack(context.Background(), ds[:1]); err != nil {
+		t.Fatalf("Ack: %v", err)
+	}
+	ms, err := b.Messages("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	for _, m := range ms {
+		left = append(left, m.ID)
+	}
+	if !slices.Equal(left, []string{"b", "c"}) {
+		t.Fatalf("after acking a the queue holds %v, want [b c]", left)
+	}
+	if err := src.Nack(context.Background(), ds[1:], 0); err != nil {
+		t.Fatalf("Nack: %v", err)
+	}
+	if again := ids(receive(t, src, 3)); !slices.Equal(again, []string{"b", "c"}) {
+		t.Fatalf("after nacking b and c the queue delivers %v, want [b c]", again)
+	}
+}
+
+// A fault hook is user code: it may look at the broker (Stats, Messages,
+// Publish) without deadlocking the call it is asked about.
+func TestFaultHookMayUseBroker(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	errAckFault := errors.New("injected")
+	src := openSource(t, b, WithFaults(Faults{Ack: func(d *adapters.Delivery) error {
+		if _, err := b.Stats("q"); err != nil {
+			return err
+		}
+		return errAckFault
+	}}))
+	ds := receive(t, src, 1)
+	done := make(chan error, 1)
+	go func() { done <- src.Ack(context.Background(), ds) }()
+	select {
+	case err := <-done:
+		if !errors.Is(adapters.EntryError(err, 0), errAckFault) {
+			t.Fatalf("Ack = %v, want the injected fault", err)
+		}
+	case <-time.After(patience):
+		t.Fatal("Ack deadlocked: the fault hook ran under the broker's lock")
+	}
+}
+
+// Acking the message that holds a FIFO group back must wake a receiver
+// waiting on the queue, as SQS answers a long poll once the group is free.
+func TestFIFOAckWakesWaitingReceiver(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour, FIFO: true})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a", Key: "g"}, Message{ID: "b", Key: "g"}); err != nil {
+		t.Fatal(err)
+	}
+	first := openSource(t, b)
+	ds := receive(t, first, 1)
+	if got := ids(ds); !slices.Equal(got, []string{"a"}) {
+		t.Fatalf("received %v, want [a]", got)
+	}
+	got := receiveInBackground(t, b, openSource(t, b, WithPollWait(time.Hour)))
+	if err := first.Ack(context.Background(), ds); err != nil {
+		t.Fatalf("Ack: %v", err)
+	}
+	if ds := <-got; !slices.Equal(ids(ds), []string{"b"}) {
+		t.Fatalf("waiting receiver got %v once the group was free, want [b]", ids(ds))
+	}
+}
+
+// A nack's delay, not the lease it replaces, decides when a waiting receiver
+// gets the message again.
+func TestNackDelayWakesWaitingReceiver(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	first := openSource(t, b)
+	ds := receive(t, first, 1)
+	got := receiveInBackground(t, b, openSource(t, b, WithPollWait(time.Hour)))
+	if err := first.Nack(context.Background(), ds, 10*time.Millisecond); err != nil {
+		t.Fatalf("Nack: %v", err)
+	}
+	if ds := <-got; !slices.Equal(ids(ds), []string{"a"}) {
+		t.Fatalf("waiting receiver got %v after the nack delay, want [a]", ids(ds))
+	}
+}
+
+// A delivery whose lease ran out is lost as soon as another consumer
+// receives the message: its signal closes, and it can no longer ack, nack or
+// extend what is now someone else's receive.
+func TestStolenLeaseLosesDelivery(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: 20 * time.Millisecond})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	first, second := openSource(t, b), openSource(t, b, WithPollWait(time.Hour))
+	old := receive(t, first, 1)
+	fresh := receive(t, second, 1) // once the 20ms lease has run out
+	if len(old) != 1 || len(fresh) != 1 || fresh[0].Attempt != 2 {
+		t.Fatalf("received %v then %v, want a twice, the second time as attempt 2", ids(old), ids(fresh))
+	}
+	select {
+	case <-old[0].Lost():
+	default:
+		t.Fatal("the first delivery is not lost after the message went to another consumer")
+	}
+	if !errors.Is(old[0].LostCause(), adapters.ErrLeaseLost) {
+		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", old[0].LostCause())
+	}
+	ctx := context.Background()
+	if err := first.Extend(ctx, old, time.Hour); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
+		t.Errorf("Extend of the stale delivery: %v, want ErrLeaseLost", err)
+	}
+	if err := first.Nack(ctx, old, 0); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
+		t.Errorf("Nack of the stale delivery: %v, want ErrLeaseLost", err)
+	}
+	if err := first.Ack(ctx, old); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
+		t.Errorf("Ack of the stale delivery: %v, want ErrLeaseLost", err)
+	}
+	if err := second.Ack(ctx, fresh); err != nil {
+		t.Fatalf("Ack of the fresh delivery: %v", err)
+	}
+	if st, _ := b.Stats("q"); st.Acked != 1 || st.Visible != 0 || st.InFlight != 0 {
+		t.Errorf("stats %+v, want one ack and nothing left", st)
+	}
+}
+
+// MaxReceiveCount moves a message to the dead-letter queue instead of its
+// (MaxReceiveCount+1)th delivery, saying how often it was received, and the
+// last holder loses it.
+func TestRedriveAfterMaxReceiveCount(t *testing.T) {
+	b := NewBroker()
+	if err := b.CreateQueue("dlq", QueueOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CreateQueue("q", QueueOptions{Lease: time.Hour, MaxReceiveCount: 2, DeadLetterQueue: "dlq"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publish(context.Background(), "q", Message{ID: "a", Headers: map[string]string{"h": "v"}}); err != nil {
+		t.Fatal(err)
+	}
+	src := openSource(t, b, WithPollWait(10*time.Millisecond))
+	var last *adapters.Delivery
+	for want := 1; want <= 2; want++ {
+		ds := receive(t, src, 1)
+		if len(ds) != 1 || ds[0].Attempt != want {
+			t.Fatalf("receive %d: %v, want a as attempt %d", want, ids(ds), want)
+		}
+		if err := src.Nack(context.Background(), ds, 0); err != nil {
+			t.Fatal(err)
+		}
+		last = ds[0]
+	}
+	if ds := receive(t, src, 1); len(ds) != 0 {
+		t.Fatalf("third receive got %v, want nothing: the message is redriven", ids(ds))
+	}
+	dead, err := b.Messages("dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dead) != 1 || dead[0].ID != "a" || dead[0].Headers[adapters.HeaderAttempts] != "2" ||
+		dead[0].Headers[adapters.HeaderOriginalQueue] != "q" || dead[0].Headers["h"] != "v" {
+		t.Fatalf("dead-letter queue holds %+v, want a with 2 attempts from q and its header", dead)
+	}
+	if st, _ := b.Stats("q"); st.Redriven != 1 || st.Visible != 0 || st.InFlight != 0 {
+		t.Errorf("stats %+v, want one redriven and nothing left", st)
+	}
+	if err := src.Ack(context.Background(), []*adapters.Delivery{last}); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
+		t.Errorf("Ack after the redrive: %v, want ErrLeaseLost", err)
+	}
+}
