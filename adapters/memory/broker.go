@@ -1,6 +1,7 @@
 package memory
 
 import (
+	"bytes"
 	"cmp"
 	"container/heap"
 	"context"
@@ -103,7 +104,9 @@ func (b *Broker) CreateQueue(name string, opts QueueOptions) error {
 	return nil
 }
 
-// Publish appends messages to a queue, in order.
+// Publish appends messages to a queue, in order. It keeps copies of their
+// bodies and headers, so the caller may reuse its buffers, as with a network
+// broker.
 func (b *Broker) Publish(ctx context.Context, queueName string, msgs ...Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -116,6 +119,7 @@ func (b *Broker) Publish(ctx context.Context, queueName string, msgs ...Message)
 		return fmt.Errorf("memory: Publish(%q): %w", queueName, ErrNoQueue)
 	}
 	for _, m := range msgs {
+		m.Body, m.Headers = bytes.Clone(m.Body), maps.Clone(m.Headers)
 		b.publishLocked(q, m, now)
 	}
 	return nil

@@ -271,3 +271,19 @@ func TestRedriveAfterMaxReceiveCount(t *testing.T) {
 		t.Errorf("Ack after the redrive: %v, want ErrLeaseLost", err)
 	}
 }
+
+// TestPublishKeepsItsOwnCopy: a caller reusing its buffer or headers map
+// after Publish does not change the queued message.
+func TestPublishKeepsItsOwnCopy(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{})
+	body, headers := []byte("original"), map[string]string{"h": "original"}
+	if err := b.Publish(context.Background(), "q", Message{Body: body, Headers: headers}); err != nil {
+		t.Fatal(err)
+	}
+	copy(body, "reused!!")
+	headers["h"] = "reused"
+	ds := receive(t, openSource(t, b), 1)
+	if len(ds) != 1 || string(ds[0].Body) != "original" || ds[0].Headers["h"] != "original" {
+		t.Fatalf("received %q %v; want the message as published", ds[0].Body, ds[0].Headers)
+	}
+}
