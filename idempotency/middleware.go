@@ -71,6 +71,8 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	case errors.Is(err, ErrFingerprintMismatch):
 		g.m.Mismatches.Add(ctx, 1)
 		return consumer.Permanent(err)
+	case errors.Is(err, ErrUnstorableKey):
+		return consumer.Permanent(err)
 	case err != nil:
 		if ctx.Err() == nil { // a cancelled delivery is not the store's fault
 			g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)

@@ -361,3 +361,24 @@ func TestInvalidOptionsFailNamingTheOption(t *testing.T) {
 		idempotency.Middleware(store, idempotency.WithLease(0))
 	}()
 }
+
+// refusingStore refuses every key, as PostgreSQL does a key that is not
+// valid UTF-8.
+type refusingStore struct{ idempotency.Store }
+
+func (refusingStore) Claim(context.Context, string, string, time.Duration) (idempotency.State, idempotency.Token, error) {
+	return 0, "", fmt.Errorf("store: %w: not valid UTF-8", idempotency.ErrUnstorableKey)
+}
+
+// A key the store cannot hold fails the message permanently, without
+// running the handler: retrying would fail the same way every time.
+func TestUnstorableKeyIsPermanent(t *testing.T) {
+	h := newGuard(t, refusingStore{newMemory(t)}, func(context.Context, *consumer.Message) error {
+		t.Error("the handler ran without a claim")
+		return nil
+	})
+	err := h.Handle(context.Background(), msg("bin\xff", "x"))
+	if !consumer.IsPermanent(err) || !errors.Is(err, idempotency.ErrUnstorableKey) {
+		t.Fatalf("Handle = %v, want a permanent ErrUnstorableKey", err)
+	}
+}

@@ -106,6 +106,14 @@ var (
 	// from the payload or a header.
 	ErrNoKey = errors.New("idempotency: the message has no idempotency key; the broker gave it no stable ID, so set a KeyFunc that reads one from the payload or headers")
 
+	// ErrUnstorableKey: the store cannot hold the key or the fingerprint as
+	// given (PostgreSQL text refuses invalid UTF-8 and NUL bytes, and its
+	// index refuses entries near a third of a page). Retrying cannot help:
+	// the middleware and pgtx make it a permanent error, so the message goes
+	// to the dead-letter destination with the reason. Derive keys that fit,
+	// such as a hex hash of a binary key, in the KeyFunc.
+	ErrUnstorableKey = errors.New("idempotency: the store cannot hold this key or fingerprint; derive one it can (a hex hash of a binary value, say) in the KeyFunc or fingerprint function")
+
 	// ErrInProgressElsewhere: the middleware found the key claimed by
 	// another delivery that is still running (an overlapping duplicate). It
 	// returns it wrapped in consumer.Defer, so the message is tried again

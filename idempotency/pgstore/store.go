@@ -115,6 +115,9 @@ func (s *Store) Claim(ctx context.Context, key, fingerprint string, lease time.D
 	if err := checkDuration("lease", lease); err != nil {
 		return 0, "", err
 	}
+	if err := pgsql.CheckText(key, fingerprint); err != nil {
+		return 0, "", fmt.Errorf("pgstore: claim: %w", err)
+	}
 	tok := idempotency.NewToken()
 	for attempt := 0; ; attempt++ {
 		var (

@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -199,5 +200,20 @@ WHERE wait_event_type = 'Lock' AND query LIKE 'WITH claimed AS%' AND strpos(quer
 	}
 	if r.state != idempotency.Completed {
 		t.Fatalf("Claim = %v, want Completed (the committed record)", r.state)
+	}
+}
+
+// Keys PostgreSQL cannot store fail Claim with ErrUnstorableKey, which the
+// middleware makes permanent, rather than with a database error it would
+// retry until MaxAttempts; so do fingerprints (a raw hash, say).
+func TestUnstorableKeysAreReported(t *testing.T) {
+	s, _ := newStore(t, pgsql.TestPool(t))
+	ctx := context.Background()
+	for _, c := range []struct{ key, fp string }{
+		{"bin\xff\xfe", ""}, {"nul\x00key", ""}, {strings.Repeat("k", 3000), ""}, {"k", "raw\xffhash"},
+	} {
+		if _, _, err := s.Claim(ctx, c.key, c.fp, time.Minute); !errors.Is(err, idempotency.ErrUnstorableKey) {
+			t.Errorf("Claim(%.20q, %q) = %v, want ErrUnstorableKey", c.key, c.fp, err)
+		}
 	}
 }

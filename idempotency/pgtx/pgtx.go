@@ -197,6 +197,9 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	if h.cfg.fingerprint != nil {
 		fp = h.cfg.fingerprint(m)
 	}
+	if err := pgsql.CheckText(key, fp); err != nil {
+		return consumer.Permanent(fmt.Errorf("pgtx: %w", err))
+	}
 
 	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
 	if err != nil {

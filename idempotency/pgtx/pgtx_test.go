@@ -281,3 +281,20 @@ func TestInvalidOptionsFailNamingTheOption(t *testing.T) {
 		t.Error("New with a nil func succeeded")
 	}
 }
+
+// Keys PostgreSQL cannot store (binary Kafka keys, say) fail the same way on
+// every attempt: they must fail at once, permanently, without running the
+// effect, rather than be retried until MaxAttempts with a database error.
+func TestUnstorableKeyIsPermanent(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, f.insertEffect)
+	for _, key := range []string{"bin\xff\xfe", "nul\x00key", strings.Repeat("k", 3000)} {
+		err := h.Handle(context.Background(), msg(key, "a"))
+		if !consumer.IsPermanent(err) || !errors.Is(err, idempotency.ErrUnstorableKey) {
+			t.Errorf("key %.20q: %v, want a permanent ErrUnstorableKey", key, err)
+		}
+	}
+	if f.rows(t, f.effects) != 0 {
+		t.Fatal("the effect ran for a key that cannot be recorded")
+	}
+}
