@@ -169,6 +169,8 @@ func (h *Handler) prepareSQL() {
 	// rollback) tells a concurrent transaction for the same key apart from
 	// a committed row without waiting on the row lock. Only when it is held
 	// is the key inserted; a conflict then can only be a committed row.
+	// When another transaction holds it, a committed row still makes this a
+	// sequential duplicate (the holder is one too): done says so.
 	h.claimSQL = `WITH lock AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock(hashtextextended($3 || $1, 0)) AS held
 ), ins AS (
@@ -177,7 +179,9 @@ func (h *Handler) prepareSQL() {
     ON CONFLICT (key) DO NOTHING
     RETURNING true
 )
-SELECT lock.held, EXISTS (SELECT FROM ins) FROM lock`
+SELECT lock.held, EXISTS (SELECT FROM ins),
+    NOT lock.held AND EXISTS (SELECT FROM ` + t + ` WHERE key = $1)
+FROM lock`
 	h.fingerprintSQL = `SELECT fingerprint FROM ` + t + ` WHERE key = $1`
 	h.cleanupSQL = `DELETE FROM ` + t + `
 WHERE key IN (
@@ -214,12 +218,12 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 		}
 	}()
 
-	var held, inserted bool
-	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.tableName+":").Scan(&held, &inserted); err != nil {
+	var held, inserted, done bool
+	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.tableName+":").Scan(&held, &inserted, &done); err != nil {
 		h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
 		return fmt.Errorf("pgtx: record key %q: %w", key, err)
 	}
-	if !held {
+	if !held && !done {
 		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
 		return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
 	}

@@ -298,3 +298,33 @@ func TestUnstorableKeyIsPermanent(t *testing.T) {
 		t.Fatal("the effect ran for a key that cannot be recorded")
 	}
 }
+
+// A copy of an already committed key is a sequential duplicate (skipped and
+// acked) even while another copy's transaction holds the key's advisory
+// lock: counting it as overlapping and deferring it misreported the cause
+// and brought the message back for nothing.
+func TestCommittedKeyIsSequentialWhileAnotherCopyHoldsTheLock(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, f.insertEffect)
+	ctx := context.Background()
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatal(err)
+	}
+	// Another copy's transaction, between taking the lock and finding the
+	// row: hold the same advisory lock.
+	other, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback(ctx)
+	if _, err := other.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`, f.processed+":m"); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatalf("copy of a committed key = %v, want nil (skipped)", err)
+	}
+	if f.duplicates(t, "sequential") != 1 || f.duplicates(t, "overlapping") != 0 || f.rows(t, f.effects) != 1 {
+		t.Fatalf("sequential %d, overlapping %d, effects %d; want 1, 0, 1",
+			f.duplicates(t, "sequential"), f.duplicates(t, "overlapping"), f.rows(t, f.effects))
+	}
+}
