@@ -18,7 +18,8 @@ type pendingCommit struct {
 	meta   string
 }
 
-// commitLoop commits the done prefixes on the commit interval until Close.
+// commitLoop commits the done prefixes on the commit interval, and when
+// asked through commitSoon, until Close.
 func (s *Source) commitLoop() {
 	defer close(s.loopDone)
 	t := time.NewTicker(s.cfg.commitInterval)
@@ -28,10 +29,11 @@ func (s *Source) commitLoop() {
 		case <-s.stopLoop:
 			return
 		case <-t.C:
-			ctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
-			_ = s.commit(ctx, nil) // failures are counted; the next tick retries
-			cancel()
+		case <-s.commitSoon:
 		}
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
+		_ = s.commit(ctx, nil) // failures are counted; the next tick retries
+		cancel()
 	}
 }
 

@@ -25,9 +25,9 @@ var ErrRewound = fmt.Errorf("%w: the broker lost records and the client rewound 
 // starting at from: resetTo, or p's commit point if lower, so that records
 // below the reset point that were polled but not done are fetched again
 // rather than committed past. The caller fetches from there again when from
-// is below resetTo. The new epoch commits from right away, even below what
-// was committed, so a restart does not skip the records that replaced the
-// lost ones.
+// is below resetTo. The new epoch commits from at once (the commit loop is
+// woken), even below what was committed, so a restart does not skip the
+// records that replaced the lost ones.
 func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *partition, from int64, _ []*held) {
 	from = resetTo
 	if at, ok := p.commitPoint(); ok {
@@ -56,5 +56,11 @@ func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *pa
 	}
 	s.parts[tpKey{p.topic, p.id}] = np
 	s.rebuildOrderLocked()
+	// Until then the group's commit may still point past the replaced
+	// records; do not wait for the interval (nor block this poll).
+	select {
+	case s.commitSoon <- struct{}{}:
+	default:
+	}
 	return np, from, lose
 }

@@ -52,8 +52,10 @@ type Source struct {
 
 	stopLoop chan struct{}
 	loopDone chan struct{}
-	closeErr error
-	once     sync.Once
+	// commitSoon asks the commit loop to commit before its next tick.
+	commitSoon chan struct{}
+	closeErr   error
+	once       sync.Once
 }
 
 const heldSlab = 64
@@ -84,12 +86,13 @@ func NewSource(opts ...Option) (*Source, error) {
 		return nil, err
 	}
 	s := &Source{
-		cfg:      cfg,
-		name:     "kafka:" + strings.Join(cfg.topics, ","),
-		parts:    make(map[tpKey]*partition),
-		wake:     make(chan struct{}, 1),
-		stopLoop: make(chan struct{}),
-		loopDone: make(chan struct{}),
+		cfg:        cfg,
+		name:       "kafka:" + strings.Join(cfg.topics, ","),
+		parts:      make(map[tpKey]*partition),
+		wake:       make(chan struct{}, 1),
+		stopLoop:   make(chan struct{}),
+		loopDone:   make(chan struct{}),
+		commitSoon: make(chan struct{}, 1),
 	}
 	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
 	if err != nil {
