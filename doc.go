@@ -27,9 +27,9 @@
 //     ever; New warns about it.
 //   - Order is kept where the broker promised it (Kafka partitions, SQS FIFO
 //     groups, memory FIFO queues), and can be asked for per message key.
-//   - Shutdown drains: cancelling Run stops receiving, lets running handlers
-//     finish, acks them, gives back the rest, and returns with no goroutine
-//     left behind.
+//   - Shutdown drains: cancelling Run's context, or Consumer.Shutdown, stops
+//     receiving, lets running handlers finish, acks them, gives back the
+//     rest, and returns with no goroutine left behind.
 //
 // Exactly-once is not something a broker consumer can promise in general: a
 // crash between the effect and the ack repeats the effect. custody absorbs
