@@ -74,12 +74,18 @@ func batchResult(errs []error) error {
 // expired receipt handle means the lease was lost (the delivery is marked
 // lost, counted, and will come back); a failure on SQS's side is retried for
 // that entry alone, a few times with a short backoff; anything else is
-// reported for that entry.
+// reported for that entry. Each request has its own timeout
+// (requestTimeout).
 // It returns the error of the whole request when the request itself failed.
 func (s *Source) runBatch(ctx context.Context, ds []*adapters.Delivery, idx []int, call batchCall, errs []error) error {
 	backoff := s.opts.entryRetryBackoff
 	for try := 0; ; try++ {
-		failed, err := call(ctx, idx)
+		// Each request is bounded here: the runtime waits for Ack (and acks
+		// with a context that lives as long as the consumer), so a request
+		// SQS never answers must not hold it, nor shutdown, for ever.
+		cctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
+		failed, err := call(cctx, idx)
+		cancel()
 		if err != nil {
 			for _, i := range idx {
 				errs[i] = err

@@ -42,6 +42,7 @@ type options struct {
 	releaseOnClose    bool
 	entryRetries      int
 	entryRetryBackoff time.Duration
+	requestTimeout    time.Duration // bounds each delete and visibility request
 }
 
 func defaultOptions() options {
@@ -55,6 +56,7 @@ func defaultOptions() options {
 		releaseOnClose:    true,
 		entryRetries:      3,
 		entryRetryBackoff: 50 * time.Millisecond,
+		requestTimeout:    30 * time.Second,
 	}
 }
 
@@ -74,7 +76,9 @@ func WithWaitTime(d time.Duration) Option {
 
 // WithMaxMessages sets how many messages each ReceiveMessage call asks for,
 // from 1 to 10. Default 10. A receive never asks for more than the runtime
-// has room for, so messages are not held unseen in a buffer.
+// has room for; messages of a poll that comes back after the Receive that
+// started it returned wait in the Source, their visibility renewed, until
+// the runtime next asks for messages.
 func WithMaxMessages(n int) Option {
 	return func(o *options) error {
 		if n < 1 || n > 10 {

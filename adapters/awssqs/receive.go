@@ -2,6 +2,7 @@ package awssqs
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/base64"
 	"fmt"
 	"slices"
@@ -55,6 +56,23 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 			return nil, err
 		}
 		if len(s.buf) > 0 {
+			if wait := s.bufRenewing; wait != nil {
+				// A renewal of buffered messages is on the wire. Handed out
+				// now, a message could be acked or nacked before it lands:
+				// SQS would then hide a nacked message for a whole timeout
+				// again, overriding the nack's delay, and refuse the renewal
+				// of a deleted one, which would mark it lost. Wait for it, as
+				// the lease keeper's Stop does.
+				changed := s.changed
+				s.mu.Unlock()
+				select {
+				case <-wait:
+				case <-changed:
+				case <-ctx.Done():
+				}
+				s.mu.Lock()
+				continue
+			}
 			n := min(max, len(s.buf))
 			ds := make([]*adapters.Delivery, n)
 			copy(ds, s.buf)
@@ -122,14 +140,26 @@ func (s *Source) poll(n int) {
 	if s.opts.visibility > 0 {
 		in.VisibilityTimeout = int32(s.opts.visibility / time.Second)
 	}
+	if s.fifo {
+		// The SDK retries a call whose answer was lost with this same
+		// input. Without an attempt id SQS picks afresh, and the messages
+		// of the lost answer sit invisible for a whole visibility timeout,
+		// handed to no one, blocking their groups; with one, SQS returns
+		// them again. (FIFO queues only; random, since SQS matches ids
+		// across all the queue's consumers.)
+		in.ReceiveRequestAttemptId = aws.String(rand.Text())
+	}
 	s.stats.receives.Add(1)
+	asked := time.Now()
 	out, err := s.client.ReceiveMessage(s.pollCtx, in)
 	now := time.Now()
 	var ds []*adapters.Delivery
 	if err == nil {
 		ds = make([]*adapters.Delivery, 0, len(out.Messages))
 		for _, m := range out.Messages {
-			ds = append(ds, s.delivery(m, now))
+			d := s.delivery(m, now)
+			d.Handle.(*handle).asked = asked
+			ds = append(ds, d)
 		}
 		s.stats.received.Add(int64(len(ds)))
 		if len(ds) == 0 {
@@ -179,7 +209,7 @@ func (s *Source) delivery(m types.Message, now time.Time) *adapters.Delivery {
 		Offset:     -1,
 		ReceivedAt: now,
 		Native:     m,
-		Handle:     aws.ToString(m.ReceiptHandle),
+		Handle:     &handle{receipt: aws.ToString(m.ReceiptHandle)},
 	}
 	if len(m.MessageAttributes) > 0 {
 		d.Headers = make(map[string]string, len(m.MessageAttributes))
@@ -242,9 +272,24 @@ func DeduplicationID(d *adapters.Delivery) string {
 	return m.Attributes[string(types.MessageSystemAttributeNameMessageDeduplicationId)]
 }
 
+// handle is the Delivery.Handle of a delivery received by a Source.
+type handle struct {
+	receipt string
+	// asked is when the ReceiveMessage call that brought the message was
+	// made. SQS received the message no earlier, so its 12 hours of
+	// invisibility end no later than asked + 12 h; Delivery.ReceivedAt,
+	// taken when the answer arrived, can be later than SQS's receive.
+	asked time.Time
+}
+
 func receipt(d *adapters.Delivery) string {
-	h, _ := d.Handle.(string)
-	return h
+	switch h := d.Handle.(type) {
+	case *handle:
+		return h.receipt
+	case string:
+		return h
+	}
+	return ""
 }
 
 // keepBuffered renews the visibility of messages waiting in the Source's
@@ -252,7 +297,9 @@ func receipt(d *adapters.Delivery) string {
 // Receive that started it returned, and the runtime takes them only when it
 // next has room for a batch. Every sixth of the timeout it extends, to a full
 // timeout, those that have waited a third of it; the runtime's lease keeper
-// takes over once Receive hands them out. It ends when Close stops the polls.
+// takes over once Receive hands them out. Receive hands none out while such a
+// renewal is on the wire, so that none lands after an ack or a nack. It ends
+// when Close stops the polls.
 func (s *Source) keepBuffered() {
 	defer s.polls.Done()
 	renewAfter := s.visibility / 3
@@ -272,15 +319,22 @@ func (s *Source) keepBuffered() {
 				due = append(due, d)
 			}
 		}
+		if len(due) > 0 {
+			s.bufRenewing = make(chan struct{}) // Receive waits for it
+		}
 		s.mu.Unlock()
 		if len(due) == 0 {
 			continue
 		}
 		// A failed entry whose receipt expired is marked lost by Extend, so
 		// the runtime will not run it; any other failure is tried again at
-		// the next tick.
-		err := s.Extend(s.pollCtx, due, s.visibility)
+		// the next tick. The call is bounded, since Receive waits for it.
+		ctx, cancel := context.WithTimeout(s.pollCtx, renewAfter)
+		err := s.Extend(ctx, due, s.visibility)
+		cancel()
 		s.mu.Lock()
+		close(s.bufRenewing)
+		s.bufRenewing = nil
 		for i, d := range due {
 			if adapters.EntryError(err, i) != nil {
 				continue

@@ -98,7 +98,9 @@ func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, 
 var ErrMaxVisibility = fmt.Errorf("%w: SQS keeps a received message invisible for at most 12 hours", adapters.ErrLeaseLost)
 
 // capTimeout rounds want up to whole seconds and cuts it to what is left of
-// the 12 hours since d was received: SQS rejects a change beyond that. A
+// the 12 hours since d was received: SQS rejects a change beyond that. The
+// 12 hours are counted from when the ReceiveMessage call was made, since SQS
+// starts them at its receive, before the answer arrives (ReceivedAt). A
 // delivery with less than a second left is marked lost.
 func capTimeout(d *adapters.Delivery, want time.Duration, now time.Time) (int32, error) {
 	secs, ok := cappedSeconds(d, want, now)
@@ -121,8 +123,12 @@ func nackTimeout(d *adapters.Delivery, want time.Duration, now time.Time) int32 
 
 func cappedSeconds(d *adapters.Delivery, want time.Duration, now time.Time) (int32, bool) {
 	secs := max(int64(math.Ceil(want.Seconds())), 0)
-	if !d.ReceivedAt.IsZero() {
-		left := int64((MaxLeaseAge - now.Sub(d.ReceivedAt)) / time.Second)
+	start := d.ReceivedAt
+	if h, ok := d.Handle.(*handle); ok && !h.asked.IsZero() {
+		start = h.asked
+	}
+	if !start.IsZero() {
+		left := int64((MaxLeaseAge - now.Sub(start)) / time.Second)
 		if left < 1 {
 			return 0, false
 		}

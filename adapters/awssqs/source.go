@@ -47,6 +47,10 @@ type Source struct {
 	changed  chan struct{}        // closed and replaced whenever a poll finishes
 	closed   bool
 	poison   map[string]struct{} // ids handed to the redrive policy early
+
+	// bufRenewing is closed when keepBuffered's renewal on the wire returns;
+	// nil when none is. Receive hands nothing out meanwhile.
+	bufRenewing chan struct{}
 }
 
 var (

@@ -1,0 +1,134 @@
+package awssqs
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
+)
+
+// gatedClient holds the second ReceiveMessage until pollGate is closed, so
+// its messages land in the Source's buffer after the Receive that started it
+// returned; and it holds the first ChangeMessageVisibilityBatch (the
+// Source's renewal of that buffer) until renewGate is closed, or until
+// fallback has passed, closing renewing when it arrives and renewDone when
+// SQS has answered it.
+type gatedClient struct {
+	*sqs.Client
+	polls, changes atomic.Int32
+	pollGate       chan struct{}
+	renewing       chan struct{}
+	renewGate      chan struct{}
+	renewDone      chan struct{}
+	fallback       time.Duration
+}
+
+func (c *gatedClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, o ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	if c.polls.Add(1) == 2 {
+		<-c.pollGate
+	}
+	return c.Client.ReceiveMessage(ctx, in, o...)
+}
+
+func (c *gatedClient) ChangeMessageVisibilityBatch(ctx context.Context, in *sqs.ChangeMessageVisibilityBatchInput, o ...func(*sqs.Options)) (*sqs.ChangeMessageVisibilityBatchOutput, error) {
+	if c.changes.Add(1) == 1 {
+		close(c.renewing)
+		t := time.NewTimer(c.fallback)
+		select {
+		case <-c.renewGate:
+		case <-t.C:
+		}
+		t.Stop()
+		defer close(c.renewDone)
+	}
+	return c.Client.ChangeMessageVisibilityBatch(ctx, in, o...)
+}
+
+// TestBufferRenewalNeverLandsAfterANack: a renewal of messages waiting in the
+// Source is on the wire when the runtime takes them and gives them back at
+// once (a nack with no delay, as at shutdown). The renewal must not reach
+// SQS after the nack: it would hide the messages for a whole visibility
+// timeout again, overriding the nack (and after an ack, it would mark the
+// deleted message's delivery lost). Receive waits for the renewal instead.
+func TestBufferRenewalNeverLandsAfterANack(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	// The renewal overriding the nack hides the messages for 3 s; the
+	// check below looks for them within 1 s.
+	url, _ := e.queue(false, 3*time.Second, nil)
+	for i := range 20 {
+		e.send(url, fmt.Sprintf("m%d", i), "", nil)
+	}
+	c := &gatedClient{
+		Client:    e.client,
+		pollGate:  make(chan struct{}),
+		renewing:  make(chan struct{}),
+		renewGate: make(chan struct{}),
+		renewDone: make(chan struct{}),
+		// Receive waits for the renewal, so the test cannot open
+		// renewGate before Receive returns: the renewal goes on by itself.
+		fallback: 2 * time.Second,
+	}
+	var openRenewal sync.Once
+	defer openRenewal.Do(func() { close(c.renewGate) })
+	src, err := New(e.ctx(), c, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+
+	// Room for 20 starts two polls; the first comes back, the second is
+	// held until Receive has returned, so its messages wait in the Source.
+	first, err := src.Receive(e.ctx(), 20)
+	if err != nil || len(first) == 0 {
+		t.Fatalf("Receive: %d deliveries, %v", len(first), err)
+	}
+	close(c.pollGate)
+	if err := src.Ack(e.ctx(), first); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the second poll in the buffer", func() bool {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		return src.inflight == 0 && len(src.buf) > 0
+	})
+	select {
+	case <-c.renewing:
+	case <-time.After(patience):
+		t.Fatal("the Source never renewed its buffered messages")
+	}
+
+	got, err := src.Receive(e.ctx(), 20)
+	if err != nil || len(got) == 0 {
+		t.Fatalf("Receive of the buffered messages: %d deliveries, %v", len(got), err)
+	}
+	if err := src.Nack(e.ctx(), got, 0); err != nil {
+		t.Fatalf("Nack: %v", err)
+	}
+	openRenewal.Do(func() { close(c.renewGate) })
+	select {
+	case <-c.renewDone:
+	case <-time.After(patience):
+		t.Fatal("the renewal never returned")
+	}
+
+	want := map[string]bool{}
+	for _, d := range got {
+		want[string(d.Body)] = true
+	}
+	back := 0
+	for _, m := range e.drain(url, time.Second) {
+		if want[aws.ToString(m.Body)] {
+			delete(want, aws.ToString(m.Body))
+			back++
+		}
+	}
+	if back != len(got) {
+		t.Errorf("%d of %d messages nacked with no delay are visible; the buffer's renewal hid the others again after the nack", back, len(got))
+	}
+}
