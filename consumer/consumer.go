@@ -183,6 +183,9 @@ type job struct {
 	firstFailure time.Time
 	deadLettered bool // the pending ack completes a dead-lettering
 	ackedEarly   bool // at-most-once mode
+	// giveBack is set on the jobs queued behind a lost one in its lane:
+	// they are given back instead of run (see run.lost).
+	giveBack bool
 }
 
 func newRun(c *Consumer, ctx context.Context) *run {

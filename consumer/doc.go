@@ -54,7 +54,9 @@
 // [WithConcurrency] handlers run at once. Deliveries the adapter marks with an
 // ordering key (a Kafka partition or key, an SQS FIFO group) run one at a time
 // per key, in order; [WithOrdering](OrderByKey) adds the same guarantee per
-// Message.Key on brokers that promise no order.
+// Message.Key on brokers that promise no order. When a delivery is lost (its
+// lease ran out), the deliveries of its key queued behind it are given back
+// instead of run, so that the lost one, redelivered, still comes first.
 //
 // # Shutdown
 //

@@ -21,8 +21,10 @@ func (r *run) process(j *job) {
 		r.processAtMostOnce(j)
 		return
 	}
-	if r.draining.Load() {
-		r.release(j) // not started before shutdown: give it back at once
+	if r.draining.Load() || j.giveBack {
+		// Not started before shutdown, or queued behind a lost message of
+		// its lane: give it back at once.
+		r.release(j)
 		return
 	}
 	maxAttempts := r.cfg.retry.MaxAttempts
@@ -359,6 +361,11 @@ func (r *run) release(j *job) {
 }
 
 // lost settles a delivery this consumer can no longer ack.
+//
+// The jobs queued behind it in its lane are given back rather than run: the
+// lost message comes back later, and running them first would break the
+// lane's order. (An SQS FIFO group, for one, delivers the lost message again
+// only once the later ones this consumer holds are settled.)
 func (r *run) lost(j *job, cause error) {
 	r.stopLease(j)
 	if !errors.Is(cause, adapters.ErrLeaseLost) {
@@ -366,5 +373,15 @@ func (r *run) lost(j *job, cause error) {
 		r.cfg.logger.Info("custody: delivery lost", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
 	}
 	r.settle(j, outcomeLost)
+	if j.lane != "" {
+		for s := j.successor; s != nil; s = s.successor {
+			s.giveBack = true // taken with j by this worker (see next)
+		}
+		r.lanesMu.Lock()
+		for _, q := range r.lanes[j.lane] {
+			q.giveBack = true
+		}
+		r.lanesMu.Unlock()
+	}
 	r.next(j)
 }

@@ -1,0 +1,69 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+)
+
+// TestLostMessageKeepsItsGroupInOrder: on a FIFO queue, when the lease of a
+// group's running message is lost, the messages of that group received with
+// it are given back rather than run: the lost one comes back first, and the
+// group's effects happen in order. Run instead, they finished before the
+// lost message's redelivery (a2, a3, a1).
+func TestLostMessageKeepsItsGroupInOrder(t *testing.T) {
+	b := memory.NewBroker()
+	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 300 * time.Millisecond, FIFO: true}); err != nil {
+		t.Fatal(err)
+	}
+	var msgs []memory.Message
+	for i := 1; i <= 3; i++ {
+		msgs = append(msgs, memory.Message{Key: "a", Body: []byte(fmt.Sprintf("a%d", i))})
+	}
+	if err := b.Publish(context.Background(), "q", msgs...); err != nil {
+		t.Fatal(err)
+	}
+	var refused atomic.Bool
+	src, err := b.Source("q", memory.WithPollWait(10*time.Millisecond), memory.WithFaults(memory.Faults{
+		Extend: func(d *adapters.Delivery) error {
+			// The first renewal of a1's first delivery: its lease is lost.
+			if string(d.Body) == "a1" && refused.CompareAndSwap(false, true) {
+				return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+			}
+			return nil
+		},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var done []string
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "a1" && m.Attempt == 1 {
+			<-ctx.Done() // runs until its lease is lost
+			return ctx.Err()
+		}
+		mu.Lock()
+		done = append(done, string(m.Body))
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(4))
+	defer r.stop()
+	waitFor(t, "all three done", func() bool {
+		s, _ := b.Stats("q")
+		return s.Acked == 3
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(done, []string{"a1", "a2", "a3"}) {
+		t.Fatalf("group a's effects ran in the order %v, want a1 a2 a3", done)
+	}
+}
