@@ -2,8 +2,11 @@ package rabbitmq
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
+
+	"github.com/custody-go/custody/adapters"
 )
 
 // A run of finished deliveries in tag order goes out as few multiple=true
@@ -176,5 +179,50 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	}
 	if st := s.Stats(); st.RetriedInPlace != 1 || st.DelayQueued != 0 {
 		t.Fatalf("stats %+v: want exactly one retry copy", st)
+	}
+}
+
+// A run of finished deliveries at the frontier goes out after the linger
+// even when the ack timer was already armed for the (here one hour) straggler
+// wait of deliveries that finished before the head: a timer armed for later
+// must not hold back a run that is ready now.
+func TestRunAtFrontierNotHeldBackByStragglerTimer(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 3)...)
+	s := openSource(t, q, WithPrefetch(20), WithAckCoalescing(16, 5*time.Millisecond, time.Hour))
+	ds := receiveN(t, s, 3)
+	ctx := context.Background()
+	if err := s.Ack(ctx, ds[1:]); err != nil { // stragglers: the timer is armed for an hour
+		t.Fatal(err)
+	}
+	if err := s.Ack(ctx, ds[:1]); err != nil { // the head: a run of 3, below the batch of 16
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0) // within the linger, not the hour
+	if st := s.Stats(); st.AckFrames != 1 || st.MultipleAcks != 1 {
+		t.Fatalf("sent %d ack frames (%d multiple), want one multiple ack", st.AckFrames, st.MultipleAcks)
+	}
+}
+
+// Deliveries still held when the Source closes are lost to Close and counted
+// as such (Stats.Lost), like those lost to a dead channel.
+func TestCloseCountsHeldDeliveriesAsLost(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1", "m2")
+	s := openSource(t, q, WithPrefetch(10))
+	ds := receiveN(t, s, 2)
+	if err := s.Ack(context.Background(), ds[:1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(ds[1].LostCause(), adapters.ErrClosed) {
+		t.Fatalf("held delivery lost with %v, want ErrClosed", ds[1].LostCause())
+	}
+	if st := s.Stats(); st.Lost != 1 {
+		t.Fatalf("Stats().Lost = %d after Close gave back one held delivery, want 1", st.Lost)
 	}
 }

@@ -18,7 +18,10 @@ import (
 //
 // The copy keeps the original body and properties (a per-message TTL is
 // moved to HeaderOriginalExpiration so the copy cannot expire in the
-// dead-letter queue) and is persistent. Its headers are the original
+// dead-letter queue; CC and BCC headers, which would route it to more
+// queues or, as text, make the broker refuse it, to HeaderOriginalCC and
+// HeaderOriginalBCC; a user-id other than the sink's user, which the broker
+// would refuse, to HeaderOriginalUserID) and is persistent. Its headers are the original
 // headers plus the diagnostics of adapters.Diagnostics and the original
 // exchange and routing key (HeaderOriginalExchange,
 // HeaderOriginalRoutingKey). Send returns nil only after the broker confirmed
@@ -92,6 +95,7 @@ func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f a
 		for k, v := range d.Headers {
 			p.Headers[k] = v
 		}
+		setRoutingHeadersAside(p.Headers)
 	}
 	p.DeliveryMode = amqp.Persistent
 	for k, v := range adapters.Diagnostics(d, f) {

@@ -3,6 +3,8 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +12,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/testbroker"
 )
 
 func openSink(t *testing.T, exchange, key string) *DeadLetterExchange {
@@ -196,5 +199,178 @@ func TestDeadLetterRefusedByTheBrokerFails(t *testing.T) {
 	err := x.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom"), Attempts: 3})
 	if err == nil {
 		t.Fatal("Send returned nil although the broker refused the dead-letter copy; the original would be acked and lost")
+	}
+}
+
+// Sender-selected distribution: the broker also routes a message published
+// with a CC header to the queues it names. A retry's copy or a dead letter
+// still carrying it would land there once more each time; the adapter keeps
+// the header aside instead.
+func TestCopiesDoNotRouteByCCAgain(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	other := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, nil)
+	a.publishMsg(q, amqp.Publishing{MessageId: "m1", Body: []byte("m1"), Headers: amqp.Table{"CC": []any{other}}})
+	if n := a.ready(other); n != 1 {
+		t.Fatalf("the broker routed %d copies by CC, want 1", n)
+	}
+	s := openSource(t, q, WithPrefetch(10))
+	x := openSink(t, "", dlq)
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	if d.Attempt != 2 || d.Headers[HeaderOriginalCC] == "" {
+		t.Fatalf("retry copy: attempt %d, headers %v; want attempt 2 and the CC header kept aside", d.Attempt, d.Headers)
+	}
+	if err := x.Send(ctx, d, adapters.Failure{Err: errors.New("boom"), Attempts: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	if n := a.ready(other); n != 1 {
+		t.Fatalf("queue %s named by CC holds %d copies after a retry and a dead letter, want the original 1", other, n)
+	}
+	if got := a.drain(dlq); len(got) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages, want 1", len(got))
+	}
+}
+
+// A dead letter from another adapter may carry a header named CC or BCC as
+// text (an e-mail field, say). RabbitMQ refuses a publish whose CC or BCC
+// header is not an array, so Send would fail every time and the message
+// would never leave its stream; the sink keeps such headers aside.
+func TestDeadLetterExchangeKeepsForeignCCHeaderAside(t *testing.T) {
+	a := newAdmin(t)
+	dlq := a.queue(ClassicQueue, nil)
+	x := openSink(t, "", dlq)
+	d := &adapters.Delivery{ID: "k-1", Body: []byte("b"), Queue: "orders", Partition: 3, Offset: 7,
+		Headers: map[string]string{"CC": "boss@example.com", "BCC": "audit@example.com", "tenant": "acme"}}
+	if err := x.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom"), Attempts: 1}); err != nil {
+		t.Fatalf("Send of a delivery with a text CC header: %v", err)
+	}
+	got := a.drain(dlq)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages, want 1", len(got))
+	}
+	h := stringHeaders(got[0].Headers)
+	if h[HeaderOriginalCC] != "boss@example.com" || h[HeaderOriginalBCC] != "audit@example.com" || h["tenant"] != "acme" {
+		t.Fatalf("dead letter headers %v: want CC and BCC kept aside and the rest unchanged", h)
+	}
+	if _, ok := got[0].Headers["CC"]; ok {
+		t.Fatalf("dead letter still carries CC: %v", h)
+	}
+}
+
+// tempUser creates a broker user allowed everything on the default vhost,
+// deletes it when the test ends, and returns its name and URL.
+func tempUser(t *testing.T) (name, url string) {
+	t.Helper()
+	name = uniqueName(t, "user")
+	const pass = "custody-test"
+	if out, err := exec.Command("rabbitmqctl", "add_user", name, pass).CombinedOutput(); err != nil {
+		testbroker.Unavailable(t, "rabbitmqctl (to add a user)", fmt.Errorf("%v: %s", err, out))
+	}
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_user", name).Run() })
+	if out, err := exec.Command("rabbitmqctl", "set_permissions", "-p", "/", name, ".*", ".*", ".*").CombinedOutput(); err != nil {
+		t.Fatalf("rabbitmqctl set_permissions: %v: %s", err, out)
+	}
+	return name, "amqp://" + name + ":" + pass + "@" + brokerAddr + "/"
+}
+
+// RabbitMQ refuses a publish whose user-id property is not the publishing
+// connection's user. A message another user published with its user-id
+// must still be retried and dead-lettered: its copies keep the user-id aside
+// in a header. A user-id that is the adapter's own user stays on the copy.
+func TestCopiesOfAnotherUsersMessage(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, nil)
+	user, url := tempUser(t)
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	dc, err := ch.PublishWithDeferredConfirm("", q, true, false, amqp.Publishing{MessageId: "theirs", UserId: user, Body: []byte("theirs")})
+	if err != nil || !dc.Wait() {
+		t.Fatalf("publish as %s: %v", user, err)
+	}
+	a.publishMsg(q, amqp.Publishing{MessageId: "ours", UserId: "guest", Body: []byte("ours")})
+
+	s := openSource(t, q, WithPrefetch(10)) // as guest
+	x := openSink(t, "", dlq)               // as guest
+	ctx := context.Background()
+	ds := receiveN(t, s, 2)
+	if err := s.Nack(ctx, ds, 10*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	again := receiveN(t, s, 2)
+	// A copy can arrive before its retry is counted.
+	waitUntil(t, "both retries counted", func() bool { st := s.Stats(); return st.RetriedInPlace+st.RetryFailures == 2 })
+	if st := s.Stats(); st.RetriedInPlace != 2 || st.RetryFailures != 0 {
+		t.Fatalf("stats %+v: want both retries republished, none refused", st)
+	}
+	for _, d := range again {
+		var m amqp.Delivery
+		if !d.As(&m) || d.Attempt != 2 {
+			t.Fatalf("retry of %s: attempt %d", d.ID, d.Attempt)
+		}
+		switch d.ID {
+		case "theirs":
+			if m.UserId != "" || d.Headers[HeaderOriginalUserID] != user {
+				t.Fatalf("copy of another user's message: user-id %q, %s %q", m.UserId, HeaderOriginalUserID, d.Headers[HeaderOriginalUserID])
+			}
+			if err := x.Send(ctx, d, adapters.Failure{Err: errors.New("boom"), Attempts: 2}); err != nil {
+				t.Fatalf("dead letter of another user's message: %v", err)
+			}
+		case "ours":
+			if m.UserId != "guest" || d.Headers[HeaderOriginalUserID] != "" {
+				t.Fatalf("copy of our own message: user-id %q, %s %q", m.UserId, HeaderOriginalUserID, d.Headers[HeaderOriginalUserID])
+			}
+		}
+	}
+	if err := s.Ack(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	got := a.drain(dlq)
+	if len(got) != 1 || got[0].UserId != "" || stringHeaders(got[0].Headers)[HeaderOriginalUserID] != user {
+		t.Fatalf("dead-letter queue holds %d messages, want the one with the user-id kept aside", len(got))
+	}
+	waitUnacked(t, q, 0)
+}
+
+// A dead-letter publish the broker refuses by closing the channel (here: the
+// exchange was deleted) is reported with the broker's reason, not as an
+// unroutable message: amqp091 closes the return channel with the channel,
+// and a receive from a closed channel is not a basic.return.
+func TestDeadLetterExchangeReportsWhyThePublishWasRefused(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	ex := uniqueName(t, "ex")
+	if err := a.ch.ExchangeDeclare(ex, "direct", false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10))
+	x := openSink(t, ex, "k")
+	if err := a.ch.ExchangeDelete(ex, false, false); err != nil {
+		t.Fatal(err)
+	}
+	d := receiveN(t, s, 1)[0]
+	err := x.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom"), Attempts: 1})
+	if err == nil || errors.Is(err, errUnroutable) || !strings.Contains(err.Error(), "NOT_FOUND") {
+		t.Fatalf("Send to a deleted exchange returned %v, want the broker's NOT_FOUND reason", err)
 	}
 }

@@ -79,9 +79,14 @@
 // (named "<queue>.custody-delay.<ms>ms", durable, created on first use)
 // whose message TTL is the delay rounded up to a fixed ladder of steps and
 // which dead-letters back to the queue; the original is acked after the
-// confirm. A delivery waiting in place also holds back the coalesced run
-// behind it, so deliveries finished after it are acked one by one after the
-// straggler wait. Nack with no delay requeues (basic.nack, requeue=true). The
+// confirm. So do short delays once half the prefetch window already waits
+// in place (with a prefetch of 1, every delay), so that waiting retries
+// never starve the channel. A delay-queue publish the broker does not
+// confirm within 30 s (a resource alarm blocks publishers) is abandoned, so
+// that Nack returns, and the retry waits in place instead. A delivery
+// waiting in place also holds back the coalesced run behind it, so
+// deliveries finished after it are acked one by one after the straggler
+// wait. Nack with no delay requeues (basic.nack, requeue=true). The
 // adapter never holds a delivery past three quarters of the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
 // close the channel: it uses the delay queue instead, or, under
@@ -90,9 +95,12 @@
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers
-// (x-delivery-count, x-death), move a per-message TTL to a header, and
-// record the original exchange and routing key (HeaderOriginalExchange,
-// HeaderOriginalRoutingKey). Publishing uses a connection of its own, so a
+// (x-delivery-count, x-death), move a per-message TTL to a header
+// (HeaderOriginalExpiration), and so the CC and BCC headers, which would
+// route the copy to more queues (HeaderOriginalCC, HeaderOriginalBCC), and a
+// user-id other than the publishing user's, which the broker would refuse
+// (HeaderOriginalUserID), and record the original exchange and routing key
+// (HeaderOriginalExchange, HeaderOriginalRoutingKey). Publishing uses a connection of its own, so a
 // broker that blocks publishers under a resource alarm does not also hold
 // back the consumer's acks.
 //

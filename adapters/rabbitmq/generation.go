@@ -46,6 +46,7 @@ type generation struct {
 	beyondSince  time.Time // when an ack first got stuck behind an unfinished tag
 	timer        *time.Timer
 	timerArmed   bool
+	timerAt      time.Time // when the armed timer fires
 }
 
 // state of one delivery in its generation.
@@ -221,7 +222,7 @@ func (g *generation) flushLocked(force bool) {
 // for a run at the frontier, after the straggler wait for acks stuck behind
 // an unfinished delivery.
 func (g *generation) armLocked() {
-	if g.dead || g.pending == 0 || g.timerArmed {
+	if g.dead || g.pending == 0 {
 		return
 	}
 	wait := g.src.s.ackLinger
@@ -230,7 +231,15 @@ func (g *generation) armLocked() {
 			wait = w
 		}
 	}
-	g.timerArmed = true
+	at := time.Now().Add(wait)
+	if g.timerArmed && !at.Before(g.timerAt) {
+		return
+	}
+	// Not armed, or armed for the straggler wait while a run at the
+	// frontier is now ready: that run goes out after the linger, not when
+	// the stragglers' wait ends. (Should the timer have fired already and
+	// its callback wait for the lock, it runs twice: harmless.)
+	g.timerArmed, g.timerAt = true, at
 	if g.timer == nil {
 		g.timer = time.AfterFunc(wait, g.onTimer)
 	} else {

@@ -29,6 +29,15 @@ const (
 	// HeaderOriginalExpiration keeps a per-message TTL that a republished
 	// copy drops.
 	HeaderOriginalExpiration = "custody-original-expiration"
+	// HeaderOriginalUserID keeps a user-id property that a copy cannot
+	// carry: RabbitMQ refuses a publish whose user-id is not the publishing
+	// connection's user.
+	HeaderOriginalUserID = "custody-original-user-id"
+	// HeaderOriginalCC and HeaderOriginalBCC keep the sender-selected
+	// distribution headers (CC, BCC) that a copy must not carry: the broker
+	// would route it to those queues again.
+	HeaderOriginalCC  = "custody-original-cc"
+	HeaderOriginalBCC = "custody-original-bcc"
 )
 
 // brokerHeaders are headers the broker sets on delivery. A republished copy
@@ -36,6 +45,25 @@ const (
 // count, and a stale x-death can make the broker see a dead-letter cycle and
 // drop the message.
 var brokerHeaders = []string{"x-delivery-count", "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason", "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"}
+
+// routingHeaders are headers the broker acts on when a message is published,
+// with the names a copy keeps them under instead: CC and BCC route the
+// message to more queues (sender-selected distribution), and must be arrays.
+// A retry's copy or a dead letter carrying them would land in those queues
+// once more, and a text CC header (from another broker's message) would make
+// the broker refuse the publish every time.
+var routingHeaders = map[string]string{"CC": HeaderOriginalCC, "BCC": HeaderOriginalBCC}
+
+// setRoutingHeadersAside moves the routing headers of h to their custody
+// names.
+func setRoutingHeadersAside(h amqp.Table) {
+	for k, aside := range routingHeaders {
+		if v, ok := h[k]; ok {
+			delete(h, k)
+			h[aside] = v
+		}
+	}
+}
 
 // stringHeaders renders AMQP header values as strings: text as is, numbers in
 // decimal, times in RFC 3339, nested tables and arrays (x-death) as JSON.
@@ -168,7 +196,8 @@ func firstReceivedOf(m *amqp.Delivery) time.Time {
 }
 
 // republishing copies a delivery into a new publishing: same body and
-// properties, broker-set headers removed, the original route remembered.
+// properties, broker-set headers removed, routing headers set aside, the
+// original route remembered.
 func republishing(m *amqp.Delivery) amqp.Publishing {
 	h := amqp.Table{}
 	for k, v := range m.Headers {
@@ -177,6 +206,7 @@ func republishing(m *amqp.Delivery) amqp.Publishing {
 	for _, k := range brokerHeaders {
 		delete(h, k)
 	}
+	setRoutingHeadersAside(h)
 	if _, ok := h[HeaderOriginalExchange]; !ok {
 		h[HeaderOriginalExchange] = m.Exchange
 		h[HeaderOriginalRoutingKey] = m.RoutingKey

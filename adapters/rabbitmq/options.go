@@ -285,8 +285,9 @@ func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 // in place, holding the unacked delivery (default 5 s). Longer delays are
 // republished to a delay queue that dead-letters back to the source queue, and
 // so are shorter ones once half the prefetch window already waits in place
-// (so that waiting retries never starve the channel of deliveries) or when
-// waiting would near the broker's consumer timeout. A threshold of zero
+// (with a prefetch of 1, all of them: so that waiting retries never starve
+// the channel of deliveries) or when waiting would near the broker's
+// consumer timeout. A threshold of zero
 // sends every delayed retry to a delay queue.
 func WithDelayQueueThreshold(d time.Duration) Option {
 	return func(s *settings) error {

@@ -29,6 +29,7 @@ type publisher struct {
 	ch       *amqp.Channel
 	chClosed chan *amqp.Error
 	returns  chan amqp.Return
+	user     string          // the user the connection authenticated as, if known
 	declared map[string]bool // delay queues declared on this broker
 	shut     bool
 }
@@ -48,6 +49,17 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	if err := p.ensureLocked(ctx); err != nil {
 		return err
 	}
+	if msg.UserId != "" && msg.UserId != p.user {
+		// RabbitMQ refuses (and closes the channel on) a publish whose
+		// user-id is not the publishing connection's user, so a copy of
+		// another user's message would never be stored: keep the user-id
+		// only as information.
+		if msg.Headers == nil {
+			msg.Headers = amqp.Table{}
+		}
+		msg.Headers[HeaderOriginalUserID] = msg.UserId
+		msg.UserId = ""
+	}
 	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
 	if err != nil {
 		p.resetLocked()
@@ -61,8 +73,12 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 		return fmt.Errorf("rabbitmq: waiting for the broker to confirm a publish to exchange %q: %w", exchange, err)
 	}
 	select {
-	case r := <-p.returns:
-		return fmt.Errorf("%w: exchange %q, routing key %q: %d %s", errUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+	case r, ok := <-p.returns:
+		if ok {
+			return fmt.Errorf("%w: exchange %q, routing key %q: %d %s", errUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
+		}
+		// Closed with the channel, which the broker closed on refusing
+		// the publish: not a basic.return; the nack below says why.
 	default:
 	}
 	if !acked {
@@ -151,11 +167,30 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 		return fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
 	}
 	p.conn, p.ch = conn, ch
+	p.user = connUser(conn)
 	// Buffered for the one close error and the one return that can be
 	// outstanding: amqp091 never blocks on them, and nothing else listens.
 	p.chClosed = ch.NotifyClose(make(chan *amqp.Error, 1))
 	p.returns = ch.NotifyReturn(make(chan amqp.Return, 1))
 	return nil
+}
+
+// connUser returns the user conn authenticated as with a username and
+// password, or "" when it may have used another mechanism (EXTERNAL: a
+// certificate). amqp091 uses the first of its mechanisms the broker
+// supports, and RabbitMQ supports both of these.
+func connUser(conn *amqp.Connection) string {
+	for _, a := range conn.Config.SASL {
+		switch a := a.(type) {
+		case *amqp.PlainAuth:
+			return a.Username
+		case *amqp.AMQPlainAuth:
+			return a.Username
+		default:
+			return ""
+		}
+	}
+	return ""
 }
 
 func (p *publisher) resetLocked() {

@@ -80,8 +80,11 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 	maxHold := max(0, s.s.consumerTimeout*3/4-time.Since(d.ReceivedAt))
 	inPlace := delay <= s.s.delayThreshold || !s.s.delayQueues
 	if inPlace && s.s.delayQueues {
+		// At most half the prefetch window waits in place; with a prefetch
+		// of 1 nothing does, since one waiting delivery would be the whole
+		// window and the broker would send nothing else until it ended.
 		g.mu.Lock()
-		full := g.waiting >= max(1, s.s.prefetch/2)
+		full := g.waiting >= s.s.prefetch/2
 		g.mu.Unlock()
 		if full || delay > maxHold {
 			// Waiting in place would fill the prefetch window or near the
@@ -90,7 +93,13 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 		}
 	}
 	if !inPlace {
-		err := s.toDelayQueue(ctx, d, h, delay)
+		// Bounded by the adapter, not only by the caller: the runtime's
+		// settle context never ends, and a broker that blocks publishers
+		// under a resource alarm would hold the confirm, this Nack and the
+		// publisher until the alarm cleared.
+		pctx, cancel := context.WithTimeout(ctx, s.publishTimeout)
+		err := s.toDelayQueue(pctx, d, h, delay)
+		cancel()
 		if err == nil || errors.Is(err, adapters.ErrConnectionLost) {
 			return err
 		}
@@ -106,8 +115,9 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 	return s.holdInPlace(d, h, delay)
 }
 
-// republishTimeout bounds the publish and confirm of an in-place retry; the
-// runtime's context does not reach it, the wait having outlived the Nack.
+// republishTimeout bounds the publish and confirm of a retry's copy: of an
+// in-place retry, which the runtime's context does not reach (the wait
+// outlived the Nack), and of a delay-queue retry, within the Nack.
 const republishTimeout = 30 * time.Second
 
 // holdInPlace keeps d unacked for delay, then republishes it to the queue.
@@ -149,7 +159,7 @@ func (s *Source) holdInPlace(d *adapters.Delivery, h *handle, delay time.Duratio
 			return // the channel closes; the broker requeues the original
 		}
 		defer s.endRepublish()
-		ctx, cancel := context.WithTimeout(s.ctx, republishTimeout)
+		ctx, cancel := context.WithTimeout(s.ctx, s.publishTimeout)
 		err := s.republish(ctx, d, h, "", s.queue)
 		cancel()
 		switch {

@@ -1,10 +1,13 @@
 package rabbitmq
 
 import (
+	"bytes"
 	"context"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -277,5 +280,97 @@ func TestCloseWaitsForAnInPlaceRetryBetweenCopyAndAck(t *testing.T) {
 	}
 	if got := ms[0].Headers[HeaderAttempt]; got != int64(2) {
 		t.Fatalf("the message left is not the copy: %s = %v", HeaderAttempt, got)
+	}
+}
+
+// blockableConn passes bytes through until blocked, then swallows what the
+// client writes but its heartbeats, as a broker that blocks publishers under
+// a resource alarm stops acting on them (and stops checking heartbeats):
+// publishes seem to go out, the connection stays up, and no confirm comes.
+type blockableConn struct {
+	net.Conn
+	blocked atomic.Bool
+}
+
+// heartbeatFrame is an AMQP heartbeat: type 8, channel 0, no payload.
+var heartbeatFrame = []byte{8, 0, 0, 0, 0, 0, 0, 0xce}
+
+func (c *blockableConn) Write(b []byte) (int, error) {
+	if c.blocked.Load() && !bytes.Equal(b, heartbeatFrame) {
+		return len(b), nil
+	}
+	return c.Conn.Write(b)
+}
+
+// Nack must return in bounded time even when the broker does not answer (the
+// adapter contract; the runtime's settle context never ends). A delay-queue
+// retry whose confirm never comes must give up and wait in place instead of
+// holding the runtime's worker, and the publisher, until the alarm clears.
+func TestNackReturnsWhileThePublisherIsBlocked(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1", "m2")
+	var (
+		mu    sync.Mutex
+		conns []*blockableConn
+	)
+	dial := func(network, addr string) (net.Conn, error) {
+		c, err := net.DialTimeout(network, addr, 10*time.Second)
+		if err != nil {
+			return nil, err
+		}
+		bc := &blockableConn{Conn: c}
+		mu.Lock()
+		conns = append(conns, bc)
+		mu.Unlock()
+		return bc, nil
+	}
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: dial}))
+	// Runs before the Source's own cleanup: a publish stuck on a blocked
+	// connection must not also hang Close when this test fails.
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	s.publishTimeout = 300 * time.Millisecond
+	ctx := context.Background()
+	ds := receiveN(t, s, 2)
+	// A first retry opens the publishing connection and declares the delay
+	// queue; then the broker blocks that connection.
+	if err := s.Nack(ctx, ds[:1], 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	if len(conns) != 2 {
+		mu.Unlock()
+		t.Fatalf("%d connections dialed, want the consumer's and the publisher's", len(conns))
+	}
+	conns[1].blocked.Store(true)
+	mu.Unlock()
+	done := make(chan error, 1)
+	go func() { done <- s.Nack(ctx, ds[1:], 100*time.Millisecond) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("Nack still waits for a confirm the blocked broker never sends")
+	}
+	got := receiveN(t, s, 2)
+	for _, d := range got {
+		if d.Attempt != 2 {
+			t.Fatalf("%s came back at attempt %d, want 2", d.Body, d.Attempt)
+		}
+	}
+	if err := s.Ack(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 1 || st.RetriedInPlace != 1 {
+		t.Fatalf("stats %+v: want one delay-queue retry, and one that gave up on the blocked publisher and waited in place", st)
 	}
 }

@@ -41,6 +41,10 @@ type Source struct {
 
 	stats counters
 
+	// publishTimeout bounds the publish and confirm of a retry's copy
+	// (republishTimeout; tests shorten it).
+	publishTimeout time.Duration
+
 	// testHookRepublished, when set by a test, runs between a retry's
 	// confirmed copy and the original's ack.
 	testHookRepublished func()
@@ -81,6 +85,8 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		ctx:     bg,
 		cancel:  cancel,
 		closing: make(chan struct{}),
+
+		publishTimeout: republishTimeout,
 	}
 	s.republished.L = &s.mu
 	if st.delayThreshold >= st.consumerTimeout/2 {
@@ -247,6 +253,7 @@ func (s *Source) Close() error {
 		for _, d := range held {
 			d.Lose(adapters.ErrClosed)
 		}
+		s.stats.lost.Add(uint64(len(held)))
 		if cerr := g.ch.Close(); cerr != nil && !errors.Is(cerr, amqp.ErrClosed) {
 			err = fmt.Errorf("rabbitmq: close channel: %w", cerr)
 		}

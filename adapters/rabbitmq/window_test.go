@@ -61,3 +61,33 @@ func TestAckPressureFlushesStragglersBeforeTheWindowFills(t *testing.T) {
 	}
 	waitUnacked(t, q, 2)
 }
+
+// TestPrefetchOneNeverWaitsInPlace: with a prefetch of 1 a retry waiting in
+// place would be the whole window, and the broker would send nothing else
+// until it ended. Short retries go through a delay queue instead.
+func TestPrefetchOneNeverWaitsInPlace(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "bad", "good")
+	s := openSource(t, q, WithPrefetch(1))
+	ctx := context.Background()
+	bad := receiveN(t, s, 1)
+	if err := s.Nack(ctx, bad, 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedInPlace != 0 {
+		t.Fatalf("stats %+v: with prefetch 1 the retry must go through a delay queue, not hold the only slot", st)
+	}
+	var got []*adapters.Delivery
+	for len(got) < 2 { // the good one, then the retry's copy, one at a time
+		d := receiveN(t, s, 1)
+		if err := s.Ack(ctx, d); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, d...)
+	}
+	if string(got[0].Body) != "good" || string(got[1].Body) != "bad" || got[1].Attempt != 2 {
+		t.Fatalf("received %v (attempt of the second %d), want good, then bad at attempt 2", bodies(got), got[1].Attempt)
+	}
+	waitUnacked(t, q, 0)
+}
