@@ -188,6 +188,12 @@ func WithLogger(l *slog.Logger) Option {
 // deliveries the broker lets this consumer hold (default 256). It must be at
 // least the consumer's concurrency, or workers idle while the window is full;
 // deliveries waiting in place for a retry also occupy it. At most 65535.
+//
+// Every delivery in the window waits its turn unacked, and the broker closes
+// the channel (redelivering them all) when one waits past its
+// consumer_timeout. With slow handlers keep prefetch × handler time /
+// concurrency well under that timeout: at concurrency 1 and 10 s a message,
+// the default 256 makes the last one wait 42 minutes, past the default 30.
 func WithPrefetch(n int) Option {
 	return func(s *settings) error {
 		sourceOnly("WithPrefetch", s)
