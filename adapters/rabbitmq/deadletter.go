@@ -128,7 +128,10 @@ func (x *DeadLetterExchange) Close() error {
 // The queue must have a dead-letter exchange, or the broker discards what
 // is rejected: NativeDeadLetter fails unless the Source declared the queue
 // with an x-dead-letter-exchange argument (WithDeclare) or was told a policy
-// sets one (WithDeadLetterByPolicy).
+// sets one (WithDeadLetterByPolicy). Even then nothing confirms the move:
+// an exchange that does not exist, or that routes the message nowhere, drops
+// it (quorum queues offer at-least-once dead-lettering; classic queues do
+// not). A DeadLetterExchange writes a confirmed copy before the ack.
 func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
 	if _, ok := s.s.queueArgs["x-dead-letter-exchange"]; !ok && !s.s.dlxByPolicy {
 		return nil, fmt.Errorf("rabbitmq: NativeDeadLetter: queue %q has no known dead-letter exchange, so rejected messages would be discarded; declare it with an x-dead-letter-exchange argument (WithDeclare) or, if a policy sets one, say so with WithDeadLetterByPolicy", s.queue)
