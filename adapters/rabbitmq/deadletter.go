@@ -98,6 +98,10 @@ func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f a
 		setRoutingHeadersAside(p.Headers)
 	}
 	p.DeliveryMode = amqp.Persistent
+	// The retry counter is this queue's bookkeeping, not the message's: a
+	// copy replayed from the dead-letter queue starts its attempts afresh
+	// (custody-attempts keeps the count as a diagnostic).
+	delete(p.Headers, HeaderAttempt)
 	for k, v := range adapters.Diagnostics(d, f) {
 		p.Headers[k] = v
 	}

@@ -35,7 +35,7 @@ func TestDeadLetterExchangeWritesDiagnostics(t *testing.T) {
 	dlq := a.queue(ClassicQueue, nil)
 	a.publishMsg(q, amqp.Publishing{
 		MessageId: "id-7", Body: []byte("poison"), ContentType: "application/json",
-		Expiration: "60000", Headers: amqp.Table{"tenant": "acme"},
+		Expiration: "60000", Headers: amqp.Table{"tenant": "acme", HeaderAttempt: int64(3)},
 		Timestamp: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC),
 	})
 	s := openSource(t, q, WithPrefetch(10))
@@ -78,6 +78,11 @@ func TestDeadLetterExchangeWritesDiagnostics(t *testing.T) {
 		if got, ok := h[k]; !ok || got != v {
 			t.Errorf("header %s = %q (present %v), want %q", k, got, ok, v)
 		}
+	}
+	if v, ok := h[HeaderAttempt]; ok {
+		// Replayed into its queue, the copy would start at attempt 3 and
+		// be dead-lettered again after one failure.
+		t.Errorf("copy carries the retry counter %s = %q", HeaderAttempt, v)
 	}
 }
 
