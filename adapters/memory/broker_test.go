@@ -287,3 +287,15 @@ func TestPublishKeepsItsOwnCopy(t *testing.T) {
 		t.Fatalf("received %q %v; want the message as published", ds[0].Body, ds[0].Headers)
 	}
 }
+
+// TestClosedSourceSaysSoBeforeItsFaults: a closed or crashed source's
+// Receive returns ErrClosed, which ends a consumer's Run, even with a
+// receive fault installed, whose error the runtime would retry for ever.
+func TestClosedSourceSaysSoBeforeItsFaults(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{})
+	s := openSource(t, b, WithFaults(Faults{Receive: func() error { return errors.New("injected") }}))
+	s.Crash()
+	if _, err := s.Receive(context.Background(), 1); !errors.Is(err, adapters.ErrClosed) {
+		t.Fatalf("Receive on a crashed source = %v, want ErrClosed", err)
+	}
+}

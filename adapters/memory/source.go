@@ -111,6 +111,9 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	if max <= 0 {
 		return nil, fmt.Errorf("memory: Receive: max %d must be positive", max)
 	}
+	if s.dead() {
+		return nil, adapters.ErrClosed // before the fault hook: a closed source says so
+	}
 	if f := s.getFaults().Receive; f != nil {
 		if err := f(); err != nil {
 			return nil, err
