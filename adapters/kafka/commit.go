@@ -127,9 +127,12 @@ func (s *Source) send(ctx context.Context, pcs []pendingCommit) error {
 			pc.p.dirty = true // try again on the next tick, unless fenced by then
 			continue
 		}
-		if pc.offset > pc.p.committed {
-			pc.p.committed = pc.offset
-		}
+		// What was sent is what the group holds now, even below what was
+		// committed before: a rewound partition's new epoch commits its
+		// start below the old commit, and the lag counts from there.
+		// (commitMu orders the commits, and an epoch's commit point only
+		// grows.)
+		pc.p.committed = pc.offset
 	}
 	s.mu.Unlock()
 	if err != nil {

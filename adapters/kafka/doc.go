@@ -64,8 +64,9 @@
 // the record. Lost partitions (a fatal group error) are fenced without a
 // commit. Polls block rebalances only between a poll and the moment its
 // records are booked under their epoch (franz-go's BlockRebalanceOnPoll,
-// released at once), so a record can never be booked under the wrong
-// assignment.
+// released at once; concurrent Receive calls poll one at a time, since
+// releasing it releases every poll), so a record can never be booked under
+// the wrong assignment.
 //
 // # Data loss
 //

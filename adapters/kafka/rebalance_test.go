@@ -449,3 +449,91 @@ func TestCloseEndsARevokeDrainUnderWay(t *testing.T) {
 		t.Fatal("Close still waits for the revoke's hour-long drain")
 	}
 }
+
+// holdPoll blocks, once armed, the poll that takes the next record, after
+// franz-go handed the records over and before the poll returns them.
+type holdPoll struct {
+	armed   atomic.Bool
+	holding chan struct{}
+	release chan struct{}
+}
+
+func (h *holdPoll) OnFetchRecordUnbuffered(_ *kgo.Record, polled bool) {
+	if polled && h.armed.CompareAndSwap(true, false) {
+		close(h.holding)
+		<-h.release
+	}
+}
+
+// Receive may be called concurrently, but franz-go's AllowRebalance releases
+// every poll at once: one Receive allowing a rebalance while another is
+// between its poll and the booking of its records let the partition be
+// revoked and assigned anew in between, and the old poll's records were
+// booked under the new assignment. Here they were 5..9 while 0..4, lost
+// in the revoke, were not done: the new assignment then dropped 0..4 as
+// already polled and committed past them once 5..9 were done.
+func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 5, 5) // 0..4
+	group := newGroup()
+	h := &holdPoll{holding: make(chan struct{}), release: make(chan struct{})}
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+		WithRevokeDrain(100*time.Millisecond),
+		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()), kgo.WithHooks(h))) // eager: a rejoin revokes everything
+	first := receiveN(t, a, 5) // 0..4 running, never finished
+	a.mu.Lock()
+	old := a.parts[tpKey{"orders", 0}]
+	a.mu.Unlock()
+
+	h.armed.Store(true)
+	c.produceN(t, "orders", 1, 5, 5) // 5..9
+	held := make(chan []*adapters.Delivery, 1)
+	go func() { // this poll takes 5..9 and is held before booking them
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		var got []*adapters.Delivery
+		for len(got) == 0 && ctx.Err() == nil {
+			ds, _ := a.Receive(ctx, 5)
+			got = append(got, ds...)
+		}
+		held <- got
+	}()
+	<-h.holding
+	// Another Receive meanwhile: its poll ends (nothing to fetch).
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	_, _ = a.Receive(ctx, 5)
+	cancel()
+	a.Client().ForceRebalance() // the only member rejoins: revoke, then assign back
+	// Give the rebalance a chance to run while the first poll is held; it
+	// must not (the held poll still blocks it), but nothing waits on that.
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		a.mu.Lock()
+		p := a.parts[tpKey{"orders", 0}]
+		a.mu.Unlock()
+		if p != nil && p != old {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	close(h.release)
+	got := <-held
+	got = append(got, receiveFor(t, a, 2*time.Second)...)
+	var done []int64
+	for _, d := range append(first, got...) {
+		if a.Ack(context.Background(), []*adapters.Delivery{d}) == nil && d.LostCause() == nil {
+			done = append(done, d.Offset) // refused when lost in the revoke
+		}
+	}
+	slices.Sort(done)
+	commitNow(t, a)
+	offs, _ := c.committed(t, group, "orders")
+	if hasCommit(offs, 0) {
+		for o := int64(0); o < offs[0]; o++ {
+			if !slices.Contains(done, o) {
+				t.Fatalf("committed %d but offset %d was never done (done: %v)", offs[0], o, done)
+			}
+		}
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/metric/noop"
 )
 
 // loseData makes the cluster tell the consumers of topic/0 that the log
@@ -196,5 +197,131 @@ func TestDataLossRewindCommitsBackToTheReplacedRecords(t *testing.T) {
 	commitNow(t, s)
 	if offs, _ := c.committed(t, group, topic); offs[0] != 30 {
 		t.Errorf("committed %d after the replaced records were done; want 30", offs[0])
+	}
+}
+
+// TestDataLossRewindWithReplacedRecordsAlreadyBuffered: franz-go fetches
+// from the rewind point as soon as it rewinds, and appends its data-loss
+// notice after the fetched records of a poll. When the Source polls late
+// (the runtime busy, the in-flight bound reached), one poll holds the records
+// that replaced the lost ones and then the notice. The records must be
+// handed out: taken for old records already polled, they were dropped, never
+// fetched again, and the commit went past them once later records were done.
+func TestDataLossRewindWithReplacedRecordsAlreadyBuffered(t *testing.T) {
+	c := newCluster(t)
+	const topic = "rewind-buffered"
+	c.createTopic(t, topic, 1)
+	produceValues(t, c, topic, 30)
+	group := newGroup()
+	s := c.open(t, group, topic, WithCommitInterval(time.Hour),
+		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
+	ack(t, s, receiveN(t, s, 30)...)
+	commitNow(t, s)
+
+	c.loseData(t, topic, 20)
+	// No Receive meanwhile: the client rewinds and buffers 20..29 again.
+	eventually(t, "the replaced records buffered", func() bool { return s.Client().BufferedFetchRecords() >= 10 })
+	produceValues(t, c, topic, 5) // 30..34, after the replaced records
+
+	got, sawLoss := receiveThroughLoss(t, s, 15)
+	var loss *kgo.ErrDataLoss
+	if !errors.As(sawLoss, &loss) {
+		t.Errorf("Receive reported %v; want the kgo.ErrDataLoss", sawLoss)
+	}
+	want := make([]int64, 15)
+	for i := range want {
+		want[i] = int64(20 + i)
+	}
+	if fmt.Sprint(offsets(got)) != fmt.Sprint(want) {
+		t.Fatalf("after the rewind, handed out offsets %v; want 20..34 once each (20..29 replaced the lost records)", offsets(got))
+	}
+	ack(t, s, got[10:]...) // 30..34 done, the replaced records still running
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, topic); offs[0] != 20 {
+		t.Errorf("committed %d with the replaced records 20..29 not done; want 20", offs[0])
+	}
+}
+
+// TestDataLossNoticeAfterTheRecordsOfItsPoll: franz-go appends a data-loss
+// notice after the records of the poll it comes with. Here the client could
+// not locate the loss and resumed where it was (ResetTo is the next offset
+// to read), and the same poll already holds the records read from there.
+// Those records are new: taken first, they moved the partition past the
+// reset point, the notice then looked like a rewind below them, and they
+// were dropped with nothing left to fetch them again.
+func TestDataLossNoticeAfterTheRecordsOfItsPoll(t *testing.T) {
+	cfg := defaultConfig()
+	tel, err := newTelemetry(noop.NewMeterProvider(), "g", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Source{cfg: cfg, tel: tel, parts: map[tpKey]*partition{}}
+	s.parts[tpKey{"t", 0}] = newPartition("t", 0, 1)
+	s.rebuildOrderLocked()
+	records := func(offs ...int64) []*kgo.Record {
+		var rs []*kgo.Record
+		for _, o := range offs {
+			rs = append(rs, &kgo.Record{Topic: "t", Partition: 0, Offset: o, Value: []byte("v")})
+		}
+		return rs
+	}
+	s.registerLocked(kgo.Fetches{{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{{Partition: 0, HighWatermark: 3, Records: records(0, 1, 2)}}}}}})
+	first := s.takeLocked(nil, 100)
+	if err := s.Ack(context.Background(), first); err != nil {
+		t.Fatal(err)
+	}
+	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 3, ResetTo: 3}
+	refetch, lose := s.registerLocked(kgo.Fetches{
+		{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{{Partition: 0, HighWatermark: 5, Records: records(3, 4)}}}}},
+		{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{{Partition: 0, Err: loss}}}}},
+	})
+	second := s.takeLocked(nil, 100)
+	if fmt.Sprint(offsets(second)) != "[3 4]" || len(refetch) != 0 || len(lose) != 0 {
+		t.Fatalf("handed out %v (refetch %v, %d lost) after a poll of 3, 4 and a notice of a loss at 3; want 3 and 4, nothing refetched or lost", offsets(second), refetch, len(lose))
+	}
+	if p := s.parts[tpKey{"t", 0}]; p.hwm != 5 {
+		t.Errorf("high watermark %d after the notice; want 5 (the notice has none)", p.hwm)
+	}
+}
+
+// TestDataLossPollMixingOldAndNewLogIsFetchedAgain: a late poll can hold
+// records of the old log fetched before the loss was detected (30..34,
+// beyond what was polled), the new log's records from the rewind point
+// (20..29), and the notice. Booked in poll order, the old log's 30..34 were
+// handed out and the new log's 20..29 then dropped as already polled; the
+// partition is fetched again from the rewind point instead.
+func TestDataLossPollMixingOldAndNewLogIsFetchedAgain(t *testing.T) {
+	tel, err := newTelemetry(noop.NewMeterProvider(), "g", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Source{cfg: defaultConfig(), tel: tel, parts: map[tpKey]*partition{}}
+	s.parts[tpKey{"t", 0}] = newPartition("t", 0, 1)
+	s.rebuildOrderLocked()
+	records := func(from, to int64) []*kgo.Record {
+		var rs []*kgo.Record
+		for o := from; o <= to; o++ {
+			rs = append(rs, &kgo.Record{Topic: "t", Partition: 0, Offset: o, Value: []byte("v")})
+		}
+		return rs
+	}
+	part := func(fp kgo.FetchPartition) kgo.Fetch {
+		return kgo.Fetch{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{fp}}}}
+	}
+	s.registerLocked(kgo.Fetches{part(kgo.FetchPartition{Partition: 0, HighWatermark: 30, Records: records(0, 29)})})
+	if err := s.Ack(context.Background(), s.takeLocked(nil, 100)); err != nil {
+		t.Fatal(err)
+	}
+	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 35, ResetTo: 20}
+	refetch, _ := s.registerLocked(kgo.Fetches{
+		part(kgo.FetchPartition{Partition: 0, HighWatermark: 35, Records: records(30, 34)}), // the old log
+		part(kgo.FetchPartition{Partition: 0, HighWatermark: 30, Records: records(20, 29)}), // the new log
+		part(kgo.FetchPartition{Partition: 0, Err: loss}),
+	})
+	if got := s.takeLocked(nil, 100); len(got) != 0 {
+		t.Errorf("handed out %v from a poll mixing two logs; want nothing, the partition fetched again", offsets(got))
+	}
+	if eo, ok := refetch["t"][0]; !ok || eo.Offset != 20 {
+		t.Fatalf("refetch %v; want partition 0 fetched again from 20", refetch)
 	}
 }

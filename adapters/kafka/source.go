@@ -49,6 +49,12 @@ type Source struct {
 	// commitMu serialises building and sending commits, so a commit built
 	// before a fence is never sent after the revoke's own commit.
 	commitMu sync.Mutex
+	// pollSem lets one poll at a time run, from PollRecords to
+	// AllowRebalance: AllowRebalance releases every poll at once, so a
+	// Receive called concurrently would let a rebalance run while another
+	// poll's records are not yet booked, and they would be booked under
+	// the partition's next assignment.
+	pollSem chan struct{}
 
 	stopLoop chan struct{}
 	loopDone chan struct{}
@@ -93,6 +99,7 @@ func NewSource(opts ...Option) (*Source, error) {
 		stopLoop:   make(chan struct{}),
 		loopDone:   make(chan struct{}),
 		commitSoon: make(chan struct{}, 1),
+		pollSem:    make(chan struct{}, 1),
 	}
 	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
 	if err != nil {
@@ -181,6 +188,26 @@ func (s *Source) waitForRoom(ctx context.Context, max int) ([]*adapters.Delivery
 }
 
 func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, error) {
+	var out []*adapters.Delivery
+	select {
+	case s.pollSem <- struct{}{}:
+	default:
+		// Another Receive is polling (see pollSem): wait for it, then hand
+		// out what it booked before polling again.
+		select {
+		case s.pollSem <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		s.mu.Lock()
+		out = s.takeLocked(nil, max)
+		s.mu.Unlock()
+		if len(out) > 0 {
+			<-s.pollSem
+			return out, nil
+		}
+	}
+	defer func() { <-s.pollSem }()
 	pctx, cancel := context.WithTimeout(ctx, s.cfg.pollWait)
 	s.mu.Lock()
 	s.pollCancel = cancel
@@ -189,7 +216,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	s.mu.Lock()
 	s.pollCancel = nil
 	refetch, lose := s.registerLocked(fs)
-	out := s.takeLocked(nil, max)
+	out = s.takeLocked(nil, max)
 	s.mu.Unlock()
 	cancel()
 	for _, h := range lose {
@@ -229,6 +256,15 @@ func fetchError(fs kgo.Fetches) error {
 	return ferr
 }
 
+// hasRecords reports whether fs holds records of topic/part.
+func hasRecords(fs kgo.Fetches, topic string, part int32) bool {
+	found := false
+	fs.EachPartition(func(fp kgo.FetchTopicPartition) {
+		found = found || (fp.Topic == topic && fp.Partition == part && len(fp.Records) > 0)
+	})
+	return found
+}
+
 // registerLocked appends polled records to their partitions' backlogs.
 // Records of partitions no longer assigned (or assigned anew since the fetch)
 // are dropped: their current owner reads them from the committed offset.
@@ -238,34 +274,53 @@ func fetchError(fs kgo.Fetches) error {
 // outside the lock.
 func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held) {
 	var refetching map[tpKey]bool
+	// Data losses first. franz-go appends its data-loss notices after the
+	// fetched records of a poll, and once it has rewound a partition it
+	// fetches from the rewind point at once: a poll that comes late (the
+	// runtime busy, the in-flight bound reached) holds the records read
+	// from the rewind point before the notice. Registered first, those
+	// would pass for old records already polled and be dropped (and with
+	// no refetch, never be fetched again), or they would move lastPolled
+	// past the reset point and fake a rewind below themselves.
+	fs.EachError(func(topic string, part int32, err error) {
+		var loss *kgo.ErrDataLoss
+		if !errors.As(err, &loss) {
+			return
+		}
+		k := tpKey{topic, part}
+		p := s.parts[k]
+		if p == nil || p.fenced || p.draining || refetching[k] || loss.ResetTo > p.lastPolled {
+			return
+		}
+		var from int64
+		p, from, lose = s.rewindLocked(p, loss.ResetTo, lose)
+		if from < loss.ResetTo || hasRecords(fs, topic, part) {
+			// Records between from and the reset point were polled but
+			// not all done, or this poll holds records of the partition
+			// that may be the old log's as well as the new one's (fetched
+			// before the rewind, and buffered): fetch from from again, in
+			// the new log's order, and ignore what this poll holds.
+			if refetch == nil {
+				refetch = map[string]map[int32]kgo.EpochOffset{}
+				refetching = map[tpKey]bool{}
+			}
+			if refetch[topic] == nil {
+				refetch[topic] = map[int32]kgo.EpochOffset{}
+			}
+			refetch[topic][part] = kgo.EpochOffset{Epoch: -1, Offset: from}
+			refetching[k] = true
+		}
+		s.updatePauseLocked(p) // the old epoch may have been paused
+	})
 	fs.EachPartition(func(fp kgo.FetchTopicPartition) {
 		k := tpKey{fp.Topic, fp.Partition}
 		p := s.parts[k]
 		if p == nil || p.fenced || p.draining || refetching[k] {
 			return
 		}
-		var loss *kgo.ErrDataLoss
-		if errors.As(fp.Err, &loss) && loss.ResetTo <= p.lastPolled {
-			var from int64
-			p, from, lose = s.rewindLocked(p, loss.ResetTo, lose)
-			if from < loss.ResetTo {
-				// Records between from and the reset point were polled but
-				// not all done; fetch them again, and ignore what else this
-				// poll holds for the partition (it would arrive out of order).
-				if refetch == nil {
-					refetch = map[string]map[int32]kgo.EpochOffset{}
-					refetching = map[tpKey]bool{}
-				}
-				if refetch[fp.Topic] == nil {
-					refetch[fp.Topic] = map[int32]kgo.EpochOffset{}
-				}
-				refetch[fp.Topic][fp.Partition] = kgo.EpochOffset{Epoch: -1, Offset: from}
-				refetching[k] = true
-				s.updatePauseLocked(p) // the old epoch may have been paused
-				return
-			}
-		}
-		if fp.HighWatermark >= 0 {
+		if fp.Err == nil && fp.HighWatermark >= 0 {
+			// Not from an error: franz-go's own notices (data loss, a
+			// topic not authorised) carry no high watermark, only a zero.
 			p.hwm = fp.HighWatermark
 		}
 		if p.lastPolled < 0 && len(fp.Records) > 0 && fp.Records[0].Offset < p.committed {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
@@ -82,5 +83,40 @@ func TestTelemetryLagAndCommits(t *testing.T) {
 	lag, _ = collect(t, reader, "custody.kafka.lag").(metricdata.Gauge[int64])
 	if len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 0 {
 		t.Fatalf("lag = %+v after committing everything, want 0", lag)
+	}
+}
+
+// TestLagAfterARewind: after a rewind the new epoch commits below the offset
+// committed before, and the lag must count from there; the data-loss notice,
+// a partition error without a high watermark of its own, must not reset the
+// high watermark to zero either.
+func TestLagAfterARewind(t *testing.T) {
+	c := newCluster(t)
+	const topic = "rewind-lag"
+	c.createTopic(t, topic, 1)
+	produceValues(t, c, topic, 30)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	group := newGroup()
+	s := c.open(t, group, topic, WithMeterProvider(mp), WithCommitInterval(time.Hour),
+		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
+	ack(t, s, receiveN(t, s, 30)...)
+	commitNow(t, s)
+
+	c.loseData(t, topic, 20)
+	// One poll takes the replaced records (high watermark 30) and the
+	// notice; no poll follows it.
+	eventually(t, "the replaced records buffered", func() bool { return s.Client().BufferedFetchRecords() >= 10 })
+	if got, _ := receiveThroughLoss(t, s, 10); len(got) != 10 {
+		t.Fatalf("handed out %v after the rewind; want 20..29", offsets(got))
+	}
+	eventually(t, "the rewind point committed", func() bool {
+		offs, _ := c.committed(t, group, topic)
+		return offs[0] == 20
+	})
+	lag, ok := collect(t, reader, "custody.kafka.lag").(metricdata.Gauge[int64])
+	if !ok || len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 10 {
+		t.Fatalf("lag = %+v with 20 committed and the high watermark at 30; want 10", lag)
 	}
 }
