@@ -207,3 +207,34 @@ func TestPartialReceiveFailuresDoNotStallTheRest(t *testing.T) {
 		t.Errorf("handled %d deliveries; want 40", n)
 	}
 }
+
+// TestDeferAndRetryAfterWaitAtLeastTheFloor: a delay asked for with Defer or
+// RetryAfter is floored like the policy's backoff. A deferral never runs out
+// of attempts, so Defer(err, time.Nanosecond) (an idempotency
+// WithOverlapRetryDelay of 1ns) otherwise had the broker redeliver the
+// message at once, in a loop, for as long as the original ran elsewhere.
+func TestDeferAndRetryAfterWaitAtLeastTheFloor(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("deferred", "retried")
+	src := &nackRecorder{Source: e.source()}
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if m.Attempt > 3 {
+			return nil
+		}
+		if string(m.Body) == "deferred" {
+			return consumer.Defer(errors.New("original still running"), time.Nanosecond)
+		}
+		return consumer.RetryAfter(errors.New("busy"), time.Nanosecond)
+	})
+	defer r.stop()
+	waitFor(t, "both acked", func() bool { return e.stats("q").Acked == 2 })
+	bodies, delays := src.nacked()
+	if len(delays) != 6 {
+		t.Fatalf("nacked %v, want each message three times", bodies)
+	}
+	for i, d := range delays {
+		if d < time.Millisecond {
+			t.Fatalf("%s nacked with a redelivery delay of %v: retries hot-loop through the broker", bodies[i], d)
+		}
+	}
+}

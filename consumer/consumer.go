@@ -128,6 +128,13 @@ func (c *Consumer) Shutdown(ctx context.Context) error {
 	if !c.started.Load() {
 		return nil
 	}
+	// Checked first: a select with both ready picks at random, and Run having
+	// returned, there is nothing left for ctx to cut short.
+	select {
+	case <-c.done:
+		return nil
+	default:
+	}
 	select {
 	case <-c.done:
 		return nil
@@ -239,10 +246,9 @@ func (r *run) run(ctx context.Context) error {
 				r.cfg.logger.Warn("custody: lease renewal failed; trying again before the lease runs out",
 					"consumer", r.cfg.name, "leases", n, "error", err)
 			},
-			Lost: func(d *adapters.Delivery, cause error) {
-				r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
-				r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", d.ID, "cause", cause)
-			},
+			// Lost leases are counted and logged by run.lost, which sees them
+			// all: the keeper does not report a lease the adapter lost by
+			// itself, once the runtime has stopped it.
 		})
 		if err != nil {
 			return fmt.Errorf("consumer: lease keeper: %w", err)
@@ -327,6 +333,13 @@ func (r *run) receive(ctx context.Context) error {
 	bo := backoff.Exponential{Initial: 50 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.5}
 	failures := 0
 	for {
+		if ctx.Err() != nil {
+			// Shutdown began: ask for nothing more. Waiting for Receive to
+			// return ctx's error is not enough: a source may still hand out
+			// what it holds (the Kafka adapter's records fetched ahead), and
+			// those would start new handlers after shutdown began.
+			return nil
+		}
 		n, ok := r.credit.acquire(ctx)
 		if !ok {
 			return nil

@@ -856,3 +856,18 @@ func TestLeaveUnfinishedOnShutdownKeepsTheLease(t *testing.T) {
 	}
 	waitFor(t, "the lease to run out", func() bool { return e.stats("q").Visible == 1 })
 }
+
+// TestLeaseRenewalInALoopFailsAtNew: a renewal fraction so small that the
+// lease would be renewed more often than every millisecond (WithLeaseRenewal
+// of 1e-9 on a 30s lease: every 30ns) had the lease keeper call Extend in a
+// loop for every held delivery, each call with a timeout of that interval.
+func TestLeaseRenewalInALoopFailsAtNew(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 30 * time.Second})
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	if _, err := consumer.New(e.source(), h, consumer.WithLeaseRenewal(1e-9)); err == nil || !strings.Contains(err.Error(), "WithLeaseRenewal") {
+		t.Fatalf("New = %v, want an error naming WithLeaseRenewal", err)
+	}
+	if _, err := consumer.New(e.source(), h, consumer.WithLeaseRenewal(0.01)); err != nil {
+		t.Fatalf("a renewal every 300ms refused: %v", err)
+	}
+}

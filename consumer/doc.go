@@ -14,7 +14,8 @@
 //   - [RetryAfter](err, d): retry no sooner than d.
 //   - [Defer](err, d): not now, for a reason outside the message (its
 //     original is still running elsewhere): try again no sooner than d,
-//     without counting the attempt; a deferral never dead-letters.
+//     without counting the attempt (except as a broker that counts
+//     deliveries does: see Defer); a deferral never dead-letters.
 //
 // A panic in the handler is recovered and treated as an error.
 //

@@ -29,7 +29,8 @@ func IsPermanent(err error) bool {
 
 // RetryAfter asks for the next attempt no sooner than d, overriding the
 // backoff policy for this retry. It still counts as an attempt. A d of zero
-// or less means the policy's backoff. RetryAfter(nil, d) is nil.
+// or less means the policy's backoff; the runtime waits at least a
+// millisecond either way. RetryAfter(nil, d) is nil.
 func RetryAfter(err error, d time.Duration) error {
 	if err == nil {
 		return nil
@@ -38,20 +39,25 @@ func RetryAfter(err error, d time.Duration) error {
 }
 
 // Defer asks for the message again no sooner than d, without counting the
-// attempt against the retry policy's MaxAttempts: for a message that cannot
-// be handled yet for a reason outside it, such as a duplicate whose original
-// is still running elsewhere. A deferred message is never dead-lettered for
-// running out of attempts, however often it is deferred; only a failure of
-// its own (or a Permanent error) can send it there.
+// attempt against the retry policy's MaxAttempts where the runtime counts
+// attempts itself (see below for brokers that count them): for a message
+// that cannot be handled yet for a reason outside it, such as a duplicate
+// whose original is still running elsewhere. A deferred message is never
+// dead-lettered for running out of attempts, however often it is deferred;
+// only a failure of its own (or a Permanent error) can send it there.
 //
 // Where the runtime waits in place (ordered lanes, brokers without delayed
 // redelivery), a deferral leaves Message.Attempt as it was. Where the broker
 // redelivers the message after the delay and counts deliveries itself (SQS,
 // RabbitMQ, the memory broker), the next delivery's Attempt is one higher,
 // and a broker's own redrive policy (an SQS maxReceiveCount, a memory queue's
-// MaxReceiveCount) still counts it. A d of zero or less means the retry
-// policy's backoff: a deferral has no attempt limit to stop it, so it must
-// never come back at once. Defer(nil, d) is nil.
+// MaxReceiveCount) still counts it. So does MaxAttempts, which reads that
+// count: once deferred MaxAttempts-1 times or more, the message is
+// dead-lettered at its first failure of its own, without a retry.
+//
+// A d of zero or less means the retry policy's backoff: a deferral has no
+// attempt limit to stop it, so it must never come back at once (the runtime
+// waits at least a millisecond, whatever d). Defer(nil, d) is nil.
 func Defer(err error, d time.Duration) error {
 	if err == nil {
 		return nil

@@ -192,10 +192,11 @@ func WithMaxProcessingTime(d time.Duration) Option {
 }
 
 // WithLeaseRenewal sets the fraction of the lease after which it is renewed.
-// Default 1/3. A renewal that fails without the adapter saying the lease is
-// gone (a network error, throttling) is tried again while the lease has time
-// left; one the adapter refuses as lost cancels the handler at once (see
-// package lease).
+// Default 1/3. New refuses a fraction that would renew a lease more often
+// than every millisecond. A renewal that fails without the adapter saying the
+// lease is gone (a network error, throttling) is tried again while the lease
+// has time left; one the adapter refuses as lost cancels the handler at once
+// (see package lease).
 func WithLeaseRenewal(fraction float64) Option {
 	return optionFunc(func(c *config) error {
 		if !(fraction > 0 && fraction < 1) { // NaN too
@@ -274,9 +275,14 @@ func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
 // being released for immediate redelivery. Use it when another consumer
 // should not pick them up at once, for example while a deploy replaces this
 // one. Default off: unfinished deliveries are released (Nack with no delay).
+// Outside shutdown it changes nothing: deliveries queued behind a lost one of
+// their ordering key are still released at once.
 func WithLeaveUnfinishedOnShutdown() Option {
 	return optionFunc(func(c *config) error { c.leaveOnShutdown = true; return nil })
 }
+
+// minRenewal is the shortest renewal interval New accepts.
+const minRenewal = time.Millisecond
 
 func (c *config) fill(caps adapters.Capabilities) error {
 	if c.name == "" {
@@ -303,6 +309,12 @@ func (c *config) fill(caps adapters.Capabilities) error {
 	}
 	if c.maxInFlight < c.concurrency {
 		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)
+	}
+	if every := time.Duration(float64(caps.Lease) * c.leaseFraction); caps.Lease > 0 && every < minRenewal {
+		// The keeper would call Extend in a loop, each call timing out
+		// after that same interval.
+		return fmt.Errorf("consumer: WithLeaseRenewal(%v): renewing source %q's %v lease every %v would renew in a loop; choose a larger fraction, for renewals at least %v apart",
+			c.leaseFraction, caps.Name, caps.Lease, every, minRenewal)
 	}
 	if caps.MaxLeaseAge > 0 && c.maxProcessing > caps.MaxLeaseAge {
 		c.maxProcessing = caps.MaxLeaseAge

@@ -21,10 +21,16 @@ func (r *run) process(j *job) {
 		r.processAtMostOnce(j)
 		return
 	}
-	if r.draining.Load() || j.giveBack {
-		// Not started before shutdown, or queued behind a lost message of
-		// its lane: give it back at once.
-		r.release(j)
+	if r.draining.Load() {
+		r.release(j) // not started before shutdown: give it back at once
+		return
+	}
+	if j.giveBack {
+		// Queued behind a lost message of its lane: give it back at once,
+		// even with WithLeaveUnfinishedOnShutdown, which is about shutdown.
+		// Left to its lease it would hold up the lost message's group (an
+		// SQS FIFO group) until that lease ran out.
+		r.releaseNow(j)
 		return
 	}
 	maxAttempts := r.cfg.retry.MaxAttempts
@@ -63,6 +69,10 @@ func (r *run) process(j *job) {
 			// of attempts to stop it).
 			delay = backoffDelay(r.cfg.retry.Backoff, attempt)
 		}
+		// A delay asked for is floored too: a deferral has no attempt limit,
+		// so Defer(err, time.Nanosecond) would otherwise come back at once,
+		// for ever.
+		delay = max(delay, minBackoff)
 		if IsPermanent(err) || (attempt >= maxAttempts && !deferred) {
 			if r.exhausted(j, err, attempt, now) {
 				return
@@ -345,16 +355,22 @@ func (r *run) releaseWaiting() {
 	}
 }
 
-// release gives j back for immediate redelivery (shutdown).
+// release gives j back for immediate redelivery (shutdown), or leaves it to
+// its lease with WithLeaveUnfinishedOnShutdown.
 func (r *run) release(j *job) {
-	if j.d.LostCause() != nil {
-		r.lost(j, j.d.LostCause())
-		return
-	}
-	if r.cfg.leaveOnShutdown {
+	if r.cfg.leaveOnShutdown && j.d.LostCause() == nil {
 		r.stopLease(j)
 		r.settle(j, outcomeLeft)
 		r.next(j)
+		return
+	}
+	r.releaseNow(j)
+}
+
+// releaseNow gives j back for immediate redelivery.
+func (r *run) releaseNow(j *job) {
+	if cause := j.d.LostCause(); cause != nil {
+		r.lost(j, cause)
 		return
 	}
 	r.nack(j, 0, outcomeReleased)
@@ -368,8 +384,13 @@ func (r *run) release(j *job) {
 // only once the later ones this consumer holds are settled.)
 func (r *run) lost(j *job, cause error) {
 	r.stopLease(j)
-	if !errors.Is(cause, adapters.ErrLeaseLost) {
-		// Lease losses are counted by the keeper; count the rest here.
+	if errors.Is(cause, adapters.ErrLeaseLost) {
+		// Counted here rather than by the lease keeper, which misses a
+		// lease the adapter reported lost by itself (a stale receipt, a
+		// renewal the runtime stopped before its answer came back).
+		r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
+		r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
+	} else {
 		r.cfg.logger.Info("custody: delivery lost", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
 	}
 	r.settle(j, outcomeLost)

@@ -141,3 +141,86 @@ func TestShutdownBeforeRun(t *testing.T) {
 		t.Fatalf("stats %+v: nothing may be taken after Shutdown", s)
 	}
 }
+
+// TestShutdownAfterRunReturnedIsNil: once Run has returned there is nothing
+// left to wait for, so Shutdown returns nil even with a context that has
+// already ended (a SIGTERM handler's deadline), not that context's error.
+func TestShutdownAfterRunReturnedIsNil(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	c, err := consumer.New(e.source(), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		return nil
+	}), consumer.WithLogger(testlog.New(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	ended, end := context.WithCancel(context.Background())
+	end()
+	for i := 0; i < 50; i++ {
+		if err := c.Shutdown(ended); err != nil {
+			t.Fatalf("Shutdown after Run returned = %v, want nil", err)
+		}
+	}
+}
+
+// backlogSource hands out what it already holds even once ctx is done, as
+// the Kafka adapter does with records it fetched ahead; it ends the Run at
+// its first receive, publishing one more message just then.
+type backlogSource struct {
+	*memory.Source
+	b    *memory.Broker
+	stop context.CancelFunc
+	once sync.Once
+}
+
+func (s *backlogSource) Receive(ctx context.Context, n int) ([]*adapters.Delivery, error) {
+	if ctx.Err() != nil {
+		ds, err := s.Source.Receive(context.Background(), n)
+		if len(ds) > 0 {
+			return ds, err
+		}
+		return nil, ctx.Err()
+	}
+	ds, err := s.Source.Receive(ctx, n)
+	if len(ds) > 0 {
+		s.once.Do(func() {
+			_ = s.b.Publish(context.Background(), "q", memory.Message{Body: []byte("late")})
+			s.stop() // shutdown begins as this batch comes back
+		})
+	}
+	return ds, err
+}
+
+// TestNoReceiveAfterShutdownBegan: once Run's context is done the runtime
+// calls Receive no more. It stopped only when Receive said so, so a source
+// that still hands out what it holds (Kafka's fetched records) had them run
+// by new handlers after shutdown began.
+func TestNoReceiveAfterShutdownBegan(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("first")
+	ctx, cancel := context.WithCancel(context.Background())
+	src := &backlogSource{Source: e.source(), b: e.b, stop: cancel}
+	seen := newCounter()
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		seen.inc(m.Body)
+		return nil
+	}), consumer.WithLogger(testlog.New(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Run(ctx); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	if n := seen.get("late"); n != 0 {
+		t.Fatal("a message received after shutdown began was handled")
+	}
+	if s := e.stats("q"); s.Received != 1 {
+		t.Fatalf("stats %+v: the late message must not be received", s)
+	}
+}

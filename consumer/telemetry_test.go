@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -205,5 +206,58 @@ func TestTransientRenewalFailureIsCountedAndTheHandlerKeepsItsLease(t *testing.T
 	}
 	if s := e.stats("q"); s.Acked != 1 || s.Visible != 0 {
 		t.Fatalf("stats %+v: want the message acked once", s)
+	}
+}
+
+// TestLeaseLostIsCountedWhoeverNoticedIt: a lease the broker reports lost by
+// itself (here: it ran out while a renewal hung, and another consumer
+// received the message) is counted in custody.lease.lost and logged. Only
+// the lease keeper counted, and it counts nothing for a lease the runtime
+// has stopped, which it does as soon as the cancelled handler returns.
+func TestLeaseLostIsCountedWhoeverNoticedIt(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
+	e.publish("x")
+	entered, unblock := make(chan struct{}), make(chan struct{})
+	var hung atomic.Bool
+	src := e.source(memory.WithFaults(memory.Faults{Extend: func(*adapters.Delivery) error {
+		if hung.CompareAndSwap(false, true) {
+			close(entered)
+			<-unblock // the renewal hangs until the lease has run out
+		}
+		return nil
+	}}))
+	var unblocked sync.Once
+	defer unblocked.Do(func() { close(unblock) })
+	returned := make(chan struct{})
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		defer close(returned)
+		<-ctx.Done()
+		return ctx.Err()
+	}, consumer.WithMeterProvider(mp), consumer.WithMaxInFlight(1)) // so that only the other consumer can take it
+	<-entered
+	other := e.source()
+	var taken []*adapters.Delivery
+	waitFor(t, "the lease to run out and another consumer to take the message", func() bool {
+		ds, err := other.Receive(context.Background(), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		taken = ds
+		return len(ds) == 1
+	})
+	<-returned
+	time.Sleep(50 * time.Millisecond) // let the runtime stop the lease before the renewal returns
+	unblocked.Do(func() { close(unblock) })
+	waitFor(t, "the delivery settled as lost", func() bool { return sums(t, reader)["custody.messages.settled/lost"] == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Ack(context.Background(), taken); err != nil {
+		t.Fatal(err)
+	}
+	if n := sums(t, reader)["custody.lease.lost"]; n != 1 {
+		t.Fatalf("custody.lease.lost = %d, want 1", n)
 	}
 }
