@@ -63,8 +63,11 @@
 //
 // The runtime records OpenTelemetry metrics (custody.messages.received,
 // .redelivered, .settled by outcome, .in_flight, custody.handler.duration,
-// custody.lease.extensions, custody.lease.renewal_failures,
-// custody.lease.lost, custody.ack.failures,
+// custody.handler.panics, custody.lease.extensions,
+// custody.lease.renewal_failures, custody.lease.lost, custody.ack.failures,
 // custody.deadletter.failures) and one consumer span per handler attempt,
-// continuing the trace found in the message's headers.
+// continuing the trace found in the message's headers. The Kafka adapter
+// adds its own (custody.kafka.lag, .commit.duration, .commit.failures,
+// .skipped, .rewinds), and the idempotency middleware counts duplicates
+// (custody.idempotency.*).
 package custody

@@ -87,8 +87,9 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 // deliveries not yet started (those queued behind a running message of
 // their ordering key follow it, to keep their order), lets running handlers
 // finish until the shutdown timeout (then cancels their contexts), acks what
-// finished, stops lease renewals and closes the source. It returns after all of that, with no goroutine of its
-// own left running. A clean shutdown returns nil.
+// finished, stops lease renewals and closes the source. It returns after all
+// of that, with no goroutine of its own left running. A clean shutdown
+// returns nil.
 //
 // A handler that ignores its context keeps Run from returning.
 //
@@ -122,7 +123,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 //
 // Shutdown may be called from any goroutine, more than once. Called before
 // Run, it makes Run return at once (after closing the source) and returns
-// nil.
+// nil; called after Run returned, it returns nil at once.
 func (c *Consumer) Shutdown(ctx context.Context) error {
 	c.stopRun()
 	if !c.started.Load() {

@@ -21,12 +21,14 @@
 //
 // # Retries
 //
-// Retries never hot-loop. Where the broker can redeliver after a delay (SQS
-// visibility, the memory broker), the message is given back with that delay
-// and no worker waits. Where it cannot (Kafka), or where the message belongs
-// to an ordered lane (whose order a redelivery could break), the worker waits
-// in place with the lease kept alive. Attempts are counted by the broker
-// where it counts deliveries, otherwise by the runtime.
+// Retries never hot-loop: every wait before a retry or a deferral is at least
+// a millisecond, whatever the backoff, RetryAfter or Defer asks for. Where
+// the broker can redeliver after a delay (SQS visibility, RabbitMQ, the
+// memory broker), the message is given back with that delay and no worker
+// waits. Where it cannot (Kafka), or where the message belongs to an ordered
+// lane (whose order a redelivery could break), the worker waits in place
+// with the lease kept alive. Attempts are counted by the broker where it
+// counts deliveries, otherwise by the runtime.
 //
 // # Dead letters
 //
@@ -45,10 +47,14 @@
 // Every delivery held by the runtime (running, waiting for a worker or lane,
 // retrying in place) has its lease renewed at a third of its length (see
 // [WithLeaseRenewal]), in batches, until the handler finishes; renewal stops
-// before the ack. Total hold time is capped by [WithMaxProcessingTime]. When a
-// lease is lost (a renewal failed, the cap was reached, the adapter lost the
-// delivery), the handler's context is cancelled and context.Cause says why
-// (it wraps adapters.ErrLeaseLost, ErrConnectionLost or ErrRevoked).
+// before the ack. A renewal that fails without the adapter saying the lease
+// is gone (throttling, a network error) is tried again while the lease has
+// time left. Total hold time is capped by [WithMaxProcessingTime]. When a
+// delivery is lost (the adapter refused a renewal because the lease was gone,
+// renewals failed until it ran out, the cap was reached, or the adapter lost
+// the delivery by itself: a dead channel, a revoked partition), the handler's
+// context is cancelled and context.Cause says why (it wraps
+// adapters.ErrLeaseLost, ErrConnectionLost, ErrRevoked or ErrClosed).
 //
 // # Concurrency and order
 //
@@ -56,16 +62,19 @@
 // ordering key (a Kafka partition or key, an SQS FIFO group) run one at a time
 // per key, in order; [WithOrdering](OrderByKey) adds the same guarantee per
 // Message.Key on brokers that promise no order. When a delivery is lost (its
-// lease ran out), the deliveries of its key queued behind it are given back
-// instead of run, so that the lost one, redelivered, still comes first.
+// lease ran out, its channel died), the deliveries of its key queued behind
+// it are given back at once instead of run, so that the lost one,
+// redelivered, still comes first.
 //
 // # Shutdown
 //
 // Cancelling Run's context, or calling [Consumer.Shutdown], stops receiving
-// and gives back deliveries that have not started. Running handlers keep
-// their contexts until the shutdown timeout ([WithShutdownTimeout]) or the
-// end of Shutdown's context, whichever comes first; what finishes is acked,
-// what does not is given back to the broker. Run then stops lease renewals,
+// and gives back deliveries that have not started (or, with
+// [WithLeaveUnfinishedOnShutdown], leaves them to their lease). Running
+// handlers keep their contexts until the shutdown timeout
+// ([WithShutdownTimeout]) or the end of Shutdown's context, whichever comes
+// first; what finishes is acked, what does not is given back to the broker
+// (or left, as above). Run then stops lease renewals,
 // closes the source and returns; no goroutine it started is left running.
 // Shutdown returns once Run has, as net/http's Server.Shutdown does once its
 // connections are idle.

@@ -107,8 +107,9 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // Causes the runtime gives handler contexts when it cancels them; read them
 // with context.Cause.
 var (
-	// ErrShutdownTimeout: the shutdown timeout passed while the handler ran.
-	// The message is given back to the broker.
+	// ErrShutdownTimeout: the shutdown timeout passed, or Shutdown's
+	// context ended, while the handler ran. The message is given back to
+	// the broker (left to its lease with WithLeaveUnfinishedOnShutdown).
 	ErrShutdownTimeout = errors.New("custody: shutdown timeout reached; the message is given back to the broker")
 	// ErrHandlerTimeout: the handler ran longer than WithHandlerTimeout.
 	ErrHandlerTimeout = errors.New("custody: handler timeout reached")

@@ -163,9 +163,10 @@ func WithHandlerTimeout(d time.Duration) Option {
 }
 
 // WithShutdownTimeout sets how long Run lets in-flight handlers finish after
-// its context is cancelled. Their contexts stay alive until then; afterwards
-// they are cancelled with ErrShutdownTimeout and their messages are given back
-// to the broker. Default 30s.
+// its context is cancelled or Shutdown is called. Their contexts stay alive
+// until then (or until Shutdown's context ends, if sooner); afterwards they
+// are cancelled with ErrShutdownTimeout and their messages are given back to
+// the broker. Default 30s.
 func WithShutdownTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 0 {

@@ -38,14 +38,21 @@
 //   - In progress elsewhere: an overlapping duplicate. The handler is not
 //     run; Handle returns consumer.Defer wrapping
 //     [ErrInProgressElsewhere], so the message comes back later, when the
-//     other delivery has finished, without using up one of its attempts
-//     (however long the original runs, the duplicate is never
-//     dead-lettered for it). Two deliveries of one key never run at the
-//     same time (while the claim is held).
+//     other delivery has finished. The runtime never dead-letters a
+//     message for its deferrals alone; where it counts attempts itself, a
+//     deferral uses none up, but where the broker counts deliveries (SQS,
+//     RabbitMQ, the memory broker) each one raises the count that
+//     MaxAttempts and a broker redrive policy read (see consumer.Defer).
+//     Two deliveries of one key never run at the same time (while the
+//     claim is held).
 //   - Fingerprint mismatch: with WithFingerprint, a key already recorded for
 //     a different payload fails with a permanent [ErrFingerprintMismatch]
 //     instead of being skipped, because two different messages sharing a
 //     key is a producer bug that a silent skip would hide.
+//   - A key or fingerprint the store cannot hold (pgstore: not valid UTF-8,
+//     a NUL byte, a key over 2,600 bytes) fails with a permanent
+//     [ErrUnstorableKey], naming why, instead of being retried; hash binary
+//     keys in the KeyFunc.
 //
 // Sequential and overlapping duplicates are counted separately
 // ([MetricDuplicates] with the kind as an attribute), because they have

@@ -37,7 +37,8 @@ type Store interface {
 	// fingerprint summarises the payload (see [FingerprintBody]); empty
 	// means "do not compare". When both the live record and the call carry
 	// a fingerprint and they differ, Claim returns an error wrapping
-	// [ErrFingerprintMismatch] instead of a state.
+	// [ErrFingerprintMismatch] instead of a state. A store that cannot hold
+	// key or fingerprint returns an error wrapping [ErrUnstorableKey].
 	Claim(ctx context.Context, key, fingerprint string, lease time.Duration) (State, Token, error)
 
 	// Complete marks the claimed key done and keeps the record for
@@ -118,8 +119,9 @@ var (
 	// another delivery that is still running (an overlapping duplicate). It
 	// returns it wrapped in consumer.Defer, so the message is tried again
 	// later, by which time the other delivery has completed (the retry is
-	// then skipped) or failed (the retry runs the handler). Deferrals do not
-	// count against the retry policy's MaxAttempts.
+	// then skipped) or failed (the retry runs the handler). A deferral does
+	// not use up an attempt where the runtime counts attempts; where the
+	// broker counts deliveries, it raises that count (see consumer.Defer).
 	ErrInProgressElsewhere = errors.New("idempotency: the key is being processed by another delivery (an overlapping duplicate); retrying later")
 
 	// ErrClaimLost is the cause given to the handler's context when the

@@ -19,9 +19,9 @@
 //   - Total hold time is capped (MaxHold, counted from receipt). At the cap the
 //     keeper stops renewing and loses the delivery.
 //   - A renewal the adapter refuses because the lease is gone (its error
-//     wraps [adapters.ErrLeaseLost]: a stale receipt, a revoked partition)
-//     loses the delivery at once: [adapters.Delivery.Lose] is called with
-//     that cause, which cancels its handler's context.
+//     wraps [adapters.ErrLeaseLost]: a stale receipt, the message received
+//     again or deleted) loses the delivery at once: [adapters.Delivery.Lose]
+//     is called with that cause, which cancels its handler's context.
 //   - Any other failure (a network error, throttling, a timeout) leaves the
 //     lease as the broker last granted it, so the renewal is tried again,
 //     every sixth of the lease by default, while the lease has more than a

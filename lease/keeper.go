@@ -34,7 +34,9 @@ type Config struct {
 	// Renewed, when set, is called after each successful renewal batch with
 	// the number of leases renewed. Retrying is called when n renewals
 	// failed with err but their leases have time left, so they are tried
-	// again. Lost is called for each lease lost.
+	// again. Lost is called for each delivery the keeper loses (at MaxHold,
+	// or after a renewal failed for good); not for one the adapter loses by
+	// itself, nor after the lease was stopped.
 	Renewed  func(n int)
 	Retrying func(n int, err error)
 	Lost     func(d *adapters.Delivery, cause error)

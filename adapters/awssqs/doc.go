@@ -23,7 +23,8 @@
 // still come back after the Receive that started it returned, and the runtime
 // asks again only when a batch fits; the Source renews the visibility of
 // messages waiting for it at a third of the timeout (Stats.BufferRenewed),
-// so none runs out unseen.
+// so none runs out unseen, and hands none out while such a renewal is on the
+// wire, so that it cannot land after the runtime's ack or nack.
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context
@@ -41,14 +42,19 @@
 // every message it holds, running or waiting, at a third of it, through
 // Extend, with ChangeMessageVisibilityBatch requests of up to ten. Renewals
 // stop before the delete, and SQS's limit of 12 hours of invisibility per
-// receive is respected: past it the delivery is lost (its handler's context
-// is cancelled with [ErrMaxVisibility]) and the message comes back.
+// receive is respected, counted from when the ReceiveMessage call was made
+// (SQS starts it before the answer arrives): past it the delivery is lost
+// (its handler's context is cancelled with [ErrMaxVisibility], or with the
+// runtime's own cap, lease.ErrMaxHold; both wrap adapters.ErrLeaseLost) and
+// the message comes back.
 //
 // A batch entry SQS refuses because the receipt handle no longer names an
 // in-flight message (the timeout ran out and the message was received again
 // or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
 // counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
-// that fail on SQS's side are retried alone, a few times.
+// that fail on SQS's side are retried alone, a few times. Every delete and
+// visibility request times out after 30 s, so a request SQS never answers
+// holds neither the runtime nor its shutdown; it fails like any other.
 //
 // # Acks, retries and shutdown
 //
@@ -70,7 +76,11 @@
 // On a FIFO queue (name ending in .fifo) every delivery's OrderingKey is its
 // MessageGroupId: the runtime runs one message per group at a time, in order,
 // while groups run concurrently. SQS itself never hands out a group's next
-// message while one is in flight.
+// message while one is in flight. Each poll carries its own
+// ReceiveRequestAttemptId, which the SDK's retries of that poll reuse: when
+// a receive's answer is lost, the retry gets the same messages back instead
+// of leaving them invisible, and their groups blocked, for a visibility
+// timeout.
 //
 // # Dead letters
 //

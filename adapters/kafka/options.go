@@ -262,7 +262,9 @@ func WithMetadataLimit(n int) Option {
 }
 
 // WithMeterProvider sets where the adapter's metrics go (lag per partition,
-// commit latency, commit failures). Default: the global otel MeterProvider.
+// commit latency, commit failures, records skipped thanks to the commit
+// metadata, rewinds after data loss). Default: the global otel
+// MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {

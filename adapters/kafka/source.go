@@ -141,7 +141,10 @@ func (s *Source) Capabilities() adapters.Capabilities {
 }
 
 // Receive implements adapters.Source: it hands out polled records, up to the
-// in-flight bounds, waiting at most the poll wait for new ones.
+// in-flight bounds, waiting at most the poll wait for new ones. A
+// partition's fetch error (a data loss, a topic not authorised) is returned
+// along with the records of the other partitions. Concurrent calls poll one
+// at a time.
 func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, error) {
 	if want < 1 {
 		want = 1

@@ -152,7 +152,8 @@ func (b *Broker) Stats(queueName string) (Stats, error) {
 }
 
 // Messages returns a copy of every message in a queue, visible or not, in
-// publish order. Use it to inspect a dead-letter queue.
+// publish order. Use it to inspect a dead-letter queue. Headers are copied;
+// bodies are the broker's own and must not be modified.
 func (b *Broker) Messages(queueName string) ([]Message, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()

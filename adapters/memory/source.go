@@ -31,8 +31,9 @@ type Faults struct {
 	Ack    func(d *adapters.Delivery) error
 	Nack   func(d *adapters.Delivery) error
 	Extend func(d *adapters.Delivery) error
-	// Receive, when set, is called before each Receive; a non-nil error is
-	// returned instead of messages.
+	// Receive, when set, is called before each Receive of a source that is
+	// neither closed nor crashed (those fail with adapters.ErrClosed first);
+	// a non-nil error is returned instead of messages.
 	Receive func() error
 }
 

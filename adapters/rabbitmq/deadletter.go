@@ -21,12 +21,13 @@ import (
 // dead-letter queue; CC and BCC headers, which would route it to more
 // queues or, as text, make the broker refuse it, to HeaderOriginalCC and
 // HeaderOriginalBCC; a user-id other than the sink's user, which the broker
-// would refuse, to HeaderOriginalUserID) and is persistent. Its headers are the original
-// headers plus the diagnostics of adapters.Diagnostics and the original
-// exchange and routing key (HeaderOriginalExchange,
-// HeaderOriginalRoutingKey). Send returns nil only after the broker confirmed
-// the copy and routed it to at least one queue, so the runtime acks the
-// original only then.
+// would refuse, to HeaderOriginalUserID) and is persistent. Its headers are
+// the original headers, less HeaderAttempt (a copy replayed from the
+// dead-letter queue starts its attempts afresh), plus the diagnostics of
+// adapters.Diagnostics and the original exchange and routing key
+// (HeaderOriginalExchange, HeaderOriginalRoutingKey). Send returns nil only
+// after the broker confirmed the copy and routed it to at least one queue,
+// so the runtime acks the original only then.
 //
 // It accepts deliveries from any adapter, not only from this package's
 // Source: their body and headers are copied.

@@ -83,11 +83,13 @@
 // in place (with a prefetch of 1, every delay), so that waiting retries
 // never starve the channel. A delay-queue publish the broker does not
 // confirm within 30 s (a resource alarm blocks publishers) is abandoned, so
-// that Nack returns, and the retry waits in place instead. A delivery
-// waiting in place also holds back the coalesced run behind it, so
-// deliveries finished after it are acked one by one after the straggler
-// wait. Nack with no delay requeues (basic.nack, requeue=true). The
-// adapter never holds a delivery past three quarters of the consumer timeout
+// that Nack returns, and the retry waits in place instead; when the copy
+// cannot be published after an in-place wait, the original is requeued
+// (basic.nack, requeue=true). A delivery waiting in place also holds back
+// the coalesced run behind it, so deliveries finished after it are acked one
+// by one after the straggler wait. Nack with no delay requeues (basic.nack,
+// requeue=true). The adapter never holds a delivery past three quarters of
+// the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
 // close the channel: it uses the delay queue instead, or, under
 // WithoutDelayQueues, cuts the wait short and logs a warning. It also warns
@@ -95,12 +97,13 @@
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers
-// (x-delivery-count, x-death), move a per-message TTL to a header
-// (HeaderOriginalExpiration), and so the CC and BCC headers, which would
-// route the copy to more queues (HeaderOriginalCC, HeaderOriginalBCC), and a
-// user-id other than the publishing user's, which the broker would refuse
-// (HeaderOriginalUserID), and record the original exchange and routing key
-// (HeaderOriginalExchange, HeaderOriginalRoutingKey). Publishing uses a connection of its own, so a
+// (x-delivery-count, x-death), and move aside to custody headers what the
+// broker would act on again: a per-message TTL (HeaderOriginalExpiration),
+// the CC and BCC headers, which would route the copy to more queues
+// (HeaderOriginalCC, HeaderOriginalBCC), and a user-id other than the
+// publishing user's, which the broker would refuse (HeaderOriginalUserID).
+// They record the original exchange and routing key (HeaderOriginalExchange,
+// HeaderOriginalRoutingKey). Publishing uses a connection of its own, so a
 // broker that blocks publishers under a resource alarm does not also hold
 // back the consumer's acks.
 //
@@ -112,12 +115,17 @@
 // and routing key, persistent and mandatory, with publisher confirms: Send
 // returns nil only once the broker confirmed the copy was routed and
 // stored, and the runtime acks the original only then. An unroutable copy is
-// an error, so the original is kept.
+// an error, so the original is kept. The copy sets aside a TTL, CC, BCC and a
+// foreign user-id as retries do, and drops HeaderAttempt, so a message
+// replayed from the dead-letter queue starts its attempts afresh
+// (custody-attempts keeps the count).
 //
 // [Source.NativeDeadLetter] instead rejects the delivery without requeue,
 // so the broker moves it to the queue's own dead-letter exchange and adds
 // x-death; it marks the delivery settled so the runtime does not ack it.
-// The broker keeps no custody diagnostics in that mode (they are logged).
+// The broker keeps no custody diagnostics in that mode (they are logged),
+// and nothing confirms the move: a dead-letter exchange that does not exist
+// or routes the message nowhere drops it.
 //
 // # Tracing
 //

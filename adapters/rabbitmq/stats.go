@@ -30,7 +30,9 @@ type Stats struct {
 	Lost uint64
 	// RetriedInPlace and DelayQueued count retries republished after an
 	// in-place wait and through a delay queue. RetryFailures counts retries
-	// that could not be republished and were requeued instead.
+	// whose copy could not be published: to a delay queue (the retry then
+	// waits in place) or after an in-place wait (the original is then
+	// requeued).
 	RetriedInPlace, DelayQueued, RetryFailures uint64
 }
 

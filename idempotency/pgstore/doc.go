@@ -37,4 +37,10 @@
 // record one atomic step. When the effect is itself a write to the same
 // database, use the idempotency/pgtx helper instead, which commits both in
 // one transaction.
+//
+// Keys and fingerprints are text columns, and the key is indexed: Claim
+// refuses a key or fingerprint that is not valid UTF-8 or holds a NUL byte,
+// and a key over 2,600 bytes, with an error wrapping
+// idempotency.ErrUnstorableKey, which the middleware makes permanent. Hash
+// binary keys (a Kafka record key, say) in the KeyFunc.
 package pgstore

@@ -13,7 +13,10 @@
 //
 // # How it works
 //
-// For each delivery the handler begins a transaction and, first, inserts
+// For each delivery the handler reads the key (an empty one fails with a
+// permanent idempotency.ErrNoKey; one PostgreSQL cannot store, such as
+// invalid UTF-8, a NUL byte or more than 2,600 bytes, with a permanent
+// idempotency.ErrUnstorableKey), begins a transaction and, first, inserts
 // the message's key into the processed table (custody_processed by default).
 // Then:
 //
@@ -23,12 +26,15 @@
 //     panics), the transaction rolls back, the key row with it, and the
 //     error goes to the runtime to retry or dead-letter.
 //   - The key was already there, committed: the message was processed
-//     before (a sequential duplicate). The transaction rolls back, the
-//     function does not run, and Handle returns nil, so the message is
-//     acked.
-//   - Another transaction is processing the key right now (an overlapping
-//     duplicate): Handle returns consumer.Defer wrapping
-//     idempotency.ErrInProgressElsewhere without waiting for it. The check
+//     before (a sequential duplicate), even if another delivery of the key
+//     holds its lock right now. The transaction rolls back, the function
+//     does not run, and Handle returns nil, so the message is acked. With
+//     WithFingerprint, a committed key recorded for another payload fails
+//     with a permanent idempotency.ErrFingerprintMismatch instead.
+//   - Another transaction is processing the key right now and it is not
+//     committed yet (an overlapping duplicate): Handle returns
+//     consumer.Defer wrapping idempotency.ErrInProgressElsewhere without
+//     waiting for it. The check
 //     uses a transaction-scoped advisory lock on a hash of the table and
 //     key (pg_try_advisory_xact_lock), so it never blocks on the other
 //     transaction's row lock and never holds a connection idle.
