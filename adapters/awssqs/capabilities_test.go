@@ -19,7 +19,7 @@ func TestCapabilities(t *testing.T) {
 	want := adapters.Capabilities{
 		Name:             "sqs:" + src.name,
 		Lease:            7 * time.Second, // read from the queue
-		MaxLeaseAge:      12 * time.Hour,
+		MaxLeaseAge:      12*time.Hour - 5*time.Second, // less the long poll's wait (0 here) and a margin
 		NackDelay:        true,
 		CountsDeliveries: true,
 		MaxReceive:       DefaultPollers * 10,
@@ -29,6 +29,27 @@ func TestCapabilities(t *testing.T) {
 	}
 	if got := src.Capabilities(); got != want {
 		t.Errorf("Capabilities() = %+v\nwant %+v", got, want)
+	}
+}
+
+// TestRuntimeCapComesBeforeSQSs: SQS's 12 hours start when it picks a
+// message, up to a whole long poll before the answer sets ReceivedAt, from
+// which the runtime counts its cap (MaxLeaseAge). Announced as 12 hours, the
+// runtime kept the handler running for up to a poll's wait after SQS had
+// made the message visible to others.
+func TestRuntimeCapComesBeforeSQSs(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	src, err := New(e.ctx(), e.client, url, WithWaitTime(20*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	picked := time.Now()
+	receivedAt := picked.Add(20 * time.Second) // the answer of a full long poll
+	if end := receivedAt.Add(src.Capabilities().MaxLeaseAge); end.After(picked.Add(MaxLeaseAge)) {
+		t.Fatalf("the runtime may hold a message until %v after SQS's 12 hours ran out", end.Sub(picked.Add(MaxLeaseAge)))
 	}
 }
 

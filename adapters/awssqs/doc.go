@@ -43,10 +43,13 @@
 // Extend, with ChangeMessageVisibilityBatch requests of up to ten. Renewals
 // stop before the delete, and SQS's limit of 12 hours of invisibility per
 // receive is respected, counted from when the ReceiveMessage call was made
-// (SQS starts it before the answer arrives): past it the delivery is lost
-// (its handler's context is cancelled with [ErrMaxVisibility], or with the
-// runtime's own cap, lease.ErrMaxHold; both wrap adapters.ErrLeaseLost) and
-// the message comes back.
+// (SQS starts it before the answer arrives). The Source announces a cap
+// (Capabilities.MaxLeaseAge) shorter by the long poll's wait and a few
+// seconds, so the runtime, which counts from Delivery.ReceivedAt, gives up
+// first: the handler's context is cancelled with the runtime's
+// lease.ErrMaxHold (or, should the adapter's count run out first,
+// [ErrMaxVisibility]; both wrap adapters.ErrLeaseLost) and the message comes
+// back.
 //
 // A batch entry SQS refuses because the receipt handle no longer names an
 // in-flight message (the timeout ran out and the message was received again

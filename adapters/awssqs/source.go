@@ -132,7 +132,7 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 	s.caps = adapters.Capabilities{
 		Name:             "sqs:" + name,
 		Lease:            s.visibility,
-		MaxLeaseAge:      MaxLeaseAge,
+		MaxLeaseAge:      heldAtMost(o.waitTime),
 		NackDelay:        true,
 		CountsDeliveries: true,
 		Ordered:          s.fifo,
@@ -217,4 +217,13 @@ func (s *Source) Close() error {
 	}
 	s.nacks.close()
 	return err
+}
+
+// heldAtMost is the cap the runtime holds a delivery to, counted from
+// Delivery.ReceivedAt. SQS counts its 12 hours from when it picked the
+// message, which can be a whole long poll (waitTime) before the answer that
+// sets ReceivedAt arrived: the runtime must give up by then, not visibility
+// run out under a running handler. A few seconds more cover the network.
+func heldAtMost(waitTime time.Duration) time.Duration {
+	return MaxLeaseAge - waitTime - 5*time.Second
 }
