@@ -193,10 +193,13 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 		if e := adapters.EntryError(err, i); e != nil {
 			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Warn("custody: ack failed; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "error", e)
-			if errors.Is(e, adapters.ErrLeaseLost) || errors.Is(j.d.LostCause(), adapters.ErrLeaseLost) {
-				// The lease ran out after the handler finished: not seen by
-				// run.lost, which counts the others.
-				r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
+			if cause := j.d.LostCause(); errors.Is(e, adapters.ErrLeaseLost) || errors.Is(cause, adapters.ErrLeaseLost) {
+				// The lease ran out after the handler finished (unless
+				// run.ack counted it already).
+				if cause == nil {
+					cause = e
+				}
+				r.leaseLost(j, cause)
 			}
 			if outcome == outcomeAcked {
 				outcome = outcomeLost

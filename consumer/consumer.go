@@ -194,6 +194,8 @@ type job struct {
 	// giveBack is set on the jobs queued behind a lost one in its lane:
 	// they are given back instead of run (see run.lost).
 	giveBack bool
+	// leaseLostCounted is set once the job's lost lease was counted.
+	leaseLostCounted bool
 }
 
 func newRun(c *Consumer, ctx context.Context) *run {

@@ -268,6 +268,12 @@ func (r *run) stopLease(j *job) {
 // ack stops j's lease and queues its ack; the ack loop settles it.
 func (r *run) ack(j *job, outcome string) {
 	r.stopLease(j)
+	if cause := j.d.LostCause(); errors.Is(cause, adapters.ErrLeaseLost) {
+		// The handler finished although its lease was lost meanwhile: the
+		// ack is still worth sending (the broker may take it, sparing a
+		// duplicate), but the loss happened and is counted.
+		r.leaseLost(j, cause)
+	}
 	j.deadLettered = outcome == outcomeDeadLettered
 	r.next(j)
 	r.enqueueAck(j)
@@ -385,11 +391,7 @@ func (r *run) releaseNow(j *job) {
 func (r *run) lost(j *job, cause error) {
 	r.stopLease(j)
 	if errors.Is(cause, adapters.ErrLeaseLost) {
-		// Counted here rather than by the lease keeper, which misses a
-		// lease the adapter reported lost by itself (a stale receipt, a
-		// renewal the runtime stopped before its answer came back).
-		r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
-		r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
+		r.leaseLost(j, cause)
 	} else {
 		r.cfg.logger.Info("custody: delivery lost", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
 	}
@@ -405,4 +407,17 @@ func (r *run) lost(j *job, cause error) {
 		r.lanesMu.Unlock()
 	}
 	r.next(j)
+}
+
+// leaseLost counts and logs j's lost lease, once. It is counted here rather
+// than by the lease keeper, which misses a lease the adapter reported lost by
+// itself (a stale receipt, a renewal the runtime stopped before its answer
+// came back).
+func (r *run) leaseLost(j *job, cause error) {
+	if j.leaseLostCounted {
+		return
+	}
+	j.leaseLostCounted = true
+	r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
+	r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
 }

@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"fmt"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -255,6 +256,37 @@ func TestLeaseLostIsCountedWhoeverNoticedIt(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := other.Ack(context.Background(), taken); err != nil {
+		t.Fatal(err)
+	}
+	if n := sums(t, reader)["custody.lease.lost"]; n != 1 {
+		t.Fatalf("custody.lease.lost = %d, want 1", n)
+	}
+}
+
+// TestLeaseLostIsCountedWhenTheHandlerSucceedsAnyway: a handler that ignores
+// its cancelled context and returns nil is acked all the same (the broker
+// may still take the ack), but its lease was lost and is counted.
+func TestLeaseLostIsCountedWhenTheHandlerSucceedsAnyway(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
+	e.publish("x")
+	var refused atomic.Bool
+	src := e.source(memory.WithFaults(memory.Faults{Extend: func(*adapters.Delivery) error {
+		if refused.CompareAndSwap(false, true) {
+			return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+		}
+		return nil
+	}}))
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		<-ctx.Done()
+		return nil // the effect was done regardless
+	}, consumer.WithMeterProvider(mp))
+	waitFor(t, "the delivery settled", func() bool {
+		s := sums(t, reader)
+		return s["custody.messages.settled/acked"]+s["custody.messages.settled/lost"] == 1
+	})
+	if err := r.stop(); err != nil {
 		t.Fatal(err)
 	}
 	if n := sums(t, reader)["custody.lease.lost"]; n != 1 {
