@@ -18,7 +18,7 @@ func TestCapabilities(t *testing.T) {
 	defer src.Close()
 	want := adapters.Capabilities{
 		Name:             "sqs:" + src.name,
-		Lease:            7 * time.Second, // read from the queue
+		Lease:            7 * time.Second,              // read from the queue
 		MaxLeaseAge:      12*time.Hour - 5*time.Second, // less the long poll's wait (0 here) and a margin
 		NackDelay:        true,
 		CountsDeliveries: true,
