@@ -132,3 +132,88 @@ func TestBufferRenewalNeverLandsAfterANack(t *testing.T) {
 		t.Errorf("%d of %d messages nacked with no delay are visible; the buffer's renewal hid the others again after the nack", back, len(got))
 	}
 }
+
+// unansweredRenewalClient holds the second ReceiveMessage until pollGate is
+// closed (so its messages wait in the Source's buffer), and never answers a
+// ChangeMessageVisibilityBatch: the call returns only when its context ends.
+type unansweredRenewalClient struct {
+	*sqs.Client
+	polls    atomic.Int32
+	pollGate chan struct{}
+	renewing chan struct{}
+	once     sync.Once
+	renewals atomic.Int32
+}
+
+func (c *unansweredRenewalClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, o ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	if c.polls.Add(1) == 2 {
+		<-c.pollGate
+	}
+	return c.Client.ReceiveMessage(ctx, in, o...)
+}
+
+func (c *unansweredRenewalClient) ChangeMessageVisibilityBatch(ctx context.Context, in *sqs.ChangeMessageVisibilityBatchInput, o ...func(*sqs.Options)) (*sqs.ChangeMessageVisibilityBatchOutput, error) {
+	c.once.Do(func() { close(c.renewing) })
+	c.renewals.Add(1)
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+// TestBufferRenewalSQSNeverAnswersDoesNotHoldReceive: Receive waits for a
+// renewal of the buffer on the wire, so that renewal is bounded by itself (a
+// third of the timeout, the time it had left to matter), whatever the
+// request timeout: a renewal SQS never answers must not keep the buffered
+// messages from the runtime. Nor may the renewals that follow it: Receive
+// hands the messages out once the one it waited for has ended.
+func TestBufferRenewalSQSNeverAnswersDoesNotHoldReceive(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 3*time.Second, nil)
+	for i := range 20 {
+		e.send(url, fmt.Sprintf("m%d", i), "", nil)
+	}
+	c := &unansweredRenewalClient{Client: e.client, pollGate: make(chan struct{}), renewing: make(chan struct{})}
+	src, err := New(e.ctx(), c, url, testOptions(withRequestTimeout(time.Hour))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	first, err := src.Receive(e.ctx(), 20)
+	if err != nil || len(first) == 0 {
+		t.Fatalf("Receive: %d deliveries, %v", len(first), err)
+	}
+	close(c.pollGate)
+	if err := src.Ack(e.ctx(), first); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the second poll in the buffer", func() bool {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		return src.inflight == 0 && len(src.buf) > 0
+	})
+	select {
+	case <-c.renewing:
+	case <-time.After(patience):
+		t.Fatal("the Source never renewed its buffered messages")
+	}
+	type result struct {
+		n   int
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		ds, err := src.Receive(context.Background(), 20)
+		got <- result{len(ds), err}
+	}()
+	select {
+	case r := <-got:
+		if r.err != nil || r.n == 0 {
+			t.Fatalf("Receive of the buffered messages: %d deliveries, %v", r.n, r.err)
+		}
+		if n := c.renewals.Load(); n > 2 {
+			t.Errorf("Receive waited for %d unanswered renewals of the buffer; want it to take the messages after the one on the wire", n)
+		}
+	case <-time.After(patience):
+		t.Fatal("Receive held the buffered messages while SQS did not answer their renewal")
+	}
+}

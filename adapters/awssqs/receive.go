@@ -332,6 +332,12 @@ func (s *Source) keepBuffered() {
 		ctx, cancel := context.WithTimeout(s.pollCtx, renewAfter)
 		err := s.Extend(ctx, due, s.visibility)
 		cancel()
+		// The next renewal waits a whole tick from here. A renewal that
+		// took a tick or more (one SQS did not answer, which leaves the
+		// messages due) would otherwise be followed at once by the next, and
+		// Receive, woken by its end, would rarely take the lock first: it
+		// would wait renewal after renewal, the messages idle in the buffer.
+		tick.Reset(s.visibility / 6)
 		s.mu.Lock()
 		close(s.bufRenewing)
 		s.bufRenewing = nil
