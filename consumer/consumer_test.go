@@ -871,3 +871,13 @@ func TestLeaseRenewalInALoopFailsAtNew(t *testing.T) {
 		t.Fatalf("a renewal every 300ms refused: %v", err)
 	}
 }
+
+// TestLeaseRenewalEveryMillisecondIsAccepted: New refuses renewals more often
+// than every millisecond, not renewals exactly that far apart.
+func TestLeaseRenewalEveryMillisecondIsAccepted(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 2 * time.Millisecond})
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	if _, err := consumer.New(e.source(), h, consumer.WithLeaseRenewal(0.5)); err != nil {
+		t.Fatalf("a renewal every 1ms refused: %v", err)
+	}
+}

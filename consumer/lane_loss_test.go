@@ -149,3 +149,56 @@ func TestLaneLossGivesBackAlsoWhenLeavingUnfinishedOnShutdown(t *testing.T) {
 		t.Fatalf("group a's effects ran in the order %v, want a1 a2 a3", done)
 	}
 }
+
+// TestLostMessageKeepsItsGroupInOrderMidRun: the jobs of a lane are handed
+// on in runs (taken together when the one before finishes); when a message
+// in the middle of such a run is lost, the rest of the run is given back
+// too, and the group's effects still happen in order.
+func TestLostMessageKeepsItsGroupInOrderMidRun(t *testing.T) {
+	b := memory.NewBroker()
+	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 300 * time.Millisecond, FIFO: true}); err != nil {
+		t.Fatal(err)
+	}
+	var msgs []memory.Message
+	for i := 1; i <= 4; i++ {
+		msgs = append(msgs, memory.Message{Key: "a", Body: []byte(fmt.Sprintf("a%d", i))})
+	}
+	if err := b.Publish(context.Background(), "q", msgs...); err != nil {
+		t.Fatal(err)
+	}
+	var refused atomic.Bool
+	src, err := b.Source("q", memory.WithPollWait(10*time.Millisecond), memory.WithFaults(memory.Faults{
+		Extend: func(d *adapters.Delivery) error {
+			// The first renewal of a2's first delivery: its lease is lost.
+			if string(d.Body) == "a2" && refused.CompareAndSwap(false, true) {
+				return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+			}
+			return nil
+		},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var done []string
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "a2" && m.Attempt == 1 {
+			<-ctx.Done() // runs until its lease is lost
+			return ctx.Err()
+		}
+		mu.Lock()
+		done = append(done, string(m.Body))
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(4))
+	defer r.stop()
+	waitFor(t, "all four done", func() bool {
+		s, _ := b.Stats("q")
+		return s.Acked == 4
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(done, []string{"a1", "a2", "a3", "a4"}) {
+		t.Fatalf("group a's effects ran in the order %v, want a1 a2 a3 a4", done)
+	}
+}

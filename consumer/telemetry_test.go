@@ -293,3 +293,112 @@ func TestLeaseLostIsCountedWhenTheHandlerSucceedsAnyway(t *testing.T) {
 		t.Fatalf("custody.lease.lost = %d, want 1", n)
 	}
 }
+
+// TestLeaseLostIsCountedOnceWhenItsAckIsRefusedToo: a handler that ignores
+// its lost lease and succeeds is counted when it returns; the broker then
+// refusing its ack for that same lost lease is the same loss, not a second.
+func TestLeaseLostIsCountedOnceWhenItsAckIsRefusedToo(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
+	e.publish("x")
+	var refused, ackRefused atomic.Bool
+	src := e.source(memory.WithFaults(memory.Faults{
+		Extend: func(*adapters.Delivery) error {
+			if refused.CompareAndSwap(false, true) {
+				return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+			}
+			return nil
+		},
+		Ack: func(*adapters.Delivery) error {
+			if ackRefused.CompareAndSwap(false, true) {
+				return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+			}
+			return nil
+		},
+	}))
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if m.Attempt == 1 {
+			<-ctx.Done()
+		}
+		return nil // the effect was done regardless
+	}, consumer.WithMeterProvider(mp))
+	waitFor(t, "the refused ack settled as lost", func() bool { return sums(t, reader)["custody.messages.settled/lost"] == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := sums(t, reader)["custody.lease.lost"]; n != 1 {
+		t.Fatalf("custody.lease.lost = %d, want 1: one delivery lost its lease once", n)
+	}
+}
+
+// TestLeaseLostAtAckIsCounted: a lease the broker reports gone only when the
+// ack is refused (a stale receipt, no failed renewal before it) is a lost
+// lease all the same, and counted.
+func TestLeaseLostAtAckIsCounted(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: 30 * time.Second})
+	e.publish("x")
+	var ackRefused atomic.Bool
+	src := e.source(memory.WithFaults(memory.Faults{Ack: func(*adapters.Delivery) error {
+		if ackRefused.CompareAndSwap(false, true) {
+			return fmt.Errorf("receipt handle is stale: %w", adapters.ErrLeaseLost)
+		}
+		return nil
+	}}))
+	r := run(t, src, func(context.Context, *consumer.Message) error { return nil }, consumer.WithMeterProvider(mp))
+	waitFor(t, "the refused ack settled as lost", func() bool { return sums(t, reader)["custody.messages.settled/lost"] == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := sums(t, reader)["custody.lease.lost"]; n != 1 {
+		t.Fatalf("custody.lease.lost = %d, want 1", n)
+	}
+}
+
+// TestLeaseLostWhileWaitingIsCountedWhenLeavingUnfinishedOnShutdown: with
+// WithLeaveUnfinishedOnShutdown, a delivery still waiting in its lane at
+// shutdown is left to its lease; one whose lease was already lost has none
+// left to wait for, and is settled and counted as lost.
+func TestLeaseLostWhileWaitingIsCountedWhenLeavingUnfinishedOnShutdown(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	b := memory.NewBroker()
+	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 300 * time.Millisecond, FIFO: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publish(context.Background(), "q",
+		memory.Message{Key: "a", Body: []byte("a1")}, memory.Message{Key: "a", Body: []byte("a2")}); err != nil {
+		t.Fatal(err)
+	}
+	var lostD atomic.Pointer[adapters.Delivery]
+	src, err := b.Source("q", memory.WithPollWait(10*time.Millisecond), memory.WithFaults(memory.Faults{
+		Extend: func(d *adapters.Delivery) error {
+			if string(d.Body) == "a2" && lostD.CompareAndSwap(nil, d) {
+				return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+			}
+			return nil
+		},
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		<-ctx.Done() // a1 runs until the shutdown timeout; a2 waits behind it
+		return nil
+	}, consumer.WithMeterProvider(mp), consumer.WithLeaveUnfinishedOnShutdown(),
+		consumer.WithShutdownTimeout(100*time.Millisecond))
+	waitFor(t, "a2's lease lost while it waits", func() bool {
+		d := lostD.Load()
+		return d != nil && d.LostCause() != nil
+	})
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	s := sums(t, reader)
+	if s["custody.messages.settled/lost"] != 1 || s["custody.lease.lost"] != 1 || s["custody.messages.settled/left"] != 0 {
+		t.Fatalf("settled lost=%d left=%d, custody.lease.lost=%d; want a2 settled and counted as lost",
+			s["custody.messages.settled/lost"], s["custody.messages.settled/left"], s["custody.lease.lost"])
+	}
+}

@@ -325,3 +325,77 @@ func TestDataLossPollMixingOldAndNewLogIsFetchedAgain(t *testing.T) {
 		t.Fatalf("refetch %v; want partition 0 fetched again from 20", refetch)
 	}
 }
+
+// TestDataLossAtTheLastPolledOffsetRewinds: a loss whose reset point is the
+// last offset polled (the log now ends before it) replaced that record: the
+// one the log then holds at that offset is handed out, not dropped as
+// already polled.
+func TestDataLossAtTheLastPolledOffsetRewinds(t *testing.T) {
+	tel, err := newTelemetry(noop.NewMeterProvider(), "g", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Source{cfg: defaultConfig(), tel: tel, parts: map[tpKey]*partition{}}
+	s.parts[tpKey{"t", 0}] = newPartition("t", 0, 1)
+	s.rebuildOrderLocked()
+	rec := func(o int64, v string) *kgo.Record {
+		return &kgo.Record{Topic: "t", Partition: 0, Offset: o, Value: []byte(v)}
+	}
+	part := func(fp kgo.FetchPartition) kgo.Fetches {
+		return kgo.Fetches{{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{fp}}}}}
+	}
+	s.registerLocked(part(kgo.FetchPartition{Partition: 0, HighWatermark: 3, Records: []*kgo.Record{rec(0, "a"), rec(1, "b"), rec(2, "old")}}))
+	if err := s.Ack(context.Background(), s.takeLocked(nil, 100)); err != nil {
+		t.Fatal(err)
+	}
+	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 3, ResetTo: 2}
+	s.registerLocked(part(kgo.FetchPartition{Partition: 0, Err: loss}))
+	s.registerLocked(part(kgo.FetchPartition{Partition: 0, HighWatermark: 3, Records: []*kgo.Record{rec(2, "new")}}))
+	got := s.takeLocked(nil, 100)
+	if len(got) != 1 || got[0].Offset != 2 || string(got[0].Body) != "new" {
+		t.Fatalf("after a loss resetting to 2, the last offset polled, handed out %v; want the record now at 2", offsets(got))
+	}
+}
+
+// TestDataLossRewindResumesAPausedPartition: a partition paused at its
+// in-flight bound when its records are lost is fetched again after the
+// rewind: the old records no longer count against the bound, and paused it
+// would never fetch the records that replaced them.
+func TestDataLossRewindResumesAPausedPartition(t *testing.T) {
+	tel, err := newTelemetry(noop.NewMeterProvider(), "g", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers("127.0.0.1:1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	cfg := defaultConfig()
+	cfg.maxPerPart = 3
+	s := &Source{cfg: cfg, tel: tel, cl: cl, parts: map[tpKey]*partition{}}
+	s.parts[tpKey{"t", 0}] = newPartition("t", 0, 1)
+	s.rebuildOrderLocked()
+	var rs []*kgo.Record
+	for o := int64(0); o < 5; o++ {
+		rs = append(rs, &kgo.Record{Topic: "t", Partition: 0, Offset: o, Value: []byte("v")})
+	}
+	part := func(fp kgo.FetchPartition) kgo.Fetches {
+		return kgo.Fetches{{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{fp}}}}}
+	}
+	s.registerLocked(part(kgo.FetchPartition{Partition: 0, HighWatermark: 5, Records: rs}))
+	if held := s.takeLocked(nil, 100); len(held) != 3 {
+		t.Fatalf("took %d records; want 3, the partition's bound", len(held))
+	}
+	if paused := cl.PauseFetchPartitions(nil); len(paused["t"]) != 1 {
+		t.Fatalf("paused %v at the bound; want t/0 paused", paused)
+	}
+	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 5, ResetTo: 3}
+	refetch, _ := s.registerLocked(part(kgo.FetchPartition{Partition: 0, Err: loss}))
+	if eo, ok := refetch["t"][0]; !ok || eo.Offset != 0 {
+		t.Fatalf("refetch %v; want t/0 fetched again from 0 (nothing done)", refetch)
+	}
+	if paused := cl.PauseFetchPartitions(nil); len(paused) != 0 {
+		t.Fatalf("still paused after the rewind: %v; the partition would never be fetched again", paused)
+	}
+}

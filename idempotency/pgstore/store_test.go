@@ -3,6 +3,8 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -215,5 +217,28 @@ func TestUnstorableKeysAreReported(t *testing.T) {
 		if _, _, err := s.Claim(ctx, c.key, c.fp, time.Minute); !errors.Is(err, idempotency.ErrUnstorableKey) {
 			t.Errorf("Claim(%.20q, %q) = %v, want ErrUnstorableKey", c.key, c.fp, err)
 		}
+	}
+}
+
+// The longest key the store promises to hold (pgsql.MaxKeyBytes) is claimed
+// like any other: only longer ones are refused.
+func TestLongestStorableKeyIsClaimed(t *testing.T) {
+	s, _ := newStore(t, pgsql.TestPool(t))
+	ctx := context.Background()
+	// Random text, which PostgreSQL cannot compress to make it fit.
+	var b strings.Builder
+	for b.Len() < pgsql.MaxKeyBytes {
+		fmt.Fprintf(&b, "%016x", rand.Uint64())
+	}
+	key := b.String()[:pgsql.MaxKeyBytes]
+	state, tok, err := s.Claim(ctx, key, "", time.Minute)
+	if err != nil || state != idempotency.Acquired {
+		t.Fatalf("Claim of a %d-byte key = %v, %v; want Acquired", len(key), state, err)
+	}
+	if err := s.Complete(ctx, key, tok, time.Hour); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+	if state, _, err := s.Claim(ctx, key, "", time.Minute); err != nil || state != idempotency.Completed {
+		t.Fatalf("Claim after Complete = %v, %v; want Completed", state, err)
 	}
 }
