@@ -3,6 +3,7 @@ package awssqs
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -56,4 +57,48 @@ func TestAckReturnsWhenSQSDoesNotAnswer(t *testing.T) {
 	case <-time.After(patience):
 		t.Fatal("Ack did not return while SQS did not answer: it has no timeout of its own")
 	}
+}
+
+// hangingReceiveClient never answers its first ReceiveMessage: the call
+// returns only when its context ends, as on a connection that hung.
+type hangingReceiveClient struct {
+	*sqs.Client
+	hung atomic.Bool
+}
+
+func (c *hangingReceiveClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, o ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	if c.hung.CompareAndSwap(false, true) {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return c.Client.ReceiveMessage(ctx, in, o...)
+}
+
+// TestHungReceiveGivesUpItsPoller: a long poll whose answer never comes
+// gives up after the poll's wait and the request timeout, and the poller
+// polls again. Unbounded, it held its slot for ever; with one poller (a FIFO
+// queue's default) nothing was received again.
+func TestHungReceiveGivesUpItsPoller(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	e.send(url, "m", "", nil)
+	src, err := New(e.ctx(), &hangingReceiveClient{Client: e.client}, url,
+		testOptions(WithPollers(1), withRequestTimeout(500*time.Millisecond))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	for ctx.Err() == nil {
+		ds, err := src.Receive(ctx, 1)
+		if len(ds) == 1 {
+			return
+		}
+		if err != nil && ctx.Err() == nil {
+			t.Logf("Receive: %v", err) // the hung poll's timeout, reported once
+		}
+	}
+	t.Fatal("nothing received: the hung poll still holds the only poller")
 }

@@ -57,7 +57,9 @@
 // counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
 // that fail on SQS's side are retried alone, a few times. Every delete and
 // visibility request times out after 30 s, so a request SQS never answers
-// holds neither the runtime nor its shutdown; it fails like any other.
+// holds neither the runtime nor its shutdown; it fails like any other. A
+// receive times out after its long poll's wait plus 30 s, so a hung poll
+// gives its poller back (a FIFO queue has only one).
 //
 // # Acks, retries and shutdown
 //

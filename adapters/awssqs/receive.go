@@ -151,7 +151,12 @@ func (s *Source) poll(n int) {
 	}
 	s.stats.receives.Add(1)
 	asked := time.Now()
-	out, err := s.client.ReceiveMessage(s.pollCtx, in)
+	// Bounded by the long poll's wait and the request timeout: a poll whose
+	// connection hangs would otherwise hold this poller's slot for ever, and
+	// a FIFO queue has only one.
+	rctx, cancel := context.WithTimeout(s.pollCtx, s.opts.waitTime+s.opts.requestTimeout)
+	out, err := s.client.ReceiveMessage(rctx, in)
+	cancel()
 	now := time.Now()
 	var ds []*adapters.Delivery
 	if err == nil {
