@@ -659,6 +659,8 @@ func TestInvalidOptionsFailAtNewNamingTheOption(t *testing.T) {
 	}{
 		{consumer.WithConcurrency(0), "WithConcurrency"},
 		{consumer.WithMaxInFlight(-1), "WithMaxInFlight"},
+		{consumer.WithMaxInFlight(math.MaxInt), "WithMaxInFlight"}, // made Run panic
+		{consumer.WithConcurrency(math.MaxInt), "WithConcurrency"}, // started that many goroutines
 		{consumer.WithRetry(consumer.Retry{MaxAttempts: -1}), "WithRetry"},
 		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ExponentialBackoff{Initial: time.Second, Multiplier: 0.5}}), "WithRetry"},
 		{consumer.WithDeadLetter(nil), "WithDeadLetter"},

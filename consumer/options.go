@@ -72,12 +72,21 @@ func WithName(name string) Option {
 	return optionFunc(func(c *config) error { c.name = name; return nil })
 }
 
-// WithConcurrency sets how many handlers run at once. Default 1. Must be at
-// least 1.
+// Upper bounds of WithConcurrency and WithMaxInFlight: the runtime starts a
+// goroutine per handler slot and sizes its queues by the in-flight bound, so
+// a value past these would exhaust memory (or panic) in Run rather than fail
+// at New.
+const (
+	maxConcurrency = 1 << 16
+	maxInFlight    = 1 << 20
+)
+
+// WithConcurrency sets how many handlers run at once. Default 1. Must be
+// between 1 and 65,536.
 func WithConcurrency(n int) Option {
 	return optionFunc(func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("consumer: WithConcurrency(%d): must be at least 1", n)
+		if n < 1 || n > maxConcurrency {
+			return fmt.Errorf("consumer: WithConcurrency(%d): must be between 1 and %d", n, maxConcurrency)
 		}
 		c.concurrency = n
 		return nil
@@ -88,11 +97,12 @@ func WithConcurrency(n int) Option {
 // worker or an ordering lane, or waiting for their ack. Held deliveries keep
 // their leases renewed. Default: twice the concurrency and at least 20, so
 // that one batch can be fetched while another is handled (and never more
-// than the adapter's MaxUnacked). Must be at least the concurrency.
+// than the adapter's MaxUnacked). Must be at least the concurrency, and at
+// most 1,048,576.
 func WithMaxInFlight(n int) Option {
 	return optionFunc(func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("consumer: WithMaxInFlight(%d): must be at least 1", n)
+		if n < 1 || n > maxInFlight {
+			return fmt.Errorf("consumer: WithMaxInFlight(%d): must be between 1 and %d", n, maxInFlight)
 		}
 		c.maxInFlight = n
 		return nil
