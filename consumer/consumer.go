@@ -395,7 +395,7 @@ func (r *run) accept(ds []*adapters.Delivery) {
 			for i, d := range ds {
 				if adapters.EntryError(err, i) != nil {
 					r.tel.ackFailures.Add(ctx, 1, r.tel.source...)
-					r.settle(&job{d: d}, outcomeReleased)
+					r.settle(&job{d: d}, outcomeLeft) // not nacked: its lease brings it back
 					continue
 				}
 				kept = append(kept, d)

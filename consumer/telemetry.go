@@ -22,7 +22,7 @@ const (
 	outcomeLost         = "lost"
 	outcomeExhausted    = "exhausted"
 	outcomeFailed       = "failed" // at-most-once: handler failed, message gone
-	outcomeLeft         = "left"   // shutdown: left to the broker's lease
+	outcomeLeft         = "left"   // left to the broker's lease: at shutdown, or a failed early ack (at-most-once)
 )
 
 // telemetry holds the instruments, created once in New, and pre-built

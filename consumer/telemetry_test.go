@@ -402,3 +402,23 @@ func TestLeaseLostWhileWaitingIsCountedWhenLeavingUnfinishedOnShutdown(t *testin
 			s["custody.messages.settled/lost"], s["custody.messages.settled/left"], s["custody.lease.lost"])
 	}
 }
+
+// TestAtMostOnceFailedEarlyAckIsCountedLeft: a delivery whose early ack
+// failed is neither handled nor nacked; it comes back when its lease runs
+// out, so it is settled as "left", not "released" (given back at once).
+func TestAtMostOnceFailedEarlyAckIsCountedLeft(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: 50 * time.Millisecond})
+	e.publish("a")
+	r := run(t, e.sourceLosingFirstAck(), func(ctx context.Context, m *consumer.Message) error { return nil },
+		consumer.WithAtMostOnceAckBeforeProcessingUnsafe(), consumer.WithMeterProvider(mp))
+	waitFor(t, "acked on the redelivery", func() bool { return e.stats("q").Acked == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	s := sums(t, reader)
+	if s["custody.messages.settled/left"] != 1 || s["custody.messages.settled/released"] != 0 {
+		t.Fatalf("settled left %d, released %d; want the failed early ack counted as left", s["custody.messages.settled/left"], s["custody.messages.settled/released"])
+	}
+}
