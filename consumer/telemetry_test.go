@@ -23,6 +23,12 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 )
 
+// newMeter returns a meter provider whose measurements reader collects.
+func newMeter() (*sdkmetric.ManualReader, *sdkmetric.MeterProvider) {
+	reader := sdkmetric.NewManualReader()
+	return reader, sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+}
+
 // sums returns every Int64 sum data point by metric name and outcome.
 func sums(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
 	t.Helper()
@@ -53,8 +59,7 @@ func sums(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
 }
 
 func TestTelemetryCountsWhatHappened(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	spans := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
 
@@ -175,8 +180,7 @@ func TestSpansFollowTheGlobalProvider(t *testing.T) {
 // A renewal that fails without the lease being gone (the broker throttled
 // it) is counted, tried again, and the handler keeps its lease and finishes.
 func TestTransientRenewalFailureIsCountedAndTheHandlerKeepsItsLease(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	e := newEnv(t, memory.QueueOptions{Lease: 600 * time.Millisecond})
 	e.publish("slow")
 	var extendCalls atomic.Int32
@@ -216,8 +220,7 @@ func TestTransientRenewalFailureIsCountedAndTheHandlerKeepsItsLease(t *testing.T
 // the lease keeper counted, and it counts nothing for a lease the runtime
 // has stopped, which it does as soon as the cancelled handler returns.
 func TestLeaseLostIsCountedWhoeverNoticedIt(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
 	e.publish("x")
 	entered, unblock := make(chan struct{}), make(chan struct{})
@@ -267,8 +270,7 @@ func TestLeaseLostIsCountedWhoeverNoticedIt(t *testing.T) {
 // its cancelled context and returns nil is acked all the same (the broker
 // may still take the ack), but its lease was lost and is counted.
 func TestLeaseLostIsCountedWhenTheHandlerSucceedsAnyway(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
 	e.publish("x")
 	var refused atomic.Bool
@@ -298,8 +300,7 @@ func TestLeaseLostIsCountedWhenTheHandlerSucceedsAnyway(t *testing.T) {
 // its lost lease and succeeds is counted when it returns; the broker then
 // refusing its ack for that same lost lease is the same loss, not a second.
 func TestLeaseLostIsCountedOnceWhenItsAckIsRefusedToo(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
 	e.publish("x")
 	var refused, ackRefused atomic.Bool
@@ -336,8 +337,7 @@ func TestLeaseLostIsCountedOnceWhenItsAckIsRefusedToo(t *testing.T) {
 // ack is refused (a stale receipt, no failed renewal before it) is a lost
 // lease all the same, and counted.
 func TestLeaseLostAtAckIsCounted(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	e := newEnv(t, memory.QueueOptions{Lease: 30 * time.Second})
 	e.publish("x")
 	var ackRefused atomic.Bool
@@ -362,8 +362,7 @@ func TestLeaseLostAtAckIsCounted(t *testing.T) {
 // shutdown is left to its lease; one whose lease was already lost has none
 // left to wait for, and is settled and counted as lost.
 func TestLeaseLostWhileWaitingIsCountedWhenLeavingUnfinishedOnShutdown(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	b := memory.NewBroker()
 	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 300 * time.Millisecond, FIFO: true}); err != nil {
 		t.Fatal(err)
@@ -407,8 +406,7 @@ func TestLeaseLostWhileWaitingIsCountedWhenLeavingUnfinishedOnShutdown(t *testin
 // failed is neither handled nor nacked; it comes back when its lease runs
 // out, so it is settled as "left", not "released" (given back at once).
 func TestAtMostOnceFailedEarlyAckIsCountedLeft(t *testing.T) {
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reader, mp := newMeter()
 	e := newEnv(t, memory.QueueOptions{Lease: 50 * time.Millisecond})
 	e.publish("a")
 	r := run(t, e.sourceLosingFirstAck(), func(ctx context.Context, m *consumer.Message) error { return nil },

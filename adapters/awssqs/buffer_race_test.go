@@ -84,24 +84,7 @@ func TestBufferRenewalNeverLandsAfterANack(t *testing.T) {
 
 	// Room for 20 starts two polls; the first comes back, the second is
 	// held until Receive has returned, so its messages wait in the Source.
-	first, err := src.Receive(e.ctx(), 20)
-	if err != nil || len(first) == 0 {
-		t.Fatalf("Receive: %d deliveries, %v", len(first), err)
-	}
-	close(c.pollGate)
-	if err := src.Ack(e.ctx(), first); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "the second poll in the buffer", func() bool {
-		src.mu.Lock()
-		defer src.mu.Unlock()
-		return src.inflight == 0 && len(src.buf) > 0
-	})
-	select {
-	case <-c.renewing:
-	case <-time.After(patience):
-		t.Fatal("the Source never renewed its buffered messages")
-	}
+	bufferSecondPoll(t, e, src, c.pollGate, c.renewing)
 
 	got, err := src.Receive(e.ctx(), 20)
 	if err != nil || len(got) == 0 {
@@ -178,24 +161,7 @@ func TestBufferRenewalSQSNeverAnswersDoesNotHoldReceive(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	first, err := src.Receive(e.ctx(), 20)
-	if err != nil || len(first) == 0 {
-		t.Fatalf("Receive: %d deliveries, %v", len(first), err)
-	}
-	close(c.pollGate)
-	if err := src.Ack(e.ctx(), first); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "the second poll in the buffer", func() bool {
-		src.mu.Lock()
-		defer src.mu.Unlock()
-		return src.inflight == 0 && len(src.buf) > 0
-	})
-	select {
-	case <-c.renewing:
-	case <-time.After(patience):
-		t.Fatal("the Source never renewed its buffered messages")
-	}
+	bufferSecondPoll(t, e, src, c.pollGate, c.renewing)
 	type result struct {
 		n   int
 		err error
@@ -215,5 +181,30 @@ func TestBufferRenewalSQSNeverAnswersDoesNotHoldReceive(t *testing.T) {
 		}
 	case <-time.After(patience):
 		t.Fatal("Receive held the buffered messages while SQS did not answer their renewal")
+	}
+}
+
+// bufferSecondPoll takes and acks the first poll's messages, lets the second
+// poll (held by pollGate) land in src's buffer, and waits until a renewal of
+// the buffered messages begins (renewing closes).
+func bufferSecondPoll(t *testing.T, e *env, src *Source, pollGate, renewing chan struct{}) {
+	t.Helper()
+	first, err := src.Receive(e.ctx(), 20)
+	if err != nil || len(first) == 0 {
+		t.Fatalf("Receive: %d deliveries, %v", len(first), err)
+	}
+	close(pollGate)
+	if err := src.Ack(e.ctx(), first); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the second poll in the buffer", func() bool {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		return src.inflight == 0 && len(src.buf) > 0
+	})
+	select {
+	case <-renewing:
+	case <-time.After(patience):
+		t.Fatal("the Source never renewed its buffered messages")
 	}
 }
