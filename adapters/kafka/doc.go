@@ -50,7 +50,10 @@
 // After a rebalance the partition's next owner reads them back and skips
 // those records instead of running them again, unless fetching starts below
 // the committed offset (the log was truncated or recreated): the offsets
-// would then name other records, and the metadata is ignored. A partition whose metadata
+// would then name other records, and the metadata is ignored. An owner that
+// loses the partition before it reaches the offsets it inherited writes them
+// into its own commit metadata, so they survive any number of rebalances (as
+// many of them as fit beside its own). A partition whose metadata
 // could outgrow the limit takes no new records until its prefix catches up.
 //
 // # Rebalances

@@ -24,34 +24,83 @@ type span struct{ from, to int64 }
 // encodeDone encodes the done offsets given in ascending order by each (all at
 // or beyond base). It returns "" when there is nothing to record.
 func encodeDone(base int64, each func(fn func(pos int64))) string {
-	var raw []byte
-	cursor := base
-	var runStart, runEnd int64 = -1, -1
-	flush := func() {
-		if runStart < 0 {
-			return
-		}
-		raw = binary.AppendUvarint(raw, uint64(runStart-cursor))
-		raw = binary.AppendUvarint(raw, uint64(runEnd-runStart+1))
-		cursor = runEnd + 1
+	e := newDoneEncoder(base)
+	each(func(pos int64) { e.add(pos, pos) })
+	return e.String()
+}
+
+// doneEncoder builds the metadata from done spans added in ascending order,
+// merging adjacent ones into one run.
+type doneEncoder struct {
+	head   []byte // the base
+	raw    []byte // the runs written so far
+	cursor int64  // the first offset the next run may start at
+	run    span   // the run being built, if open
+	open   bool
+}
+
+func newDoneEncoder(base int64) *doneEncoder {
+	return &doneEncoder{head: binary.AppendUvarint(nil, uint64(base)), cursor: base}
+}
+
+// add records the inclusive span [from, to]. Offsets below what was already
+// added are ignored.
+func (e *doneEncoder) add(from, to int64) {
+	if e.open && from <= e.run.to+1 {
+		e.run.to = max(e.run.to, to)
+		return
 	}
-	each(func(pos int64) {
-		if pos < cursor {
-			return
-		}
-		if runStart >= 0 && pos == runEnd+1 {
-			runEnd = pos
-			return
-		}
-		flush()
-		runStart, runEnd = pos, pos
-	})
-	flush()
-	if len(raw) == 0 {
+	e.flush()
+	from = max(from, e.cursor)
+	if from > to {
+		return
+	}
+	e.run, e.open = span{from, to}, true
+}
+
+func (e *doneEncoder) flush() {
+	if !e.open {
+		return
+	}
+	e.raw = binary.AppendUvarint(e.raw, uint64(e.run.from-e.cursor))
+	e.raw = binary.AppendUvarint(e.raw, uint64(e.run.to-e.run.from+1))
+	e.cursor = e.run.to + 1
+	e.open = false
+}
+
+// size is the number of varint bytes the metadata would hold if finished
+// now, or 0 when it would be empty.
+func (e *doneEncoder) size() int {
+	n := len(e.raw)
+	if e.open {
+		n += uvarintLen(uint64(e.run.from-e.cursor)) + uvarintLen(uint64(e.run.to-e.run.from+1))
+	}
+	if n == 0 {
+		return 0
+	}
+	return len(e.head) + n
+}
+
+// tryAdd adds [from, to] if the metadata still fits limit afterwards, and
+// reports whether it did.
+func (e *doneEncoder) tryAdd(from, to int64, limit int) bool {
+	saved, savedLen := *e, len(e.raw)
+	e.add(from, to)
+	if metadataFits(e.size(), limit) {
+		return true
+	}
+	*e = saved
+	e.raw = e.raw[:savedLen]
+	return false
+}
+
+// String finishes the metadata; "" when no span was added.
+func (e *doneEncoder) String() string {
+	e.flush()
+	if len(e.raw) == 0 {
 		return ""
 	}
-	head := binary.AppendUvarint(nil, uint64(base))
-	return metadataPrefix + base64.RawURLEncoding.EncodeToString(append(head, raw...))
+	return metadataPrefix + base64.RawURLEncoding.EncodeToString(append(e.head, e.raw...))
 }
 
 // decodeDone returns the done spans recorded in meta when they are relative to

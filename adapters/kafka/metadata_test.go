@@ -34,12 +34,20 @@ func TestMetadataRoundTrip(t *testing.T) {
 // encoded metadata always fits the limit and decodes to exactly the done
 // positions beyond the commit point.
 func FuzzMetadataBound(f *testing.F) {
-	f.Add([]byte{0, 1, 2, 3, 200, 4, 5, 130, 131}, uint8(40))
-	f.Add([]byte{9, 9, 9, 9, 9, 255, 129, 250}, uint8(0))
-	f.Fuzz(func(t *testing.T, ops []byte, lim uint8) {
+	f.Add([]byte{0, 1, 2, 3, 200, 4, 5, 130, 131}, uint8(40), []byte{})
+	f.Add([]byte{9, 9, 9, 9, 9, 255, 129, 250}, uint8(0), []byte{3, 4, 200, 9})
+	f.Add([]byte{1, 2, 130, 3, 129}, uint8(10), []byte{0, 9, 1, 1, 7, 3, 250, 250, 2, 2})
+	f.Fuzz(func(t *testing.T, ops []byte, lim uint8, inherited []byte) {
 		limit := minMetadataLimit + int(lim)
 		p := newPartition("t", 0, 1)
 		p.tr = prefix.New()
+		// Spans a previous owner recorded done, as pairs of (gap, length).
+		for i, from := 0, int64(5); i+1 < len(inherited); i += 2 {
+			from += int64(inherited[i])
+			to := from + int64(inherited[i+1]%50)
+			p.skip = append(p.skip, span{from, to})
+			from = to + 2
+		}
 		next := int64(5)
 		var tracked []int64
 		for _, op := range ops {
@@ -60,7 +68,7 @@ func FuzzMetadataBound(f *testing.F) {
 			if !ok {
 				continue
 			}
-			m := encodeDone(at, p.tr.DoneBeyond)
+			m := p.metadata(at, limit)
 			if len(m) > limit {
 				t.Fatalf("metadata of %d bytes exceeds the limit %d", len(m), limit)
 			}
@@ -72,8 +80,26 @@ func FuzzMetadataBound(f *testing.F) {
 					got = append(got, o)
 				}
 			}
-			if !slices.Equal(got, want) {
-				t.Fatalf("metadata decodes to %v, want %v", got, want)
+			// Every done position this owner tracked, then whole spans of
+			// the previous owner's beyond them, in order, as many as fit.
+			if len(got) < len(want) || !slices.Equal(got[:len(want)], want) {
+				t.Fatalf("metadata decodes to %v, want it to start with %v", got, want)
+			}
+			rest := got[len(want):]
+			for _, sp := range p.skip {
+				if len(rest) == 0 {
+					break
+				}
+				from := max(sp.from, p.lastTracked+1, at)
+				for o := from; o <= sp.to; o++ {
+					if len(rest) == 0 || rest[0] != o {
+						t.Fatalf("metadata decodes to %v: inherited span %v is not whole (tracked %v, done %v)", got, sp, tracked, want)
+					}
+					rest = rest[1:]
+				}
+			}
+			if len(rest) > 0 {
+				t.Fatalf("metadata decodes to %v: %v is neither done nor inherited", got, rest)
 			}
 		}
 	})

@@ -245,13 +245,30 @@ func (p *partition) leaderEpochBefore(at int64) int32 {
 	return p.epochs[0].epoch
 }
 
-// metadata encodes the done offsets beyond the commit point.
+// metadata encodes the done offsets beyond the commit point: those this
+// owner tracked, then the spans a previous owner recorded done beyond the
+// last offset this owner tracked, as many as fit the limit. Without the
+// latter, an owner revoked before it reached them would write metadata
+// without them, and the next owner would run them again.
 func (p *partition) metadata(at int64, limit int) string {
-	m := encodeDone(at, p.tr.DoneBeyond)
-	if len(m) > limit { // cannot happen while fits is honoured; never send an oversized commit
+	e := newDoneEncoder(at)
+	p.tr.DoneBeyond(func(pos int64) { e.add(pos, pos) })
+	if !metadataFits(e.size(), limit) { // cannot happen while fits is honoured; never send an oversized commit
 		return ""
 	}
-	return m
+	for _, sp := range p.skip {
+		from := sp.from
+		if p.hasTracked {
+			from = max(from, p.lastTracked+1)
+		}
+		if from > sp.to {
+			continue
+		}
+		if !e.tryAdd(from, sp.to, limit) {
+			break // the rest is run again by the next owner: duplicates, not loss
+		}
+	}
+	return e.String()
 }
 
 // skipped reports whether off was recorded done by a previous owner, and

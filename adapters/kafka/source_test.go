@@ -113,6 +113,57 @@ func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
 	}
 }
 
+// An owner revoked before it reached the offsets a previous owner recorded
+// done passes them on in its own commit metadata: a second rebalance does not
+// run them again.
+func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 100, 100)
+	group := newGroup()
+
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	for _, d := range receiveN(t, a, 100) {
+		if d.Offset != 0 {
+			ack(t, a, d)
+		}
+	}
+	if err := a.Close(); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+
+	// b holds at most two records, so it polls no further than offset 1
+	// before it is closed, with offset 0 still unfinished.
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+		WithMaxInFlight(2), WithMaxInFlightPerPartition(2))
+	if got := offsets(receiveN(t, b, 1)); !slices.Equal(got, []int64{0}) {
+		t.Fatalf("second owner received %v, want [0]", got)
+	}
+	// One more call: it skips what the previous owner did, so b has done
+	// records of its own to commit.
+	if ds, err := b.Receive(context.Background(), 1); err != nil || len(ds) > 0 {
+		t.Fatalf("second owner received %v, %v; want nothing", offsets(ds), err)
+	}
+	commitNow(t, b)
+	if err := b.Close(); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+	offs, metas := c.committed(t, group, "orders")
+	if offs[0] != 0 {
+		t.Fatalf("committed %d, want 0 (offset 0 never finished)", offs[0])
+	}
+	if got := decodeDone(metas[0], 0); !slices.Equal(got, []span{{1, 99}}) {
+		t.Fatalf("second owner's metadata records %v, want [{1 99}]", got)
+	}
+
+	c3 := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	got := receiveN(t, c3, 1)
+	got = append(got, receiveFor(t, c3, 500*time.Millisecond)...)
+	if o := offsets(got); !slices.Equal(o, []int64{0}) {
+		t.Fatalf("third owner received offsets %v, want only the unfinished [0]", o)
+	}
+}
+
 // A partition whose done offsets could outgrow the metadata limit stops
 // taking records until its prefix catches up.
 func TestMetadataLimitStopsTakingRecords(t *testing.T) {
