@@ -55,6 +55,11 @@
 // into its own commit metadata, so they survive any number of rebalances (as
 // many of them as fit beside its own). A partition whose metadata
 // could outgrow the limit takes no new records until its prefix catches up.
+// The metadata names offsets, not records: if an unclean leader election
+// truncates the log above the committed offset while the partition is
+// between owners, and new records take the truncated offsets, the next owner
+// skips those that fall in the recorded runs. Keep
+// unclean.leader.election.enable=false (Kafka's default) where that matters.
 //
 // # Rebalances
 //
