@@ -15,18 +15,25 @@
 //   - [Lease.Stop] ends renewals for a delivery. It waits for a renewal of that
 //     delivery already on the wire to return, so once Stop returns no
 //     extension of it is in flight or will be sent: the runtime calls Stop
-//     after the handler finished and before the ack.
+//     after the handler finished and before the ack. A renewal taken but
+//     not yet sent when Stop is called is not sent. If the keeper is losing
+//     the delivery when Stop is called, Stop waits for the loss: once Stop
+//     returns, [adapters.Delivery.LostCause] tells whether the keeper lost
+//     it, and the keeper never loses it afterwards.
 //   - Total hold time is capped (MaxHold, counted from receipt). At the cap the
-//     keeper stops renewing and loses the delivery.
+//     keeper stops renewing and loses the delivery. The last extension runs
+//     to the cap; the keeper does not renew the lease again before it.
 //   - A renewal the adapter refuses because the lease is gone (its error
 //     wraps [adapters.ErrLeaseLost]: a stale receipt, the message received
 //     again or deleted) loses the delivery at once: [adapters.Delivery.Lose]
 //     is called with that cause, which cancels its handler's context.
 //   - Any other failure (a network error, throttling, a timeout) leaves the
 //     lease as the broker last granted it, so the renewal is tried again,
-//     every sixth of the lease by default, while the lease has more than a
-//     twelfth of its length left; past that the delivery is lost with a
-//     cause wrapping [adapters.ErrLeaseLost] and the last failure.
+//     every sixth of the lease by default (at half of what is left, when
+//     that is sooner), while the lease has more than a twelfth of its length
+//     left; past that the delivery is lost with a cause wrapping
+//     [adapters.ErrLeaseLost] and the last failure. A renewal cut short
+//     because Run's context ended is not a failure: the keeper is stopping.
 //
 // # Cost
 //

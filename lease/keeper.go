@@ -36,7 +36,9 @@ type Config struct {
 	// failed with err but their leases have time left, so they are tried
 	// again. Lost is called for each delivery the keeper loses (at MaxHold,
 	// or after a renewal failed for good); not for one the adapter loses by
-	// itself, nor after the lease was stopped.
+	// itself, nor for one whose lease was stopped before the keeper lost
+	// it. The delivery is lost (Delivery.Lose has returned) before its
+	// Lease.Stop returns; Lost itself may run after that.
 	Renewed  func(n int)
 	Retrying func(n int, err error)
 	Lost     func(d *adapters.Delivery, cause error)
@@ -50,10 +52,11 @@ type Keeper struct {
 	interval time.Duration
 	slack    time.Duration
 
-	mu     sync.Mutex
-	due    leaseHeap
-	wake   chan struct{}
-	closed bool
+	mu       sync.Mutex
+	due      leaseHeap
+	inFlight int // leases taken for renewal, out of the heap until it returns
+	wake     chan struct{}
+	closed   bool
 }
 
 // Lease is one tracked delivery.
@@ -64,8 +67,15 @@ type Lease struct {
 	expires  time.Time // when the broker lets the lease run out, as last granted
 	deadline time.Time // zero: no cap
 	index    int       // position in the heap, -1 when not in it
+	// renewing is open while the keeper works on the lease outside its
+	// lock: a renewal taken or on the wire, or a loss being made. Stop
+	// waits for it to close.
 	renewing chan struct{}
 	stopped  bool
+	// retry is set when due is a retry of a failed renewal. A retry is
+	// taken when due, not early with the leases due soon: its next retry
+	// would fall within the slack again and be taken at once.
+	retry bool
 }
 
 // New returns a Keeper renewing through ext. It fails when cfg is invalid.
@@ -155,7 +165,12 @@ func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
 }
 
 // Stop ends renewals of the lease. If a renewal of it is on the wire, Stop
-// waits for that call to return, so after Stop no extension is in flight.
+// waits for that call to return, so after Stop no extension is in flight;
+// a renewal taken but not yet sent is not sent. If the keeper is losing the
+// delivery (at MaxHold, or after a failed renewal), Stop waits until it is
+// lost: once Stop returns, the delivery's LostCause shows whether the keeper
+// lost it, and the keeper will not lose it afterwards. Stop must not be
+// called from the delivery's OnLost callback, which runs inside that loss.
 func (l *Lease) Stop() {
 	k := l.k
 	k.mu.Lock()
@@ -170,11 +185,12 @@ func (l *Lease) Stop() {
 	}
 }
 
-// Len returns the number of leases being kept.
+// Len returns the number of leases being kept, those whose renewal is on
+// the wire included.
 func (k *Keeper) Len() int {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	return len(k.due)
+	return len(k.due) + k.inFlight
 }
 
 func (k *Keeper) poke() {
@@ -195,6 +211,11 @@ func (k *Keeper) Run(ctx context.Context) {
 		now := time.Now()
 		batches, next := k.takeDue(now)
 		for _, b := range batches {
+			if ctx.Err() != nil {
+				// Stopping: a select with a free slot would pick either case.
+				k.abandon(b)
+				continue
+			}
 			select {
 			case sem <- struct{}{}:
 			case <-ctx.Done():
@@ -243,18 +264,32 @@ type batch struct {
 func (k *Keeper) takeDue(now time.Time) ([]batch, time.Time) {
 	var (
 		batches []batch
-		expired []*Lease
+		expired []loss
 	)
 	horizon := now.Add(k.slack)
 	k.mu.Lock()
-	for len(k.due) > 0 && !k.due[0].due.After(horizon) {
-		l := heap.Pop(&k.due).(*Lease)
+	for len(k.due) > 0 {
+		l := k.due[0]
+		// Leases due soon are taken early, to fill batches; but not a
+		// retry, nor a lease whose due time is its cap (its lease already
+		// runs to the cap): taken early, either would fall due within the
+		// slack again and be taken at once, call after call.
+		limit := horizon
+		if l.retry || (!l.deadline.IsZero() && !l.due.Before(l.deadline)) {
+			limit = now
+		}
+		if l.due.After(limit) {
+			break
+		}
+		heap.Pop(&k.due)
+		l.retry = false
 		extendTo := k.cfg.Lease
 		if !l.deadline.IsZero() {
 			left := l.deadline.Sub(now)
 			if left <= 0 {
 				l.stopped = true
-				expired = append(expired, l)
+				l.renewing = make(chan struct{}) // Stop waits for the loss
+				expired = append(expired, loss{l: l, d: l.d, cause: ErrMaxHold})
 				continue
 			}
 			if left < extendTo {
@@ -262,6 +297,7 @@ func (k *Keeper) takeDue(now time.Time) ([]batch, time.Time) {
 			}
 		}
 		l.renewing = make(chan struct{})
+		k.inFlight++
 		// Batches are few and short: a linear scan beats a map here.
 		placed := false
 		for i := range batches {
@@ -281,16 +317,31 @@ func (k *Keeper) takeDue(now time.Time) ([]batch, time.Time) {
 		next = k.due[0].due
 	}
 	k.mu.Unlock()
-	for _, l := range expired {
-		k.lose(l.d, ErrMaxHold)
-	}
+	k.lose(expired)
 	return batches, next
 }
 
 func (k *Keeper) renew(ctx context.Context, b batch) {
-	ds := make([]*adapters.Delivery, len(b.leases))
-	for i, l := range b.leases {
-		ds[i] = l.d
+	// A lease stopped while its batch waited for a free slot is not sent:
+	// its handler finished, and the runtime is about to ack it.
+	ds := make([]*adapters.Delivery, 0, len(b.leases))
+	k.mu.Lock()
+	k.inFlight -= len(b.leases)
+	kept := b.leases[:0]
+	for _, l := range b.leases {
+		if l.stopped || k.closed || ctx.Err() != nil {
+			close(l.renewing)
+			l.renewing = nil
+			continue
+		}
+		kept = append(kept, l)
+		ds = append(ds, l.d)
+	}
+	b.leases = kept
+	k.inFlight += len(kept)
+	k.mu.Unlock()
+	if len(ds) == 0 {
+		return
 	}
 	sent := time.Now()
 	cctx, cancel := context.WithTimeout(ctx, k.cfg.Timeout)
@@ -298,18 +349,23 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 	cancel()
 	now := time.Now()
 	var (
-		lost     []int
+		lost     []loss
 		retrying int
 		retryErr error
 	)
 	renewed := 0
+	// A renewal cut short because Run's context ended is no failure: the
+	// keeper is stopping, and stops tracking every lease.
+	closing := ctx.Err() != nil
 	k.mu.Lock()
+	closing = closing || k.closed
+	k.inFlight -= len(b.leases)
 	for i, l := range b.leases {
-		close(l.renewing)
-		l.renewing = nil
 		if e := adapters.EntryError(err, i); e != nil {
-			if l.stopped || k.closed {
+			if l.stopped || closing {
 				l.stopped = true
+				close(l.renewing)
+				l.renewing = nil
 				continue
 			}
 			// A failure that does not say the lease is gone (a network
@@ -317,19 +373,30 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 			// granted: try again while it has time left.
 			left := l.expires.Sub(now)
 			if !errors.Is(e, adapters.ErrLeaseLost) && left > k.slack {
+				close(l.renewing)
+				l.renewing = nil
 				l.due = now.Add(min(k.interval/2, left/2))
+				l.retry = true
 				heap.Push(&k.due, l)
 				retrying++
 				retryErr = e
 				continue
 			}
-			lost = append(lost, i)
+			// l.renewing stays open until the delivery is lost, so that a
+			// Stop now waits for the loss.
 			l.stopped = true
+			cause := e
+			if !errors.Is(cause, adapters.ErrLeaseLost) {
+				cause = fmt.Errorf("%w: renewals failed until the lease ran out: %w", adapters.ErrLeaseLost, cause)
+			}
+			lost = append(lost, loss{l: l, d: l.d, cause: cause})
 			continue
 		}
+		close(l.renewing)
+		l.renewing = nil
 		renewed++
 		l.expires = sent.Add(b.extendTo)
-		if l.stopped || k.closed {
+		if l.stopped || closing {
 			continue
 		}
 		l.due = now.Add(time.Duration(float64(b.extendTo) * k.cfg.Fraction))
@@ -344,18 +411,14 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 		heap.Push(&k.due, l)
 	}
 	k.mu.Unlock()
+	// Losses first: until they are made, a Stop of those leases waits, so
+	// no callback runs before that.
+	k.lose(lost)
 	if renewed > 0 && k.cfg.Renewed != nil {
 		k.cfg.Renewed(renewed)
 	}
 	if retrying > 0 && k.cfg.Retrying != nil {
 		k.cfg.Retrying(retrying, retryErr)
-	}
-	for _, i := range lost {
-		cause := adapters.EntryError(err, i)
-		if !errors.Is(cause, adapters.ErrLeaseLost) {
-			cause = fmt.Errorf("%w: renewals failed until the lease ran out: %w", adapters.ErrLeaseLost, cause)
-		}
-		k.lose(b.leases[i].d, cause)
 	}
 	k.poke()
 }
@@ -364,6 +427,7 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 // the keeper is stopping.
 func (k *Keeper) abandon(b batch) {
 	k.mu.Lock()
+	k.inFlight -= len(b.leases)
 	for _, l := range b.leases {
 		close(l.renewing)
 		l.renewing = nil
@@ -371,10 +435,35 @@ func (k *Keeper) abandon(b batch) {
 	k.mu.Unlock()
 }
 
-func (k *Keeper) lose(d *adapters.Delivery, cause error) {
-	d.Lose(cause)
+// loss is a delivery the keeper decided to lose, its lease stopped and its
+// renewing channel open.
+type loss struct {
+	l     *Lease
+	d     *adapters.Delivery
+	cause error
+}
+
+// lose loses the deliveries of ls, then closes their leases' renewing
+// channels, so that a Stop racing the loss returns only once the delivery is
+// lost; then it reports them to Config.Lost. Once a lease's channel is
+// closed its owner may reuse it, so only the loss's own fields are read.
+func (k *Keeper) lose(ls []loss) {
+	if len(ls) == 0 {
+		return
+	}
+	for _, x := range ls {
+		x.d.Lose(x.cause)
+	}
+	k.mu.Lock()
+	for _, x := range ls {
+		close(x.l.renewing)
+		x.l.renewing = nil
+	}
+	k.mu.Unlock()
 	if k.cfg.Lost != nil {
-		k.cfg.Lost(d, cause)
+		for _, x := range ls {
+			k.cfg.Lost(x.d, x.cause)
+		}
 	}
 }
 
