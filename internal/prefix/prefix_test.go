@@ -1,6 +1,8 @@
 package prefix
 
 import (
+	"math"
+	"slices"
 	"testing"
 )
 
@@ -70,60 +72,121 @@ func TestGapsDoNotHoldThePrefix(t *testing.T) {
 	}
 }
 
-// FuzzTracker drives the tracker and the model with the same operations and
-// compares their frontiers after every step.
+// FuzzTracker drives the tracker and the model with the same operations
+// (Track of increasing, repeated and decreasing positions; Done of tracked,
+// repeated, released and never tracked positions), starting anywhere in the
+// int64 range, and compares every result and every query (Frontier,
+// Outstanding, DoneBeyond, PendingBeyond) with the model's after every step.
 func FuzzTracker(f *testing.F) {
-	f.Add([]byte{0, 1, 2, 3, 130, 129, 128, 4, 131})
-	f.Add([]byte{7, 7, 200, 3, 255, 0, 128})
-	f.Fuzz(func(t *testing.T, ops []byte) {
+	f.Add(int64(0), []byte{0, 1, 2, 3, 130, 129, 128, 4, 131})
+	f.Add(int64(0), []byte{7, 7, 200, 3, 255, 0, 128})
+	f.Add(int64(-5), []byte{0, 64, 65, 96, 128, 97, 1, 2, 130, 129, 66, 131, 100})
+	f.Add(int64(math.MaxInt64-40), []byte{0, 3, 3, 129, 128, 130, 64, 3, 99, 131})
+	f.Fuzz(func(t *testing.T, start int64, ops []byte) {
+		// Keep every position the run can make within int64.
+		if limit := int64(math.MaxInt64) - 4*int64(len(ops)) - 8; start > limit {
+			start = limit
+		}
+		if start < math.MinInt64+8 {
+			start = math.MinInt64 + 8
+		}
 		tr := New()
 		m := &model{done: map[int64]bool{}}
-		next := int64(0)
-		for _, op := range ops {
-			if op < 128 {
+		next := start
+		last := func() (int64, bool) {
+			if len(m.tracked) == 0 {
+				return 0, false
+			}
+			return m.tracked[len(m.tracked)-1], true
+		}
+		for step, op := range ops {
+			switch {
+			case op < 64:
 				// Track the next position after a gap of op%4.
 				next += int64(op % 4)
-				okT := tr.Track(next)
-				if !okT {
-					t.Fatalf("Track(%d) refused an increasing position", next)
+				if !tr.Track(next) {
+					t.Fatalf("step %d: Track(%d) refused an increasing position", step, next)
 				}
 				m.tracked = append(m.tracked, next)
 				next++
-				continue
-			}
-			if len(m.tracked) == 0 {
-				continue
-			}
-			p := m.tracked[int(op-128)%len(m.tracked)]
-			before, okBefore := m.frontier()
-			m.done[p] = true
-			after, okAfter := m.frontier()
-			advanced := tr.Done(p)
-			if want := okAfter && (!okBefore || after != before); advanced != want {
-				t.Fatalf("Done(%d) reported advanced=%v, model says %v", p, advanced, want)
-			}
-			gf, gok := tr.Frontier()
-			if gok != okAfter || (gok && gf != after) {
-				t.Fatalf("after Done(%d): frontier = %d,%v; model %d,%v", p, gf, gok, after, okAfter)
-			}
-			var beyond int
-			tr.DoneBeyond(func(q int64) {
-				if !m.done[q] || q <= gf {
-					t.Fatalf("DoneBeyond reported %d (frontier %d)", q, gf)
+			case op < 96:
+				// Track a position at or behind the last one: refused,
+				// and nothing changes.
+				p, ok := last()
+				if !ok {
+					continue
 				}
-				beyond++
-			})
-			want := 0
-			for _, q := range m.tracked {
-				if m.done[q] && (!gok || q > gf) {
-					want++
+				p -= int64(op % 8)
+				if tr.Track(p) {
+					t.Fatalf("step %d: Track(%d) accepted, last tracked %d", step, p, m.tracked[len(m.tracked)-1])
+				}
+			case op < 128:
+				// Done of a position never tracked: a gap, one before the
+				// first, or one beyond the last.
+				base, ok := last()
+				if !ok {
+					base = start
+				}
+				p := base - int64(op%16) + 4
+				if slices.Contains(m.tracked, p) {
+					continue
+				}
+				if tr.Done(p) {
+					t.Fatalf("step %d: Done(%d) of an untracked position advanced the frontier", step, p)
+				}
+			default:
+				// Done of a tracked position, perhaps done already or
+				// behind the frontier.
+				if len(m.tracked) == 0 {
+					continue
+				}
+				p := m.tracked[int(op-128)%len(m.tracked)]
+				before, okBefore := m.frontier()
+				m.done[p] = true
+				after, okAfter := m.frontier()
+				advanced := tr.Done(p)
+				if want := okAfter && (!okBefore || after != before); advanced != want {
+					t.Fatalf("step %d: Done(%d) reported advanced=%v, model says %v", step, p, advanced, want)
 				}
 			}
-			if beyond != want {
-				t.Fatalf("DoneBeyond reported %d positions, model has %d", beyond, want)
-			}
+			m.check(t, step, tr)
 		}
 	})
+}
+
+// check compares every query of tr with the model.
+func (m *model) check(t *testing.T, step int, tr *Tracker) {
+	t.Helper()
+	mf, mok := m.frontier()
+	gf, gok := tr.Frontier()
+	if gok != mok || (gok && gf != mf) {
+		t.Fatalf("step %d: frontier = %d,%v; model %d,%v", step, gf, gok, mf, mok)
+	}
+	var wantDone, wantPending []int64
+	outstanding := 0
+	for _, q := range m.tracked {
+		if mok && q <= mf {
+			continue
+		}
+		outstanding++
+		if m.done[q] {
+			wantDone = append(wantDone, q)
+		} else {
+			wantPending = append(wantPending, q)
+		}
+	}
+	if n := tr.Outstanding(); n != outstanding {
+		t.Fatalf("step %d: Outstanding() = %d, model %d", step, n, outstanding)
+	}
+	var gotDone, gotPending []int64
+	tr.DoneBeyond(func(q int64) { gotDone = append(gotDone, q) })
+	tr.PendingBeyond(func(q int64) { gotPending = append(gotPending, q) })
+	if !slices.Equal(gotDone, wantDone) {
+		t.Fatalf("step %d: DoneBeyond = %v, model %v", step, gotDone, wantDone)
+	}
+	if !slices.Equal(gotPending, wantPending) {
+		t.Fatalf("step %d: PendingBeyond = %v, model %v", step, gotPending, wantPending)
+	}
 }
 
 func BenchmarkTrackDone(b *testing.B) {
