@@ -74,6 +74,22 @@ func Diagnostics(d *Delivery, f Failure) map[string]string {
 	return h
 }
 
+// IsDiagnosticHeader reports whether name is one of the diagnostic headers
+// above. A dead-letter destination drops them from the message it copies
+// before it writes its own: a message that was dead-lettered, replayed and
+// dead-lettered again must describe its latest failure, not a mix of the
+// two (the old copy's partition beside the new copy's queue, say).
+func IsDiagnosticHeader(name string) bool {
+	switch name {
+	case HeaderError, HeaderPermanent, HeaderAttempts, HeaderFirstFailure, HeaderLastFailure,
+		HeaderOriginalQueue, HeaderOriginalID, HeaderOriginalPart, HeaderOriginalOffset,
+		HeaderOriginalTime, HeaderOriginalKey, HeaderConsumer,
+		HeaderOriginalExchange, HeaderOriginalRoutingKey:
+		return true
+	}
+	return false
+}
+
 func putTime(h map[string]string, k string, t time.Time) {
 	if !t.IsZero() {
 		h[k] = t.UTC().Format(diagnosticTimeLayout)

@@ -82,7 +82,9 @@ func (s *Source) DeadLetter(topic string) (*DeadLetter, error) {
 
 // Send implements adapters.DeadLetter. It produces the original key, value and
 // headers with the diagnostic headers, and returns nil only once the brokers
-// acknowledged the record. On error nothing is marked: the original stays
+// acknowledged the record. Diagnostic headers the original already carried
+// (it was dead-lettered before and replayed) are replaced, not kept beside
+// the new ones. On error nothing is marked: the original stays
 // uncommitted and the runtime tries again or gives it back.
 func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	diag := adapters.Diagnostics(d, f)
@@ -97,7 +99,7 @@ func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters
 	if d.As(&orig) && orig != nil {
 		rec.Key, rec.Value = orig.Key, orig.Value
 		for _, h := range orig.Headers {
-			if _, clash := diag[h.Key]; !clash {
+			if keepHeader(h.Key, diag) {
 				rec.Headers = append(rec.Headers, h)
 			}
 		}
@@ -107,7 +109,7 @@ func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters
 		}
 		rec.Value = d.Body
 		for k, v := range d.Headers {
-			if _, clash := diag[k]; !clash {
+			if keepHeader(k, diag) {
 				rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 			}
 		}
@@ -119,6 +121,17 @@ func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters
 		return fmt.Errorf("kafka: producing to dead-letter topic %q: %w", dl.topic, err)
 	}
 	return nil
+}
+
+// keepHeader reports whether the copy keeps the original's header k: not
+// when diag replaces it, nor when it is a diagnostic of an earlier trip to a
+// dead-letter destination (a replayed copy), which would otherwise sit beside
+// the new diagnostics and describe the wrong failure.
+func keepHeader(k string, diag map[string]string) bool {
+	if _, clash := diag[k]; clash {
+		return false
+	}
+	return !adapters.IsDiagnosticHeader(k) && k != HeaderGroup
 }
 
 // Close closes the sink's client (not a client given in the config).

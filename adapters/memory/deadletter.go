@@ -12,7 +12,9 @@ import (
 
 // DeadLetterQueue is an adapters.DeadLetter that publishes into a memory
 // queue: the original body, key and headers plus the diagnostic headers of
-// adapters.Diagnostics.
+// adapters.Diagnostics. Diagnostic headers the original already carried (it
+// was dead-lettered before and replayed) are replaced, not kept beside the
+// new ones.
 type DeadLetterQueue struct {
 	b     *Broker
 	queue string
@@ -52,9 +54,11 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 			return err
 		}
 	}
-	h := maps.Clone(d.Headers)
-	if h == nil {
-		h = make(map[string]string)
+	h := make(map[string]string, len(d.Headers)+12)
+	for k, v := range d.Headers {
+		if !adapters.IsDiagnosticHeader(k) { // an earlier trip's diagnostics
+			h[k] = v
+		}
 	}
 	maps.Copy(h, adapters.Diagnostics(d, f))
 	q.b.mu.Lock()
