@@ -2,13 +2,19 @@ package awssqs
 
 import (
 	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/adaptertest"
@@ -55,7 +61,7 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 						group = "g" + strconv.FormatInt(seq.Add(1), 10)
 					}
 				}
-				e.send(url, string(m.Body), group, m.Headers)
+				e.sendAttributes(url, string(m.Body), group, packHeaders(m.Headers))
 			}
 			return nil
 		},
@@ -76,20 +82,95 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 			}
 			var ms []adaptertest.Message
 			for _, m := range out.Messages {
-				h := map[string]string{}
-				for k, v := range m.MessageAttributes {
-					h[k] = attributeString(v)
-				}
-				diag, err := DecodeDiagnostics(m.MessageAttributes, DefaultDiagnosticsAttribute)
+				msg, err := readCopy(m)
 				if err != nil {
 					return nil, err
 				}
-				for k, v := range diag {
-					h[k] = v
+				ms = append(ms, msg)
+				// Consumed: on a FIFO queue the copies share a group, and
+				// one left in flight would hold back the next.
+				if _, err := e.client.DeleteMessage(ctx, &sqs.DeleteMessageInput{QueueUrl: aws.String(dlqURL), ReceiptHandle: m.ReceiptHandle}); err != nil {
+					return nil, err
 				}
-				ms = append(ms, adaptertest.Message{Body: []byte(aws.ToString(m.Body)), Headers: h})
 			}
 			return ms, nil
 		},
 	}
+}
+
+// readCopy reads a DeadLetterQueue copy as a user who knows its documented
+// conventions would: the diagnostics JSON gives the diagnostic headers,
+// "custody-original-attribute.NAME" keys in it are the original's header
+// NAME (one SQS would refuse, or past its ten attributes), and
+// "custody-body-encoding" says how to decode the body.
+func readCopy(m types.Message) (adaptertest.Message, error) {
+	h := map[string]string{}
+	for k, v := range m.MessageAttributes {
+		if k != DefaultDiagnosticsAttribute {
+			h[k] = attributeString(v)
+		}
+	}
+	diag, err := DecodeDiagnostics(m.MessageAttributes, DefaultDiagnosticsAttribute)
+	if err != nil {
+		return adaptertest.Message{}, err
+	}
+	body := []byte(aws.ToString(m.Body))
+	for k, v := range diag {
+		switch name, packed := strings.CutPrefix(k, "custody-original-attribute."); {
+		case packed:
+			h[name] = v
+		case k == "custody-body-encoding":
+			switch v {
+			case "empty":
+				body = nil
+			case "base64":
+				if body, err = base64.StdEncoding.DecodeString(string(body)); err != nil {
+					return adaptertest.Message{}, fmt.Errorf("copy body marked base64: %w", err)
+				}
+			default:
+				return adaptertest.Message{}, fmt.Errorf("copy body in unknown encoding %q", v)
+			}
+		default:
+			h[k] = v
+		}
+	}
+	return adaptertest.Message{Body: body, Headers: h}, nil
+}
+
+// packHeaders returns headers as SQS message attributes the way a
+// DeadLetterQueue copy carries them, so that publishing a message that holds
+// an earlier dead-letter trip's diagnostics looks like replaying a real copy:
+// the diagnostic headers inside one JSON attribute (custody-diagnostics), the
+// others as String attributes, those past the ninth inside the JSON as
+// "custody-original-attribute.NAME".
+func packHeaders(headers map[string]string) map[string]types.MessageAttributeValue {
+	if len(headers) == 0 {
+		return nil
+	}
+	attrs := map[string]types.MessageAttributeValue{}
+	diag := map[string]string{}
+	names := make([]string, 0, len(headers))
+	for k := range headers {
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	for _, k := range names {
+		v := headers[k]
+		switch {
+		case adapters.IsDiagnosticHeader(k):
+			diag[k] = v
+		case len(attrs) < maxAttributes-1:
+			attrs[k] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
+		default:
+			diag["custody-original-attribute."+k] = v
+		}
+	}
+	if len(diag) > 0 {
+		js, err := json.Marshal(diag)
+		if err != nil {
+			panic(err)
+		}
+		attrs[DefaultDiagnosticsAttribute] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(string(js))}
+	}
+	return attrs
 }

@@ -4,11 +4,14 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
@@ -35,18 +38,39 @@ const (
 
 // DeadLetterQueue is an adapters.DeadLetter that sends failed messages to an
 // SQS queue of your choosing. The copy keeps the original body and message
-// attributes and adds one attribute (custody-diagnostics) holding a JSON
-// object of the diagnostic headers (package adapters' Header* names: error,
-// attempts, first and last failure, original queue and message id, ...). One
-// attribute keeps the copy within SQS's limit of ten per message; when the
-// original already has ten, the ones that do not fit travel inside the JSON
-// as "custody-original-attribute.NAME".
+// attributes, and the X-Ray trace header SQS keeps beside them (the
+// AWSTraceHeader system attribute, which the Source asks for), and adds one
+// attribute (custody-diagnostics) holding a JSON object of the diagnostic
+// headers (package adapters' Header* names: error, attempts, first and last
+// failure, original queue and message id, ...). One attribute keeps the copy
+// within SQS's limit of ten per message; when the original already has ten,
+// the ones that do not fit travel inside the JSON as
+// "custody-original-attribute.NAME". To read a copy back as the original
+// message, take those keys as attributes NAME (see also NewDeadLetterQueue
+// for the body of another broker's delivery).
+//
+// A message dead-lettered before and replayed (moved back to its queue with
+// SQS's StartMessageMoveTask, say) gets fresh diagnostics: the copy drops the
+// earlier diagnostics attribute and any attribute or header named like a
+// diagnostic header (adapters.IsDiagnosticHeader; another broker's
+// dead-letter destination writes them so), so that no value of the earlier
+// trip is left beside the new ones. What the earlier diagnostics held of the
+// message itself stays: its "custody-original-attribute.NAME" keys (unless
+// the message has an attribute NAME again) and, for an SQS message, its
+// "custody-body-encoding".
 //
 // For a FIFO dead-letter queue the copy keeps the original's MessageGroupId
-// (or "custody-dead-letter" when the original has none). Its deduplication id
-// is derived from the original's and from the receipt handle, so a Send
-// retried for the same delivery is stored once while a message that fails
-// again after being redriven is stored again. The original group and
+// (or "custody-dead-letter" when the original has none). Its deduplication
+// id is the same for every Send of one delivery, so a Send retried after its
+// answer was lost is stored once, and differs between deliveries, so that
+// SQS (which drops a message whose deduplication id it saw in the last five
+// minutes, and reports it sent) never drops a copy whose original the
+// runtime then deletes. It is a hash of the delivery: for a message from SQS
+// its receipt handle tells one receive from the next, so a message that fails
+// again after being received again (redriven, or after a lost lease) is
+// stored again; a delivery from another broker is told apart by its id,
+// queue, partition, offset, key, attempt, times (received to the nanosecond),
+// body and headers, since its id alone may repeat. The original group and
 // deduplication ids are also in the diagnostics.
 //
 // Send returns nil only when SQS has accepted the copy; the runtime deletes
@@ -99,8 +123,9 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 // characters SQS refuses, empty values, values that are not text) travel in
 // the diagnostics as "custody-original-attribute.NAME". A body that is not
 // text SQS accepts is sent base64-encoded, and an empty one as a single
-// space; the diagnostics then say so in "custody-body-encoding" ("base64" or
-// "empty").
+// space; the diagnostics then say so in "custody-body-encoding" ("base64":
+// standard base64 of the original body; "empty": the original body was
+// empty).
 func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
 	if client == nil {
 		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: nil client; pass an *sqs.Client")
@@ -138,23 +163,60 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sqs.SendMessageInput, error) {
 	diag := adapters.Diagnostics(d, f)
 	body := string(d.Body)
-	var attrs map[string]types.MessageAttributeValue
-	if m, ok := Message(d); ok {
+	var (
+		attrs   map[string]types.MessageAttributeValue
+		refused map[string]string
+		earlier map[string]string // the diagnostics of an earlier trip, if d carries them
+		system  map[string]types.MessageSystemAttributeValue
+	)
+	m, native := Message(d)
+	if native {
 		attrs = nativeAttributes(m)
+		if v, ok := attrs[q.attr]; ok {
+			earlier = decodeDiagnostics(attributeString(v))
+		}
+		if trace := m.Attributes[string(types.MessageSystemAttributeNameAWSTraceHeader)]; trace != "" {
+			// The X-Ray trace the message was sent in: SQS keeps it apart
+			// from the message attributes, and sets it on a copy only when
+			// asked to.
+			system = map[string]types.MessageSystemAttributeValue{
+				string(types.MessageSystemAttributeNameForSendsAWSTraceHeader): {DataType: aws.String("String"), StringValue: aws.String(trace)},
+			}
+		}
 	} else {
 		// Another broker's delivery: what SQS would refuse travels in the
 		// diagnostics (see foreign.go).
-		var refused map[string]string
 		attrs, refused = foreignAttributes(d)
-		for k, v := range refused {
+		if v, ok := d.Headers[q.attr]; ok {
+			earlier = decodeDiagnostics(v)
+		}
+	}
+	// A message dead-lettered before (and replayed) carries that trip's
+	// diagnostics: in the JSON attribute, or as plain attributes or headers
+	// named like them (another broker's dead-letter destination writes them
+	// so). The copy describes this failure only, so they all go; what the
+	// earlier JSON held of the message itself stays (carryOver).
+	for k := range attrs {
+		if q.stale(k) {
+			delete(attrs, k)
+		}
+	}
+	q.carryOver(diag, earlier, native, func(name string) bool {
+		_, attr := attrs[name]
+		_, header := refused[name]
+		return attr || header
+	})
+	for k, v := range refused {
+		if !q.stale(k) {
 			diag[diagAttrPrefix+k] = v
 		}
+	}
+	if !native {
 		var encoding string
 		if body, encoding = foreignBody(d.Body); encoding != "" {
 			diag[diagBodyEncoding] = encoding
 		}
 	}
-	delete(attrs, q.attr) // a message dead-lettered twice gets fresh diagnostics
 	names := make([]string, 0, len(attrs))
 	for k := range attrs {
 		names = append(names, k)
@@ -164,29 +226,26 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 		diag[diagAttrPrefix+k] = attributeString(attrs[k])
 		delete(attrs, k)
 	}
-	group, dedup := GroupID(d), DeduplicationID(d)
+	group := GroupID(d)
 	if group != "" {
 		diag[diagGroupID] = group
 	}
-	if dedup != "" {
+	if dedup := DeduplicationID(d); dedup != "" {
 		diag[diagDedupID] = dedup
 	}
 
 	in := &sqs.SendMessageInput{
-		QueueUrl:          aws.String(q.url),
-		MessageBody:       aws.String(body),
-		MessageAttributes: attrs,
+		QueueUrl:                aws.String(q.url),
+		MessageBody:             aws.String(body),
+		MessageAttributes:       attrs,
+		MessageSystemAttributes: system,
 	}
 	if q.fifo {
 		if group == "" {
 			group = "custody-dead-letter"
 		}
-		if dedup == "" {
-			dedup = d.ID
-		}
-		sum := sha256.Sum256([]byte(dedup + "\x00" + receipt(d)))
 		in.MessageGroupId = aws.String(group)
-		in.MessageDeduplicationId = aws.String(hex.EncodeToString(sum[:]))
+		in.MessageDeduplicationId = aws.String(deduplicationID(d))
 	}
 
 	for {
@@ -208,6 +267,95 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 		cut := max(minErrorTextKept, len(msg)-(size-q.maxSize))
 		diag[adapters.HeaderError] = strings.ToValidUTF8(msg[:cut], "")
 	}
+}
+
+// stale reports whether an attribute or header of the message being copied
+// is diagnostics of an earlier trip to a dead-letter destination, which the
+// copy replaces.
+func (q *DeadLetterQueue) stale(name string) bool {
+	return name == q.attr || adapters.IsDiagnosticHeader(name)
+}
+
+// carryOver copies into diag what the diagnostics of an earlier trip
+// (earlier, nil if none) say about the message itself rather than about that
+// trip: the attributes that travelled in them, unless the message has an
+// attribute of that name again (has reports it; the live one wins), and, for
+// a message received from SQS (whose body is the earlier copy's, unchanged),
+// how its body is encoded. Without it a message dead-lettered a second time
+// would lose them.
+func (q *DeadLetterQueue) carryOver(diag, earlier map[string]string, native bool, has func(name string) bool) {
+	for k, v := range earlier {
+		if name, ok := strings.CutPrefix(k, diagAttrPrefix); ok && name != "" && !q.stale(name) && !has(name) {
+			diag[k] = v
+		}
+	}
+	if native {
+		if e := earlier[diagBodyEncoding]; e == "base64" || e == "empty" {
+			diag[diagBodyEncoding] = e
+		}
+	}
+}
+
+// decodeDiagnostics parses a diagnostics JSON object; nil if raw is not one.
+func decodeDiagnostics(raw string) map[string]string {
+	var diag map[string]string
+	if json.Unmarshal([]byte(raw), &diag) != nil {
+		return nil
+	}
+	return diag
+}
+
+// deduplicationID returns the MessageDeduplicationId of d's copy in a FIFO
+// dead-letter queue: the same for every Send of one delivery, so that a Send
+// retried after an answer was lost stores one copy, and different for every
+// other delivery, so that SQS, which drops a message whose id it saw in the
+// last five minutes while reporting it sent, never drops a copy whose
+// original the runtime then deletes. An SQS message gets a new receipt
+// handle at every receive; a delivery from another broker is told apart by
+// everything it carries, down to the nanosecond it was received, since its
+// id alone may repeat (an AMQP message-id is the publisher's choice, and
+// often empty).
+func deduplicationID(d *adapters.Delivery) string {
+	h := sha256.New()
+	var n [8]byte
+	field := func(s string) {
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		io.WriteString(h, s)
+	}
+	number := func(i int64) {
+		binary.BigEndian.PutUint64(n[:], uint64(i))
+		h.Write(n[:])
+	}
+	instant := func(t time.Time) {
+		number(t.Unix())
+		number(int64(t.Nanosecond()))
+	}
+	field(d.ID)
+	field(receipt(d))
+	field(DeduplicationID(d))
+	field(d.Queue)
+	number(int64(d.Partition))
+	number(d.Offset)
+	field(d.Key)
+	number(int64(d.Attempt))
+	instant(d.PublishedAt)
+	instant(d.FirstReceivedAt)
+	instant(d.ReceivedAt)
+	binary.BigEndian.PutUint64(n[:], uint64(len(d.Body)))
+	h.Write(n[:])
+	h.Write(d.Body)
+	names := make([]string, 0, len(d.Headers))
+	for k := range d.Headers {
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	number(int64(len(names)))
+	for _, k := range names {
+		field(k)
+		field(d.Headers[k])
+	}
+	return hex.EncodeToString(h.Sum(nil))
 }
 
 // escapeNonCharacters writes U+FFFE and U+FFFF in JSON text as escapes.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/adapters"
@@ -348,4 +350,306 @@ func TestRedriveChecksMaxReceiveCount(t *testing.T) {
 	if _, err := src2.Redrive(3); err == nil || !strings.Contains(err.Error(), "no RedrivePolicy") {
 		t.Errorf("Redrive on a queue without a policy: %v", err)
 	}
+}
+
+// Two deliveries from another broker that look alike (an AMQP message-id is
+// the publisher's choice and repeats when a message is replayed; here every
+// field but the receive time is the same) must both reach a FIFO dead-letter
+// queue. SQS drops a message whose deduplication id it saw in the last five
+// minutes while reporting it sent, and the runtime then acks the original:
+// the second message would be lost. A Send retried for one delivery must
+// still store one copy.
+func TestDeadLetterQueueFIFOKeepsLookAlikeDeliveries(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dlqURL, _ := e.queue(true, 30*time.Second, nil)
+	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	received := time.Now()
+	delivery := func(at time.Time) *adapters.Delivery {
+		return &adapters.Delivery{ID: "order-7", Body: []byte("same body"), Headers: map[string]string{"h": "v"},
+			Queue: "amqp/orders", Partition: -1, Offset: -1, Attempt: 1, ReceivedAt: at}
+	}
+	first, replayed := delivery(received), delivery(received.Add(time.Minute))
+	fail := adapters.Failure{Err: errors.New("bad order"), Attempts: 1, Permanent: true}
+	for _, d := range []*adapters.Delivery{first, first, replayed} { // first twice: a retried Send
+		if err := dlq.Send(e.ctx(), d, fail); err != nil {
+			t.Fatalf("Send: %v", err)
+		}
+	}
+	switch n := e.stored(dlqURL); {
+	case n < 2:
+		t.Fatalf("FIFO dead-letter queue holds %d copies of two deliveries it accepted: SQS dropped a copy as a duplicate, and the runtime deletes its original", n)
+	case n > 2:
+		t.Fatalf("FIFO dead-letter queue holds %d copies of two deliveries: a retried Send stored a second copy", n)
+	}
+}
+
+// SQS messages get a new receipt handle at every receive: a message
+// received again (after a lost lease, say) and dead-lettered again is stored
+// again, while a Send retried for one receive is stored once.
+func TestDeadLetterQueueFIFOCopiesPerReceive(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(true, 30*time.Second, nil)
+	dlqURL, _ := e.queue(true, 30*time.Second, nil)
+	e.send(url, "poison", "g", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	receive := func() *adapters.Delivery {
+		t.Helper()
+		for {
+			ds, err := src.Receive(e.ctx(), 1)
+			if err != nil {
+				t.Fatalf("Receive: %v", err)
+			}
+			if len(ds) == 1 {
+				return ds[0]
+			}
+		}
+	}
+	fail := adapters.Failure{Err: errors.New("bad"), Attempts: 1, Permanent: true}
+	d1 := receive()
+	for range 2 {
+		if err := dlq.Send(e.ctx(), d1, fail); err != nil {
+			t.Fatalf("Send: %v", err)
+		}
+	}
+	if err := src.Nack(e.ctx(), []*adapters.Delivery{d1}, 0); err != nil {
+		t.Fatalf("Nack: %v", err)
+	}
+	d2 := receive()
+	if err := dlq.Send(e.ctx(), d2, fail); err != nil {
+		t.Fatalf("Send: %v", err)
+	}
+	switch n := e.stored(dlqURL); {
+	case n < 2:
+		t.Fatalf("FIFO dead-letter queue holds %d copies after a message was received and dead-lettered twice: SQS dropped a copy as a duplicate, and the runtime deletes its original", n)
+	case n > 2:
+		t.Fatalf("FIFO dead-letter queue holds %d copies after two receives: a retried Send stored a second copy", n)
+	}
+}
+
+// A message replayed from a dead-letter queue into its source (SQS's
+// StartMessageMoveTask moves it unchanged) and dead-lettered again: the new
+// copy describes the new failure only. The old diagnostics JSON goes, and so
+// do plain attributes named like diagnostic headers (another broker's
+// dead-letter destination writes them as headers); what the old JSON held of
+// the message itself (attributes that did not fit, the body's encoding)
+// stays.
+func TestDeadLetterQueueReplayedCopy(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 5*time.Second, nil)
+	dlqURL, _ := e.queue(false, 30*time.Second, nil)
+	old, err := json.Marshal(map[string]string{
+		adapters.HeaderError:                "stale error",
+		adapters.HeaderOriginalQueue:        "stale-queue",
+		adapters.HeaderOriginalPart:         "7777",
+		diagGroupID:                         "stale-group",
+		"custody-original-attribute.big":    "carried",
+		"custody-original-attribute.origin": "stale origin", // the message has it again
+		"custody-body-encoding":             "base64",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := base64.StdEncoding.EncodeToString([]byte{0, 0xff, 'x'})
+	str := func(v string) types.MessageAttributeValue {
+		return types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
+	}
+	e.sendAttributes(url, body, "", map[string]types.MessageAttributeValue{
+		DefaultDiagnosticsAttribute:   str(string(old)),
+		adapters.HeaderOriginalOffset: str("7777"),
+		adapters.HeaderConsumer:       str("stale-consumer"),
+		"origin":                      str("test"),
+	})
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []types.Message
+	runUntil(t, src, consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		return consumer.Permanent(errors.New("fresh failure"))
+	}), "the copy in the dead-letter queue", func() bool {
+		got = append(got, e.drain(dlqURL, 0)...)
+		return len(got) > 0
+	}, consumer.WithDeadLetter(dlq), consumer.WithName("fresh-consumer"))
+	m := got[0]
+	diag, err := DecodeDiagnostics(m.MessageAttributes, DefaultDiagnosticsAttribute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{adapters.HeaderOriginalOffset, adapters.HeaderConsumer} {
+		if a, ok := m.MessageAttributes[k]; ok {
+			t.Errorf("attribute %s = %q from the earlier trip survived beside the new diagnostics", k, attributeString(a))
+		}
+	}
+	want := map[string]string{
+		adapters.HeaderOriginalQueue:                   src.name,
+		adapters.HeaderConsumer:                        "fresh-consumer",
+		adapters.HeaderOriginalPart:                    "", // an SQS message has none
+		adapters.HeaderOriginalOffset:                  "",
+		diagGroupID:                                    "", // a standard queue has none
+		diagAttrPrefix + "big":                         "carried",
+		diagAttrPrefix + "origin":                      "",
+		diagAttrPrefix + adapters.HeaderOriginalOffset: "",
+		diagBodyEncoding:                               "base64",
+	}
+	for k, v := range want {
+		if diag[k] != v {
+			t.Errorf("diagnostic %s = %q, want %q (all: %v)", k, diag[k], v, diag)
+		}
+	}
+	if e := diag[adapters.HeaderError]; !strings.Contains(e, "fresh failure") || strings.Contains(e, "stale") {
+		t.Errorf("diagnostic %s = %q, want the new failure only", adapters.HeaderError, e)
+	}
+	if aws.ToString(m.Body) != body {
+		t.Errorf("body %q, want the replayed copy's %q", aws.ToString(m.Body), body)
+	}
+	if v := attributeString(m.MessageAttributes["origin"]); v != "test" {
+		t.Errorf("attribute origin = %q, want %q", v, "test")
+	}
+}
+
+// A message from another broker that was dead-lettered there (its
+// destination writes the diagnostics as headers) and replayed: none of the
+// old headers reaches the SQS copy.
+func TestDeadLetterQueueDropsForeignStaleDiagnostics(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dlqURL, _ := e.queue(false, 30*time.Second, nil)
+	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &adapters.Delivery{ID: "m-1", Body: []byte("body"), Queue: "amqp/orders", Partition: -1, Offset: -1, ReceivedAt: time.Now(),
+		Headers: map[string]string{
+			adapters.HeaderOriginalPart:       "7777",
+			adapters.HeaderOriginalExchange:   "stale-exchange",
+			adapters.HeaderOriginalRoutingKey: "", // empty: SQS would refuse it as an attribute
+			"kept":                            "yes",
+		}}
+	if err := dlq.Send(e.ctx(), d, adapters.Failure{Err: errors.New("fresh"), Attempts: 1}); err != nil {
+		t.Fatal(err)
+	}
+	got := e.drain(dlqURL, 0)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages, want 1", len(got))
+	}
+	m := got[0]
+	diag, err := DecodeDiagnostics(m.MessageAttributes, DefaultDiagnosticsAttribute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{adapters.HeaderOriginalPart, adapters.HeaderOriginalExchange, adapters.HeaderOriginalRoutingKey} {
+		if a, ok := m.MessageAttributes[k]; ok {
+			t.Errorf("stale header %s = %q became an attribute of the copy", k, attributeString(a))
+		}
+		if v, ok := diag[diagAttrPrefix+k]; ok {
+			t.Errorf("stale header %s = %q travelled in the diagnostics", k, v)
+		}
+		if v, ok := diag[k]; ok {
+			t.Errorf("diagnostic %s = %q, but this failure has none", k, v)
+		}
+	}
+	if v := attributeString(m.MessageAttributes["kept"]); v != "yes" {
+		t.Errorf("attribute kept = %q, want %q", v, "yes")
+	}
+}
+
+// The X-Ray trace header SQS keeps beside a message (the AWSTraceHeader
+// system attribute) reaches the handler and stays on the dead-letter copy.
+func TestDeadLetterQueueKeepsTraceHeader(t *testing.T) {
+	t.Parallel()
+	const trace = "Root=1-5759e988-bd862e3fe1be46a994272793;Parent=53995c3f42cd8ad8;Sampled=1"
+	for _, tc := range []struct {
+		name string
+		fifo bool
+		// systemNames: the emulator reads only the deprecated
+		// AttributeNames; this client hands it MessageSystemAttributeNames
+		// in their place, as SQS reads them now.
+		systemNames bool
+	}{{"standard", false, false}, {"fifo", true, false}, {"MessageSystemAttributeNames", false, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			fifo := tc.fifo
+			e := newEnv(t)
+			url, _ := e.queue(fifo, 5*time.Second, nil)
+			dlqURL, _ := e.queue(fifo, 30*time.Second, nil)
+			var client Client = e.client
+			if tc.systemNames {
+				client = systemNamesClient{e.client}
+			}
+			in := &sqs.SendMessageInput{QueueUrl: aws.String(url), MessageBody: aws.String("traced"),
+				MessageSystemAttributes: map[string]types.MessageSystemAttributeValue{
+					"AWSTraceHeader": {DataType: aws.String("String"), StringValue: aws.String(trace)},
+				}}
+			if fifo {
+				in.MessageGroupId = aws.String("g")
+			}
+			if _, err := e.client.SendMessage(e.ctx(), in); err != nil {
+				t.Fatal(err)
+			}
+			src, err := New(e.ctx(), client, url, testOptions()...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var (
+				mu   sync.Mutex
+				seen string
+				got  []types.Message
+			)
+			runUntil(t, src, consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
+				msg, _ := Message(m.Delivery())
+				mu.Lock()
+				seen = msg.Attributes["AWSTraceHeader"]
+				mu.Unlock()
+				return consumer.Permanent(errors.New("bad"))
+			}), "the copy in the dead-letter queue", func() bool {
+				got = append(got, e.drain(dlqURL, 0)...)
+				return len(got) > 0
+			}, consumer.WithDeadLetter(dlq))
+			mu.Lock()
+			defer mu.Unlock()
+			if seen != trace {
+				t.Errorf("handler saw AWSTraceHeader %q, want %q", seen, trace)
+			}
+			if v := got[0].Attributes["AWSTraceHeader"]; v != trace {
+				t.Errorf("dead-letter copy has AWSTraceHeader %q, want the original's %q", v, trace)
+			}
+		})
+	}
+}
+
+// systemNamesClient passes the Source's receives to the emulator with the
+// system attribute names taken from MessageSystemAttributeNames alone (the
+// emulator reads only AttributeNames, which SQS has deprecated).
+type systemNamesClient struct{ *sqs.Client }
+
+func (c systemNamesClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, o ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	cp := *in
+	cp.AttributeNames = nil
+	for _, a := range in.MessageSystemAttributeNames {
+		cp.AttributeNames = append(cp.AttributeNames, types.QueueAttributeName(a))
+	}
+	cp.MessageSystemAttributeNames = nil
+	return c.Client.ReceiveMessage(ctx, &cp, o...)
 }

@@ -30,9 +30,11 @@
 // base64), which is where the runtime finds the W3C trace context
 // (traceparent, tracestate; once a propagator is set, see
 // consumer.WithPropagator); Attempt is SQS's ApproximateReceiveCount, asked
-// for through both AttributeNames and MessageSystemAttributeNames; Key is the
-// FIFO MessageGroupId. [Message], [GroupID] and [DeduplicationID] reach the
-// received types.Message from a delivery (consumer.Message.Delivery()).
+// for through both AttributeNames and MessageSystemAttributeNames (with the
+// other system attributes the Source uses, and AWSTraceHeader, the X-Ray
+// trace the message was sent in); Key is the FIFO MessageGroupId. [Message],
+// [GroupID] and [DeduplicationID] reach the received types.Message from a
+// delivery (consumer.Message.Delivery()).
 //
 // # Leases
 //
@@ -91,10 +93,13 @@
 //
 // Two ways, pick one per consumer:
 //
-//   - [DeadLetterQueue] sends a copy (body, attributes, FIFO group) to a queue
-//     you name, with the runtime's diagnostics in one JSON attribute
-//     (custody-diagnostics); the runtime deletes the original only after SQS
-//     accepted the copy.
+//   - [DeadLetterQueue] sends a copy (body, attributes, AWSTraceHeader, FIFO
+//     group) to a queue you name, with the runtime's diagnostics in one JSON
+//     attribute (custody-diagnostics); the runtime deletes the original only
+//     after SQS accepted the copy. A message dead-lettered again after a
+//     replay gets fresh diagnostics, none of the earlier trip's. It also takes
+//     other brokers' deliveries, carrying in the diagnostics what SQS would
+//     refuse (see [NewDeadLetterQueue]).
 //   - [Source.Redrive] leaves it to the queue's redrive policy: the message is
 //     made visible again and SQS moves it when its receive count passes
 //     maxReceiveCount. It checks at start-up that maxReceiveCount equals the

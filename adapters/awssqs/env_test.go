@@ -76,15 +76,23 @@ func redrivePolicyJSON(dlqARN string, maxReceive int) string {
 // send publishes one message; group is used on FIFO queues.
 func (e *env) send(url, body, group string, headers map[string]string) {
 	e.t.Helper()
-	in := &sqs.SendMessageInput{QueueUrl: aws.String(url), MessageBody: aws.String(body)}
+	var attrs map[string]types.MessageAttributeValue
+	if len(headers) > 0 {
+		attrs = map[string]types.MessageAttributeValue{}
+		for k, v := range headers {
+			attrs[k] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
+		}
+	}
+	e.sendAttributes(url, body, group, attrs)
+}
+
+// sendAttributes publishes one message with the given message attributes;
+// group is used on FIFO queues.
+func (e *env) sendAttributes(url, body, group string, attrs map[string]types.MessageAttributeValue) {
+	e.t.Helper()
+	in := &sqs.SendMessageInput{QueueUrl: aws.String(url), MessageBody: aws.String(body), MessageAttributes: attrs}
 	if group != "" {
 		in.MessageGroupId = aws.String(group)
-	}
-	if len(headers) > 0 {
-		in.MessageAttributes = map[string]types.MessageAttributeValue{}
-		for k, v := range headers {
-			in.MessageAttributes[k] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
-		}
 	}
 	if _, err := e.client.SendMessage(e.ctx(), in); err != nil {
 		e.t.Fatalf("SendMessage: %v", err)
@@ -101,6 +109,27 @@ func (e *env) counts(url string) (visible, inFlight int) {
 	visible, _ = strconv.Atoi(out.Attributes["ApproximateNumberOfMessages"])
 	inFlight, _ = strconv.Atoi(out.Attributes["ApproximateNumberOfMessagesNotVisible"])
 	return visible, inFlight
+}
+
+// stored returns how many messages url holds, visible, in flight or not yet
+// visible. The emulator counts exactly, and has stored a message by the time
+// SendMessage returns; it holds it back as delayed until its next turn even
+// with no delay, which ApproximateNumberOfMessages leaves out.
+func (e *env) stored(url string) int {
+	e.t.Helper()
+	out, err := e.client.GetQueueAttributes(e.ctx(), &sqs.GetQueueAttributesInput{QueueUrl: aws.String(url), AttributeNames: []types.QueueAttributeName{"All"}})
+	if err != nil {
+		e.t.Fatalf("GetQueueAttributes: %v", err)
+	}
+	n := 0
+	for _, a := range []string{"ApproximateNumberOfMessages", "ApproximateNumberOfMessagesDelayed"} {
+		c, err := strconv.Atoi(out.Attributes[a])
+		if err != nil {
+			e.t.Fatalf("GetQueueAttributes: %s = %q", a, out.Attributes[a])
+		}
+		n += c
+	}
+	return n
 }
 
 // drain receives (and deletes) everything that becomes visible on url

@@ -246,6 +246,15 @@ func FuzzDeadLetterMessage(f *testing.F) {
 	// The line above is the regression seed for raw U+FFFE/U+FFFF in the
 	// diagnostics JSON, which SQS rejects (see escapeNonCharacters).
 	f.Add([]byte("x"), "", many, uint32(1024), uint8(5), "", "")
+	// A replayed copy: an earlier trip's diagnostics JSON (with attributes
+	// and a body encoding that stay, diagnostics that go) and diagnostics
+	// as plain attributes, native and foreign.
+	replayed := `Scustody-diagnostics={"custody-error":"old","custody-original-attribute.big":"kept","custody-original-attribute.custody-attempts":"9",` +
+		`"custody-original-attribute.":"x","custody-body-encoding":"base64","custody-original-group-id":"g0"}` +
+		"\nScustody-error=stale\nScustody-original-partition=7\nScustody-original-routing-key=\nSbig=live\nSkept=yes"
+	f.Add([]byte("AAE="), "new", replayed, uint32(0), uint8(0), "", "")
+	f.Add([]byte("AAE="), "new", replayed, uint32(0), uint8(3), "", "")
+	f.Add([]byte("AAE="), "new", replayed+"\n"+many, uint32(1100), uint8(8), "g", "d")
 	f.Fuzz(func(t *testing.T, body []byte, errText, spec string, maxSize uint32, flags uint8, group, dedup string) {
 		fifo, native, noErr := flags&1 != 0, flags&2 == 0, flags&4 != 0 // flags&8: small limit
 		url := "https://sqs.us-east-1.amazonaws.com/1/dlq"
@@ -278,6 +287,15 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			}
 			d.Native = m
 			d.Key = group
+		}
+		// The diagnostics of an earlier trip the message carries, if its
+		// diagnostics attribute (or header) holds a JSON object.
+		var earlier map[string]string
+		live := attrs // the message's own attributes (a foreign delivery's headers)
+		if v, ok := attrs[q.attr]; ok {
+			if json.Unmarshal([]byte(attributeString(v)), &earlier) != nil {
+				earlier = nil
+			}
 		}
 		// What the copy's body must be; a foreign delivery's refused
 		// headers (added to want below) and body encoding.
@@ -315,8 +333,21 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			fail.Err = errors.New(errText)
 		}
 
-		// The diagnostics the copy must carry, before any shortening.
+		// The diagnostics the copy must carry, before any shortening: an
+		// earlier trip's are replaced, but the attributes that travelled in
+		// them stay (unless the message has such an attribute again), and so
+		// does the body encoding of a message received from SQS (its body is
+		// the earlier copy's).
 		want := adapters.Diagnostics(d, fail)
+		for k, v := range earlier {
+			name, ok := strings.CutPrefix(k, diagAttrPrefix)
+			if _, again := live[name]; ok && name != "" && !staleName(name, q.attr) && !again {
+				want[k] = v
+			}
+		}
+		if e := earlier[diagBodyEncoding]; native && (e == "base64" || e == "empty") {
+			want[diagBodyEncoding] = e
+		}
 		if group != "" {
 			want[diagGroupID] = group
 		}
@@ -324,7 +355,9 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			want[diagDedupID] = dedup
 		}
 		for k, v := range refused {
-			want[diagAttrPrefix+k] = v
+			if !staleName(k, q.attr) {
+				want[diagAttrPrefix+k] = v
+			}
 		}
 		if encoding != "" {
 			want[diagBodyEncoding] = encoding
@@ -340,7 +373,7 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			}
 			size := len(wantBody)
 			for k, v := range attrs {
-				if k == q.attr {
+				if staleName(k, q.attr) {
 					continue
 				}
 				if keptAttribute(attrs, k, q.attr) {
@@ -393,8 +426,12 @@ func FuzzDeadLetterMessage(f *testing.F) {
 		}
 
 		for k, v := range attrs {
-			if k == q.attr {
-				continue // replaced by fresh diagnostics
+			if staleName(k, q.attr) {
+				// Replaced by fresh diagnostics.
+				if _, ok := in.MessageAttributes[k]; ok && k != q.attr {
+					t.Fatalf("attribute %q of an earlier dead-letter trip kept in the copy", k)
+				}
+				continue
 			}
 			if got, ok := in.MessageAttributes[k]; ok {
 				if aws.ToString(got.DataType) != aws.ToString(v.DataType) || aws.ToString(got.StringValue) != aws.ToString(v.StringValue) || !bytes.Equal(got.BinaryValue, v.BinaryValue) {
@@ -446,15 +483,23 @@ func FuzzDeadLetterMessage(f *testing.F) {
 }
 
 // keptAttribute reports whether message keeps attribute k as an attribute:
-// the first nine names in byte order, leaving out the diagnostics attribute.
+// the first nine names in byte order, leaving out the diagnostics of an
+// earlier trip (see staleName).
 func keptAttribute(attrs map[string]types.MessageAttributeValue, k, diagAttr string) bool {
 	smaller := 0
 	for o := range attrs {
-		if o != diagAttr && o < k {
+		if !staleName(o, diagAttr) && o < k {
 			smaller++
 		}
 	}
 	return smaller < maxAttributes-1
+}
+
+// staleName reports whether an attribute or header named name holds
+// diagnostics of an earlier dead-letter trip, which the copy drops: the
+// diagnostics attribute, or one of package adapters' diagnostic header names.
+func staleName(name, diagAttr string) bool {
+	return name == diagAttr || adapters.IsDiagnosticHeader(name)
 }
 
 // fullSize is the copy's size had the diagnostics diag not been shortened.

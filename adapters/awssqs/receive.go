@@ -27,6 +27,9 @@ var systemAttributes = []string{
 	string(types.MessageSystemAttributeNameMessageGroupId),
 	string(types.MessageSystemAttributeNameMessageDeduplicationId),
 	string(types.MessageSystemAttributeNameSequenceNumber),
+	// The X-Ray trace header the message was sent with, which a
+	// DeadLetterQueue copy keeps.
+	string(types.MessageSystemAttributeNameAWSTraceHeader),
 }
 
 // Receive returns up to max messages. It keeps up to one ReceiveMessage call
