@@ -27,13 +27,32 @@ import (
 // adapters.Diagnostics and the original exchange and routing key
 // (HeaderOriginalExchange, HeaderOriginalRoutingKey). Send returns nil only
 // after the broker confirmed the copy and routed it to at least one queue,
-// so the runtime acks the original only then.
+// so the runtime acks the original only then. Diagnostic headers an earlier
+// dead-letter trip left on the message (adapters.IsDiagnosticHeader) are
+// replaced, not kept beside the new ones.
 //
 // It accepts deliveries from any adapter, not only from this package's
-// Source: their body and headers are copied.
+// Source: their body and headers are copied. Since a sink that refuses a
+// message makes the runtime retry it for ever, the copy keeps recoverable
+// what AMQP cannot carry as it is, rather than failing: header names longer
+// than 255 bytes go into HeaderOriginalHeaders (JSON); another adapter's
+// headers named like the broker's own (x-death, x-delivery-count,
+// x-first-death-*, x-last-death-*) become custody-original-<name>, and an
+// x-death not of the broker's shape HeaderOriginalXDeath, since RabbitMQ
+// would misread them (a malformed x-death crashes the queue that
+// dead-letters the message); and a message id longer than 255 bytes is left
+// off the message-id property. When the copy's properties and headers would
+// not fit one frame of the connection (frame_max, less room for the headers
+// the broker adds if the dead-letter queue dead-letters it; the broker would
+// close the connection over a larger one), the largest headers are left out
+// and named in HeaderDroppedHeaders: the message's own first, the diagnostics that grow
+// with the message (key, id, queue, route, consumer) only if it would not
+// fit even without those. The body and the other diagnostics always stay.
+// See the package documentation.
 type DeadLetterExchange struct {
 	exchange, key string
 	pub           *publisher
+	reserve       int // room kept for the headers the broker adds (brokerAdditions)
 }
 
 // NewDeadLetterExchange connects and checks that exchange exists ("" is the
@@ -52,7 +71,11 @@ func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opt
 	if exchange == "" && routingKey == "" {
 		return nil, errors.New("rabbitmq: NewDeadLetterExchange: with the default exchange the routing key names the dead-letter queue and must not be empty")
 	}
-	x := &DeadLetterExchange{exchange: exchange, key: routingKey, pub: newPublisher(st)}
+	dlq := "" // unknown behind a named exchange
+	if exchange == "" {
+		dlq = routingKey
+	}
+	x := &DeadLetterExchange{exchange: exchange, key: routingKey, pub: newPublisher(st), reserve: brokerAdditions(dlq, exchange, routingKey)}
 	if err := x.pub.checkExchange(ctx, exchange); err != nil {
 		x.pub.close()
 		return nil, err
@@ -86,17 +109,28 @@ func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f a
 	var p amqp.Publishing
 	exchange, key := "", d.Queue
 	if m, ok := d.Native.(amqp.Delivery); ok {
-		p = republishing(&m)
+		// The route first: originalRoute reads HeaderOriginalExchange,
+		// which retries keep and dropDiagnostics removes.
 		exchange, key = originalRoute(&m)
+		p = republishing(&m)
+		dropDiagnostics(p.Headers)
 		if xd, ok := m.Headers["x-death"]; ok {
-			p.Headers["x-death"] = xd // the broker's own history is diagnostics too
+			// The broker's own history is diagnostics too; anything else
+			// under that name would be lost, or lose the copy, when the
+			// dead-letter queue dead-letters it in turn.
+			if isXDeath(xd) {
+				p.Headers["x-death"] = xd
+			} else {
+				p.Headers[HeaderOriginalXDeath] = xd
+			}
 		}
 	} else {
-		p = amqp.Publishing{Headers: amqp.Table{}, Body: d.Body, MessageId: d.ID, Timestamp: d.PublishedAt}
-		for k, v := range d.Headers {
-			p.Headers[k] = v
+		p = amqp.Publishing{Headers: foreignHeaders(d.Headers), Body: d.Body, Timestamp: d.PublishedAt}
+		if len(d.ID) <= maxShortstr {
+			// A longer id does not fit the message-id property (a short
+			// string); HeaderOriginalID carries it in full either way.
+			p.MessageId = d.ID
 		}
-		setRoutingHeadersAside(p.Headers)
 	}
 	p.DeliveryMode = amqp.Persistent
 	// The retry counter is this queue's bookkeeping, not the message's: a
@@ -108,7 +142,7 @@ func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f a
 	}
 	p.Headers[HeaderOriginalExchange] = exchange
 	p.Headers[HeaderOriginalRoutingKey] = key
-	if err := x.pub.publish(ctx, x.exchange, x.key, p); err != nil {
+	if err := x.pub.publish(ctx, x.exchange, x.key, p, x.reserve, fitDeadLetter); err != nil {
 		return fmt.Errorf("rabbitmq: dead-letter message %q: %w", d.ID, err)
 	}
 	return nil

@@ -41,7 +41,10 @@
 //
 // Ack returns once the ack is recorded: AMQP acks are not confirmed by the
 // broker, so sending it a few milliseconds later changes no guarantee. If
-// the channel dies first, the message is redelivered (at least once).
+// the channel dies first, the message is redelivered (at least once). An
+// Ack for a delivery whose channel or connection the client already knows
+// to be closed reports adapters.ErrConnectionLost, since it can no longer
+// reach the broker.
 //
 // # Reconnecting without stale acks
 //
@@ -107,6 +110,40 @@
 // broker that blocks publishers under a resource alarm does not also hold
 // back the consumer's acks.
 //
+// # Copies must fit one frame
+//
+// A message's properties and headers travel in one content header frame,
+// which must fit the connection's negotiated frame_max (128 KiB by
+// default); only the body is split across frames. The broker answers a
+// larger one by closing the whole connection (FRAME_ERROR); and a message
+// the broker delivers larger than that (it adds x-death and x-first-death-*
+// when it dead-letters a message, x-delivery-count when a quorum queue
+// redelivers one) is refused by the consumer's client, which closes its
+// connection, gets the message again, and so on: the queue stalls for good.
+// So the adapter measures every copy, exactly as the client encodes it, and
+// sends none that does not fit frame_max less the room those broker headers
+// take on the copy's way (for the queue names involved; a retry through a
+// delay queue counts two dead-letter hops): the publish fails instead, and
+// the connection stays up. (A message someone else publishes that close to
+// the limit can stall a queue the same way when the broker dead-letters or
+// redelivers it; only its publisher can prevent that.)
+//
+// A retry's copy adds HeaderAttempt, HeaderFirstReceived and the original
+// route to a message that arrived within the frame; when that would not
+// fit, it leaves out HeaderFirstReceived, then the original route (they
+// only feed dead-letter diagnostics), but never the message's own headers,
+// which its handler sees again. A copy for a delay queue that still does not
+// fit waits in place instead, and one that does not fit even then is not
+// published: the original is requeued after the delay (basic.nack,
+// requeue=true), whole. A quorum queue counts those requeues
+// (x-delivery-count), so the message still reaches the dead-letter
+// destination after MaxAttempts; a classic queue only flags them, so its
+// attempt count stays at the lower bound and it is retried until it
+// succeeds (each time with a warning). Only a message whose properties and
+// headers were already close to the limit gets there (within the room kept
+// for the broker's headers, typically under 1 KiB, and the few dozen bytes
+// the attempt counter takes). For dead-letter copies see below.
+//
 // # Dead letters
 //
 // A [DeadLetterExchange] publishes the original body and properties with
@@ -118,7 +155,46 @@
 // an error, so the original is kept. The copy sets aside a TTL, CC, BCC and a
 // foreign user-id as retries do, and drops HeaderAttempt, so a message
 // replayed from the dead-letter queue starts its attempts afresh
-// (custody-attempts keeps the count).
+// (custody-attempts keeps the count). It also drops the diagnostic headers
+// an earlier dead-letter trip left (adapters.IsDiagnosticHeader), so it
+// describes its latest failure only; the original route kept by retries is
+// read first.
+//
+// A sink that refuses a message makes the runtime keep the original and try
+// again for ever, so a DeadLetterExchange stores whatever another broker's
+// adapter can hand it, and keeps recoverable what AMQP cannot carry as it
+// is:
+//
+//   - header names longer than 255 bytes (an AMQP field name is a short
+//     string) go into one header, HeaderOriginalHeaders, a JSON object from
+//     name to value (invalid UTF-8 there becomes U+FFFD); every other name
+//     and value, spaces, Unicode, empty and non-UTF-8 values included, is
+//     copied byte for byte;
+//   - another adapter's headers named like the broker's own (x-death,
+//     x-delivery-count, x-first-death-*, x-last-death-*) are kept as
+//     custody-original-<name>: under their own name a copy replayed from
+//     the dead-letter queue would start at a stale attempt, and the broker
+//     would overwrite a text x-death when it dead-letters the copy;
+//   - an x-death that is not the broker's shape (an array of tables, counts
+//     numeric) is kept as HeaderOriginalXDeath: RabbitMQ crashes the queue
+//     that dead-letters a message carrying one, which would take the
+//     dead-letter queue down when it dead-letters the copy (a TTL, a length
+//     limit, a reject);
+//   - a message id longer than 255 bytes is left off the message-id
+//     property (adapters.HeaderOriginalID carries it);
+//   - when the copy's properties and headers would not fit the frame (see
+//     above), headers are left out, largest first, and named with their
+//     sizes in HeaderDroppedHeaders, with the reason: first the message's
+//     own headers (x-death and the custody-original-* headers included),
+//     then, only if the copy would not fit even without those, the
+//     diagnostics whose size comes from the message or configuration
+//     (original key, id, queue, route, consumer). The copy keeps room for
+//     the headers the broker adds if the dead-letter queue dead-letters it
+//     in turn. The body and the other diagnostics (error, attempts, failure
+//     times, partition, offset) are always kept: the values of headers left
+//     out are lost.
+//
+// A body larger than the broker's max_message_size is still refused.
 //
 // [Source.NativeDeadLetter] instead rejects the delivery without requeue,
 // so the broker moves it to the queue's own dead-letter exchange and adds

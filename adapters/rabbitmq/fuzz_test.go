@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"reflect"
 	"strconv"
@@ -14,6 +16,8 @@ import (
 	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
 )
 
 // The fuzzers below check the adapter's pure header codecs and the delay
@@ -537,6 +541,90 @@ func FuzzDelayStep(f *testing.F) {
 		}
 		if !bytes.Equal([]byte(delayQueueName(queue, got)), []byte(name)) {
 			t.Fatalf("delay queue name is not stable")
+		}
+	})
+}
+
+// FuzzFitDeadLetter checks fitDeadLetter on random header tables and frame
+// budgets: a copy that fits is left alone; otherwise the essential
+// diagnostics always stay, the copy fits unless nothing else is left to
+// leave out, the message's own headers go largest first, and the record
+// names exactly what was left out, with its size.
+func FuzzFitDeadLetter(f *testing.F) {
+	f.Add([]byte{}, uint16(0))
+	f.Add([]byte("\x06\x02ab\x00\x00\x00\x00\x00\x00\x00\x01\x00\x10xxxxxxxxxxxxxxxx\x01cd\x00\x00\x00\x00\x00\x00\x00\x01\x0f\x04"), uint16(3))
+	f.Add([]byte("\x03\x01a\x00\x00\x00\x00\x00\x00\x00\x00\x10\x04\x01b\x00\x00\x00\x00\x00\x00\x00\x00\x0f\x05"), uint16(40))
+	f.Fuzz(func(t *testing.T, data []byte, slack uint16) {
+		r := &fieldReader{b: data}
+		p := amqp.Publishing{Headers: r.table(0), MessageId: "id", DeliveryMode: amqp.Persistent}
+		essentials := map[string]bool{}
+		d := &adapters.Delivery{ID: "id", Queue: "q", Partition: 1, Offset: 2, Key: r.string(), PublishedAt: time.Unix(1, 0)}
+		for k, v := range adapters.Diagnostics(d, adapters.Failure{Err: errors.New(r.string()), Attempts: 2, LastFailure: time.Unix(2, 0)}) {
+			p.Headers[k] = v
+			essentials[k] = !bulkyDiagnostics[k]
+		}
+		before := maps.Clone(p.Headers)
+		size, err := headerFrameSize(&p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		floor := contentHeaderFixed + 1 + len("id") + 1 + 4
+		for k, ess := range essentials {
+			if ess {
+				e, _ := entrySize(k, p.Headers[k])
+				floor += e
+			}
+		}
+		budget := floor + int(slack%2048)
+		fitDeadLetter(&p, budget, budget+frameOverhead)
+		after, err := headerFrameSize(&p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec, recorded := p.Headers[HeaderDroppedHeaders].(string)
+		if size <= budget {
+			if recorded || !maps.Equal(stringHeaders(p.Headers), stringHeaders(before)) {
+				t.Fatalf("a copy of %d bytes that fits %d was changed", size, budget)
+			}
+			return
+		}
+		var r2 struct {
+			Headers map[string]int `json:"headers"`
+		}
+		if !recorded || json.Unmarshal([]byte(rec), &r2) != nil {
+			t.Fatalf("a copy of %d bytes over a budget of %d has no readable record: %q", size, budget, rec)
+		}
+		left := 0
+		maxKept, minDropped := -1, math.MaxInt
+		for k, v := range before {
+			e, _ := entrySize(k, v)
+			_, kept := p.Headers[k]
+			n, named := r2.Headers[k]
+			switch {
+			case kept == named:
+				t.Fatalf("header %q: kept %v, named in the record %v", k, kept, named)
+			case named && n != e:
+				t.Fatalf("header %q took %d bytes; the record says %d", k, e, n)
+			case !kept && essentials[k]:
+				t.Fatalf("essential diagnostic %q left out", k)
+			}
+			if !adapters.IsDiagnosticHeader(k) {
+				if kept {
+					left++
+					maxKept = max(maxKept, e)
+				} else {
+					minDropped = min(minDropped, e)
+				}
+			}
+		}
+		if len(r2.Headers) == 0 {
+			t.Fatal("the record names nothing")
+		}
+		if maxKept > minDropped {
+			t.Fatalf("kept a header of %d bytes but left out one of %d", maxKept, minDropped)
+		}
+		if after > budget && left > 0 {
+			t.Fatalf("the copy takes %d bytes of %d with %d headers of its own left to leave out", after, budget, left)
 		}
 	})
 }

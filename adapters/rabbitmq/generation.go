@@ -106,7 +106,17 @@ func (g *generation) ackLocked(h *handle) error {
 	switch h.state {
 	case stateAckPending, stateSettled:
 		return nil // already decided; a second ack must not reach the wire
-	case stateWaiting:
+	}
+	if g.ch.IsClosed() || g.conn.IsClosed() {
+		// amqp091 saw the channel or the connection close and the
+		// supervisor is about to mark the generation dead: an ack recorded
+		// now would never be sent, and the broker redelivers the message.
+		// Report the loss rather than a settled delivery; the generation's
+		// death loses the delivery as it does every other one it holds.
+		g.src.stats.droppedAcks.Add(1)
+		return g.lostErr()
+	}
+	if h.state == stateWaiting {
 		g.waiting--
 	}
 	h.state = stateAckPending

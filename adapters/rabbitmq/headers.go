@@ -1,10 +1,12 @@
 package rabbitmq
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
@@ -38,7 +40,37 @@ const (
 	// would route it to those queues again.
 	HeaderOriginalCC  = "custody-original-cc"
 	HeaderOriginalBCC = "custody-original-bcc"
+	// HeaderOriginalHeaders keeps, on a dead-letter copy of another
+	// adapter's delivery, the headers AMQP cannot carry under their own
+	// name: names longer than 255 bytes (a field-table key is a short
+	// string). Its value is a JSON object from name to value; invalid UTF-8
+	// in a name or value becomes U+FFFD there. A copy that already carries
+	// one (from an earlier trip) has it merged into the new one.
+	HeaderOriginalHeaders = "custody-original-headers"
+	// HeaderOriginalXDeath keeps, on a dead-letter copy, an x-death header
+	// the broker must not see under that name: another adapter's (text, as
+	// every foreign header is), or one not of the broker's shape (an array
+	// of tables whose counts are numbers), which makes RabbitMQ crash the
+	// queue that dead-letters the message. Other headers named like the
+	// broker's own on another adapter's delivery (x-delivery-count,
+	// x-first-death-*, x-last-death-*) are kept the same way, as
+	// custody-original-<name>.
+	HeaderOriginalXDeath = "custody-original-x-death"
+	// HeaderDroppedHeaders names, on a dead-letter copy, the headers left out
+	// because the copy's content header frame would not have fitted the
+	// connection's frame_max, with room kept for the headers the broker
+	// adds. Its value is JSON: the reason, and for each dropped header the
+	// bytes its name and value took in the frame, for example
+	//
+	//	{"reason":"the copy's AMQP content header must fit the connection's frame_max (131072 bytes), with room for the headers the broker adds","headers":{"large":153611}}
+	//
+	// A record from an earlier dead-letter trip is merged into the new one.
+	HeaderDroppedHeaders = "custody-dropped-headers"
 )
+
+// originalPrefix names what a copy sets aside: a header the copy must not
+// carry under its own name k travels as originalPrefix+k.
+const originalPrefix = "custody-original-"
 
 // brokerHeaders are headers the broker sets on delivery. A republished copy
 // must not carry them: a stale x-delivery-count would inflate the attempt
@@ -63,6 +95,135 @@ func setRoutingHeadersAside(h amqp.Table) {
 			h[aside] = v
 		}
 	}
+}
+
+// setBrokerHeadersAside moves the broker's own header names (x-death,
+// x-delivery-count, x-first-death-*, x-last-death-*) of another adapter's
+// delivery to custody-original-<name>. Such a header came from elsewhere (a
+// message bridged from RabbitMQ, or a look-alike): under its own name it
+// would be taken for this broker's history. A stale x-delivery-count would
+// inflate the attempt count of a copy replayed from the dead-letter queue;
+// an x-first-death-* header stops the broker from writing its own; and the
+// broker silently replaces an x-death that is not its own array of tables
+// when it dead-letters the copy, so the foreign value would be lost.
+func setBrokerHeadersAside(h amqp.Table) {
+	for _, k := range brokerHeaders {
+		if v, ok := h[k]; ok {
+			delete(h, k)
+			h[originalPrefix+k] = v
+		}
+	}
+}
+
+// isXDeath reports whether v has the shape of the broker's x-death header:
+// an array of tables, each count (if any) an integer. When RabbitMQ (3.10)
+// dead-letters a message whose x-death has another shape, its dead-lettering
+// code crashes the queue (function_clause on an array entry that is not a
+// table, a failed increment on an entry for this queue and reason whose
+// count is text): the message is lost, and the queue may not restart. A copy
+// keeps any other x-death only aside, under HeaderOriginalXDeath, where the
+// broker does not read it.
+func isXDeath(v any) bool {
+	a, ok := v.([]any)
+	if !ok {
+		return false
+	}
+	for _, x := range a {
+		t, ok := x.(amqp.Table)
+		if !ok {
+			return false
+		}
+		if c, ok := t["count"]; ok {
+			switch c.(type) {
+			case int8, int16, int32, int64, int, uint8, uint16, uint32:
+			default:
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// dropDiagnostics removes the shared diagnostic headers (an earlier
+// dead-letter trip's, on a message replayed from a dead-letter queue), so
+// that a new dead-letter copy describes its latest failure only.
+func dropDiagnostics(h amqp.Table) {
+	for k := range h {
+		if adapters.IsDiagnosticHeader(k) {
+			delete(h, k)
+		}
+	}
+}
+
+// foreignHeaders turns another adapter's string headers into an AMQP table
+// for a dead-letter copy: names AMQP cannot carry go into
+// HeaderOriginalHeaders, routing and broker headers are set aside, and an
+// earlier trip's diagnostics are dropped.
+func foreignHeaders(in map[string]string) amqp.Table {
+	h := make(amqp.Table, len(in)+16)
+	var long map[string]string
+	for k, v := range in {
+		if len(k) > maxShortstr {
+			if long == nil {
+				long = map[string]string{}
+			}
+			long[k] = v
+			continue
+		}
+		h[k] = v
+	}
+	if long != nil {
+		all := map[string]string{}
+		if !decodeJSONHeader(h[HeaderOriginalHeaders], &all) {
+			if old, ok := h[HeaderOriginalHeaders].(string); ok {
+				all[HeaderOriginalHeaders] = old // not ours: keep it inside
+			}
+		}
+		for k, v := range long {
+			all[k] = v
+		}
+		h[HeaderOriginalHeaders] = jsonObject(all)
+	}
+	setRoutingHeadersAside(h)
+	setBrokerHeadersAside(h)
+	dropDiagnostics(h)
+	return h
+}
+
+// jsonObject renders m as a JSON object, keys sorted, without HTML
+// escaping.
+func jsonObject(m map[string]string) string {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(m); err != nil {
+		return "{}" // a map of strings always encodes
+	}
+	return strings.TrimSuffix(b.String(), "\n")
+}
+
+// jsonString renders s as a JSON string, without HTML escaping.
+func jsonString(s string) string {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	_ = enc.Encode(s) // a string always encodes
+	return strings.TrimSuffix(b.String(), "\n")
+}
+
+// decodeJSONHeader decodes a text header holding JSON into out, and reports
+// whether it could.
+func decodeJSONHeader(v any, out any) bool {
+	var b []byte
+	switch v := v.(type) {
+	case string:
+		b = []byte(v)
+	case []byte:
+		b = v
+	default:
+		return false
+	}
+	return json.Unmarshal(b, out) == nil
 }
 
 // stringHeaders renders AMQP header values as strings: text as is, numbers in

@@ -43,7 +43,15 @@ var errUnroutable = errors.New("rabbitmq: the broker could not route the message
 
 // publish sends msg and returns nil once the broker confirmed it was routed
 // to at least one queue and stored.
-func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+//
+// The content header frame (properties and headers) must fit the
+// connection's frame_max, and leave reserve bytes for the headers the broker
+// adds before a consumer reads the message (see brokerAdditions): a larger
+// one is not sent, since the broker would close the whole connection over it
+// (FRAME_ERROR), every time, or the consumer's client would refuse it. fit,
+// if not nil, may first trim msg's headers to budget, once the connection and
+// its frame_max are known (budget 0: no limit).
+func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing, reserve int, fit func(msg *amqp.Publishing, budget, frameMax int)) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.ensureLocked(ctx); err != nil {
@@ -59,6 +67,21 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 		}
 		msg.Headers[HeaderOriginalUserID] = msg.UserId
 		msg.UserId = ""
+	}
+	frameMax, budget := 0, 0
+	if p.conn.Config.FrameSize > 0 {
+		frameMax = p.conn.Config.FrameSize
+		budget = max(frameMax-frameOverhead-reserve, 1)
+	}
+	if fit != nil {
+		fit(&msg, budget, frameMax)
+	}
+	size, err := headerFrameSize(&msg)
+	if err != nil {
+		return fmt.Errorf("rabbitmq: publish to exchange %q with routing key %q: %w", exchange, key, err)
+	}
+	if budget > 0 && size > budget {
+		return fmt.Errorf("%w: its content header takes %d bytes; the connection's frame_max of %d leaves %d once room is kept for the %d bytes of headers the broker may add", errHeaderTooLarge, size, frameMax, budget, reserve)
 	}
 	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
 	if err != nil {

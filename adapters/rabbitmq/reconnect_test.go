@@ -183,3 +183,43 @@ func TestReceiveReportsReconnectFailureAndResumes(t *testing.T) {
 	}
 	waitUnacked(t, q, 0)
 }
+
+// An Ack that arrives after amqp091 saw the connection close, but before
+// the adapter marked the generation dead, cannot reach the broker, which
+// redelivers the message: Ack must report the delivery lost, not settled,
+// or the runtime counts as acked a message that comes back.
+func TestAckAfterTheConnectionClosedReportsTheLoss(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10), WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+	died, release := make(chan struct{}), make(chan struct{})
+	s.mu.Lock()
+	s.testHookChannelDied = func() {
+		close(died)
+		<-release
+	}
+	s.mu.Unlock()
+	d := receiveN(t, s, 1)[0]
+	killConnection(t, s)
+	select {
+	case <-died: // the connection is closed; the generation is not yet dead
+	case <-time.After(30 * time.Second):
+		t.Fatal("the supervisor did not see the connection close")
+	}
+	err := s.Ack(context.Background(), []*adapters.Delivery{d})
+	s.mu.Lock()
+	s.testHookChannelDied = nil
+	s.mu.Unlock()
+	close(release)
+	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrConnectionLost) {
+		t.Errorf("Ack after the connection closed returned %v, want ErrConnectionLost: the broker redelivers the message", err)
+	}
+	again := receiveN(t, s, 1)[0]
+	if again.ID != "m1" {
+		t.Fatalf("redelivered %q, want m1", again.ID)
+	}
+	if err := s.Ack(context.Background(), []*adapters.Delivery{again}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -160,7 +160,7 @@ func (s *Source) holdInPlace(d *adapters.Delivery, h *handle, delay time.Duratio
 		}
 		defer s.endRepublish()
 		ctx, cancel := context.WithTimeout(s.ctx, s.publishTimeout)
-		err := s.republish(ctx, d, h, "", s.queue)
+		err := s.republish(ctx, d, h, "", s.queue, brokerAdditions(s.queue, "", s.queue))
 		cancel()
 		switch {
 		case err == nil:
@@ -184,7 +184,9 @@ func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *hand
 	if err := s.pub.declareDelayQueue(ctx, name, step, s.queue); err != nil {
 		return err
 	}
-	err := s.republish(ctx, d, h, "", name)
+	// The copy passes two queues that may dead-letter it: the delay queue
+	// always does, adding x-death, and the queue itself may.
+	err := s.republish(ctx, d, h, "", name, brokerAdditions(name, "", name)+brokerAdditions(s.queue, "", s.queue))
 	if errors.Is(err, errUnroutable) {
 		s.pub.forget(name) // deleted behind our back: declare it again next time
 	}
@@ -194,9 +196,10 @@ func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *hand
 	return err
 }
 
-// republish publishes d's next attempt to exchange/key, waits for the
-// confirm, and then acks the original.
-func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, exchange, key string) error {
+// republish publishes d's next attempt to exchange/key, leaving reserve
+// bytes of its content header frame for what the broker adds on the way,
+// waits for the confirm, and then acks the original.
+func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, exchange, key string, reserve int) error {
 	m, ok := d.Native.(amqp.Delivery)
 	if !ok {
 		return errors.New("rabbitmq: the delivery has no AMQP message to republish")
@@ -209,8 +212,14 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	if _, ok := p.Headers[HeaderFirstReceived]; !ok {
 		p.Headers[HeaderFirstReceived] = d.ReceivedAt.UTC().Format(time.RFC3339Nano)
 	}
-	if err := s.pub.publish(ctx, exchange, key, p); err != nil {
+	var shed []string
+	fit := func(p *amqp.Publishing, budget, _ int) { shed = fitRetry(p, budget) }
+	if err := s.pub.publish(ctx, exchange, key, p, reserve, fit); err != nil {
 		return err
+	}
+	if len(shed) > 0 {
+		s.s.logger.Warn("rabbitmq: a retry's copy left out custody diagnostic headers to fit the connection's frame_max",
+			"queue", s.queue, "id", d.ID, "left_out", shed)
 	}
 	if s.testHookRepublished != nil {
 		s.testHookRepublished()

@@ -48,6 +48,9 @@ type Source struct {
 	// testHookRepublished, when set by a test, runs between a retry's
 	// confirmed copy and the original's ack.
 	testHookRepublished func()
+	// testHookChannelDied, when set by a test (under mu), runs on the
+	// supervisor once it saw the generation die, before it marks it dead.
+	testHookChannelDied func()
 }
 
 // New connects to the broker, checks or declares queue as the options say,

@@ -119,6 +119,12 @@ func (s *Source) supervise(g *generation) {
 				return
 			}
 		}
+		s.mu.Lock()
+		hook := s.testHookChannelDied
+		s.mu.Unlock()
+		if hook != nil {
+			hook()
+		}
 		s.kill(g, cause)
 		if g = s.reconnect(); g == nil {
 			return
