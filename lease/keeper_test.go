@@ -185,6 +185,8 @@ func TestFailedRenewalLosesTheDelivery(t *testing.T) {
 		t.Fatalf("lost after %d renewal attempt(s); a failure that does not say the lease is gone is retried while it lasts", n)
 	}
 	eventually(t, "good renewed again", func() bool { return rec.count(good) >= 3 })
+	// Lost reports the loss after the delivery is lost: wait for it.
+	eventually(t, "the loss reported", func() bool { return lost.Load() >= 1 })
 	if good.LostCause() != nil || lost.Load() != 1 {
 		t.Fatalf("good lost: %v; lost count %d", good.LostCause(), lost.Load())
 	}
@@ -234,6 +236,8 @@ func TestTransientRenewalFailureIsRetriedWhileTheLeaseLasts(t *testing.T) {
 	if cause := d.LostCause(); cause != nil {
 		t.Fatalf("lost after transient failures: %v", cause)
 	}
+	// Retrying reports after its call returned, maybe after the next call.
+	eventually(t, "the failures reported", func() bool { return retrying.Load() >= 2 })
 	if n := retrying.Load(); n != 2 {
 		t.Fatalf("Retrying reported %d leases, want 2 (one per failed call)", n)
 	}
