@@ -71,6 +71,13 @@ func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opt
 	if exchange == "" && routingKey == "" {
 		return nil, errors.New("rabbitmq: NewDeadLetterExchange: with the default exchange the routing key names the dead-letter queue and must not be empty")
 	}
+	// Both travel as AMQP short strings: longer ones would fail every send.
+	if len(exchange) > maxShortstr {
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetterExchange: exchange name of %d bytes; AMQP allows at most %d", len(exchange), maxShortstr)
+	}
+	if len(routingKey) > maxShortstr {
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetterExchange: routing key of %d bytes; AMQP allows at most %d", len(routingKey), maxShortstr)
+	}
 	dlq := "" // unknown behind a named exchange
 	if exchange == "" {
 		dlq = routingKey

@@ -52,6 +52,17 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 	if _, err := New(context.Background(), ""); err == nil {
 		t.Error("empty queue name accepted")
 	}
+	// Names travel as AMQP short strings: refused before any connection.
+	long := strings.Repeat("q", 256)
+	if _, err := New(context.Background(), long, WithURL("amqp://nowhere.invalid:1/")); err == nil || !strings.Contains(err.Error(), "at most 255") {
+		t.Errorf("256-byte queue name: %v", err)
+	}
+	for _, c := range []struct{ exchange, key, what string }{{long, "k", "exchange name"}, {"", long, "routing key"}} {
+		_, err := NewDeadLetterExchange(context.Background(), c.exchange, c.key, WithURL("amqp://nowhere.invalid:1/"))
+		if err == nil || !strings.Contains(err.Error(), c.what) {
+			t.Errorf("256-byte %s: %v", c.what, err)
+		}
+	}
 }
 
 func TestNewFailsOnMissingQueue(t *testing.T) {

@@ -61,6 +61,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	if queue == "" {
 		return nil, errors.New("rabbitmq: New: the queue name is empty")
 	}
+	if len(queue) > maxShortstr {
+		return nil, fmt.Errorf("rabbitmq: New: queue name of %d bytes; AMQP allows at most %d", len(queue), maxShortstr)
+	}
 	st, err := apply(opts)
 	if err != nil {
 		return nil, err
