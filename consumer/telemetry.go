@@ -25,10 +25,18 @@ const (
 	outcomeLeft         = "left"   // left to the broker's lease: at shutdown, or a failed early ack (at-most-once)
 )
 
+// durationBounds are the bucket boundaries, in seconds, of
+// custody.handler.duration: OpenTelemetry's advice for messaging durations
+// (5 ms to 10 s), widened to a millisecond below and to five minutes above,
+// since handlers may run as long as their leases are renewed. Without them
+// the SDK's default boundaries, meant for milliseconds (0, 5, 10, 25, ...),
+// would put every handler shorter than five seconds into one bucket.
+var durationBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 60, 120, 300}
+
 // telemetry holds the instruments, created once in New, and pre-built
 // attribute options so the hot path allocates nothing for them.
 type telemetry struct {
-	tracer trace.Tracer
+	tracer processTracer
 	// spans says whether processing spans can reach anything; see
 	// newSpanSwitch.
 	spans func() bool
@@ -57,7 +65,7 @@ type telemetry struct {
 
 func newTelemetry(c *config) (*telemetry, error) {
 	m := c.meterProvider.Meter(instrumentationName)
-	t := &telemetry{tracer: c.tracerProvider.Tracer(instrumentationName), spans: newSpanSwitch(c.tracerProvider)}
+	t := &telemetry{tracer: processTracer{c.tracerProvider.Tracer(instrumentationName)}, spans: newSpanSwitch(c.tracerProvider)}
 	var err error
 	counter := func(name, desc string) metric.Int64Counter {
 		if err != nil {
@@ -80,7 +88,8 @@ func newTelemetry(c *config) (*telemetry, error) {
 		return nil, err
 	}
 	if t.duration, err = m.Float64Histogram("custody.handler.duration",
-		metric.WithDescription("Time one handler attempt took."), metric.WithUnit("s")); err != nil {
+		metric.WithDescription("Time one handler attempt took."), metric.WithUnit("s"),
+		metric.WithExplicitBucketBoundaries(durationBounds...)); err != nil {
 		return nil, err
 	}
 	if t.inFlight, err = m.Int64UpDownCounter("custody.messages.in_flight",
@@ -97,8 +106,31 @@ func newTelemetry(c *config) (*telemetry, error) {
 	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
 	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
 	t.spanStart = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
-	t.spanAttrs = []attribute.KeyValue{attribute.String("messaging.consumer.group.name", c.name)}
+	// The consumer's name under the metrics' key, so that spans and metrics
+	// join. It is not messaging.consumer.group.name: the runtime does not
+	// know the broker's consumer group (a Kafka group is named apart from
+	// the consumer, and its metrics carry the group's real name under that
+	// key), and SQS and RabbitMQ have none.
+	t.spanAttrs = []attribute.KeyValue{
+		src,
+		attribute.String("messaging.operation.type", "process"),
+		attribute.String("messaging.operation.name", "process"),
+	}
 	return t, nil
+}
+
+// processTracer starts the processing spans. A span continues the trace
+// context extracted from the message's headers; a message without one starts
+// a trace of its own. The context it starts from otherwise derives from
+// Run's, which lives as long as the consumer: a span in it (a start-up span,
+// say) would parent every message the consumer ever handles.
+type processTracer struct{ trace.Tracer }
+
+func (p processTracer) Start(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	if !trace.SpanContextFromContext(ctx).IsRemote() {
+		opts = append(opts[:len(opts):len(opts)], trace.WithNewRoot())
+	}
+	return p.Tracer.Start(ctx, name, opts...)
 }
 
 // newSpanSwitch returns a check, cheap enough for every message, of whether a

@@ -10,13 +10,31 @@ import (
 
 const meterName = "github.com/custody-go/custody/adapters/kafka"
 
+// commitBounds are the bucket boundaries, in seconds, of
+// custody.kafka.commit.duration. The SDK's default boundaries are meant for
+// milliseconds (0, 5, 10, 25, ...): in seconds they would put every commit
+// shorter than five seconds into one bucket.
+var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30}
+
 // telemetry holds the adapter's instruments:
 //
 //	custody.kafka.lag             gauge, records: high watermark minus committed offset, per partition
-//	custody.kafka.commit.duration histogram, seconds: one commit request
+//	                              (partitions this member no longer owns are not reported)
+//	custody.kafka.commit.duration histogram, seconds: one commit request, by attribute error
 //	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
 //	custody.kafka.skipped         counter: records skipped because a previous owner had done them
 //	custody.kafka.rewinds         counter: partitions rewound after the broker lost data (see ErrRewound)
+//
+// All carry messaging.consumer.group.name (the group); lag, skipped and
+// rewinds also messaging.destination.name and
+// messaging.destination.partition.id.
+//
+// A partition's lag is reported once both its committed offset (fetched on
+// assignment, or after its first commit) and its high watermark are known.
+// The high watermark comes with fetched records: a partition assigned with
+// nothing left to read reports no lag until a record arrives, and a
+// partition paused for backpressure keeps the high watermark of its last
+// fetch until it is fetched again.
 type telemetry struct {
 	group    attribute.KeyValue
 	commit   metric.Float64Histogram
@@ -38,22 +56,23 @@ func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry,
 	t.badAttrs = metric.WithAttributes(t.group, attribute.Bool("error", true))
 	var err error
 	if t.commit, err = m.Float64Histogram("custody.kafka.commit.duration",
-		metric.WithUnit("s"), metric.WithDescription("Duration of one offset commit request.")); err != nil {
+		metric.WithUnit("s"), metric.WithDescription("Duration of one offset commit request."),
+		metric.WithExplicitBucketBoundaries(commitBounds...)); err != nil {
 		return nil, err
 	}
-	if t.failures, err = m.Int64Counter("custody.kafka.commit.failures",
+	if t.failures, err = m.Int64Counter("custody.kafka.commit.failures", metric.WithUnit("{request}"),
 		metric.WithDescription("Offset commit requests that failed in whole or in part.")); err != nil {
 		return nil, err
 	}
-	if t.skipped, err = m.Int64Counter("custody.kafka.skipped",
+	if t.skipped, err = m.Int64Counter("custody.kafka.skipped", metric.WithUnit("{message}"),
 		metric.WithDescription("Records skipped after a rebalance because the commit metadata recorded them done.")); err != nil {
 		return nil, err
 	}
-	if t.rewinds, err = m.Int64Counter("custody.kafka.rewinds",
+	if t.rewinds, err = m.Int64Counter("custody.kafka.rewinds", metric.WithUnit("{rewind}"),
 		metric.WithDescription("Partitions the client rewound below records already polled, after the broker lost data.")); err != nil {
 		return nil, err
 	}
-	lag, err := m.Int64ObservableGauge("custody.kafka.lag",
+	lag, err := m.Int64ObservableGauge("custody.kafka.lag", metric.WithUnit("{message}"),
 		metric.WithDescription("High watermark minus committed offset, per assigned partition."))
 	if err != nil {
 		return nil, err

@@ -120,3 +120,105 @@ func TestLagAfterARewind(t *testing.T) {
 		t.Fatalf("lag = %+v with 20 committed and the high watermark at 30; want 10", lag)
 	}
 }
+
+// lagByPartition returns the lag data points of the last collection by
+// partition id.
+func lagByPartition(t *testing.T, r *sdkmetric.ManualReader) map[int]int64 {
+	t.Helper()
+	out := map[int]int64{}
+	lag, _ := collect(t, r, "custody.kafka.lag").(metricdata.Gauge[int64])
+	for _, dp := range lag.DataPoints {
+		v, ok := dp.Attributes.Value("messaging.destination.partition.id")
+		if !ok {
+			t.Fatalf("lag data point without a partition: %v", dp.Attributes.ToSlice())
+		}
+		out[int(v.AsInt64())] = dp.Value
+	}
+	return out
+}
+
+// TestLagStopsForPartitionsNoLongerOwned: after a revoke (a second member
+// takes a partition) and after a loss, the old owner reports no lag for the
+// partitions it gave up, not even the last value it saw.
+func TestLagStopsForPartitionsNoLongerOwned(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produceN(t, "orders", 2, 10, 10)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	group := newGroup()
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mp))
+	ds := receiveN(t, a, 20)
+	for _, d := range ds {
+		if d.Offset < 6 {
+			ack(t, a, d)
+		}
+	}
+	commitNow(t, a)
+	if lag := lagByPartition(t, reader); len(lag) != 2 || lag[0] != 4 || lag[1] != 4 {
+		t.Fatalf("lag = %v, want 4 on both partitions", lag)
+	}
+
+	readerB := sdkmetric.NewManualReader()
+	mpB := sdkmetric.NewMeterProvider(sdkmetric.WithReader(readerB))
+	defer mpB.Shutdown(context.Background())
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mpB))
+	var moved = int32(-1)
+	eventually(t, "the second member to take a partition", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		got, _ := b.Receive(ctx, 100)
+		if len(got) > 0 {
+			moved = got[0].Partition
+		}
+		return moved >= 0
+	})
+	kept := 1 - moved
+	lag := lagByPartition(t, reader)
+	if _, stale := lag[int(moved)]; stale || len(lag) != 1 || lag[int(kept)] != 4 {
+		t.Fatalf("old owner's lag = %v after partition %d moved, want only partition %d at 4", lag, moved, kept)
+	}
+	// The new owner counts from the offset committed on revoke.
+	if lag := lagByPartition(t, readerB); len(lag) != 1 || lag[int(moved)] != 4 {
+		t.Fatalf("new owner's lag = %v, want partition %d at 10-6 = 4", lag, moved)
+	}
+
+	a.onLost(context.Background(), a.Client(), map[string][]int32{"orders": {kept}})
+	if lag := lagByPartition(t, reader); len(lag) != 0 {
+		t.Fatalf("lag = %v after every partition was lost, want none", lag)
+	}
+}
+
+// TestCommitDurationBucketsAreSeconds: commit.duration is in seconds, so its
+// buckets must resolve the milliseconds a commit takes. The SDK's default
+// boundaries (0, 5, 10, 25, ... meant for milliseconds) put every commit
+// shorter than five seconds into one bucket.
+func TestCommitDurationBucketsAreSeconds(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 2, 2)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour))
+	ack(t, s, receiveN(t, s, 2)...)
+	commitNow(t, s)
+	dur, ok := collect(t, reader, "custody.kafka.commit.duration").(metricdata.Histogram[float64])
+	if !ok || len(dur.DataPoints) != 1 {
+		t.Fatalf("commit duration = %+v, want one data point", dur)
+	}
+	dp := dur.DataPoints[0]
+	if v, ok := dp.Attributes.Value("error"); !ok || v.AsBool() {
+		t.Errorf("commit duration attributes %v, want error=false", dp.Attributes.ToSlice())
+	}
+	var subSecond int
+	for _, b := range dp.Bounds {
+		if b > 0 && b < 1 {
+			subSecond++
+		}
+	}
+	if subSecond < 5 || dp.Bounds[0] > 0.005 || dp.Bounds[len(dp.Bounds)-1] < 10 {
+		t.Fatalf("bucket boundaries %v: want several below one second, the first at most 5 ms and the last at least 10 s", dp.Bounds)
+	}
+}
