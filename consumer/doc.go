@@ -54,7 +54,11 @@
 // renewals failed until it ran out, the cap was reached, or the adapter lost
 // the delivery by itself: a dead channel, a revoked partition), the handler's
 // context is cancelled and context.Cause says why (it wraps
-// adapters.ErrLeaseLost, ErrConnectionLost, ErrRevoked or ErrClosed).
+// adapters.ErrLeaseLost, ErrConnectionLost, ErrRevoked or ErrClosed). A
+// handler that succeeds anyway is still acked after a lost lease (the broker
+// may take the ack, sparing a duplicate), but not after the other causes,
+// which the adapter would refuse: the delivery is settled lost, and the
+// broker or the partition's new owner delivers it again.
 //
 // # Concurrency and order
 //

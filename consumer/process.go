@@ -273,6 +273,13 @@ func (r *run) ack(j *job, outcome string) {
 		// ack is still worth sending (the broker may take it, sparing a
 		// duplicate), but the loss happened and is counted.
 		r.leaseLost(j, cause)
+	} else if cause != nil {
+		// Lost for good (a revoked partition, a dead channel, a closed
+		// source): the adapter refuses the ack, so sending it would only
+		// count an ack failure and warn of a redelivery the loss already
+		// explains.
+		r.lost(j, cause)
+		return
 	}
 	j.deadLettered = outcome == outcomeDeadLettered
 	r.next(j)

@@ -420,3 +420,64 @@ func TestAtMostOnceFailedEarlyAckIsCountedLeft(t *testing.T) {
 		t.Fatalf("settled left %d, released %d; want the failed early ack counted as left", s["custody.messages.settled/left"], s["custody.messages.settled/released"])
 	}
 }
+
+// revokingSource loses a delivery with a cause other than a lost lease (as
+// a Kafka revoke or a dead RabbitMQ channel does) while its handler runs,
+// and counts the acks that reach it.
+type revokingSource struct {
+	*memory.Source
+	mu    sync.Mutex
+	held  map[string]*adapters.Delivery
+	acked atomic.Int32
+}
+
+func (s *revokingSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	ds, err := s.Source.Receive(ctx, max)
+	s.mu.Lock()
+	for _, d := range ds {
+		s.held[string(d.Body)] = d
+	}
+	s.mu.Unlock()
+	return ds, err
+}
+
+func (s *revokingSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	s.acked.Add(int32(len(ds)))
+	return s.Source.Ack(ctx, ds)
+}
+
+func (s *revokingSource) revoke(body string) {
+	s.mu.Lock()
+	d := s.held[body]
+	s.mu.Unlock()
+	d.Lose(fmt.Errorf("partition revoked: %w", adapters.ErrRevoked))
+}
+
+// A handler that succeeds after its delivery was lost for good is settled
+// lost: its ack is not sent (the adapter would refuse it), so no ack failure
+// is counted nor a redelivery warned of, and no lease is counted lost.
+func TestSuccessAfterARevokeIsSettledLostWithoutAnAck(t *testing.T) {
+	reader, mp := newMeter()
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("x")
+	src := &revokingSource{Source: e.source(), held: map[string]*adapters.Delivery{}}
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		src.revoke(string(m.Body))
+		return nil // the effect was done regardless
+	}, consumer.WithMeterProvider(mp))
+	waitFor(t, "the delivery settled", func() bool {
+		s := sums(t, reader)
+		return s["custody.messages.settled/acked"]+s["custody.messages.settled/lost"] == 1
+	})
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	s := sums(t, reader)
+	if s["custody.messages.settled/lost"] != 1 || s["custody.ack.failures"] != 0 || s["custody.lease.lost"] != 0 {
+		t.Fatalf("settled lost %d, ack failures %d, leases lost %d; want 1, 0, 0",
+			s["custody.messages.settled/lost"], s["custody.ack.failures"], s["custody.lease.lost"])
+	}
+	if n := src.acked.Load(); n != 0 {
+		t.Fatalf("%d acks sent for a delivery the adapter had lost", n)
+	}
+}

@@ -158,8 +158,11 @@ func TestReconnectMidStreamLosesNothing(t *testing.T) {
 		}
 	}
 	st := src.Stats()
-	if st.Lost == 0 || st.DroppedAcks == 0 {
-		t.Errorf("stats %+v: want deliveries lost with the channel and late acks dropped", st)
+	// The handlers that finish after the reconnect are not acked: the
+	// runtime sees their deliveries lost and does not send what the adapter
+	// would drop (an ack racing the loss still may be, as DroppedAcks).
+	if st.Lost == 0 {
+		t.Errorf("stats %+v: want deliveries lost with the channel", st)
 	}
 	// Only what the dead channel held (the prefetch window) can come twice.
 	if dups > 32 {
