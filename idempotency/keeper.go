@@ -20,6 +20,7 @@ type keeper struct {
 	mu      sync.Mutex
 	timer   *time.Timer
 	stopped bool
+	lost    bool               // the loss is counted (MetricClaimsLost, op extend)
 	expires time.Time          // when the claim runs out if not extended again
 	busy    chan struct{}      // closed when the running Extend returns
 	abort   context.CancelFunc // cancels the running Extend
@@ -81,8 +82,16 @@ func (k *keeper) extend() {
 			return
 		}
 	}
+	k.lost = true
 	k.g.m.ClaimsLost.Add(ctxBg, 1, k.g.m.OpExtend)
 	k.cancel(fmt.Errorf("%w (key %q): %v", ErrClaimLost, k.key, err))
+}
+
+// lostCounted reports whether the keeper lost the claim and counted it.
+func (k *keeper) lostCounted() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.lost
 }
 
 // stop ends the extensions. When it returns no Extend is running or will

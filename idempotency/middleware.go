@@ -107,15 +107,17 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 		g.release(ctx, key, tok)
 		return err
 	}
-	g.complete(ctx, key, tok)
+	g.complete(ctx, key, tok, k.lostCounted())
 	return nil
 }
 
 // complete records the effect. A failure here does not fail the message:
 // the effect happened, and retrying the message would run it again. Acking
 // is the better bet; the claim expires and a later duplicate (if any) runs
-// the effect again, which the logs and MetricClaimsLost report.
-func (g *guard) complete(ctx context.Context, key string, tok Token) {
+// the effect again, which the logs and MetricClaimsLost report (once: not
+// again when the keeper already counted the loss, counted, and the handler
+// finished regardless).
+func (g *guard) complete(ctx context.Context, key string, tok Token, counted bool) {
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
 	defer done()
 	err := g.store.Complete(sctx, key, tok, g.cfg.retention)
@@ -123,7 +125,9 @@ func (g *guard) complete(ctx context.Context, key string, tok Token) {
 		return
 	}
 	if errors.Is(err, ErrStaleToken) {
-		g.m.ClaimsLost.Add(ctx, 1, g.m.OpComplete)
+		if !counted {
+			g.m.ClaimsLost.Add(ctx, 1, g.m.OpComplete)
+		}
 		g.cfg.logger.WarnContext(ctx, "idempotency: the claim was lost before the effect was recorded; a duplicate may run the effect again (lengthen the lease)",
 			slog.String("key", key), slog.Any("error", err))
 		return

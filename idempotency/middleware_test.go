@@ -269,6 +269,29 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 	}
 }
 
+// A claim lost while the handler ran is counted once, even when the
+// handler finishes regardless and recording its effect then fails for the
+// same reason.
+func TestLostClaimIsCountedOnceWhenTheHandlerFinishesAnyway(t *testing.T) {
+	m := newMeter(t)
+	store := &faultyStore{Store: newMemory(t)}
+	stale := error(idempotency.ErrStaleToken)
+	store.extendErr.Store(&stale)
+	store.completeErr.Store(&stale)
+	h := newGuard(t, store, func(ctx context.Context, _ *consumer.Message) error {
+		<-ctx.Done()
+		return nil // the effect was done regardless
+	}, idempotency.WithMeterProvider(m), idempotency.WithLease(time.Second), idempotency.WithExtendInterval(10*time.Millisecond))
+	if err := h.Handle(context.Background(), msg("m", "x")); err != nil {
+		t.Fatal(err)
+	}
+	extend := m.count(t, idempotency.MetricClaimsLost, "custody.idempotency.op", "extend")
+	complete := m.count(t, idempotency.MetricClaimsLost, "custody.idempotency.op", "complete")
+	if extend+complete != 1 {
+		t.Fatalf("claims lost = %d (extend) + %d (complete), want one loss counted once", extend, complete)
+	}
+}
+
 func TestFailingExtensionsCancelTheHandlerBeforeTheClaimRunsOut(t *testing.T) {
 	m := newMeter(t)
 	store := &faultyStore{Store: newMemory(t)}
