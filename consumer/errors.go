@@ -55,6 +55,10 @@ func RetryAfter(err error, d time.Duration) error {
 // count: once deferred MaxAttempts-1 times or more, the message is
 // dead-lettered at its first failure of its own, without a retry.
 //
+// A deferral is no failure in the telemetry either: its attempt's duration
+// is recorded with custody.result "deferred", and its span gets a "deferred"
+// event rather than an error status.
+//
 // A d of zero or less means the retry policy's backoff: a deferral has no
 // attempt limit to stop it, so it must never come back at once (the runtime
 // waits at least a millisecond, whatever d). Defer(nil, d) is nil.

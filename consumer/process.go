@@ -225,13 +225,23 @@ func (r *run) call(j *job, attempt int) (err error) {
 		}
 		d.OnLost(nil)
 		cancel(nil)
+		// A deferral (consumer.Defer: an overlapping duplicate, say) is no
+		// failure of the handler: it is counted and traced apart, so that
+		// error rates and error spans show failures only.
+		deferred := err != nil && IsDeferred(err)
 		res := r.tel.resultOK
-		if err != nil {
+		switch {
+		case deferred:
+			res = r.tel.resultDeferred
+		case err != nil:
 			res = r.tel.resultErr
 		}
 		r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
 		if span != nil {
-			if err != nil {
+			switch {
+			case deferred:
+				span.AddEvent("deferred", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
+			case err != nil:
 				span.RecordError(err)
 				span.SetStatus(codes.Error, err.Error())
 			}

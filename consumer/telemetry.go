@@ -55,12 +55,13 @@ type telemetry struct {
 
 	// Options are kept as ready slices: passing a slice to a variadic
 	// parameter allocates nothing, building one per call would.
-	source    []metric.AddOption
-	outcomes  map[string][]metric.AddOption
-	resultOK  []metric.RecordOption
-	resultErr []metric.RecordOption
-	spanStart []trace.SpanStartOption
-	spanAttrs []attribute.KeyValue
+	source         []metric.AddOption
+	outcomes       map[string][]metric.AddOption
+	resultOK       []metric.RecordOption
+	resultErr      []metric.RecordOption
+	resultDeferred []metric.RecordOption
+	spanStart      []trace.SpanStartOption
+	spanAttrs      []attribute.KeyValue
 }
 
 func newTelemetry(c *config) (*telemetry, error) {
@@ -88,7 +89,7 @@ func newTelemetry(c *config) (*telemetry, error) {
 		return nil, err
 	}
 	if t.duration, err = m.Float64Histogram("custody.handler.duration",
-		metric.WithDescription("Time one handler attempt took."), metric.WithUnit("s"),
+		metric.WithDescription("Time one handler attempt took, by result: ok, error, or deferred (consumer.Defer)."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(durationBounds...)); err != nil {
 		return nil, err
 	}
@@ -105,6 +106,7 @@ func newTelemetry(c *config) (*telemetry, error) {
 	}
 	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
 	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
+	t.resultDeferred = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "deferred")))}
 	t.spanStart = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	// The consumer's name under the metrics' key, so that spans and metrics
 	// join. It is not messaging.consumer.group.name: the runtime does not

@@ -239,7 +239,8 @@ func TestTelemetryOnRedeliveringBroker(t *testing.T) {
 		"custody.messages.settled/dead_lettered": 1,
 		"custody.messages.settled/lost":          1,
 		"custody.handler.duration":               16,
-		"custody.handler.duration/error":         8,
+		"custody.handler.duration/error":         7,
+		"custody.handler.duration/deferred":      1,
 		"custody.handler.duration/ok":            8,
 		"custody.handler.panics":                 1,
 		"custody.deadletter.failures":            2,
@@ -263,11 +264,12 @@ func TestTelemetryRetryingInPlace(t *testing.T) {
 		"custody.messages.settled/lost":          1,
 		// ok 1, fail 2, panic 2, defer 2, retryafter 2, timeout 2, perm 1,
 		// ackfail 2.
-		"custody.handler.duration":       14,
-		"custody.handler.duration/error": 6,
-		"custody.handler.panics":         1,
-		"custody.deadletter.failures":    2,
-		"custody.ack.failures":           1,
+		"custody.handler.duration":          14,
+		"custody.handler.duration/error":    5,
+		"custody.handler.duration/deferred": 1,
+		"custody.handler.panics":            1,
+		"custody.deadletter.failures":       2,
+		"custody.ack.failures":              1,
 	})
 }
 
@@ -636,4 +638,42 @@ func TestTelemetryAtMostOnceShutdownTimeout(t *testing.T) {
 		"custody.messages.settled/failed": 1,
 		"custody.messages.settled/acked":  2,
 	})
+}
+
+// A deferral is not a failure of the handler: its attempt's duration is
+// recorded as result "deferred", not "error", and its span carries a
+// "deferred" event without the error status, so error rates and error spans
+// show failures only.
+func TestDeferralIsNoErrorInMetricsOrSpans(t *testing.T) {
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("defer")
+	r := run(t, e.source(), newPathsHandler().handle, consumer.WithTracerProvider(tp), consumer.WithMeterProvider(mp))
+	waitFor(t, "acked", func() bool { return e.stats("q").Acked == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	c := collectAll(t, reader)
+	if c.points["custody.handler.duration/deferred"] != 1 || c.points["custody.handler.duration/error"] != 0 || c.points["custody.handler.duration/ok"] != 1 {
+		t.Errorf("handler durations by result: deferred %d, error %d, ok %d; want 1, 0, 1",
+			c.points["custody.handler.duration/deferred"], c.points["custody.handler.duration/error"], c.points["custody.handler.duration/ok"])
+	}
+	ended := spans.Ended()
+	if len(ended) != 2 {
+		t.Fatalf("%d spans, want 2 (the deferred attempt and the successful one)", len(ended))
+	}
+	first := ended[0]
+	if first.Status().Code == codes.Error {
+		t.Errorf("the deferred attempt's span has error status %q", first.Status().Description)
+	}
+	var events []string
+	for _, ev := range first.Events() {
+		events = append(events, ev.Name)
+	}
+	if len(events) != 1 || events[0] != "deferred" {
+		t.Errorf("the deferred attempt's span has events %v, want [deferred]", events)
+	}
 }
