@@ -22,10 +22,13 @@ type DeadLetterConfig struct {
 	// Group is written to the HeaderGroup header (and to the consumer
 	// diagnostic header when the runtime names no consumer).
 	Group string
-	// ClientOptions are extra franz-go options (TLS, SASL, client id). The
-	// sink adds its own: acks from all in-sync replicas (forced) and no
-	// linger. Writes are idempotent, franz-go's default, unless these options
-	// disable it (kgo.DisableIdempotentWrite), which the sink does not undo.
+	// ClientOptions are extra franz-go options (TLS, SASL, client id,
+	// kgo.ProducerBatchMaxBytes: a copy is its record plus up to about 2 KiB
+	// of diagnostics and its key once more, so records near the size limit
+	// need a higher one here, and on the topic). The sink adds its own: acks
+	// from all in-sync replicas (forced) and no linger. Writes are
+	// idempotent, franz-go's default, unless these options disable it
+	// (kgo.DisableIdempotentWrite), which the sink does not undo.
 	ClientOptions []kgo.Opt
 	// Client, when set, is used instead of creating one; the sink does not
 	// close it. It must produce with acks=all for the guarantee to hold.
