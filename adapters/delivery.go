@@ -53,6 +53,7 @@ type Delivery struct {
 
 	mu      sync.Mutex
 	lost    error
+	lostAt  time.Time
 	onLost  func(error)
 	lostCh  chan struct{}
 	settled bool
@@ -71,6 +72,7 @@ func (d *Delivery) Lose(cause error) {
 		cause = ErrLeaseLost
 	}
 	d.lost = cause
+	d.lostAt = time.Now()
 	fn := d.onLost
 	d.onLost = nil
 	if d.lostCh != nil {
@@ -88,6 +90,17 @@ func (d *Delivery) LostCause() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.lost
+}
+
+// LostAt returns when Lose was first called, or the zero time while the
+// delivery is still held. The runtime compares it with when it received
+// other deliveries: one received after the loss may be the lost message's
+// redelivery (a Kafka partition assigned again, a new AMQP channel) and is
+// not behind it in its lane.
+func (d *Delivery) LostAt() time.Time {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lostAt
 }
 
 // Lost returns a channel closed when the delivery is lost.

@@ -175,6 +175,7 @@ type run struct {
 
 	lanesMu sync.Mutex
 	lanes   map[string][]*job // queued behind the running job of each lane
+	started time.Time         // the origin of job.accepted
 	heads   []*job            // the receiver's scratch for dispatchLaned
 
 	spanName string
@@ -186,8 +187,9 @@ type job struct {
 	lease        *lease.Lease // nil without a lease keeper
 	msg          Message      // the first attempt's message, allocated with the job
 	lane         string
-	successor    *job // the lane's next job, once this one is done
-	retries      int  // in-place retries so far
+	successor    *job          // the lane's next job, once this one is done
+	accepted     time.Duration // when it was received, since run.started
+	retries      int           // in-place retries so far
 	firstFailure time.Time
 	deadLettered bool // the pending ack completes a dead-lettering
 	ackedEarly   bool // at-most-once mode
@@ -216,6 +218,7 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		acks:     make(chan *job, c.cfg.maxInFlight),
 		drainCh:  make(chan struct{}),
 		lanes:    make(map[string][]*job),
+		started:  time.Now(),
 		spanName: "process " + c.cfg.name,
 		// A full batch frees room for the receiver's next Receive (see
 		// credit), so the two overlap.
@@ -423,12 +426,13 @@ func (r *run) accept(ds []*adapters.Delivery) {
 		})
 	}
 	redelivered, laned := 0, false
+	accepted := time.Since(r.started)
 	for i, d := range ds {
 		if d.Attempt > 1 {
 			redelivered++
 		}
 		j := &jobs[i]
-		j.d, j.ackedEarly = d, r.cfg.atMostOnce
+		j.d, j.ackedEarly, j.accepted = d, r.cfg.atMostOnce, accepted
 		switch {
 		case d.OrderingKey != "":
 			j.lane = d.OrderingKey

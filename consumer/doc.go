@@ -68,7 +68,10 @@
 // Message.Key on brokers that promise no order. When a delivery is lost (its
 // lease ran out, its channel died), the deliveries of its key queued behind
 // it are given back at once instead of run, so that the lost one,
-// redelivered, still comes first.
+// redelivered, still comes first. Those received after the loss are run in
+// turn: they are the key as the broker delivers it again, the lost one first
+// (a Kafka partition assigned back to the same consumer while the lost
+// record's handler still ran).
 //
 // # Shutdown
 //

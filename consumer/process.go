@@ -401,10 +401,15 @@ func (r *run) releaseNow(j *job) {
 
 // lost settles a delivery this consumer can no longer ack.
 //
-// The jobs queued behind it in its lane are given back rather than run: the
-// lost message comes back later, and running them first would break the
-// lane's order. (An SQS FIFO group, for one, delivers the lost message again
-// only once the later ones this consumer holds are settled.)
+// The jobs queued behind it in its lane and received before it was lost are
+// given back rather than run: the lost message comes back later, and running
+// them first would break the lane's order. (An SQS FIFO group, for one,
+// delivers the lost message again only once the later ones this consumer
+// holds are settled.) The jobs received after the loss are run: they are
+// the lane as the broker delivers it again, the lost message's redelivery
+// first (a Kafka partition revoked and assigned back to this member while
+// the lost record's handler still ran). Given back too, they came back after
+// records fetched later still, which then ran first.
 func (r *run) lost(j *job, cause error) {
 	r.stopLease(j)
 	if errors.Is(cause, adapters.ErrLeaseLost) {
@@ -414,16 +419,27 @@ func (r *run) lost(j *job, cause error) {
 	}
 	r.settle(j, outcomeLost)
 	if j.lane != "" {
+		behind := r.receivedBefore(j.d.LostAt())
 		for s := j.successor; s != nil; s = s.successor {
-			s.giveBack = true // taken with j by this worker (see next)
+			s.giveBack = s.giveBack || behind(s) // taken with j by this worker (see next)
 		}
 		r.lanesMu.Lock()
 		for _, q := range r.lanes[j.lane] {
-			q.giveBack = true
+			q.giveBack = q.giveBack || behind(q)
 		}
 		r.lanesMu.Unlock()
 	}
 	r.next(j)
+}
+
+// receivedBefore reports, for a loss at lostAt, which jobs were received
+// before it. Every job is, when the time is unknown.
+func (r *run) receivedBefore(lostAt time.Time) func(*job) bool {
+	if lostAt.IsZero() {
+		return func(*job) bool { return true }
+	}
+	cut := lostAt.Sub(r.started)
+	return func(q *job) bool { return q.accepted <= cut }
 }
 
 // leaseLost counts and logs j's lost lease, once. It is counted here rather
