@@ -66,7 +66,10 @@
 // custody.handler.panics, custody.lease.extensions,
 // custody.lease.renewal_failures, custody.lease.lost, custody.ack.failures,
 // custody.deadletter.failures) and one consumer span per handler attempt,
-// continuing the trace found in the message's headers. The Kafka adapter
+// continuing the trace found in the message's headers and carrying, from
+// its start, OpenTelemetry's messaging attributes (messaging.system, the
+// queue or topic, the message id; a Kafka record's partition and offset).
+// The Kafka adapter
 // adds its own (custody.kafka.lag, .commit.duration, .commit.failures,
 // .skipped, .rewinds), and the idempotency middleware counts duplicates
 // (custody.idempotency.*).

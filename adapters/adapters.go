@@ -87,6 +87,11 @@ type Capabilities struct {
 	// "sqs:orders" or "kafka:payments".
 	Name string
 
+	// System names the broker as OpenTelemetry's messaging conventions do
+	// (messaging.system): "aws_sqs", "rabbitmq", "kafka". The runtime puts it
+	// on its spans; empty leaves it out.
+	System string
+
 	// Lease is how long the broker keeps a received delivery invisible to
 	// other consumers before redelivering it. Zero means deliveries are not
 	// leased (they stay with this consumer until acked or until the

@@ -69,7 +69,7 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 		}
 		c.ext = ext
 	}
-	tel, err := newTelemetry(&cfg)
+	tel, err := newTelemetry(&cfg, caps)
 	if err != nil {
 		return nil, fmt.Errorf("consumer.New: creating OpenTelemetry instruments: %w", err)
 	}

@@ -199,15 +199,7 @@ func (r *run) call(j *job, attempt int) (err error) {
 	}
 	var span trace.Span
 	if r.tel.spans() {
-		ctx, span = r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStart...)
-	}
-	if span != nil && span.IsRecording() {
-		span.SetAttributes(r.tel.spanAttrs...)
-		span.SetAttributes(
-			attribute.String("messaging.destination.name", d.Queue),
-			attribute.String("messaging.message.id", d.ID),
-			attribute.Int("custody.attempt", attempt),
-		)
+		ctx, span = r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStartOptions(d, attempt)...)
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	d.OnLost(cancel)

@@ -3,6 +3,9 @@ package consumer
 import (
 	"context"
 	"reflect"
+	"strconv"
+
+	"github.com/custody-go/custody/adapters"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -60,11 +63,10 @@ type telemetry struct {
 	resultOK       []metric.RecordOption
 	resultErr      []metric.RecordOption
 	resultDeferred []metric.RecordOption
-	spanStart      []trace.SpanStartOption
 	spanAttrs      []attribute.KeyValue
 }
 
-func newTelemetry(c *config) (*telemetry, error) {
+func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	m := c.meterProvider.Meter(instrumentationName)
 	t := &telemetry{tracer: processTracer{c.tracerProvider.Tracer(instrumentationName)}, spans: newSpanSwitch(c.tracerProvider)}
 	var err error
@@ -107,7 +109,6 @@ func newTelemetry(c *config) (*telemetry, error) {
 	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
 	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
 	t.resultDeferred = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "deferred")))}
-	t.spanStart = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	// The consumer's name under the metrics' key, so that spans and metrics
 	// join. It is not messaging.consumer.group.name: the runtime does not
 	// know the broker's consumer group (a Kafka group is named apart from
@@ -118,7 +119,32 @@ func newTelemetry(c *config) (*telemetry, error) {
 		attribute.String("messaging.operation.type", "process"),
 		attribute.String("messaging.operation.name", "process"),
 	}
+	if caps.System != "" {
+		t.spanAttrs = append(t.spanAttrs, attribute.String("messaging.system", caps.System))
+	}
 	return t, nil
+}
+
+// spanStartOptions describes d's processing span at its start, where a
+// sampler can see it: the consumer, the operation, the broker, and the
+// message (its queue or topic, id, attempt, body size; a Kafka record's
+// partition and offset).
+func (t *telemetry) spanStartOptions(d *adapters.Delivery, attempt int) []trace.SpanStartOption {
+	attrs := make([]attribute.KeyValue, len(t.spanAttrs), len(t.spanAttrs)+6)
+	copy(attrs, t.spanAttrs)
+	attrs = append(attrs,
+		attribute.String("messaging.destination.name", d.Queue),
+		attribute.String("messaging.message.id", d.ID),
+		attribute.Int("messaging.message.body.size", len(d.Body)),
+		attribute.Int("custody.attempt", attempt),
+	)
+	if d.Partition >= 0 && d.Offset >= 0 {
+		attrs = append(attrs,
+			attribute.String("messaging.destination.partition.id", strconv.Itoa(int(d.Partition))),
+			attribute.Int64("messaging.kafka.offset", d.Offset),
+		)
+	}
+	return []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
 }
 
 // processTracer starts the processing spans. A span continues the trace

@@ -18,6 +18,7 @@ func TestCapabilities(t *testing.T) {
 	defer src.Close()
 	want := adapters.Capabilities{
 		Name:             "sqs:" + src.name,
+		System:           "aws_sqs",
 		Lease:            7 * time.Second,              // read from the queue
 		MaxLeaseAge:      12*time.Hour - 5*time.Second, // less the long poll's wait (0 here) and a margin
 		NackDelay:        true,

@@ -131,6 +131,7 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 	}
 	s.caps = adapters.Capabilities{
 		Name:             "sqs:" + name,
+		System:           "aws_sqs",
 		Lease:            s.visibility,
 		MaxLeaseAge:      heldAtMost(o.waitTime),
 		NackDelay:        true,

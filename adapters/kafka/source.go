@@ -136,6 +136,7 @@ func (s *Source) Client() *kgo.Client { return s.cl }
 func (s *Source) Capabilities() adapters.Capabilities {
 	return adapters.Capabilities{
 		Name:    s.name,
+		System:  "kafka",
 		Ordered: s.cfg.ordering != Unordered,
 	}
 }

@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"strconv"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -101,7 +102,7 @@ func (t *telemetry) partAttrs(p *partition) metric.MeasurementOption {
 	}
 	a := metric.WithAttributes(t.group,
 		attribute.String("messaging.destination.name", p.topic),
-		attribute.Int("messaging.destination.partition.id", int(p.id)))
+		attribute.String("messaging.destination.partition.id", strconv.Itoa(int(p.id))))
 	t.attrs[p] = a
 	return a
 }

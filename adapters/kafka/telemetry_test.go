@@ -2,14 +2,24 @@ package kafka
 
 import (
 	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/custody-go/custody/consumer"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // collect returns the named metric from the reader.
@@ -132,7 +142,11 @@ func lagByPartition(t *testing.T, r *sdkmetric.ManualReader) map[int]int64 {
 		if !ok {
 			t.Fatalf("lag data point without a partition: %v", dp.Attributes.ToSlice())
 		}
-		out[int(v.AsInt64())] = dp.Value
+		id, err := strconv.Atoi(v.AsString())
+		if err != nil {
+			t.Fatalf("partition id %v is not a number in a string, as the conventions want", v)
+		}
+		out[id] = dp.Value
 	}
 	return out
 }
@@ -220,5 +234,82 @@ func TestCommitDurationBucketsAreSeconds(t *testing.T) {
 	}
 	if subSecond < 5 || dp.Bounds[0] > 0.005 || dp.Bounds[len(dp.Bounds)-1] < 10 {
 		t.Fatalf("bucket boundaries %v: want several below one second, the first at most 5 ms and the last at least 10 s", dp.Bounds)
+	}
+}
+
+// startAttributes is a sampler that records the attributes each span had
+// when it started: what a sampler deciding on them could see.
+type startAttributes struct {
+	mu   sync.Mutex
+	seen []attribute.Set
+}
+
+func (s *startAttributes) ShouldSample(p sdktrace.SamplingParameters) sdktrace.SamplingResult {
+	s.mu.Lock()
+	s.seen = append(s.seen, attribute.NewSet(p.Attributes...))
+	s.mu.Unlock()
+	return sdktrace.SamplingResult{Decision: sdktrace.RecordAndSample, Tracestate: trace.SpanContextFromContext(p.ParentContext).TraceState()}
+}
+
+func (s *startAttributes) Description() string { return "startAttributes" }
+
+// TestProcessingSpansNameTheRecordAtStart: a record's processing span
+// carries, from its start, the conventions' messaging attributes with the
+// record's topic, partition (a string, as the conventions want) and offset,
+// so that a sampler can decide on them and a trace finds the record.
+func TestProcessingSpansNameTheRecordAtStart(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produceN(t, "orders", 2, 3, 3)
+	sampler := &startAttributes{}
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sampler), sdktrace.WithSpanProcessor(spans))
+	defer tp.Shutdown(context.Background())
+	s := c.open(t, newGroup(), "orders")
+	stop := runConsumer(t, s, func(context.Context, *consumer.Message) error { return nil },
+		consumer.WithTracerProvider(tp), consumer.WithName("orders-consumer"))
+	eventually(t, "six records processed", func() bool { return len(spans.Ended()) >= 6 })
+	stop()
+
+	sampler.mu.Lock()
+	defer sampler.mu.Unlock()
+	if len(sampler.seen) != 6 {
+		t.Fatalf("the sampler saw %d spans start, want 6", len(sampler.seen))
+	}
+	seen := map[string]bool{}
+	for _, attrs := range sampler.seen {
+		get := func(k string) string {
+			v, ok := attrs.Value(attribute.Key(k))
+			if !ok {
+				t.Fatalf("a span started without %s: %v", k, attrs.ToSlice())
+			}
+			return v.Emit()
+		}
+		for k, want := range map[string]string{
+			"messaging.system":           "kafka",
+			"messaging.destination.name": "orders",
+			"messaging.operation.type":   "process",
+			"custody.consumer":           "orders-consumer",
+			"custody.attempt":            "1",
+		} {
+			if got := get(k); got != want {
+				t.Errorf("%s = %q at start, want %q", k, got, want)
+			}
+		}
+		if v, _ := attrs.Value("messaging.destination.partition.id"); v.Type() != attribute.STRING {
+			t.Errorf("messaging.destination.partition.id is a %v, want a string", v.Type())
+		}
+		rec := get("messaging.destination.partition.id") + "@" + get("messaging.kafka.offset")
+		if id := get("messaging.message.id"); !strings.Contains(id, "orders") {
+			t.Errorf("message id %q does not name the topic", id)
+		}
+		seen[rec] = true
+	}
+	for p := 0; p < 2; p++ {
+		for o := 0; o < 3; o++ {
+			if rec := fmt.Sprintf("%d@%d", p, o); !seen[rec] {
+				t.Errorf("no span started for partition %d offset %d; saw %v", p, o, seen)
+			}
+		}
 	}
 }

@@ -79,6 +79,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		tag:   tag,
 		caps: adapters.Capabilities{
 			Name:             "rabbitmq:" + queue,
+			System:           "rabbitmq",
 			NackDelay:        true,
 			CountsDeliveries: true,
 			MaxReceive:       st.prefetch,
