@@ -61,6 +61,14 @@
 // skips those that fall in the recorded runs. Keep
 // unclean.leader.election.enable=false (Kafka's default) where that matters.
 //
+// A transactional producer ends each transaction with a marker that takes an
+// offset. Markers are never handed out, but they count as done, so the
+// commit reaches the end of the partition instead of stopping one short of
+// it (with a lag that never falls to 0). Read committed
+// (kgo.FetchIsolationLevel(kgo.ReadCommitted()) through [WithClientOptions]),
+// aborted records are not handed out either, and lag counts to the last
+// stable offset.
+//
 // # Rebalances
 //
 // On revoke the Source stops handing out the partition's records, lets its

@@ -67,7 +67,7 @@ type partition struct {
 	skip []span
 
 	committed int64 // last committed offset, -1 while unknown
-	hwm       int64 // high watermark from the last fetch, -1 while unknown
+	hwm       int64 // the end to measure lag to (the high watermark, or read committed the last stable offset) from the last fetch; -1 while unknown
 	dirty     bool  // something was marked done since the last commit
 	paused    bool
 

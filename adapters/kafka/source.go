@@ -20,6 +20,10 @@ type Source struct {
 	cl   *kgo.Client
 	tel  *telemetry
 	name string
+	// readCommitted is set when the client reads committed records only
+	// (kgo.FetchIsolationLevel(kgo.ReadCommitted())): lag then counts to
+	// the last stable offset.
+	readCommitted bool
 
 	mu        sync.Mutex
 	parts     map[tpKey]*partition
@@ -113,6 +117,11 @@ func NewSource(opts ...Option) (*Source, error) {
 		kgo.ConsumeTopics(cfg.topics...),
 		kgo.DisableAutoCommit(),
 		kgo.BlockRebalanceOnPoll(),
+		// Transaction markers take offsets of their own. Seen, they are
+		// marked done like records, so the commit reaches the end of a
+		// partition a transactional producer writes; unseen, it stayed one
+		// short of it for good, and the lag with it.
+		kgo.KeepControlRecords(),
 		kgo.OnPartitionsAssigned(s.onAssigned),
 		kgo.OnOffsetsFetched(s.onOffsetsFetched),
 		kgo.OnPartitionsRevoked(s.onRevoked),
@@ -124,6 +133,7 @@ func NewSource(opts ...Option) (*Source, error) {
 		return nil, fmt.Errorf("kafka: creating the client: %w", err)
 	}
 	s.cl = cl
+	s.readCommitted = readsCommitted(cl)
 	go s.commitLoop()
 	return s, nil
 }
@@ -260,6 +270,19 @@ func fetchError(fs kgo.Fetches) error {
 	return ferr
 }
 
+// readsCommitted reports whether cl reads committed records only. franz-go
+// reports the isolation level as the protocol's number, 1 for
+// READ_COMMITTED.
+func readsCommitted(cl *kgo.Client) bool {
+	switch v := cl.OptValue(kgo.FetchIsolationLevel).(type) {
+	case int8:
+		return v == 1
+	case kgo.IsolationLevel:
+		return v == kgo.ReadCommitted()
+	}
+	return false
+}
+
 // hasRecords reports whether fs holds records of topic/part.
 func hasRecords(fs kgo.Fetches, topic string, part int32) bool {
 	found := false
@@ -325,7 +348,13 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 		if fp.Err == nil && fp.HighWatermark >= 0 {
 			// Not from an error: franz-go's own notices (data loss, a
 			// topic not authorised) carry no high watermark, only a zero.
+			// Read committed, the end is the last stable offset: records
+			// of a transaction still open cannot be read yet, so they are
+			// no lag (Kafka's own consumer counts the same way).
 			p.hwm = fp.HighWatermark
+			if s.readCommitted && fp.LastStableOffset >= 0 {
+				p.hwm = fp.LastStableOffset
+			}
 		}
 		if p.lastPolled < 0 && len(fp.Records) > 0 && fp.Records[0].Offset < p.committed {
 			// Fetching started below the committed offset (the log was
@@ -416,6 +445,13 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		p.backHead++
 		s.totalBack--
 		p.track(r.Offset, r.LeaderEpoch, c)
+		if r.Attrs.IsControl() {
+			// A transaction's commit or abort marker: nothing to run, but
+			// done, so that the commit passes it (see New).
+			p.done(r.Offset)
+			p.skippedSome = true
+			continue
+		}
 		if p.skipped(r.Offset) {
 			p.done(r.Offset)
 			p.skippedSome = true

@@ -19,8 +19,9 @@ var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1
 
 // telemetry holds the adapter's instruments:
 //
-//	custody.kafka.lag             gauge, records: high watermark minus committed offset, per partition
-//	                              (partitions this member no longer owns are not reported)
+//	custody.kafka.lag             gauge, records: high watermark (read committed: last stable offset)
+//	                              minus committed offset, per partition (partitions this member no
+//	                              longer owns are not reported)
 //	custody.kafka.commit.duration histogram, seconds: one commit request, by attribute error
 //	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
 //	custody.kafka.skipped         counter: records skipped because a previous owner had done them
