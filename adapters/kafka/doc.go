@@ -131,7 +131,8 @@
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
 // default): custody.kafka.lag (high watermark minus committed offset, per
-// partition), custody.kafka.commit.duration, custody.kafka.commit.failures,
+// partition; the end offsets of partitions not fetched lately are listed
+// from the brokers, see [WithLagRefresh]), custody.kafka.commit.duration, custody.kafka.commit.failures,
 // custody.kafka.skipped (records skipped thanks to the commit metadata) and
 // custody.kafka.rewinds (partitions rewound after data loss).
 // Record headers become Delivery.Headers, so the runtime picks up W3C trace

@@ -48,6 +48,7 @@ const (
 	DefaultRevokeDrain             = 10 * time.Second
 	DefaultPollWait                = time.Second
 	DefaultCommitTimeout           = 10 * time.Second
+	DefaultLagRefresh              = 10 * time.Second
 	// DefaultMetadataLimit is the offset-commit metadata limit of Kafka
 	// brokers (offset.metadata.max.bytes).
 	DefaultMetadataLimit = 4096
@@ -78,6 +79,7 @@ type config struct {
 	revokeDrain    time.Duration
 	pollWait       time.Duration
 	metadataLimit  int
+	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
 }
 
@@ -91,6 +93,7 @@ func defaultConfig() config {
 		revokeDrain:    DefaultRevokeDrain,
 		pollWait:       DefaultPollWait,
 		metadataLimit:  DefaultMetadataLimit,
+		lagRefresh:     DefaultLagRefresh,
 	}
 }
 
@@ -257,6 +260,23 @@ func WithMetadataLimit(n int) Option {
 			return fmt.Errorf("kafka: WithMetadataLimit(%d): must be at least %d bytes", n, minMetadataLimit)
 		}
 		c.metadataLimit = n
+		return nil
+	}
+}
+
+// WithLagRefresh sets how old a partition's end offset may grow before the
+// Source asks the brokers for it (one ListOffsets request for all such
+// partitions). Fetches bring the end offset with their records, but a
+// partition paused for backpressure, or not fetched while the runtime is
+// behind, or with nothing to read, brings none: without the refresh its lag
+// would stand still exactly while it grows. Default 10s; 0 turns the
+// refresh off, and lag then comes from fetches alone.
+func WithLagRefresh(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("kafka: WithLagRefresh(%v): must not be negative (0 turns the refresh off)", d)
+		}
+		c.lagRefresh = d
 		return nil
 	}
 }

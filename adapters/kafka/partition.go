@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/internal/prefix"
@@ -66,9 +67,10 @@ type partition struct {
 	// skip holds done spans read from the commit metadata on assignment.
 	skip []span
 
-	committed int64 // last committed offset, -1 while unknown
-	hwm       int64 // the end to measure lag to (the high watermark, or read committed the last stable offset) from the last fetch; -1 while unknown
-	dirty     bool  // something was marked done since the last commit
+	committed int64     // last committed offset, -1 while unknown
+	hwm       int64     // the end to measure lag to (the high watermark, or read committed the last stable offset); -1 while unknown
+	hwmAt     time.Time // when hwm was learnt, from a fetch or a refresh (see lagLoop)
+	dirty     bool      // something was marked done since the last commit
 	paused    bool
 
 	skippedSome bool // takeFromLocked skipped records on its last call

@@ -41,7 +41,7 @@ func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *pa
 
 	s.epoch++
 	np = newPartition(p.topic, p.id, s.epoch)
-	np.committed, np.hwm, np.paused = p.committed, p.hwm, p.paused
+	np.committed, np.hwm, np.hwmAt, np.paused = p.committed, p.hwm, p.hwmAt, p.paused
 	np.lastPolled = from - 1
 	// Commit from at once (see above): the tracker is empty, so the commit
 	// point is the base until records are done.

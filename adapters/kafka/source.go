@@ -62,6 +62,8 @@ type Source struct {
 
 	stopLoop chan struct{}
 	loopDone chan struct{}
+	lagDone  chan struct{} // closed when lagLoop returns
+	stopLag  context.CancelFunc
 	// commitSoon asks the commit loop to commit before its next tick.
 	commitSoon chan struct{}
 	closeErr   error
@@ -102,6 +104,7 @@ func NewSource(opts ...Option) (*Source, error) {
 		wake:       make(chan struct{}, 1),
 		stopLoop:   make(chan struct{}),
 		loopDone:   make(chan struct{}),
+		lagDone:    make(chan struct{}),
 		commitSoon: make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
 	}
@@ -135,6 +138,9 @@ func NewSource(opts ...Option) (*Source, error) {
 	s.cl = cl
 	s.readCommitted = readsCommitted(cl)
 	go s.commitLoop()
+	lagCtx, stopLag := context.WithCancel(context.Background())
+	s.stopLag = stopLag
+	go s.lagLoop(lagCtx)
 	return s, nil
 }
 
@@ -351,7 +357,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 			// Read committed, the end is the last stable offset: records
 			// of a transaction still open cannot be read yet, so they are
 			// no lag (Kafka's own consumer counts the same way).
-			p.hwm = fp.HighWatermark
+			p.hwm, p.hwmAt = fp.HighWatermark, time.Now()
 			if s.readCommitted && fp.LastStableOffset >= 0 {
 				p.hwm = fp.LastStableOffset
 			}
@@ -699,7 +705,9 @@ func (s *Source) Close() error {
 			h.d.Lose(adapters.ErrClosed)
 		}
 		close(s.stopLoop)
+		s.stopLag()
 		<-s.loopDone
+		<-s.lagDone
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
 		s.closeErr = s.commit(ctx, nil)
 		cancel()

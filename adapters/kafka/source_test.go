@@ -24,6 +24,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		"WithMetadataLimit":           {WithMetadataLimit(8)},
 		"WithRevokeDrain":             {WithRevokeDrain(-time.Second)},
 		"WithPollWait":                {WithPollWait(0)},
+		"WithLagRefresh":              {WithLagRefresh(-time.Second)},
 	}
 	for name, opts := range cases {
 		_, err := NewSource(opts...)

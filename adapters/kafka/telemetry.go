@@ -32,11 +32,10 @@ var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1
 // messaging.destination.partition.id.
 //
 // A partition's lag is reported once both its committed offset (fetched on
-// assignment, or after its first commit) and its high watermark are known.
-// The high watermark comes with fetched records: a partition assigned with
-// nothing left to read reports no lag until a record arrives, and a
-// partition paused for backpressure keeps the high watermark of its last
-// fetch until it is fetched again.
+// assignment, or after its first commit) and its end offset are known.
+// Fetches bring the end offset with their records; a partition no fetch
+// has reported on for WithLagRefresh (paused for backpressure, the runtime
+// behind, nothing to read) has it listed from the brokers (see lagLoop).
 type telemetry struct {
 	group    attribute.KeyValue
 	commit   metric.Float64Histogram

@@ -22,6 +22,15 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// newMeter returns a meter provider whose metrics the reader collects, shut
+// down with the test.
+func newMeter(t *testing.T) (*sdkmetric.ManualReader, *sdkmetric.MeterProvider) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { mp.Shutdown(context.Background()) })
+	return reader, mp
+}
+
 // collect returns the named metric from the reader.
 func collect(t *testing.T, r *sdkmetric.ManualReader, name string) metricdata.Aggregation {
 	t.Helper()
@@ -43,9 +52,7 @@ func TestTelemetryLagAndCommits(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 10, 10)
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer mp.Shutdown(context.Background())
+	reader, mp := newMeter(t)
 	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour))
 
 	ds := receiveN(t, s, 10)
@@ -105,9 +112,7 @@ func TestLagAfterARewind(t *testing.T) {
 	const topic = "rewind-lag"
 	c.createTopic(t, topic, 1)
 	produceValues(t, c, topic, 30)
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer mp.Shutdown(context.Background())
+	reader, mp := newMeter(t)
 	group := newGroup()
 	s := c.open(t, group, topic, WithMeterProvider(mp), WithCommitInterval(time.Hour),
 		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
@@ -129,6 +134,28 @@ func TestLagAfterARewind(t *testing.T) {
 	if !ok || len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 10 {
 		t.Fatalf("lag = %+v with 20 committed and the high watermark at 30; want 10", lag)
 	}
+}
+
+// TestLagGrowsWhileThePartitionIsNotFetched: fetches bring the end offset
+// with their records, but a partition the Source does not fetch (paused at
+// its in-flight bound, or the runtime behind) brings none. Records produced
+// meanwhile must still show as lag: the Source asks the brokers for the end
+// of such partitions. Without that the lag stood still exactly while it
+// grew.
+func TestLagGrowsWhileThePartitionIsNotFetched(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "slow", 1)
+	c.produceN(t, "slow", 1, 5, 1)
+	reader, mp := newMeter(t)
+	s := c.open(t, newGroup(), "slow", WithMeterProvider(mp), WithCommitInterval(time.Hour),
+		WithMaxInFlightPerPartition(2), WithLagRefresh(20*time.Millisecond))
+	ds := receiveN(t, s, 2) // the bound: the partition is paused
+	ack(t, s, ds[0])
+	commitNow(t, s) // committed 1
+	c.produceN(t, "slow", 1, 20, 1)
+	eventually(t, "the lag to count the records produced since (25 - 1)", func() bool {
+		return lagByPartition(t, reader)[0] == 24
+	})
 }
 
 // lagByPartition returns the lag data points of the last collection by
@@ -158,9 +185,7 @@ func TestLagStopsForPartitionsNoLongerOwned(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer mp.Shutdown(context.Background())
+	reader, mp := newMeter(t)
 	group := newGroup()
 	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mp))
 	ds := receiveN(t, a, 20)
@@ -212,9 +237,7 @@ func TestCommitDurationBucketsAreSeconds(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 2, 2)
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer mp.Shutdown(context.Background())
+	reader, mp := newMeter(t)
 	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour))
 	ack(t, s, receiveN(t, s, 2)...)
 	commitNow(t, s)

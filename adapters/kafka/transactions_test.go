@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/custody-go/custody/consumer"
@@ -68,9 +67,7 @@ func TestTransactionMarkersAreCommittedPast(t *testing.T) {
 	c.beginTransaction(t, "ledger", "x", "y").end(false)     // offsets 4-5 aborted, marker 6
 	c.beginTransaction(t, "ledger", "d").end(true)           // offset 7, marker 8
 	open := c.beginTransaction(t, "ledger", "e")             // offset 9, open
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer mp.Shutdown(context.Background())
+	reader, mp := newMeter(t)
 	group := newGroup()
 	s := c.open(t, group, "ledger", WithMeterProvider(mp), WithCommitInterval(20*time.Millisecond),
 		WithClientOptions(kgo.FetchIsolationLevel(kgo.ReadCommitted())))
