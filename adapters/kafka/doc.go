@@ -13,6 +13,10 @@
 //	dlq, err := src.DeadLetter("payments.dlq")
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(256), consumer.WithDeadLetter(dlq))
 //
+// A group with nothing committed starts at the earliest record (franz-go's
+// default); kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()) through
+// [WithClientOptions] starts it at the end.
+//
 // # Ordering
 //
 // Kafka keeps order per partition. The Source tells the runtime which

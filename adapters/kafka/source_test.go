@@ -375,3 +375,32 @@ func TestCommitsCarryTheLeaderEpochOfTheirLastRecord(t *testing.T) {
 		}
 	}
 }
+
+// A group with nothing committed starts at the earliest record, franz-go's
+// default; kgo.ConsumeResetOffset through WithClientOptions starts it at the
+// end instead, and records produced before it joined are never handed out.
+func TestNewGroupStartPosition(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	if ds := receiveN(t, c.open(t, newGroup(), "orders"), 3); ds[0].Offset != 0 {
+		t.Fatalf("a new group started at offset %d, want the earliest record (0)", ds[0].Offset)
+	}
+	s := c.open(t, newGroup(), "orders", WithClientOptions(kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd())))
+	var got []*adapters.Delivery
+	eventually(t, "a record produced after joining", func() bool {
+		// The end is resolved some time after the assignment: produce
+		// until a record arrives, then check none came from before.
+		c.produceN(t, "orders", 1, 1, 1)
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		ds, _ := s.Receive(ctx, 10)
+		got = append(got, ds...)
+		return len(got) > 0
+	})
+	for _, d := range got {
+		if d.Offset < 3 {
+			t.Fatalf("a group starting at the end handed out offset %d, produced before it joined", d.Offset)
+		}
+	}
+}
