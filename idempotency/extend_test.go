@@ -3,11 +3,13 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency"
+	"github.com/custody-go/custody/idempotency/internal/teststores"
 )
 
 // TestExtensionCutShortByCompletionIsNotAStoreError: an extension on the
@@ -68,5 +70,60 @@ func TestExtensionNeverOutlivesTheClaim(t *testing.T) {
 	}
 	if until.After(expiry) {
 		t.Fatalf("an extension was allowed to wait until %v after the claim ran out", until.Sub(expiry))
+	}
+}
+
+// TestSlowClaimReplyDoesNotDelayTheFirstExtension: the claim's lease starts
+// when the store makes it, not when the reply arrives. Counting the first
+// extension interval from the reply let a slow reply push that extension
+// past the expiry: the claim ran out under a running handler that was not
+// told, and a duplicate delivery took the key and ran the effect beside it.
+func TestSlowClaimReplyDoesNotDelayTheFirstExtension(t *testing.T) {
+	for _, st := range teststores.All() {
+		t.Run(st.Name, func(t *testing.T) {
+			t.Parallel()
+			// The reply comes 1.8s after the claim was made; without
+			// extension the claim runs out at 3s, and the first extension
+			// is due at 1.5s: sent at once when the reply comes, it has
+			// 1.3s to reach the store before the duplicate comes.
+			const lease = 3 * time.Second
+			store := &faultyStore{Store: st.New(t)}
+			store.claimDelay.Store(int64(1800 * time.Millisecond))
+			var runs atomic.Int32
+			entered, leave := make(chan struct{}), make(chan struct{})
+			var cause error
+			h := newGuard(t, store, func(ctx context.Context, _ *consumer.Message) error {
+				if runs.Add(1) > 1 {
+					return nil // a duplicate that got the key
+				}
+				close(entered)
+				select {
+				case <-leave:
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+				}
+				return nil
+			}, idempotency.WithLease(lease), idempotency.WithExtendInterval(lease/2))
+
+			first := make(chan error, 1)
+			go func() { first <- h.Handle(context.Background(), msg("k", "x")) }()
+			<-entered
+			store.claimDelay.Store(0)
+
+			// Wait until the claim would have run out unextended, then
+			// deliver a duplicate: the running handler still holds the key.
+			time.Sleep(time.Until(store.claimSent.Load().Add(lease + 100*time.Millisecond)))
+			err := h.Handle(context.Background(), msg("k", "x"))
+			close(leave)
+			if err := <-first; err != nil {
+				t.Fatal(err)
+			}
+			if !errors.Is(err, idempotency.ErrInProgressElsewhere) || runs.Load() != 1 {
+				t.Fatalf("duplicate delivered a lease after the claim = %v, effect ran %d times; want in progress elsewhere and 1 run (the claim must be extended)", err, runs.Load())
+			}
+			if cause != nil {
+				t.Fatalf("the running handler was cancelled (%v) although every extension could reach the store", cause)
+			}
+		})
 	}
 }

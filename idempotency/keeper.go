@@ -28,10 +28,15 @@ type keeper struct {
 
 // claimed is when the Claim was sent: the store started the lease no
 // earlier, so claimed+lease never overestimates how long the claim is held.
+//
+// Each extension is due an interval after the lease it renews began (the
+// send of the Claim or of the last Extend), not after the reply came: a slow
+// reply must not push the next extension past the expiry, where the claim
+// would run out under a handler that nobody told.
 func (g *guard) keep(key string, tok Token, claimed time.Time, cancel context.CancelCauseFunc) *keeper {
 	k := &keeper{g: g, key: key, tok: tok, cancel: cancel, expires: claimed.Add(g.cfg.lease)}
 	k.mu.Lock()
-	k.timer = time.AfterFunc(g.cfg.extendEvery, k.extend)
+	k.timer = time.AfterFunc(time.Until(claimed.Add(g.cfg.extendEvery)), k.extend)
 	k.mu.Unlock()
 	return k
 }
@@ -65,9 +70,10 @@ func (k *keeper) extend() {
 	if k.stopped {
 		return // the handler has finished; its outcome decides, not this
 	}
+	next := start.Add(k.g.cfg.extendEvery)
 	if err == nil {
 		k.expires = start.Add(k.g.cfg.lease)
-		k.timer.Reset(k.g.cfg.extendEvery)
+		k.timer.Reset(time.Until(next))
 		return
 	}
 	ctxBg := context.Background()
@@ -77,8 +83,8 @@ func (k *keeper) extend() {
 		// Try again at the next interval if the claim is still held by
 		// then; otherwise stop the handler now, before another delivery
 		// can take the key over.
-		if time.Now().Add(k.g.cfg.extendEvery).Before(k.expires) {
-			k.timer.Reset(k.g.cfg.extendEvery)
+		if next.Before(k.expires) {
+			k.timer.Reset(time.Until(next))
 			return
 		}
 	}
