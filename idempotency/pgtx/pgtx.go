@@ -99,11 +99,29 @@ func WithFingerprint(f func(*consumer.Message) string) Option {
 // WithTxOptions sets the transaction's isolation level and access mode.
 // Default: the database's default (READ COMMITTED unless configured).
 // Serialization failures under stricter levels are returned as ordinary
-// errors, which the runtime retries.
+// errors, which the runtime retries. IsoLevel, AccessMode and DeferrableMode
+// must be empty or one of pgx's constants, and AccessMode not pgx.ReadOnly.
 func WithTxOptions(o pgx.TxOptions) Option {
 	return func(c *config) error {
-		if o.AccessMode == pgx.ReadOnly {
+		// pgx writes these values into BEGIN as they are, so one PostgreSQL
+		// refuses (or a read-only mode spelled another way) would fail every
+		// delivery, each retried until dead-lettered: refuse it here.
+		switch o.IsoLevel {
+		case "", pgx.Serializable, pgx.RepeatableRead, pgx.ReadCommitted, pgx.ReadUncommitted:
+		default:
+			return fmt.Errorf("pgtx: WithTxOptions: unknown IsoLevel %q; use one of pgx's TxIsoLevel constants", o.IsoLevel)
+		}
+		switch o.AccessMode {
+		case "", pgx.ReadWrite:
+		case pgx.ReadOnly:
 			return errors.New("pgtx: WithTxOptions: a read-only transaction cannot record processed keys")
+		default:
+			return fmt.Errorf("pgtx: WithTxOptions: unknown AccessMode %q; use pgx.ReadWrite or leave it empty", o.AccessMode)
+		}
+		switch o.DeferrableMode {
+		case "", pgx.Deferrable, pgx.NotDeferrable:
+		default:
+			return fmt.Errorf("pgtx: WithTxOptions: unknown DeferrableMode %q; use one of pgx's TxDeferrableMode constants", o.DeferrableMode)
 		}
 		c.txOptions = o
 		return nil
@@ -123,7 +141,8 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 }
 
 // WithMeterProvider sets where duplicates are counted (the same metric names
-// as the idempotency middleware). Default otel.GetMeterProvider().
+// as the idempotency middleware; a failed BEGIN or claim statement counts as
+// a store error with op "claim"). Default otel.GetMeterProvider().
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
@@ -207,6 +226,8 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 
 	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
 	if err != nil {
+		// BEGIN is where an unreachable database shows first.
+		h.countStoreError(ctx)
 		return fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err)
 	}
 	committed := false
@@ -220,7 +241,7 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 
 	var held, inserted, done bool
 	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.tableName+":").Scan(&held, &inserted, &done); err != nil {
-		h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
+		h.countStoreError(ctx)
 		return fmt.Errorf("pgtx: record key %q: %w", key, err)
 	}
 	if !held && !done {
@@ -252,6 +273,15 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	}
 	committed = true
 	return nil
+}
+
+// countStoreError counts a failed begin or claim, as the middleware counts
+// a failed Claim: not when the delivery's own context ended, which is not
+// the database's fault.
+func (h *Handler) countStoreError(ctx context.Context) {
+	if ctx.Err() == nil {
+		h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
+	}
 }
 
 // DDL returns the statements CreateSchema runs, for a migration tool.

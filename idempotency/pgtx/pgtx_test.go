@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
@@ -326,5 +327,123 @@ func TestCommittedKeyIsSequentialWhileAnotherCopyHoldsTheLock(t *testing.T) {
 	if f.duplicates(t, "sequential") != 1 || f.duplicates(t, "overlapping") != 0 || f.rows(t, f.effects) != 1 {
 		t.Fatalf("sequential %d, overlapping %d, effects %d; want 1, 0, 1",
 			f.duplicates(t, "sequential"), f.duplicates(t, "overlapping"), f.rows(t, f.effects))
+	}
+}
+
+// Transaction options PostgreSQL refuses fail every delivery at BEGIN (or,
+// read-only however spelled, at the claim), so each message would be retried
+// to the dead-letter queue: New must refuse them, naming the option.
+func TestTxOptionsThatCannotWorkFailAtNew(t *testing.T) {
+	pool := pgsql.TestPool(t)
+	fn := func(context.Context, pgx.Tx, *consumer.Message) error { return nil }
+	for _, o := range []pgx.TxOptions{
+		{IsoLevel: "repeatable-read"},
+		{AccessMode: "READ ONLY"},
+		{DeferrableMode: "later"},
+	} {
+		if _, err := pgtx.New(pool, fn, pgtx.WithTxOptions(o)); err == nil || !strings.Contains(err.Error(), "WithTxOptions") {
+			t.Errorf("WithTxOptions(%+v) = %v, want an error naming the option", o, err)
+		}
+	}
+	for _, o := range []pgx.TxOptions{
+		{},
+		{IsoLevel: pgx.Serializable, AccessMode: pgx.ReadWrite, DeferrableMode: pgx.NotDeferrable},
+		{IsoLevel: pgx.RepeatableRead},
+		{IsoLevel: pgx.ReadCommitted},
+		{IsoLevel: pgx.ReadUncommitted, DeferrableMode: pgx.Deferrable},
+	} {
+		if _, err := pgtx.New(pool, fn, pgtx.WithTxOptions(o)); err != nil {
+			t.Errorf("WithTxOptions(%+v) = %v, want accepted", o, err)
+		}
+	}
+}
+
+// count returns the value of counter name for the attribute key=value.
+func (f *fixture) count(t testing.TB, name, key, value string) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := f.reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				if v, _ := dp.Attributes.Value(attribute.Key(key)); v.AsString() == value {
+					n += dp.Value
+				}
+			}
+		}
+	}
+	return n
+}
+
+// cancelAfterBegin begins each transaction on the real pool, then ends the
+// delivery's context, as a shutdown deadline does that passes just as the
+// key is being claimed.
+type cancelAfterBegin struct {
+	*pgxpool.Pool
+	cancel context.CancelFunc
+}
+
+func (d cancelAfterBegin) BeginTx(ctx context.Context, o pgx.TxOptions) (pgx.Tx, error) {
+	tx, err := d.Pool.BeginTx(ctx, o)
+	d.cancel()
+	return tx, err
+}
+
+func (f *fixture) claimStoreErrors(t testing.TB) int64 {
+	t.Helper()
+	return f.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "claim")
+}
+
+// A database that cannot be reached fails the delivery at BEGIN, before the
+// claim statement: operators must see it in store_errors, as they do with
+// the middleware's stores.
+func TestUnreachableDatabaseIsCountedAsStoreError(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	// Nothing listens on port 1: every BEGIN fails to connect.
+	down, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=5")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer down.Close()
+	h, err := pgtx.New(down, f.insertEffect, pgtx.WithTable(f.processed), pgtx.WithMeterProvider(f.mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(ctx, msg("m", "a")); err == nil {
+		t.Fatal("Handle succeeded against an unreachable database")
+	}
+	if n := f.claimStoreErrors(t); n != 1 {
+		t.Fatalf("store errors (claim) = %d after BEGIN failed on an unreachable database, want 1", n)
+	}
+}
+
+// A delivery whose own context ended while it claimed its key (the
+// shutdown deadline, a lost broker lease) is not the database's fault: the
+// middleware does not count it as a store error, and neither may pgtx, or
+// every deploy raises the store alert.
+func TestCancelledDeliveryIsNoStoreError(t *testing.T) {
+	f := newFixture(t)
+	f.handler(t, f.insertEffect) // creates the processed table
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	h, err := pgtx.New(cancelAfterBegin{f.pool, cancel}, f.insertEffect, pgtx.WithTable(f.processed), pgtx.WithMeterProvider(f.mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(ctx, msg("m", "a")); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Handle with its context ended during the claim = %v, want context.Canceled", err)
+	}
+	if n := f.claimStoreErrors(t); n != 0 {
+		t.Fatalf("store errors (claim) = %d after a delivery's own context ended, want 0", n)
+	}
+	if f.rows(t, f.effects) != 0 || f.rows(t, f.processed) != 0 {
+		t.Fatal("a cancelled claim left rows behind")
 	}
 }
