@@ -193,3 +193,78 @@ func TestLaneLossRunsTheRedeliveryReceivedAfterIt(t *testing.T) {
 		t.Fatalf("nacked %v: records received after the loss were given back", p.nacked)
 	}
 }
+
+// handedOverLost hands over, in one batch, a delivery it has already lost
+// and the next one of its group, then nothing more.
+type handedOverLost struct {
+	mu     sync.Mutex
+	calls  int
+	nacked []string
+}
+
+func (s *handedOverLost) Receive(ctx context.Context, _ int) ([]*adapters.Delivery, error) {
+	s.mu.Lock()
+	s.calls++
+	first := s.calls == 1
+	s.mu.Unlock()
+	if !first {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+			return nil, nil
+		}
+	}
+	lost := &adapters.Delivery{ID: "a1", Body: []byte("a1"), OrderingKey: "a", Partition: -1, Offset: -1}
+	lost.Lose(adapters.ErrLeaseLost) // its visibility ran out while it waited in the source
+	next := &adapters.Delivery{ID: "a2", Body: []byte("a2"), OrderingKey: "a", Partition: -1, Offset: -1}
+	return []*adapters.Delivery{lost, next}, nil
+}
+
+func (s *handedOverLost) Ack(context.Context, []*adapters.Delivery) error { return nil }
+
+func (s *handedOverLost) Nack(_ context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range ds {
+		s.nacked = append(s.nacked, d.ID)
+	}
+	return nil
+}
+
+func (s *handedOverLost) Capabilities() adapters.Capabilities {
+	return adapters.Capabilities{Name: "handed-over-lost", Ordered: true, NackDelay: true}
+}
+
+func (s *handedOverLost) Close() error { return nil }
+
+// TestLaneLossGivesBackTheBatchOfADeliveryLostBeforeItArrived: a source may
+// hand over a delivery already lost (an SQS message whose visibility ran out
+// while it waited in the source) with the next message of its group. That
+// next one was received after the loss but is still behind the lost message,
+// which comes back later: it must be given back, not run ahead of it.
+func TestLaneLossGivesBackTheBatchOfADeliveryLostBeforeItArrived(t *testing.T) {
+	src := &handedOverLost{}
+	var mu sync.Mutex
+	var ran []string
+	r := runOn(t, src, func(_ context.Context, m *consumer.Message) error {
+		mu.Lock()
+		ran = append(ran, m.ID)
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(2))
+	defer r.stop()
+	waitFor(t, "a2 given back", func() bool {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		return slices.Contains(src.nacked, "a2")
+	})
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(ran) != 0 {
+		t.Fatalf("ran %v ahead of the lost a1's redelivery; want a2 given back", ran)
+	}
+}

@@ -411,7 +411,7 @@ func (r *run) lost(j *job, cause error) {
 	}
 	r.settle(j, outcomeLost)
 	if j.lane != "" {
-		behind := r.receivedBefore(j.d.LostAt())
+		behind := r.receivedBefore(j, j.d.LostAt())
 		for s := j.successor; s != nil; s = s.successor {
 			s.giveBack = s.giveBack || behind(s) // taken with j by this worker (see next)
 		}
@@ -424,13 +424,16 @@ func (r *run) lost(j *job, cause error) {
 	r.next(j)
 }
 
-// receivedBefore reports, for a loss at lostAt, which jobs were received
-// before it. Every job is, when the time is unknown.
-func (r *run) receivedBefore(lostAt time.Time) func(*job) bool {
+// receivedBefore reports, for j lost at lostAt, which jobs were received
+// before the loss, or with j: a delivery the adapter handed over already
+// lost (an SQS message whose visibility ran out while it waited in the
+// Source) is behind the others of its batch still. Every job is, when the
+// time is unknown.
+func (r *run) receivedBefore(j *job, lostAt time.Time) func(*job) bool {
 	if lostAt.IsZero() {
 		return func(*job) bool { return true }
 	}
-	cut := lostAt.Sub(r.started)
+	cut := max(lostAt.Sub(r.started), j.accepted)
 	return func(q *job) bool { return q.accepted <= cut }
 }
 
