@@ -76,7 +76,9 @@ func batchResult(errs []error) error {
 // that entry alone, a few times with a short backoff; anything else is
 // reported for that entry. Each request has its own timeout
 // (requestTimeout).
-// It returns the error of the whole request when the request itself failed.
+// It returns the error of the whole request when the first request itself
+// failed; a retry failing whole is retried in turn, then fails its entries
+// alone.
 func (s *Source) runBatch(ctx context.Context, ds []*adapters.Delivery, idx []int, call batchCall, errs []error) error {
 	backoff := s.opts.entryRetryBackoff
 	for try := 0; ; try++ {
@@ -86,13 +88,26 @@ func (s *Source) runBatch(ctx context.Context, ds []*adapters.Delivery, idx []in
 		cctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
 		failed, err := call(cctx, idx)
 		cancel()
-		if err != nil {
+		if err != nil && (try == 0 || try >= s.opts.entryRetries) {
 			for _, i := range idx {
 				errs[i] = err
+			}
+			if try > 0 {
+				// The first request settled the other entries (deleted,
+				// renewed or refused). A plain error would tell the caller
+				// that none was, and it would send them all again: SQS
+				// refuses the handles of messages it deleted, so they
+				// would be reported lost although they were acked.
+				return nil
 			}
 			return err
 		}
 		var retry []int
+		if err != nil {
+			// A retry failing whole fails the entries it carried on
+			// SQS's side or on the way: they are tried again alone.
+			retry = idx
+		}
 		for _, f := range failed {
 			pos, err := strconv.Atoi(aws.ToString(f.Id))
 			if err != nil || pos < 0 || pos >= len(idx) {

@@ -58,9 +58,9 @@ func (c *gatedClient) ChangeMessageVisibilityBatch(ctx context.Context, in *sqs.
 func TestBufferRenewalNeverLandsAfterANack(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	// The renewal overriding the nack hides the messages for 3 s; the
+	// The renewal overriding the nack hides the messages for 6 s; the
 	// check below looks for them within 1 s.
-	url, _ := e.queue(false, 3*time.Second, nil)
+	url, _ := e.queue(false, 6*time.Second, nil)
 	for i := range 20 {
 		e.send(url, fmt.Sprintf("m%d", i), "", nil)
 	}
@@ -71,8 +71,11 @@ func TestBufferRenewalNeverLandsAfterANack(t *testing.T) {
 		renewGate: make(chan struct{}),
 		renewDone: make(chan struct{}),
 		// Receive waits for the renewal, so the test cannot open
-		// renewGate before Receive returns: the renewal goes on by itself.
-		fallback: 2 * time.Second,
+		// renewGate before Receive returns: the renewal goes on by itself,
+		// within the third of the timeout (2 s) the Source gives it. It
+		// lands, so the messages' visibility does not run out, which
+		// would make the Source give them up as lost.
+		fallback: time.Second,
 	}
 	var openRenewal sync.Once
 	defer openRenewal.Do(func() { close(c.renewGate) })

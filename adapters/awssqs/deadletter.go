@@ -89,11 +89,16 @@ var _ adapters.DeadLetter = (*DeadLetterQueue)(nil)
 type DeadLetterOption func(*DeadLetterQueue) error
 
 // WithDiagnosticsAttribute names the attribute carrying the diagnostics
-// JSON. Default "custody-diagnostics".
+// JSON. Default "custody-diagnostics". The name must be one SQS accepts for a
+// message attribute: 1 to 256 letters, digits, '_', '-' and '.', with no
+// leading, trailing or doubled '.', and no AWS. or Amazon. prefix.
 func WithDiagnosticsAttribute(name string) DeadLetterOption {
 	return func(q *DeadLetterQueue) error {
-		if name == "" || len(name) > 256 || strings.HasPrefix(strings.ToLower(name), "aws.") || strings.HasPrefix(strings.ToLower(name), "amazon.") {
-			return fmt.Errorf("awssqs.WithDiagnosticsAttribute(%q): must be 1 to 256 characters and not start with AWS. or Amazon.", name)
+		// SQS would refuse every copy carrying a name it does not allow,
+		// and the originals, never dead-lettered, would stay in their
+		// queues for good: refuse the name here instead.
+		if !validAttributeName(name) {
+			return fmt.Errorf("awssqs.WithDiagnosticsAttribute(%q): SQS refuses that attribute name; use 1 to 256 letters, digits, '_', '-' and '.', with no leading, trailing or doubled '.', not starting with AWS. or Amazon.", name)
 		}
 		q.attr = name
 		return nil

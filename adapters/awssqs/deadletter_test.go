@@ -653,3 +653,46 @@ func (c systemNamesClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMe
 	cp.MessageSystemAttributeNames = nil
 	return c.Client.ReceiveMessage(ctx, &cp, o...)
 }
+
+// TestDiagnosticsAttributeNameSQSRefuses: SQS refuses a message attribute
+// whose name has a leading, trailing or doubled '.', or a character other
+// than a letter, a digit, '_', '-' or '.'. A DeadLetterQueue whose
+// diagnostics attribute is named so would have every copy refused, and no
+// poison message would ever leave its queue; NewDeadLetterQueue must refuse
+// the name and say which option is at fault.
+func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	dlqURL, _ := e.queue(false, 30*time.Second, nil)
+	e.send(url, "poison body", "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	ds := receiveAtLeast(t, src, 1)
+	defer src.Nack(e.ctx(), ds, 0)
+	f := adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}
+	// The emulator checks the dots only; SQS refuses all of these.
+	for _, name := range []string{".diagnostics", "diagnostics.", "custody..diagnostics", "custody diagnostics", "custody/diagnostics"} {
+		q, err := NewDeadLetterQueue(e.client, dlqURL, WithDiagnosticsAttribute(name))
+		if err == nil {
+			t.Errorf("WithDiagnosticsAttribute(%q) was accepted; a Send then returns %v", name, q.Send(e.ctx(), ds[0], f))
+			continue
+		}
+		if !strings.Contains(err.Error(), "WithDiagnosticsAttribute") {
+			t.Errorf("WithDiagnosticsAttribute(%q): %v, want an error naming the option", name, err)
+		}
+	}
+	// Names SQS takes are still accepted, and the copy goes through.
+	for _, name := range []string{"custody.diagnostics", "Custody_diag-2"} {
+		q, err := NewDeadLetterQueue(e.client, dlqURL, WithDiagnosticsAttribute(name))
+		if err != nil {
+			t.Fatalf("WithDiagnosticsAttribute(%q): %v", name, err)
+		}
+		if err := q.Send(e.ctx(), ds[0], f); err != nil {
+			t.Errorf("Send with diagnostics attribute %q: %v", name, err)
+		}
+	}
+}

@@ -57,7 +57,11 @@
 // in-flight message (the timeout ran out and the message was received again
 // or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
 // counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
-// that fail on SQS's side are retried alone, a few times. Every delete and
+// that fail on SQS's side are retried alone, a few times (so is a retry
+// request that fails whole). A message waiting in the Source whose renewals
+// fail until its visibility timeout runs out is marked lost as well: another
+// consumer may have it by then. A lost delivery's receipt handle is never
+// sent in a visibility change again, since it may be stale. Every delete and
 // visibility request times out after 30 s, so a request SQS never answers
 // holds neither the runtime nor its shutdown; it fails like any other. A
 // receive times out after its long poll's wait plus 30 s, so a hung poll

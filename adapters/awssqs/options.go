@@ -63,7 +63,9 @@ func defaultOptions() options {
 // WithWaitTime sets the long-poll wait of each ReceiveMessage call, in whole
 // seconds from 0 to 20. Default 20 s. Zero makes short polls; an empty short
 // poll is then followed by a one-second pause so an idle queue is not polled
-// in a hot loop.
+// in a hot loop. (aws-sdk-go-v2 leaves a zero wait out of the request, so a
+// queue whose ReceiveMessageWaitTimeSeconds is not 0 long-polls for that
+// long instead.)
 func WithWaitTime(d time.Duration) Option {
 	return func(o *options) error {
 		if d < 0 || d > 20*time.Second || d%time.Second != 0 {

@@ -109,6 +109,15 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 func (s *Source) startPollsLocked(max int) {
 	limit := s.pollers
 	room := max - len(s.buf) - s.pending
+	if !s.renewerStarted && room > 0 {
+		// Only polls fill the buffer, so its renewer starts with the first
+		// one rather than in New: the runtime closes only a Source it runs,
+		// and one never run (its consumer failed to build) must leave no
+		// goroutine behind.
+		s.renewerStarted = true
+		s.polls.Add(1)
+		go s.keepBuffered()
+	}
 	for s.inflight < limit && room > 0 {
 		n := min(room, s.opts.maxMessages)
 		room -= n
@@ -306,12 +315,14 @@ func receipt(d *adapters.Delivery) string {
 // next has room for a batch. Every sixth of the timeout it extends, to a full
 // timeout, those that have waited a third of it; the runtime's lease keeper
 // takes over once Receive hands them out. Receive hands none out while such a
-// renewal is on the wire, so that none lands after an ack or a nack. It ends
-// when Close stops the polls.
+// renewal is on the wire, so that none lands after an ack or a nack. One
+// whose renewals fail until its visibility runs out is marked lost. It
+// starts with the first poll and ends when Close stops the polls.
 func (s *Source) keepBuffered() {
 	defer s.polls.Done()
 	renewAfter := s.visibility / 3
-	tick := time.NewTicker(s.visibility / 6)
+	every := s.visibility / 6
+	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
 		select {
@@ -323,7 +334,7 @@ func (s *Source) keepBuffered() {
 		var due []*adapters.Delivery
 		s.mu.Lock()
 		for i, d := range s.buf {
-			if now.Sub(s.bufSince[i]) >= renewAfter {
+			if now.Sub(s.bufSince[i]) >= renewAfter && d.LostCause() == nil {
 				due = append(due, d)
 			}
 		}
@@ -336,7 +347,8 @@ func (s *Source) keepBuffered() {
 		}
 		// A failed entry whose receipt expired is marked lost by Extend, so
 		// the runtime will not run it; any other failure is tried again at
-		// the next tick. The call is bounded, since Receive waits for it.
+		// the next tick, unless the visibility runs out first (see below).
+		// The call is bounded, since Receive waits for it.
 		ctx, cancel := context.WithTimeout(s.pollCtx, renewAfter)
 		err := s.Extend(ctx, due, s.visibility)
 		cancel()
@@ -345,19 +357,30 @@ func (s *Source) keepBuffered() {
 		// messages due) would otherwise be followed at once by the next, and
 		// Receive, woken by its end, would rarely take the lock first: it
 		// would wait renewal after renewal, the messages idle in the buffer.
-		tick.Reset(s.visibility / 6)
+		tick.Reset(every)
+		ended := time.Now()
 		s.mu.Lock()
-		close(s.bufRenewing)
-		s.bufRenewing = nil
 		for i, d := range due {
-			if adapters.EntryError(err, i) != nil {
+			j := slices.Index(s.buf, d)
+			if e := adapters.EntryError(err, i); e != nil {
+				// Its visibility runs out before the next tick could renew
+				// it, and another consumer may then receive it: it is no
+				// longer this one's to run, as the runtime's lease keeper
+				// decides for a running message. Marked lost before Receive
+				// may hand it out (under the lock, before bufRenewing
+				// closes); its stale receipt handle is never sent again.
+				if j >= 0 && !ended.Add(every).Before(s.bufSince[j].Add(s.visibility)) {
+					d.Lose(fmt.Errorf("%w: renewing its visibility while it waited in the Source failed until the visibility timeout ran out: %w", adapters.ErrLeaseLost, e))
+				}
 				continue
 			}
 			s.stats.bufferRenewed.Add(1)
-			if j := slices.Index(s.buf, d); j >= 0 {
+			if j >= 0 {
 				s.bufSince[j] = now
 			}
 		}
+		close(s.bufRenewing)
+		s.bufRenewing = nil
 		s.mu.Unlock()
 	}
 }

@@ -71,9 +71,24 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAft
 }
 
 // changeVisibility sets the visibility timeout of ds[i] to secs[i] seconds
-// with ChangeMessageVisibilityBatch requests. Entries with a skip error are
-// not sent and fail with it; skip may be nil.
+// with ChangeMessageVisibilityBatch requests. Entries with a skip error, and
+// deliveries already lost, are not sent and fail with that error or the
+// cause of the loss; skip may be nil.
 func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, secs []int32, skip []error) error {
+	// A lost delivery's receipt handle may be stale: its message may be in
+	// flight with another consumer under a newer handle. SQS may accept the
+	// stale handle without effect, so that a renewal seems to hold what is
+	// gone, and the emulator even applies it to the new receive, hiding or
+	// releasing another consumer's message. Such entries fail with the
+	// cause of the loss and are not sent.
+	for i, d := range ds {
+		if cause := d.LostCause(); cause != nil && (skip == nil || skip[i] == nil) {
+			if skip == nil {
+				skip = make([]error, len(ds))
+			}
+			skip[i] = cause
+		}
+	}
 	return s.runBatches(ctx, ds, skip, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, len(idx))
 		for pos, i := range idx {

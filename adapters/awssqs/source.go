@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -51,6 +52,8 @@ type Source struct {
 	// bufRenewing is closed when keepBuffered's renewal on the wire returns;
 	// nil when none is. Receive hands nothing out meanwhile.
 	bufRenewing chan struct{}
+	// renewerStarted is set once keepBuffered runs (from the first poll).
+	renewerStarted bool
 }
 
 var (
@@ -144,8 +147,6 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 	}
 	s.pollCtx, s.stopPolls = context.WithCancel(context.Background())
 	s.nacks = newVisibilityBatcher(s, o.nackLinger)
-	s.polls.Add(1)
-	go s.keepBuffered()
 	return s, nil
 }
 
@@ -182,7 +183,8 @@ func (s *Source) VisibilityTimeout() time.Duration { return s.visibility }
 func (s *Source) FIFO() bool { return s.fifo }
 
 // Close stops receiving, releases (visibility 0) messages received but never
-// handed to the runtime unless WithKeepOnClose was given, sends the nacks
+// handed to the runtime unless WithKeepOnClose was given (not those lost
+// while they waited, which may be with another consumer), sends the nacks
 // still waiting for a batch, and returns. A long poll still in flight is
 // cancelled; a message SQS had already picked for it stays invisible until
 // its visibility timeout runs out, then comes back. Close never closes the
@@ -204,6 +206,9 @@ func (s *Source) Close() error {
 	left := s.buf
 	s.buf, s.bufSince = nil, nil
 	s.mu.Unlock()
+	// Messages lost while they waited (their visibility ran out, so another
+	// consumer may hold them) are not this Source's to release.
+	left = slices.DeleteFunc(left, func(d *adapters.Delivery) bool { return d.LostCause() != nil })
 
 	var err error
 	if len(left) > 0 && s.opts.releaseOnClose {
