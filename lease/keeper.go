@@ -117,7 +117,8 @@ func New(ext adapters.Extender, cfg Config) (*Keeper, error) {
 }
 
 // Track starts keeping d's lease alive, counting from d.ReceivedAt (or now
-// when that is zero).
+// when that is zero), or from d.LeasedAt when the adapter renewed the lease
+// since; MaxHold counts from d.ReceivedAt.
 func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 	l := new(Lease)
 	k.Start(l, d)
@@ -145,7 +146,16 @@ func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
 			}
 			start = now
 		}
-		*l = Lease{k: k, d: d, due: start.Add(k.interval), expires: start.Add(k.cfg.Lease), index: -1}
+		// A lease the adapter renewed before handing the delivery over
+		// (while it waited in a buffer) runs from that renewal: counted
+		// from the receipt it would pass for expired, and one transient
+		// failure of its first renewal would lose a delivery with most of
+		// its lease left.
+		leased := start
+		if d.LeasedAt.After(leased) {
+			leased = d.LeasedAt
+		}
+		*l = Lease{k: k, d: d, due: leased.Add(k.interval), expires: leased.Add(k.cfg.Lease), index: -1}
 		if k.cfg.MaxHold > 0 {
 			l.deadline = start.Add(k.cfg.MaxHold)
 			if l.deadline.Before(l.due) {

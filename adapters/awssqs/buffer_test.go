@@ -86,3 +86,50 @@ func TestMessagesWaitingInTheSourceKeepTheirVisibility(t *testing.T) {
 		t.Fatalf("no message waited in the Source (Stats %+v): the test did not set up the case", src.Stats())
 	}
 }
+
+// A message renewed while it waited in the Source is handed over with
+// LeasedAt set to that renewal, so the runtime's lease keeper counts its
+// visibility from there rather than from the receive: counted from the
+// receive, the lease could pass for expired, and one transient failure of
+// the first renewal would lose a message with most of its visibility left.
+func TestMessagesRenewedWhileWaitingCarryTheirRenewal(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 3*time.Second, nil)
+	for range 20 {
+		e.send(url, "m", "", nil)
+	}
+	src, err := New(e.ctx(), e.client, url, testOptions(WithPollers(2))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	// Two polls of ten start; the first to come back is handed out, the
+	// other waits in the Source until it is renewed (after a third of the
+	// timeout).
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	first, err := src.Receive(ctx, 20)
+	cancel()
+	if err != nil || len(first) == 0 || len(first) == 20 {
+		t.Fatalf("first Receive: %d messages, %v; want those of one poll", len(first), err)
+	}
+	waitFor(t, "a renewal of the messages waiting in the Source", func() bool { return src.Stats().BufferRenewed > 0 })
+	rest := receiveAtLeast(t, src, 20-len(first))
+	renewed := 0
+	for _, d := range rest {
+		if !d.LeasedAt.IsZero() {
+			renewed++
+			if !d.LeasedAt.After(d.ReceivedAt) {
+				t.Errorf("LeasedAt %v is not after ReceivedAt %v", d.LeasedAt, d.ReceivedAt)
+			}
+		}
+	}
+	if renewed == 0 {
+		t.Fatalf("none of the %d messages renewed while they waited carries LeasedAt (Stats %+v)", len(rest), src.Stats())
+	}
+	for _, d := range first {
+		if !d.LeasedAt.IsZero() {
+			t.Errorf("a message handed out at once carries LeasedAt %v", d.LeasedAt)
+		}
+	}
+}

@@ -79,6 +79,13 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 			n := min(max, len(s.buf))
 			ds := make([]*adapters.Delivery, n)
 			copy(ds, s.buf)
+			for i, d := range ds {
+				if since := s.bufSince[i]; since.After(d.ReceivedAt) {
+					// Renewed while it waited: the runtime's lease
+					// keeper counts its visibility from there.
+					d.LeasedAt = since
+				}
+			}
 			s.buf = append(s.buf[:0], s.buf[n:]...)
 			s.bufSince = append(s.bufSince[:0], s.bufSince[n:]...)
 			s.mu.Unlock()
