@@ -71,6 +71,6 @@
 // queue or topic, the message id; a Kafka record's partition and offset).
 // The Kafka adapter
 // adds its own (custody.kafka.lag, .commit.duration, .commit.failures,
-// .skipped, .rewinds), and the idempotency middleware counts duplicates
+// .skipped, .rewinds, .expired), and the idempotency middleware counts duplicates
 // (custody.idempotency.*).
 package custody

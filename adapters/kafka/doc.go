@@ -137,8 +137,10 @@
 // default): custody.kafka.lag (high watermark minus committed offset, per
 // partition; the end offsets of partitions not fetched lately are listed
 // from the brokers, see [WithLagRefresh]), custody.kafka.commit.duration, custody.kafka.commit.failures,
-// custody.kafka.skipped (records skipped thanks to the commit metadata) and
-// custody.kafka.rewinds (partitions rewound after data loss).
+// custody.kafka.skipped (records skipped thanks to the commit metadata),
+// custody.kafka.rewinds (partitions rewound after data loss) and
+// custody.kafka.expired (records deleted by retention before the group read
+// them; Receive reports them with [ErrExpired]).
 // Record headers become Delivery.Headers, so the runtime picks up W3C trace
 // context (traceparent, tracestate) from them
 // (once a propagator is set: OpenTelemetry's default global propagator is a

@@ -271,7 +271,7 @@ func TestDataLossNoticeAfterTheRecordsOfItsPoll(t *testing.T) {
 		t.Fatal(err)
 	}
 	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 3, ResetTo: 3}
-	refetch, lose := s.registerLocked(kgo.Fetches{
+	refetch, lose, _ := s.registerLocked(kgo.Fetches{
 		{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{{Partition: 0, HighWatermark: 5, Records: records(3, 4)}}}}},
 		{Topics: []kgo.FetchTopic{{Topic: "t", Partitions: []kgo.FetchPartition{{Partition: 0, Err: loss}}}}},
 	})
@@ -313,7 +313,7 @@ func TestDataLossPollMixingOldAndNewLogIsFetchedAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 35, ResetTo: 20}
-	refetch, _ := s.registerLocked(kgo.Fetches{
+	refetch, _, _ := s.registerLocked(kgo.Fetches{
 		part(kgo.FetchPartition{Partition: 0, HighWatermark: 35, Records: records(30, 34)}), // the old log
 		part(kgo.FetchPartition{Partition: 0, HighWatermark: 30, Records: records(20, 29)}), // the new log
 		part(kgo.FetchPartition{Partition: 0, Err: loss}),
@@ -391,7 +391,7 @@ func TestDataLossRewindResumesAPausedPartition(t *testing.T) {
 		t.Fatalf("paused %v at the bound; want t/0 paused", paused)
 	}
 	loss := &kgo.ErrDataLoss{Topic: "t", Partition: 0, ConsumedTo: 5, ResetTo: 3}
-	refetch, _ := s.registerLocked(part(kgo.FetchPartition{Partition: 0, Err: loss}))
+	refetch, _, _ := s.registerLocked(part(kgo.FetchPartition{Partition: 0, Err: loss}))
 	if eo, ok := refetch["t"][0]; !ok || eo.Offset != 0 {
 		t.Fatalf("refetch %v; want t/0 fetched again from 0 (nothing done)", refetch)
 	}

@@ -235,7 +235,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	fs := s.cl.PollRecords(pctx, n)
 	s.mu.Lock()
 	s.pollCancel = nil
-	refetch, lose := s.registerLocked(fs)
+	refetch, lose, notices := s.registerLocked(fs)
 	out = s.takeLocked(nil, max)
 	s.mu.Unlock()
 	cancel()
@@ -249,7 +249,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	// Records are now in the partitions' books, under their epoch: a
 	// rebalance may proceed (BlockRebalanceOnPoll held it back until here).
 	s.cl.AllowRebalance()
-	ferr := fetchError(fs)
+	ferr := errors.Join(fetchError(fs), notices)
 	if len(out) > 0 {
 		// A partition's error (lost data, a topic not authorised) must not
 		// hide behind other partitions' records: the runtime logs it.
@@ -304,8 +304,9 @@ func hasRecords(fs kgo.Fetches, topic string, part int32) bool {
 // It returns the offsets to fetch again from, for partitions the client
 // rewound after losing data (see rewindLocked); the caller passes them to
 // SetOffsets, and the rewound records in flight, for the caller to lose
-// outside the lock.
-func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held) {
+// outside the lock; and what Receive must report besides the fetch errors
+// (records deleted before the group read them).
+func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held, notices error) {
 	var refetching map[tpKey]bool
 	// Data losses first. franz-go appends its data-loss notices after the
 	// fetched records of a poll, and once it has rewound a partition it
@@ -362,11 +363,15 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 				p.hwm = fp.LastStableOffset
 			}
 		}
-		if p.lastPolled < 0 && len(fp.Records) > 0 && fp.Records[0].Offset < p.committed {
-			// Fetching started below the committed offset (the log was
-			// truncated or recreated, and the client reset): the done
-			// offsets in the commit metadata describe other records.
-			p.skip = nil
+		if p.lastPolled < 0 && len(fp.Records) > 0 {
+			if fp.Records[0].Offset < p.committed {
+				// Fetching started below the committed offset (the log
+				// was truncated or recreated, and the client reset): the
+				// done offsets in the commit metadata describe other
+				// records.
+				p.skip = nil
+			}
+			notices = errors.Join(notices, s.expiredLocked(p, fp.Records[0].Offset, fp.LogStartOffset))
 		}
 		for _, r := range fp.Records {
 			if r.Offset <= p.lastPolled {
@@ -378,7 +383,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 		}
 		s.updatePauseLocked(p)
 	})
-	return refetch, lose
+	return refetch, lose, notices
 }
 
 // takeLocked hands out ready records up to limit and the in-flight bounds,

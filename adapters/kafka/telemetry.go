@@ -26,6 +26,7 @@ var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1
 //	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
 //	custody.kafka.skipped         counter: records skipped because a previous owner had done them
 //	custody.kafka.rewinds         counter: partitions rewound after the broker lost data (see ErrRewound)
+//	custody.kafka.expired         counter, records: deleted before the group read them (see ErrExpired)
 //
 // All carry messaging.consumer.group.name (the group); lag, skipped and
 // rewinds also messaging.destination.name and
@@ -42,6 +43,7 @@ type telemetry struct {
 	failures metric.Int64Counter
 	skipped  metric.Int64Counter
 	rewinds  metric.Int64Counter
+	expired  metric.Int64Counter
 	reg      metric.Registration
 	okAttrs  metric.MeasurementOption
 	badAttrs metric.MeasurementOption
@@ -71,6 +73,10 @@ func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry,
 	}
 	if t.rewinds, err = m.Int64Counter("custody.kafka.rewinds", metric.WithUnit("{rewind}"),
 		metric.WithDescription("Partitions the client rewound below records already polled, after the broker lost data.")); err != nil {
+		return nil, err
+	}
+	if t.expired, err = m.Int64Counter("custody.kafka.expired", metric.WithUnit("{message}"),
+		metric.WithDescription("Records deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start.")); err != nil {
 		return nil, err
 	}
 	lag, err := m.Int64ObservableGauge("custody.kafka.lag", metric.WithUnit("{message}"),
