@@ -59,8 +59,11 @@ const (
 // the message has an attribute NAME again) and, for an SQS message, its
 // "custody-body-encoding".
 //
-// For a FIFO dead-letter queue the copy keeps the original's MessageGroupId
-// (or "custody-dead-letter" when the original has none). Its deduplication
+// For a FIFO dead-letter queue the copy keeps the original's MessageGroupId.
+// A message from another broker gets its ordering key as the group (a Kafka
+// partition or key: the order its source kept), hashed when SQS would refuse
+// it as a group id; one without an ordering key gets a group of its own, so
+// that no copy waits behind another it has no order with. Its deduplication
 // id is the same for every Send of one delivery, so a Send retried after its
 // answer was lost is stored once, and differs between deliveries, so that
 // SQS (which drops a message whose deduplication id it saw in the last five
@@ -246,11 +249,12 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 		MessageSystemAttributes: system,
 	}
 	if q.fifo {
+		dedup := deduplicationID(d)
 		if group == "" {
-			group = "custody-dead-letter"
+			group = foreignGroup(d, dedup)
 		}
 		in.MessageGroupId = aws.String(group)
-		in.MessageDeduplicationId = aws.String(deduplicationID(d))
+		in.MessageDeduplicationId = aws.String(dedup)
 	}
 
 	for {
@@ -320,6 +324,22 @@ func decodeDiagnostics(raw string) map[string]string {
 // everything it carries, down to the nanosecond it was received, since its
 // id alone may repeat (an AMQP message-id is the publisher's choice, and
 // often empty).
+// foreignGroup is the FIFO group of the copy of a delivery from another
+// broker: its ordering key, or a digest of it where SQS would refuse it (over
+// 128 characters, or characters other than ASCII letters, digits and
+// punctuation); without one, the copy's deduplication id, a group of its own.
+func foreignGroup(d *adapters.Delivery, dedup string) string {
+	k := d.OrderingKey
+	if k == "" {
+		return dedup
+	}
+	if len(k) <= 128 && strings.IndexFunc(k, func(r rune) bool { return r <= ' ' || r > '~' }) < 0 {
+		return k
+	}
+	sum := sha256.Sum256([]byte(k))
+	return "custody-lane-" + hex.EncodeToString(sum[:20])
+}
+
 func deduplicationID(d *adapters.Delivery) string {
 	h := sha256.New()
 	var n [8]byte

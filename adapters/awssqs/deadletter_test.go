@@ -387,6 +387,54 @@ func TestDeadLetterQueueFIFOKeepsLookAlikeDeliveries(t *testing.T) {
 	}
 }
 
+// TestDeadLetterQueueFIFOGroupsForeignCopiesByLane: copies of another
+// broker's messages in a FIFO dead-letter queue are grouped by their lane
+// (a Kafka partition or key), so the order the source kept is kept and
+// lanes do not wait on each other; a lane SQS would refuse as a group id is
+// hashed; a message without a lane gets a group of its own. (All copies
+// once shared one group: one stuck copy held every other behind it.)
+func TestDeadLetterQueueFIFOGroupsForeignCopiesByLane(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dlqURL, _ := e.queue(true, 30*time.Second, nil)
+	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	record := func(lane, body string) *adapters.Delivery {
+		return &adapters.Delivery{ID: "orders/0/" + body, Body: []byte(body), OrderingKey: lane,
+			Queue: "orders", Partition: 0, Offset: 1, Attempt: 1, ReceivedAt: time.Now()}
+	}
+	badLane := "orders/0/clé client " + strings.Repeat("k", 130)
+	sent := map[string]string{ // body: its lane
+		"a1": "orders/0", "a2": "orders/0", "b1": badLane, "u1": "", "u2": "",
+	}
+	fail := adapters.Failure{Err: errors.New("bad record"), Attempts: 1, Permanent: true}
+	for _, body := range []string{"a1", "a2", "b1", "u1", "u2"} {
+		if err := dlq.Send(e.ctx(), record(sent[body], body), fail); err != nil {
+			t.Fatalf("Send %s: %v", body, err)
+		}
+	}
+	groups := map[string]string{}
+	for deadline := time.Now().Add(patience); len(groups) < len(sent) && time.Now().Before(deadline); {
+		for _, m := range e.drain(dlqURL, 0) {
+			groups[aws.ToString(m.Body)] = m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
+		}
+	}
+	if len(groups) != len(sent) {
+		t.Fatalf("the dead-letter queue holds %v, want copies of %v", groups, sent)
+	}
+	if groups["a1"] != "orders/0" || groups["a2"] != "orders/0" {
+		t.Errorf("copies of lane orders/0 in groups %q and %q, want orders/0", groups["a1"], groups["a2"])
+	}
+	if g := groups["b1"]; !strings.HasPrefix(g, "custody-lane-") {
+		t.Errorf("copy of a lane SQS refuses as a group id is in group %q, want a digest of it", g)
+	}
+	if groups["u1"] == groups["u2"] || groups["u1"] == "orders/0" {
+		t.Errorf("copies without a lane share group %q / %q; want a group each", groups["u1"], groups["u2"])
+	}
+}
+
 // SQS messages get a new receipt handle at every receive: a message
 // received again (after a lost lease, say) and dead-lettered again is stored
 // again, while a Send retried for one receive is stored once.

@@ -288,6 +288,11 @@ func FuzzDeadLetterMessage(f *testing.F) {
 			d.Native = m
 			d.Key = group
 		}
+		lane := "" // another broker's lane: a Kafka partition or key
+		if !native {
+			lane = group
+			d.OrderingKey = lane
+		}
 		// The diagnostics of an earlier trip the message carries, if its
 		// diagnostics attribute (or header) holds a JSON object.
 		var earlier map[string]string
@@ -470,8 +475,20 @@ func FuzzDeadLetterMessage(f *testing.F) {
 
 		if fifo {
 			g, id := aws.ToString(in.MessageGroupId), aws.ToString(in.MessageDeduplicationId)
-			if wantG := group; (wantG == "" && g != "custody-dead-letter") || (wantG != "" && g != wantG) {
+			sqsGroup := func(s string) bool {
+				return len(s) > 0 && len(s) <= 128 && strings.IndexFunc(s, func(r rune) bool { return r < '!' || r > '~' }) < 0
+			}
+			switch {
+			case group != "" && g != group:
 				t.Fatalf("MessageGroupId %q, original group %q", g, group)
+			case group == "" && !sqsGroup(g):
+				t.Fatalf("MessageGroupId %q is not one SQS accepts", g)
+			case group == "" && lane == "" && g != id:
+				t.Fatalf("MessageGroupId %q for a message without a group or lane; want a group of its own, its deduplication id %q", g, id)
+			case lane != "" && sqsGroup(lane) && g != lane:
+				t.Fatalf("MessageGroupId %q for lane %q; want the lane", g, lane)
+			case lane != "" && !sqsGroup(lane) && !strings.HasPrefix(g, "custody-lane-"):
+				t.Fatalf("MessageGroupId %q for lane %q, which SQS would refuse; want a digest of it", g, lane)
 			}
 			if len(id) != 64 || strings.Trim(id, "0123456789abcdef") != "" {
 				t.Fatalf("MessageDeduplicationId %q is not 64 hex digits", id)
