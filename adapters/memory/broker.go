@@ -42,14 +42,18 @@ type QueueOptions struct {
 	// FIFO delivers messages with the same Message.Key (the group) in
 	// publish order, one at a time: a group is blocked while one of its
 	// messages is received and not yet acked, or waiting for a delayed
-	// redelivery.
+	// redelivery. Publish refuses a message without a Key, as SQS refuses
+	// one without a MessageGroupId.
 	FIFO bool
 	// MaxReceiveCount, when positive, moves a message to DeadLetterQueue
 	// instead of delivering it for the (MaxReceiveCount+1)th time, as an SQS
-	// redrive policy does.
+	// redrive policy does. The moved message keeps its ID, body, key and
+	// headers, and gains the headers adapters.HeaderOriginalQueue and
+	// adapters.HeaderAttempts; diagnostic headers from an earlier trip to a
+	// dead-letter queue are dropped.
 	MaxReceiveCount int
 	// DeadLetterQueue names the queue redriven messages go to. It must exist
-	// when MaxReceiveCount is set.
+	// when MaxReceiveCount is set, and must be empty when it is not.
 	DeadLetterQueue string
 }
 
@@ -90,6 +94,11 @@ func (b *Broker) CreateQueue(name string, opts QueueOptions) error {
 	if opts.MaxReceiveCount < 0 {
 		return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.MaxReceiveCount %d must not be negative", name, opts.MaxReceiveCount)
 	}
+	if opts.DeadLetterQueue != "" && opts.MaxReceiveCount == 0 {
+		// Without a count nothing is ever redriven: a poison message the
+		// caller meant to move aside would come back for ever.
+		return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.DeadLetterQueue %q needs a positive MaxReceiveCount", name, opts.DeadLetterQueue)
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if opts.MaxReceiveCount > 0 {
@@ -106,7 +115,8 @@ func (b *Broker) CreateQueue(name string, opts QueueOptions) error {
 
 // Publish appends messages to a queue, in order. It keeps copies of their
 // bodies and headers, so the caller may reuse its buffers, as with a network
-// broker.
+// broker. On a FIFO queue every message needs a Key; if one has none,
+// Publish publishes none of them.
 func (b *Broker) Publish(ctx context.Context, queueName string, msgs ...Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -117,6 +127,16 @@ func (b *Broker) Publish(ctx context.Context, queueName string, msgs ...Message)
 	q, ok := b.queues[queueName]
 	if !ok {
 		return fmt.Errorf("memory: Publish(%q): %w", queueName, ErrNoQueue)
+	}
+	if q.opts.FIFO {
+		// The runtime orders deliveries by a non-empty key only: keyless
+		// messages received together would be handled side by side, out of
+		// the order the queue promises.
+		for i, m := range msgs {
+			if m.Key == "" {
+				return fmt.Errorf("memory: Publish(%q): message %d has an empty Message.Key; a FIFO queue needs one, its group", queueName, i)
+			}
+		}
 	}
 	for _, m := range msgs {
 		m.Body, m.Headers = bytes.Clone(m.Body), maps.Clone(m.Headers)
@@ -213,9 +233,14 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 			m.deleted = true
 			q.stats.Redriven++
 			dlq := b.queues[q.opts.DeadLetterQueue]
-			h := maps.Clone(m.headers)
-			if h == nil {
-				h = map[string]string{}
+			h := make(map[string]string, len(m.headers)+2)
+			for k, v := range m.headers {
+				// An earlier trip's diagnostics (the message was
+				// dead-lettered and replayed) would mix with this one's,
+				// as DeadLetterQueue.Send also avoids.
+				if !adapters.IsDiagnosticHeader(k) {
+					h[k] = v
+				}
 			}
 			h[adapters.HeaderOriginalQueue] = q.name
 			h[adapters.HeaderAttempts] = strconv.Itoa(m.receives - 1)

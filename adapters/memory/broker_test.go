@@ -3,7 +3,9 @@ package memory
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -67,19 +69,8 @@ func receiveInBackground(t *testing.T, b *Broker, s *Source) <-chan []*adapters.
 		}
 		got <- ds
 	}()
-	deadline := time.Now().Add(patience)
-	for {
-		b.mu.Lock()
-		waiting := s.q.wake != nil
-		b.mu.Unlock()
-		if waiting {
-			return got
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the background Receive never waited")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitUntilReceiveWaits(t, b, s)
+	return got
 }
 
 // Messages must not disturb the queue: it once sorted the broker's own
@@ -297,5 +288,149 @@ func TestClosedSourceSaysSoBeforeItsFaults(t *testing.T) {
 	s.Crash()
 	if _, err := s.Receive(context.Background(), 1); !errors.Is(err, adapters.ErrClosed) {
 		t.Fatalf("Receive on a crashed source = %v, want ErrClosed", err)
+	}
+}
+
+// Close and Crash end a Receive that is waiting for a message: with a long
+// poll it would otherwise hold its goroutine, and whoever waits for it, until
+// the poll ran out, long after the source was gone.
+func TestCloseEndsWaitingReceive(t *testing.T) {
+	for name, stop := range map[string]func(*Source){
+		"Close": func(s *Source) { _ = s.Close() },
+		"Crash": (*Source).Crash,
+	} {
+		t.Run(name, func(t *testing.T) {
+			b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+			s := openSource(t, b, WithPollWait(time.Hour))
+			done := make(chan error, 1)
+			go func() {
+				_, err := s.Receive(context.Background(), 1)
+				done <- err
+			}()
+			waitUntilReceiveWaits(t, b, s)
+			stop(s)
+			select {
+			case err := <-done:
+				if !errors.Is(err, adapters.ErrClosed) {
+					t.Fatalf("waiting Receive returned %v, want ErrClosed", err)
+				}
+			case <-time.After(patience):
+				t.Fatalf("a Receive waiting when %s was called still waits", name)
+			}
+		})
+	}
+}
+
+// waitUntilReceiveWaits returns once a Receive on s blocks in the broker for
+// something to become visible.
+func waitUntilReceiveWaits(t *testing.T, b *Broker, s *Source) {
+	t.Helper()
+	deadline := time.Now().Add(patience)
+	for {
+		b.mu.Lock()
+		waiting := s.q.wake != nil
+		b.mu.Unlock()
+		if waiting {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the background Receive never waited")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// A FIFO queue refuses a message without a group: the runtime keeps order
+// only by a non-empty key, so keyless messages received together were
+// handled side by side, out of order. Nothing of the batch is published.
+func TestFIFOPublishNeedsKey(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour, FIFO: true})
+	err := b.Publish(context.Background(), "q", Message{ID: "a", Key: "g"}, Message{ID: "b"})
+	if err == nil || !strings.Contains(err.Error(), "Message.Key") {
+		t.Fatalf("Publish of a keyless message to a FIFO queue = %v, want an error naming Message.Key", err)
+	}
+	if st, _ := b.Stats("q"); st.Visible != 0 {
+		t.Fatalf("the refused batch left %d messages in the queue, want none", st.Visible)
+	}
+}
+
+// A dead-letter queue without a MaxReceiveCount would never receive
+// anything: CreateQueue says so instead of letting poison messages come back
+// for ever.
+func TestCreateQueueRefusesDeadLetterQueueWithoutCount(t *testing.T) {
+	b := NewBroker()
+	if err := b.CreateQueue("dlq", QueueOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := b.CreateQueue("q", QueueOptions{DeadLetterQueue: "dlq"})
+	if err == nil || !strings.Contains(err.Error(), "MaxReceiveCount") {
+		t.Fatalf("CreateQueue with a DeadLetterQueue and no MaxReceiveCount = %v, want an error naming MaxReceiveCount", err)
+	}
+}
+
+// A message dead-lettered before and replayed carries that trip's
+// diagnostics. When the queue redrives it, the dead-letter copy describes
+// this redrive alone: an old error, or the partition of the old copy beside
+// the new copy's queue, would send whoever reads it after the wrong failure.
+func TestRedriveReplacesEarlierDiagnostics(t *testing.T) {
+	b := NewBroker()
+	if err := b.CreateQueue("dlq", QueueOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CreateQueue("q", QueueOptions{Lease: time.Hour, MaxReceiveCount: 1, DeadLetterQueue: "dlq"}); err != nil {
+		t.Fatal(err)
+	}
+	replayed := map[string]string{
+		"h":                               "v",
+		adapters.HeaderError:              "an earlier trip's error",
+		adapters.HeaderPermanent:          "true",
+		adapters.HeaderAttempts:           "7",
+		adapters.HeaderOriginalQueue:      "orders-topic",
+		adapters.HeaderOriginalPart:       "3",
+		adapters.HeaderOriginalOffset:     "42",
+		adapters.HeaderConsumer:           "an earlier consumer",
+		adapters.HeaderFirstFailure:       "2020-01-01T00:00:00Z",
+		adapters.HeaderOriginalRoutingKey: "rk",
+	}
+	if err := b.Publish(context.Background(), "q", Message{ID: "a", Body: []byte("body"), Headers: replayed}); err != nil {
+		t.Fatal(err)
+	}
+	src := openSource(t, b, WithPollWait(10*time.Millisecond))
+	if err := src.Nack(context.Background(), receive(t, src, 1), 0); err != nil {
+		t.Fatal(err)
+	}
+	if ds := receive(t, src, 1); len(ds) != 0 {
+		t.Fatalf("second receive got %v, want nothing: the message is redriven", ids(ds))
+	}
+	dead, err := b.Messages("dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"h": "v", adapters.HeaderOriginalQueue: "q", adapters.HeaderAttempts: "1"}
+	if len(dead) != 1 || string(dead[0].Body) != "body" || !maps.Equal(dead[0].Headers, want) {
+		t.Fatalf("dead-letter queue holds %+v, want body %q with headers %v", dead, "body", want)
+	}
+}
+
+// Send stores its own copy of the body, as Publish does: a caller reusing
+// its buffer once the write is confirmed must not rewrite the dead letter.
+func TestDeadLetterKeepsItsOwnCopy(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{})
+	dlq, err := b.DeadLetterQueue("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := []byte("original")
+	d := &adapters.Delivery{ID: "a", Body: body, Partition: -1, Offset: -1}
+	if err := dlq.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom"), Attempts: 1}); err != nil {
+		t.Fatal(err)
+	}
+	copy(body, "reused!!")
+	dead, err := b.Messages("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dead) != 1 || string(dead[0].Body) != "original" {
+		t.Fatalf("dead-letter queue holds %+v, want the body as sent", dead)
 	}
 }

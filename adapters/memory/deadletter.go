@@ -1,6 +1,7 @@
 package memory
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"maps"
@@ -44,7 +45,8 @@ func (q *DeadLetterQueue) SetFault(fail func(d *adapters.Delivery) error) {
 }
 
 // Send implements adapters.DeadLetter. The write is durable (in this
-// process's terms) when Send returns nil.
+// process's terms) when Send returns nil: the queue holds its own copy of the
+// body.
 func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	q.mu.Lock()
 	fail := q.fail
@@ -61,12 +63,15 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 		}
 	}
 	maps.Copy(h, adapters.Diagnostics(d, f))
+	// Durable means the caller may reuse its buffer once Send returns, as
+	// after Publish.
+	body := bytes.Clone(d.Body)
 	q.b.mu.Lock()
 	defer q.b.mu.Unlock()
 	dst, ok := q.b.queues[q.queue]
 	if !ok {
 		return fmt.Errorf("memory: dead-letter queue %q: %w", q.queue, ErrNoQueue)
 	}
-	q.b.publishLocked(dst, Message{ID: d.ID, Body: d.Body, Headers: h, Key: d.Key}, time.Now())
+	q.b.publishLocked(dst, Message{ID: d.ID, Body: body, Headers: h, Key: d.Key}, time.Now())
 	return nil
 }

@@ -14,9 +14,10 @@
 // receives, so the runtime knows the attempt number across consumers.
 //
 // FIFO queues deliver each group (Message.Key) in publish order and hold the
-// group back while one of its messages is in flight. A queue with
-// MaxReceiveCount moves a message to its DeadLetterQueue instead of
-// delivering it again, as an SQS redrive policy does.
+// group back while one of its messages is in flight; every message published
+// to one needs a Key. A queue with MaxReceiveCount moves a message to its
+// DeadLetterQueue instead of delivering it again, as an SQS redrive policy
+// does.
 //
 // # Testing with it
 //

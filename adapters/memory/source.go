@@ -18,6 +18,8 @@ type Source struct {
 	pollWait time.Duration
 	closed   atomic.Bool
 	crashed  atomic.Bool
+	stopOnce sync.Once
+	stopped  chan struct{} // closed by Close or Crash, to end a waiting Receive
 
 	faultsMu sync.Mutex
 	faults   Faults
@@ -67,7 +69,7 @@ func (b *Broker) Source(queueName string, opts ...SourceOption) (*Source, error)
 	if !ok {
 		return nil, fmt.Errorf("memory: Source(%q): %w", queueName, ErrNoQueue)
 	}
-	s := &Source{b: b, q: q, pollWait: time.Second}
+	s := &Source{b: b, q: q, pollWait: time.Second, stopped: make(chan struct{})}
 	for _, o := range opts {
 		if err := o(s); err != nil {
 			return nil, err
@@ -90,11 +92,19 @@ func (s *Source) getFaults() Faults {
 }
 
 // Crash makes the source behave like a consumer process that died: every
-// later call fails with adapters.ErrClosed, nothing it holds is acked, and
-// the broker redelivers its messages when their leases run out.
-func (s *Source) Crash() { s.crashed.Store(true) }
+// later call, and a Receive waiting at the time, fails with
+// adapters.ErrClosed, nothing it holds is acked, and the broker redelivers
+// its messages when their leases run out.
+func (s *Source) Crash() {
+	s.crashed.Store(true)
+	s.stop()
+}
 
 func (s *Source) dead() bool { return s.closed.Load() || s.crashed.Load() }
+
+// stop ends a Receive waiting on the source: a poll may wait far longer than
+// whoever closes the source should have to wait for it.
+func (s *Source) stop() { s.stopOnce.Do(func() { close(s.stopped) }) }
 
 // Capabilities implements adapters.Source.
 func (s *Source) Capabilities() adapters.Capabilities {
@@ -163,6 +173,8 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
+		case <-s.stopped:
+			return nil, adapters.ErrClosed
 		case <-wake:
 			if !timer.Stop() {
 				<-timer.C
@@ -253,8 +265,10 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 }
 
 // Close implements adapters.Source. Messages received and not acked stay
-// leased until their visibility timeout, then are delivered again.
+// leased until their visibility timeout, then are delivered again. A Receive
+// waiting on the source returns adapters.ErrClosed.
 func (s *Source) Close() error {
 	s.closed.Store(true)
+	s.stop()
 	return nil
 }
