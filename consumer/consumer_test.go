@@ -588,6 +588,26 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 	}
 }
 
+// TestRetryAfterIsHonouredOnceAttemptsRunOut: without a dead-letter
+// destination, a message that used up its attempts is given back to the
+// broker, and the delay its handler asked for with RetryAfter still holds.
+// It was given back after the policy's backoff instead (5 ms here, for an
+// hour asked), so a rate-limited dependency was called again at once, and
+// on every later delivery too.
+func TestRetryAfterIsHonouredOnceAttemptsRunOut(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("limited")
+	src := &nackRecorder{Source: e.source()}
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		return consumer.RetryAfter(errors.New("rate limited"), time.Hour)
+	}, fastRetry(1))
+	waitFor(t, "the message given back", func() bool { b, _ := src.nacked(); return len(b) > 0 })
+	r.stop()
+	if _, delays := src.nacked(); delays[0] < time.Hour {
+		t.Fatalf("given back with a redelivery delay of %v; the handler asked for an hour", delays[0])
+	}
+}
+
 func TestHandlerTimeout(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("t")

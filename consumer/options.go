@@ -131,11 +131,12 @@ func WithRetry(r Retry) Option {
 // fail with a Permanent error. The original is acked only after the
 // destination confirmed the write. Without one, such messages are given back
 // to the broker after the retry policy's backoff for their attempt, which
-// grows with every redelivery (the broker's own redrive policy may then move
-// them); where the broker cannot delay a redelivery, or the message is in an
-// ordered lane (a Kafka partition, a FIFO group) that a redelivery would let
-// later messages overtake, the handler is retried in place at that pace,
-// holding up the lane. New logs a warning.
+// grows with every redelivery, or after the delay the handler asked for with
+// RetryAfter (the broker's own redrive policy may then move them); where the
+// broker cannot delay a redelivery, or the message is in an ordered lane (a
+// Kafka partition, a FIFO group) that a redelivery would let later messages
+// overtake, the handler is retried in place at that pace, holding up the
+// lane. New logs a warning.
 func WithDeadLetter(dl adapters.DeadLetter) Option {
 	return optionFunc(func(c *config) error {
 		if dl == nil {

@@ -74,7 +74,7 @@ func (r *run) process(j *job) {
 		// for ever.
 		delay = max(delay, minBackoff)
 		if IsPermanent(err) || (attempt >= maxAttempts && !deferred) {
-			if r.exhausted(j, err, attempt, now) {
+			if r.exhausted(j, err, attempt, now, delay) {
 				return
 			}
 			// No dead-letter destination and no way to give the message
@@ -104,19 +104,24 @@ func (r *run) process(j *job) {
 // whether j was settled; false means there is no dead-letter destination and
 // the broker cannot take the message back with a delay, so the caller goes on
 // retrying the handler.
-func (r *run) exhausted(j *job, err error, attempt int, now time.Time) bool {
+//
+// Without a dead-letter destination the message is given back after retry,
+// the delay the caller computed for the handler's next attempt: it is one
+// more retry, so a delay the handler asked for (RetryAfter) holds as for any
+// other.
+func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry time.Duration) bool {
 	dl := r.cfg.deadLetter
+	if dl == nil {
+		r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination (WithDeadLetter)",
+			"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
+		if r.c.caps.NackDelay && j.lane == "" {
+			r.nack(j, retry, outcomeExhausted)
+			return true
+		}
+		return false
+	}
 	for try := 1; ; try++ {
 		delay := backoffDelay(r.cfg.retry.Backoff, attempt+try-1)
-		if dl == nil {
-			r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination (WithDeadLetter)",
-				"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
-			if r.c.caps.NackDelay && j.lane == "" {
-				r.nack(j, delay, outcomeExhausted)
-				return true
-			}
-			return false
-		}
 		f := adapters.Failure{
 			Err:          err,
 			Permanent:    IsPermanent(err),
