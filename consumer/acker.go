@@ -126,6 +126,10 @@ func (r *run) ackLoop() {
 		}
 		batch = append(batch[:0], j)
 		open := true
+		// The linger is counted from the batch's first ack, once: restarted
+		// for every ack that joins, it let a steady trickle of acks hold the
+		// first one until the batch was full.
+		armed := false
 	fill:
 		for len(batch) < max {
 			select {
@@ -141,24 +145,31 @@ func (r *run) ackLoop() {
 			if linger <= 0 {
 				break
 			}
-			if timer == nil {
-				timer = time.NewTimer(linger)
-			} else {
-				timer.Reset(linger)
+			if !armed {
+				if timer == nil {
+					timer = time.NewTimer(linger)
+				} else {
+					timer.Reset(linger)
+				}
+				armed = true
 			}
 			select {
 			case j, ok := <-r.acks:
-				if !timer.Stop() {
-					<-timer.C
-				}
 				if !ok {
 					open = false
 					break fill
 				}
 				batch = append(batch, j)
 			case <-timer.C:
+				armed = false
 				break fill
 			}
+		}
+		if armed {
+			// Full or closed before the linger ran out. Since Go 1.23 a
+			// stopped timer delivers no stale tick, so the next Reset
+			// starts clean without draining timer.C.
+			timer.Stop()
 		}
 		ds = ds[:0]
 		for _, j := range batch {
