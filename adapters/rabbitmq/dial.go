@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"time"
 
@@ -34,6 +35,14 @@ func (s *settings) dial(ctx context.Context) (*amqp.Connection, error) {
 		return conn, nil
 	}
 	cfg := s.config
+	// amqp091 writes into the configuration it dials with: it adds its
+	// capabilities to the client properties and fills in the TLS server
+	// name. The adapter dials for every reconnect and for its publisher, at
+	// times at once (after a broker restart), and the caller may hand the
+	// same configuration to a dead-letter sink: each dial gets its own
+	// copies, or those writes race (a fatal concurrent map write).
+	cfg.Properties = maps.Clone(cfg.Properties)
+	cfg.TLSClientConfig = cfg.TLSClientConfig.Clone()
 	if cfg.Dial == nil {
 		deadline := time.Now().Add(handshakeTimeout)
 		if d, ok := ctx.Deadline(); ok && d.Before(deadline) {

@@ -85,12 +85,14 @@
 // confirm. So do short delays once half the prefetch window already waits
 // in place (with a prefetch of 1, every delay), so that waiting retries
 // never starve the channel. A delay-queue publish the broker does not
-// confirm within 30 s (a resource alarm blocks publishers) is abandoned, so
-// that Nack returns, and the retry waits in place instead; when the copy
-// cannot be published after an in-place wait, the original is requeued
-// (basic.nack, requeue=true). A delivery waiting in place also holds back
-// the coalesced run behind it, so deliveries finished after it are acked one
-// by one after the straggler wait. Nack with no delay requeues (basic.nack,
+// confirm within 30 s (a resource alarm blocks publishers; the broker then
+// stops reading, so even the write of a large copy can block) is abandoned,
+// closing the publishing connection, so that Nack returns, and the retry
+// waits in place instead; when the copy cannot be published after an
+// in-place wait, the original is requeued (basic.nack, requeue=true). A
+// delivery waiting in place also holds back the coalesced run behind it, so
+// deliveries finished after it are acked one by one after the straggler
+// wait. Nack with no delay requeues (basic.nack,
 // requeue=true). The adapter never holds a delivery past three quarters of
 // the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would

@@ -205,14 +205,17 @@ func WithPrefetch(n int) Option {
 	}
 }
 
-// WithConsumerTag sets the consumer tag (default: "custody-" followed by the
-// queue name and a random suffix). Each connection uses it anew after a
-// reconnect.
+// WithConsumerTag sets the consumer tag, at most 255 bytes (default:
+// "custody-" followed by the queue name, cut to fit, and a random suffix).
+// Each connection uses it anew after a reconnect.
 func WithConsumerTag(tag string) Option {
 	return func(s *settings) error {
 		sourceOnly("WithConsumerTag", s)
 		if tag == "" {
 			return errors.New("rabbitmq: WithConsumerTag: the tag is empty")
+		}
+		if len(tag) > maxShortstr {
+			return fmt.Errorf("rabbitmq: WithConsumerTag: tag of %d bytes; AMQP allows at most %d", len(tag), maxShortstr)
 		}
 		s.consumerTag = tag
 		return nil

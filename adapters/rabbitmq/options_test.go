@@ -2,10 +2,13 @@ package rabbitmq
 
 import (
 	"context"
+	"crypto/tls"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -24,6 +27,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithURL(""), "WithURL"},
 		{WithURL("http://x"), "WithURL"},
 		{WithConsumerTag(""), "WithConsumerTag"},
+		{WithConsumerTag(strings.Repeat("t", 256)), "WithConsumerTag"},
 		{WithDeclare(QueueType(9), nil), "WithDeclare"},
 		{WithDeclare(CheckQueue, amqp.Table{"x-max-length": 1}), "WithDeclare"},
 		{WithDeclare(ClassicQueue, amqp.Table{"x-queue-type": "quorum"}), "WithDeclare"},
@@ -63,6 +67,28 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 			t.Errorf("256-byte %s: %v", c.what, err)
 		}
 	}
+}
+
+// The consumer tag is an AMQP short string like the queue name: the default
+// one, which embeds the queue name, must fit for every valid name.
+func TestLongQueueNameGetsAConsumerTagThatFits(t *testing.T) {
+	a := newAdmin(t)
+	q := "custody-test-long-" + randomSuffix() + "-"
+	q += strings.Repeat("é", (maxShortstr-len(q))/2) // 255 bytes, two-byte characters at the end
+	if len(q) != maxShortstr {
+		t.Fatalf("queue name of %d bytes", len(q))
+	}
+	a.declare(q, ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10))
+	if len(s.tag) > maxShortstr || !utf8.ValidString(s.tag) {
+		t.Fatalf("consumer tag of %d bytes, valid UTF-8 %v", len(s.tag), utf8.ValidString(s.tag))
+	}
+	d := receiveN(t, s, 1)[0]
+	if err := s.Ack(context.Background(), []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
 }
 
 func TestNewFailsOnMissingQueue(t *testing.T) {
@@ -127,5 +153,59 @@ func TestDeclareQuorumQueue(t *testing.T) {
 	var native amqp.Delivery
 	if !d.As(&native) || native.RoutingKey != q || native.Acknowledger != nil {
 		t.Fatalf("As(amqp.Delivery): %v, routing key %q, acknowledger %v", d.As(&native), native.RoutingKey, native.Acknowledger)
+	}
+}
+
+// amqp091 writes into the configuration it dials with (its capabilities
+// into the client properties, the host into an empty TLS server name). The
+// adapter dials for every reconnect and for its publisher, at times at once,
+// and a service hands the same configuration to its Source and its
+// dead-letter sink: each dial must work on copies, or the dials race on the
+// caller's map (under -race: a reported race; in production: at worst a
+// fatal concurrent map write).
+func TestDialsLeaveTheCallersConfigAlone(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	props := amqp.NewConnectionProperties()
+	props.SetClientConnectionName("custody-test")
+	want := len(props)
+	cfg := amqp.Config{Properties: props}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for i := 0; i < 4; i++ {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			s, err := New(ctx, q, WithURL(brokerURL), WithConfig(cfg))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			s.Close()
+		}()
+		go func() {
+			defer wg.Done()
+			x, err := NewDeadLetterExchange(ctx, "", q, WithURL(brokerURL), WithConfig(cfg))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			x.Close()
+		}()
+	}
+	wg.Wait()
+	if len(props) != want {
+		t.Errorf("the caller's client properties were written to: %v", props)
+	}
+
+	// Dialing amqps:// at the plain port fails the TLS handshake, after
+	// amqp091 filled in the server name.
+	tlsCfg := &tls.Config{}
+	if _, err := New(ctx, q, WithURL("amqps://guest:guest@"+brokerAddr+"/"), WithTLS(tlsCfg)); err == nil {
+		t.Fatal("TLS to the plain AMQP port succeeded")
+	}
+	if tlsCfg.ServerName != "" {
+		t.Errorf("the caller's TLS configuration was written to: ServerName %q", tlsCfg.ServerName)
 	}
 }

@@ -83,6 +83,14 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	if budget > 0 && size > budget {
 		return fmt.Errorf("%w: its content header takes %d bytes; the connection's frame_max of %d leaves %d once room is kept for the %d bytes of headers the broker may add", errHeaderTooLarge, size, frameMax, budget, reserve)
 	}
+	// A broker that blocks publishers (a resource alarm) stops reading from
+	// the connection, and a message larger than the socket buffers then
+	// blocks the write itself, where ctx does not reach, until the alarm
+	// clears. Ending the connection when ctx ends bounds the publish all the
+	// same; its outcome is unknown either way, as after a confirm timeout.
+	conn := p.conn
+	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
+	defer stop()
 	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
 	if err != nil {
 		p.resetLocked()

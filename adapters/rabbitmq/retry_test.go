@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"bytes"
 	"context"
+	"io"
 	"log/slog"
 	"net"
 	"strings"
@@ -364,6 +365,141 @@ func TestNackReturnsWhileThePublisherIsBlocked(t *testing.T) {
 	for _, d := range got {
 		if d.Attempt != 2 {
 			t.Fatalf("%s came back at attempt %d, want 2", d.Body, d.Attempt)
+		}
+	}
+	if err := s.Ack(ctx, got); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 1 || st.RetriedInPlace != 1 {
+		t.Fatalf("stats %+v: want one delay-queue retry, and one that gave up on the blocked publisher and waited in place", st)
+	}
+}
+
+// stallingRelay stands between amqp091 and the broker. Once stalled, it
+// stops reading what the client sends beyond a few socket buffers' worth, as
+// RabbitMQ stops reading from a connection it blocks under a resource alarm:
+// a client write that does not fit then blocks, as on a real socket, until
+// its deadline or until the connection closes.
+type stallingRelay struct {
+	client, relay, broker net.Conn // client is the end amqp091 writes to
+	stalled               atomic.Bool
+	done                  chan struct{}
+	once                  sync.Once
+}
+
+// stallBuffers is what a stalled relay still takes in: the socket buffers.
+const stallBuffers = 256 << 10
+
+func dialStallingRelay(network, addr string) (*stallingRelay, error) {
+	b, err := net.DialTimeout(network, addr, 10*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	c, r := net.Pipe()
+	sr := &stallingRelay{client: c, relay: r, broker: b, done: make(chan struct{})}
+	go func() {
+		_, _ = io.Copy(r, b)
+		sr.close()
+	}()
+	go func() {
+		defer sr.close()
+		buf := make([]byte, 32<<10)
+		taken := 0 // since the stall
+		for {
+			n := len(buf)
+			if sr.stalled.Load() {
+				if taken >= stallBuffers {
+					<-sr.done
+					return
+				}
+				n = min(n, stallBuffers-taken)
+			}
+			n, err := r.Read(buf[:n])
+			if sr.stalled.Load() {
+				taken += n
+			}
+			if _, werr := b.Write(buf[:n]); werr != nil || err != nil {
+				return
+			}
+		}
+	}()
+	return sr, nil
+}
+
+func (sr *stallingRelay) close() {
+	sr.once.Do(func() {
+		close(sr.done)
+		sr.relay.Close()
+		sr.broker.Close()
+	})
+}
+
+// A retry's copy too large for the socket buffers, published while the
+// broker blocks the publishing connection, blocks amqp091's write itself,
+// where no context reaches. Nack must return all the same (the adapter
+// contract), and the retry wait in place instead, rather than hold the
+// runtime's worker, the publisher and every later retry until the alarm
+// clears.
+func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	big := bytes.Repeat([]byte("x"), 4*stallBuffers)
+	a.publishMsg(q, amqp.Publishing{MessageId: "big", Body: big, DeliveryMode: amqp.Persistent})
+	var (
+		mu     sync.Mutex
+		relays []*stallingRelay
+	)
+	dial := func(network, addr string) (net.Conn, error) {
+		sr, err := dialStallingRelay(network, addr)
+		if err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		relays = append(relays, sr)
+		mu.Unlock()
+		return sr.client, nil
+	}
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: dial}))
+	// Runs before the Source's own cleanup: a write stuck on a stalled
+	// relay must not also hang Close when this test fails.
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, sr := range relays {
+			sr.close()
+		}
+	})
+	s.publishTimeout = 300 * time.Millisecond
+	ctx := context.Background()
+	ds := receiveN(t, s, 2)
+	// A first retry opens the publishing connection and declares the delay
+	// queue; then the broker blocks that connection.
+	if err := s.Nack(ctx, ds[:1], 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	if len(relays) != 2 {
+		mu.Unlock()
+		t.Fatalf("%d connections dialed, want the consumer's and the publisher's", len(relays))
+	}
+	relays[1].stalled.Store(true)
+	mu.Unlock()
+	done := make(chan error, 1)
+	go func() { done <- s.Nack(ctx, ds[1:], 100*time.Millisecond) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second): // the broker's own heartbeat timeout (60 s) would end the write
+		t.Fatal("Nack still blocked in the write of a copy the blocked broker does not read")
+	}
+	got := receiveN(t, s, 2)
+	for _, d := range got {
+		if d.Attempt != 2 {
+			t.Fatalf("%s came back at attempt %d, want 2", d.ID, d.Attempt)
 		}
 	}
 	if err := s.Ack(ctx, got); err != nil {

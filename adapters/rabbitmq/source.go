@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -70,7 +71,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	}
 	tag := st.consumerTag
 	if tag == "" {
-		tag = "custody-" + queue + "-" + randomSuffix()
+		tag = defaultConsumerTag(queue)
 	}
 	bg, cancel := context.WithCancel(context.Background())
 	s := &Source{
@@ -109,6 +110,18 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	s.wg.Add(1)
 	go s.supervise(g)
 	return s, nil
+}
+
+// defaultConsumerTag names the consumer after its queue. The tag is a short
+// string, like the queue name, so a long name is cut (at a character
+// boundary) to leave room for the prefix and the random suffix.
+func defaultConsumerTag(queue string) string {
+	suffix := randomSuffix()
+	for len("custody-")+len(queue)+len("-")+len(suffix) > maxShortstr {
+		_, size := utf8.DecodeLastRuneInString(queue)
+		queue = queue[:len(queue)-size]
+	}
+	return "custody-" + queue + "-" + suffix
 }
 
 func randomSuffix() string {
