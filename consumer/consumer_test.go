@@ -684,6 +684,7 @@ func TestInvalidOptionsFailAtNewNamingTheOption(t *testing.T) {
 		{consumer.WithRetry(consumer.Retry{MaxAttempts: -1}), "WithRetry"},
 		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ExponentialBackoff{Initial: time.Second, Multiplier: 0.5}}), "WithRetry"},
 		{consumer.WithDeadLetter(nil), "WithDeadLetter"},
+		{consumer.WithDeadLetter((*memory.DeadLetterQueue)(nil)), "WithDeadLetter"}, // an ignored constructor error
 		{consumer.WithOrdering(consumer.Ordering(9)), "WithOrdering"},
 		{consumer.WithHandlerTimeout(-time.Second), "WithHandlerTimeout"},
 		{consumer.WithShutdownTimeout(-time.Second), "WithShutdownTimeout"},

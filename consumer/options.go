@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
@@ -141,6 +142,11 @@ func WithDeadLetter(dl adapters.DeadLetter) Option {
 	return optionFunc(func(c *config) error {
 		if dl == nil {
 			return errors.New("consumer: WithDeadLetter(nil): pass a dead-letter destination or leave the option out")
+		}
+		if v := reflect.ValueOf(dl); v.Kind() == reflect.Pointer && v.IsNil() {
+			// A constructor's error ignored: accepted, the nil pointer
+			// would panic in a worker at the first poison message.
+			return fmt.Errorf("consumer: WithDeadLetter: a nil %T; check the error of the call that made it", dl)
 		}
 		c.deadLetter = dl
 		return nil
