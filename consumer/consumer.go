@@ -274,25 +274,7 @@ func (r *run) run(ctx context.Context) error {
 		go func() { defer ackersWG.Done(); r.ackLoop() }()
 	}
 	for i := 0; i < r.cfg.concurrency; i++ {
-		workersWG.Add(1)
-		go func() {
-			defer workersWG.Done()
-			for {
-				var j *job
-				select {
-				case j = <-r.work:
-				default:
-					// Nothing to do right now: send the acks that wait
-					// for company before waiting for work.
-					r.flushAcks()
-					j = <-r.work
-				}
-				if j == nil {
-					return // r.work closed
-				}
-				r.runLane(j)
-			}
-		}()
+		r.startWorker(&workersWG)
 	}
 
 	recvErr := r.receive(ctx)
@@ -478,6 +460,38 @@ func (r *run) dispatchLaned(jobs []job) {
 	}
 	clear(heads)
 	r.heads = heads
+}
+
+// startWorker starts a worker, which runs jobs until r.work is closed. A
+// handler that ends its worker with runtime.Goexit (see handlerExited) gets
+// it replaced, so that the run keeps its concurrency and drains.
+func (r *run) startWorker(wg *sync.WaitGroup) {
+	wg.Add(1)
+	go func() {
+		closed := false
+		defer func() {
+			if !closed {
+				r.startWorker(wg) // before Done: the count never touches zero
+			}
+			wg.Done()
+		}()
+		for {
+			var j *job
+			select {
+			case j = <-r.work:
+			default:
+				// Nothing to do right now: send the acks that wait for
+				// company before waiting for work.
+				r.flushAcks()
+				j = <-r.work
+			}
+			if j == nil {
+				closed = true // r.work closed
+				return
+			}
+			r.runLane(j)
+		}
+	}()
 }
 
 // laneRun bounds how many jobs of one lane a worker runs back to back before

@@ -17,7 +17,11 @@
 //     without counting the attempt (except as a broker that counts
 //     deliveries does: see Defer); a deferral never dead-letters.
 //
-// A panic in the handler is recovered and treated as an error.
+// A panic in the handler is recovered and treated as an error. A handler that
+// ends its goroutine with runtime.Goexit instead of returning (t.FailNow, or
+// testify's require, in a handler under test) fails its attempt with
+// [ErrHandlerExited]: the message is given back at once and the worker
+// replaced.
 //
 // # Retries
 //

@@ -108,6 +108,13 @@ type PanicError struct {
 
 func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
 
+// ErrHandlerExited is the error recorded for an attempt whose handler ended
+// its goroutine with runtime.Goexit instead of returning: t.FailNow, or
+// testify's require, called in a handler under test. The message is given
+// back at once (behind it, the rest of its lane), and the runtime replaces
+// the worker the handler ended.
+var ErrHandlerExited = errors.New("custody: the handler called runtime.Goexit instead of returning (t.FailNow or require in a handler?)")
+
 // Causes the runtime gives handler contexts when it cancels them; read them
 // with context.Cause.
 var (

@@ -214,11 +214,19 @@ func (r *run) call(j *job, attempt int) (err error) {
 		defer cancelTimeout()
 	}
 	start := time.Now()
+	returned := false
 	defer func() {
-		if p := recover(); p != nil {
+		p := recover()
+		if p != nil {
 			err = &PanicError{Value: p, Stack: debug.Stack()}
 			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", d.ID, "panic", p)
+		}
+		// Neither returned nor panicked: runtime.Goexit is ending this
+		// goroutine, and nothing after this function will run on it.
+		exited := p == nil && !returned
+		if exited {
+			err = ErrHandlerExited
 		}
 		d.OnLost(nil)
 		cancel(nil)
@@ -244,8 +252,36 @@ func (r *run) call(j *job, attempt int) (err error) {
 			}
 			span.End()
 		}
+		if exited {
+			r.handlerExited(j)
+		}
 	}()
-	return r.c.handler.Handle(hctx, m)
+	err = r.c.handler.Handle(hctx, m)
+	returned = true
+	return err
+}
+
+// handlerExited settles j, whose handler ended its worker with
+// runtime.Goexit, as a failed attempt: given back at once (it was acked on
+// receipt in at-most-once mode), with the jobs queued behind it in its lane
+// given back too, so that the lane keeps its order. The jobs of its lane this
+// worker had taken go to another worker; the run replaces the worker itself.
+func (r *run) handlerExited(j *job) {
+	r.cfg.logger.Error("custody: handler exited without returning; the message is given back",
+		"consumer", r.cfg.name, "id", j.d.ID, "error", ErrHandlerExited)
+	if j.ackedEarly {
+		r.settle(j, outcomeFailed)
+		r.next(j)
+	} else {
+		if j.lane != "" {
+			r.giveBackBehind(j, func(*job) bool { return true })
+		}
+		r.releaseNow(j)
+	}
+	if s := j.successor; s != nil {
+		j.successor = nil
+		r.work <- s // never blocks: see newRun
+	}
 }
 
 // wait holds j in place for delay, its lease kept alive. It reports false, and
@@ -416,17 +452,22 @@ func (r *run) lost(j *job, cause error) {
 	}
 	r.settle(j, outcomeLost)
 	if j.lane != "" {
-		behind := r.receivedBefore(j, j.d.LostAt())
-		for s := j.successor; s != nil; s = s.successor {
-			s.giveBack = s.giveBack || behind(s) // taken with j by this worker (see next)
-		}
-		r.lanesMu.Lock()
-		for _, q := range r.lanes[j.lane] {
-			q.giveBack = q.giveBack || behind(q)
-		}
-		r.lanesMu.Unlock()
+		r.giveBackBehind(j, r.receivedBefore(j, j.d.LostAt()))
 	}
 	r.next(j)
+}
+
+// giveBackBehind marks the jobs of j's lane queued behind it for which
+// behind holds to be given back instead of run.
+func (r *run) giveBackBehind(j *job, behind func(*job) bool) {
+	for s := j.successor; s != nil; s = s.successor {
+		s.giveBack = s.giveBack || behind(s) // taken with j by this worker (see next)
+	}
+	r.lanesMu.Lock()
+	for _, q := range r.lanes[j.lane] {
+		q.giveBack = q.giveBack || behind(q)
+	}
+	r.lanesMu.Unlock()
 }
 
 // receivedBefore reports, for j lost at lostAt, which jobs were received
