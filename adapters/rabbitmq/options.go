@@ -337,7 +337,9 @@ func WithConsumerTimeout(d time.Duration) Option {
 }
 
 // WithReconnectBackoff sets the delays between reconnection attempts: from
-// initial, doubling, up to max, with jitter (defaults 100 ms and 10 s).
+// initial, doubling, up to max, with jitter (defaults 100 ms and 10 s). The
+// first wait is initial again after a connection that lived at least max;
+// each connection in a row that died sooner doubles it once more.
 func WithReconnectBackoff(initial, max time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithReconnectBackoff", s)

@@ -3,10 +3,13 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -221,5 +224,69 @@ func TestAckAfterTheConnectionClosedReportsTheLoss(t *testing.T) {
 	}
 	if err := s.Ack(context.Background(), []*adapters.Delivery{again}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// waitLog records the "waited" value of each reconnection the adapter logs.
+type waitLog struct {
+	mu     sync.Mutex
+	waited []time.Duration
+}
+
+func (l *waitLog) Enabled(context.Context, slog.Level) bool { return true }
+func (l *waitLog) WithAttrs([]slog.Attr) slog.Handler       { return l }
+func (l *waitLog) WithGroup(string) slog.Handler            { return l }
+func (l *waitLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Message != "rabbitmq: reconnected" {
+		return nil
+	}
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key == "waited" {
+			l.mu.Lock()
+			l.waited = append(l.waited, a.Value.Duration())
+			l.mu.Unlock()
+		}
+		return true
+	})
+	return nil
+}
+
+func (l *waitLog) snapshot() []time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.waited)
+}
+
+// Connections that die soon after they start, one after another (the broker
+// closing each at once: a message it cannot deliver, an operator's policy),
+// are redialled after a growing wait. The backoff started over after every
+// connection that came up, so such a loop redialled about ten times a
+// second for ever, the prefetch window redelivered each time.
+func TestConnectionsDyingAtOnceBackOff(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	var flapping atomic.Bool
+	flapping.Store(true)
+	logs := &waitLog{}
+	s, err := New(context.Background(), q, WithLogger(slog.New(logs)), WithReconnectBackoff(20*time.Millisecond, 10*time.Second),
+		WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
+			conn, err := amqp.Dial(brokerURL)
+			if err == nil && flapping.Load() {
+				// Up long enough to start consuming, then gone.
+				time.AfterFunc(200*time.Millisecond, func() { conn.Close() })
+			}
+			return conn, err
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	waitUntil(t, "four reconnections", func() bool { return len(logs.snapshot()) >= 4 })
+	flapping.Store(false)
+	w := logs.snapshot()[:4]
+	for i := 1; i < len(w); i++ {
+		if w[i] <= w[i-1] {
+			t.Fatalf("waits before reconnecting %v: connections that died at once did not make the next wait longer", w)
+		}
 	}
 }

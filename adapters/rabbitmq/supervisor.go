@@ -96,7 +96,14 @@ func (s *Source) supervise(g *generation) {
 	defer s.wg.Done()
 	health := time.NewTicker(max(time.Second, s.s.consumerTimeout/8))
 	defer health.Stop()
+	// flaps counts the generations in a row that died within the longest
+	// reconnect backoff of their start: each starts the next reconnect's
+	// backoff one step further, so a connection the broker closes at once
+	// every time (a message it cannot deliver, say) is not redialled, and
+	// its prefetch window redelivered, ten times a second for ever.
+	flaps := 0
 	for {
+		born := time.Now()
 		var cause error
 	watch:
 		for {
@@ -126,7 +133,12 @@ func (s *Source) supervise(g *generation) {
 			hook()
 		}
 		s.kill(g, cause)
-		if g = s.reconnect(); g == nil {
+		if time.Since(born) < s.s.reconnectMax {
+			flaps++
+		} else {
+			flaps = 0
+		}
+		if g = s.reconnect(flaps); g == nil {
 			return
 		}
 	}
@@ -161,11 +173,13 @@ func (s *Source) kill(g *generation, cause error) {
 }
 
 // reconnect dials until a new generation is consuming, backing off between
-// attempts. It returns nil when the Source closes first.
-func (s *Source) reconnect() *generation {
+// attempts, from a first wait that grows with flaps (see supervise). It
+// returns nil when the Source closes first.
+func (s *Source) reconnect(flaps int) *generation {
 	bo := backoff.Exponential{Initial: s.s.reconnectMin, Max: s.s.reconnectMax, Multiplier: 2, Jitter: 0.2}
 	for attempt := 1; ; attempt++ {
-		t := time.NewTimer(bo.Delay(attempt))
+		wait := bo.Delay(flaps - 1 + attempt)
+		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
 		case <-s.closing:
@@ -185,7 +199,7 @@ func (s *Source) reconnect() *generation {
 		if !s.install(g) {
 			return nil
 		}
-		s.s.logger.Info("rabbitmq: reconnected", "queue", s.queue, "generation", g.id, "attempts", attempt)
+		s.s.logger.Info("rabbitmq: reconnected", "queue", s.queue, "generation", g.id, "attempts", attempt, "waited", wait)
 		return g
 	}
 }
