@@ -304,6 +304,13 @@ type handle struct {
 	// invisibility end no later than asked + 12 h; Delivery.ReceivedAt,
 	// taken when the answer arrived, can be later than SQS's receive.
 	asked time.Time
+
+	// Under Source.mu: renewals of the message on the wire; whether
+	// Redrive.Send gave it back, after which it is not renewed; and, while
+	// Send waits for those renewals, a channel closed when the last returns.
+	renewing   int
+	handedBack bool
+	renewed    chan struct{}
 }
 
 func receipt(d *adapters.Delivery) string {

@@ -45,7 +45,8 @@ func parseRedrivePolicy(s string) (*redrivePolicy, error) {
 //
 // Send makes the message visible again at once and marks the delivery
 // settled, so the runtime does not delete it: the next receive (by any
-// consumer) moves it. The dead-letter queue then holds the original message
+// consumer) moves it. The release waits for a renewal of the message on the
+// wire, and later renewals are not sent, so that none hides it again. The dead-letter queue then holds the original message
 // untouched, with SQS's own DeadLetterQueueSourceArn and receive count; the
 // runtime's diagnostics (error text, failure times) are not attached, only
 // logged and counted by the runtime. Use [DeadLetterQueue] to keep them.
@@ -134,6 +135,28 @@ func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fai
 	}
 	if d.Attempt < r.maxReceive {
 		r.s.rememberPoison(d.ID)
+	}
+	// The runtime renews the message until Send returns: renewals from now
+	// on are not sent, and those on the wire must land before the release,
+	// or one would hide the message for a whole timeout again.
+	if h, ok := d.Handle.(*handle); ok {
+		r.s.mu.Lock()
+		h.handedBack = true
+		var renewed chan struct{}
+		if h.renewing > 0 {
+			if h.renewed == nil {
+				h.renewed = make(chan struct{})
+			}
+			renewed = h.renewed
+		}
+		r.s.mu.Unlock()
+		if renewed != nil {
+			select {
+			case <-renewed:
+			case <-ctx.Done():
+				return fmt.Errorf("awssqs: handing message %s back to the redrive policy: waiting for its renewal: %w", d.ID, ctx.Err())
+			}
+		}
 	}
 	err := adapters.EntryError(r.s.nacks.submit(ctx, []*adapters.Delivery{d}, 0), 0)
 	if err != nil && !errors.Is(err, adapters.ErrLeaseLost) {

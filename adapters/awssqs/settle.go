@@ -2,6 +2,7 @@ package awssqs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -52,7 +53,53 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 	for i, dl := range ds {
 		secs[i], skip[i] = capTimeout(dl, d, now)
 	}
-	return s.changeVisibility(ctx, ds, secs, skip)
+	// A message given back to the redrive policy is not renewed: landing
+	// after the release, a renewal would hide it for a whole timeout again
+	// (see Redrive.Send, which waits for those already on the wire).
+	var renewing []*handle
+	s.mu.Lock()
+	for i, dl := range ds {
+		if h, ok := dl.Handle.(*handle); ok && skip[i] == nil {
+			if h.handedBack {
+				skip[i] = errHandedBack
+				continue
+			}
+			h.renewing++
+			renewing = append(renewing, h)
+		}
+	}
+	s.mu.Unlock()
+	err := s.changeVisibility(ctx, ds, secs, skip)
+	s.mu.Lock()
+	for _, h := range renewing {
+		if h.renewing--; h.renewing == 0 && h.renewed != nil {
+			close(h.renewed)
+			h.renewed = nil
+		}
+	}
+	s.mu.Unlock()
+	return withoutHandedBack(err)
+}
+
+// errHandedBack marks the renewals Extend leaves out because the message was
+// given back to the redrive policy; they are reported as done.
+var errHandedBack = errors.New("awssqs: the message was given back to the redrive policy")
+
+// withoutHandedBack drops the entries failed with errHandedBack from err.
+func withoutHandedBack(err error) error {
+	var be *adapters.BatchError
+	if !errors.As(err, &be) {
+		return err
+	}
+	for i, e := range be.Failed {
+		if errors.Is(e, errHandedBack) {
+			delete(be.Failed, i)
+		}
+	}
+	if len(be.Failed) == 0 {
+		return nil
+	}
+	return err
 }
 
 // Nack makes the messages visible again after redeliverAfter (rounded up to
