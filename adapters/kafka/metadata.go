@@ -3,6 +3,7 @@ package kafka
 import (
 	"encoding/base64"
 	"encoding/binary"
+	"math"
 	"strings"
 )
 
@@ -129,7 +130,9 @@ func decodeDone(meta string, committed int64) []span {
 		}
 		raw = raw[n:]
 		length, n := binary.Uvarint(raw)
-		if n <= 0 || length == 0 {
+		// A length beyond an int64 is corrupt: converted, it wraps, and
+		// from offset 0 the run would end at the largest offset.
+		if n <= 0 || length == 0 || length > math.MaxInt64 {
 			return nil
 		}
 		raw = raw[n:]

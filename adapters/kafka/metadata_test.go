@@ -1,6 +1,8 @@
 package kafka
 
 import (
+	"encoding/base64"
+	"encoding/binary"
 	"slices"
 	"testing"
 
@@ -26,6 +28,19 @@ func TestMetadataRoundTrip(t *testing.T) {
 		if decodeDone(bad, 0) != nil {
 			t.Fatalf("decoded spans from %q", bad)
 		}
+	}
+}
+
+// A run length past what an int64 holds is corrupt, not a run to the end of
+// the partition: from offset 0 it wrapped around to the largest offset, and
+// the next owner skipped every record.
+func TestMetadataWithAnOverlongRunSkipsNothing(t *testing.T) {
+	raw := binary.AppendUvarint(nil, 0) // base: committed offset 0
+	raw = binary.AppendUvarint(raw, 0)  // the run starts at the base
+	raw = binary.AppendUvarint(raw, 1<<63)
+	m := metadataPrefix + base64.RawURLEncoding.EncodeToString(raw)
+	if got := decodeDone(m, 0); got != nil {
+		t.Fatalf("decoded %v from corrupt metadata %q, want nothing skipped", got, m)
 	}
 }
 
