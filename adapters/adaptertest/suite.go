@@ -37,6 +37,7 @@ func Run(t *testing.T, h Harness) {
 		{"RedeliveryAfterFailure", testRedeliveryAfterFailure},
 		{"RedeliveryAfterCrash", testRedeliveryAfterCrash},
 		{"NoConcurrentDuplicateUnderLongHandler", testNoConcurrentDuplicate},
+		{"WaitingDeliveriesKeepTheirLease", testWaitingDeliveriesKeepTheirLease},
 		{"DeadLetterAfterMaxAttempts", testDeadLetterAfterMaxAttempts},
 		{"PermanentErrorDeadLettersAtOnce", testPermanentError},
 		{"DeadLetterFailureKeepsOriginal", testDeadLetterFailure},
@@ -47,6 +48,7 @@ func Run(t *testing.T, h Harness) {
 		{"OrderPerKey", testOrderPerKey},
 		{"ShutdownDrains", testShutdownDrains},
 		{"ShutdownGivesBackUnfinished", testShutdownGivesBack},
+		{"ShutdownKeepsLeasesWhileDraining", testShutdownKeepsLeasesWhileDraining},
 		{"LeaseLostCancelsHandler", testLeaseLost},
 		{"StaleDeliveryReportsLeaseLost", testStaleDelivery},
 	}
