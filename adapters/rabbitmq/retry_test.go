@@ -311,29 +311,54 @@ func TestNackReturnsWhileThePublisherIsBlocked(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1", "m2")
+	nackWhilePublisherBlocked(t, q, func(network, addr string) (net.Conn, blocker, error) {
+		c, err := net.DialTimeout(network, addr, 10*time.Second)
+		if err != nil {
+			return nil, nil, err
+		}
+		bc := &blockableConn{Conn: c}
+		return bc, bc, nil
+	}, 60*time.Second, "Nack still waits for a confirm the blocked broker never sends")
+}
+
+// blocker is a test connection the broker can be made to stop acting on.
+type blocker interface {
+	block()
+	close()
+}
+
+func (c *blockableConn) block() { c.blocked.Store(true) }
+func (c *blockableConn) close() { c.Close() }
+
+// nackWhilePublisherBlocked retries the first two deliveries of q through a
+// delay queue, blocking the publishing connection (the second one dial
+// makes) after the first retry opened it. The second Nack must return within
+// within, its retry given up and waiting in place instead; both come back at
+// attempt 2.
+func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr string) (net.Conn, blocker, error), within time.Duration, stuck string) {
+	t.Helper()
 	var (
 		mu    sync.Mutex
-		conns []*blockableConn
+		conns []blocker
 	)
-	dial := func(network, addr string) (net.Conn, error) {
-		c, err := net.DialTimeout(network, addr, 10*time.Second)
+	counted := func(network, addr string) (net.Conn, error) {
+		c, b, err := dial(network, addr)
 		if err != nil {
 			return nil, err
 		}
-		bc := &blockableConn{Conn: c}
 		mu.Lock()
-		conns = append(conns, bc)
+		conns = append(conns, b)
 		mu.Unlock()
-		return bc, nil
+		return c, nil
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: dial}))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: counted}))
 	// Runs before the Source's own cleanup: a publish stuck on a blocked
 	// connection must not also hang Close when this test fails.
 	t.Cleanup(func() {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, c := range conns {
-			c.Close()
+			c.close()
 		}
 	})
 	s.publishTimeout = 300 * time.Millisecond
@@ -349,7 +374,7 @@ func TestNackReturnsWhileThePublisherIsBlocked(t *testing.T) {
 		mu.Unlock()
 		t.Fatalf("%d connections dialed, want the consumer's and the publisher's", len(conns))
 	}
-	conns[1].blocked.Store(true)
+	conns[1].block()
 	mu.Unlock()
 	done := make(chan error, 1)
 	go func() { done <- s.Nack(ctx, ds[1:], 100*time.Millisecond) }()
@@ -358,13 +383,13 @@ func TestNackReturnsWhileThePublisherIsBlocked(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(60 * time.Second):
-		t.Fatal("Nack still waits for a confirm the blocked broker never sends")
+	case <-time.After(within):
+		t.Fatal(stuck)
 	}
 	got := receiveN(t, s, 2)
 	for _, d := range got {
 		if d.Attempt != 2 {
-			t.Fatalf("%s came back at attempt %d, want 2", d.Body, d.Attempt)
+			t.Fatalf("%s came back at attempt %d, want 2", d.ID, d.Attempt)
 		}
 	}
 	if err := s.Ack(ctx, got); err != nil {
@@ -447,66 +472,14 @@ func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
 	a.publish(q, "m1")
 	big := bytes.Repeat([]byte("x"), 4*stallBuffers)
 	a.publishMsg(q, amqp.Publishing{MessageId: "big", Body: big, DeliveryMode: amqp.Persistent})
-	var (
-		mu     sync.Mutex
-		relays []*stallingRelay
-	)
-	dial := func(network, addr string) (net.Conn, error) {
+	nackWhilePublisherBlocked(t, q, func(network, addr string) (net.Conn, blocker, error) {
 		sr, err := dialStallingRelay(network, addr)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		mu.Lock()
-		relays = append(relays, sr)
-		mu.Unlock()
-		return sr.client, nil
-	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: dial}))
-	// Runs before the Source's own cleanup: a write stuck on a stalled
-	// relay must not also hang Close when this test fails.
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, sr := range relays {
-			sr.close()
-		}
-	})
-	s.publishTimeout = 300 * time.Millisecond
-	ctx := context.Background()
-	ds := receiveN(t, s, 2)
-	// A first retry opens the publishing connection and declares the delay
-	// queue; then the broker blocks that connection.
-	if err := s.Nack(ctx, ds[:1], 100*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
-	mu.Lock()
-	if len(relays) != 2 {
-		mu.Unlock()
-		t.Fatalf("%d connections dialed, want the consumer's and the publisher's", len(relays))
-	}
-	relays[1].stalled.Store(true)
-	mu.Unlock()
-	done := make(chan error, 1)
-	go func() { done <- s.Nack(ctx, ds[1:], 100*time.Millisecond) }()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(30 * time.Second): // the broker's own heartbeat timeout (60 s) would end the write
-		t.Fatal("Nack still blocked in the write of a copy the blocked broker does not read")
-	}
-	got := receiveN(t, s, 2)
-	for _, d := range got {
-		if d.Attempt != 2 {
-			t.Fatalf("%s came back at attempt %d, want 2", d.ID, d.Attempt)
-		}
-	}
-	if err := s.Ack(ctx, got); err != nil {
-		t.Fatal(err)
-	}
-	waitUnacked(t, q, 0)
-	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 1 || st.RetriedInPlace != 1 {
-		t.Fatalf("stats %+v: want one delay-queue retry, and one that gave up on the blocked publisher and waited in place", st)
-	}
+		return sr.client, sr, nil
+	}, 30*time.Second, // the broker's own heartbeat timeout (60 s) would end the write
+		"Nack still blocked in the write of a copy the blocked broker does not read")
 }
+
+func (sr *stallingRelay) block() { sr.stalled.Store(true) }
