@@ -152,6 +152,19 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// await receives from ch, failing the test after patience rather than
+// hanging the whole run when a regression means nothing is ever sent.
+func await[T any](t *testing.T, what string, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(patience):
+		t.Fatalf("timed out waiting for %s", what)
+		panic("unreachable")
+	}
+}
+
 func fastRetry(n int) consumer.Option {
 	return consumer.WithRetry(consumer.Retry{MaxAttempts: n, Backoff: consumer.ConstantBackoff(5 * time.Millisecond)})
 }

@@ -48,17 +48,20 @@ func TestShutdownWaitsForTheDrainAndAcks(t *testing.T) {
 	src := &stopSignalSource{Source: e.source(), stopped: make(chan struct{})}
 	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		close(started)
-		<-release
+		select {
+		case <-release:
+		case <-ctx.Done(): // the shutdown timeout: only if the test failed
+		}
 		return ctx.Err()
 	}), consumer.WithLogger(testlog.New(t)), consumer.WithShutdownTimeout(patience))
 	if err != nil {
 		t.Fatal(err)
 	}
 	ran := startConsumer(t, c)
-	<-started
+	await(t, "the handler to start", started)
 	shut := make(chan error, 1)
 	go func() { shut <- c.Shutdown(context.Background()) }()
-	<-src.stopped // Shutdown began: Run stopped receiving and drains
+	await(t, "Run to stop receiving", src.stopped) // Shutdown began: Run drains
 	select {
 	case err := <-shut:
 		t.Fatalf("Shutdown returned %v while a handler was still running", err)
@@ -67,7 +70,7 @@ func TestShutdownWaitsForTheDrainAndAcks(t *testing.T) {
 	default:
 	}
 	close(release)
-	if err := <-shut; err != nil {
+	if err := await(t, "Shutdown to return", shut); err != nil {
 		t.Fatalf("Shutdown = %v, want nil after a clean drain", err)
 	}
 	select {

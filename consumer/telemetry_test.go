@@ -240,7 +240,7 @@ func TestLeaseLostIsCountedWhoeverNoticedIt(t *testing.T) {
 		<-ctx.Done()
 		return ctx.Err()
 	}, consumer.WithMeterProvider(mp), consumer.WithMaxInFlight(1)) // so that only the other consumer can take it
-	<-entered
+	await(t, "a renewal on the wire", entered)
 	other := e.source()
 	var taken []*adapters.Delivery
 	waitFor(t, "the lease to run out and another consumer to take the message", func() bool {
@@ -251,7 +251,7 @@ func TestLeaseLostIsCountedWhoeverNoticedIt(t *testing.T) {
 		taken = ds
 		return len(ds) == 1
 	})
-	<-returned
+	await(t, "the handler to return", returned)
 	time.Sleep(50 * time.Millisecond) // let the runtime stop the lease before the renewal returns
 	unblocked.Do(func() { close(unblock) })
 	waitFor(t, "the delivery settled as lost", func() bool { return sums(t, reader)["custody.messages.settled/lost"] == 1 })
