@@ -3,6 +3,7 @@ package adapters
 import (
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -58,7 +59,11 @@ type Delivery struct {
 	// channel generation, an assignment epoch. The runtime never reads it.
 	Handle any
 
-	mu      sync.Mutex
+	mu sync.Mutex
+	// isLost is set, under mu, once lost is: the runtime asks LostCause
+	// several times per message, and nearly always of a held delivery, which
+	// an atomic load answers without the lock.
+	isLost  atomic.Bool
 	lost    error
 	lostAt  time.Time
 	onLost  func(error)
@@ -80,6 +85,7 @@ func (d *Delivery) Lose(cause error) {
 	}
 	d.lost = cause
 	d.lostAt = time.Now()
+	d.isLost.Store(true)
 	fn := d.onLost
 	d.onLost = nil
 	if d.lostCh != nil {
@@ -94,6 +100,9 @@ func (d *Delivery) Lose(cause error) {
 // LostCause returns the cause given to Lose, or nil while the delivery is
 // still held.
 func (d *Delivery) LostCause() error {
+	if !d.isLost.Load() {
+		return nil
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.lost
