@@ -184,8 +184,9 @@ type run struct {
 // job is one held delivery.
 type job struct {
 	d            *adapters.Delivery
-	lease        *lease.Lease // nil without a lease keeper
-	msg          Message      // the first attempt's message, allocated with the job
+	lease        *lease.Lease   // nil without a lease keeper
+	msg          Message        // the first attempt's message, allocated with the job
+	ctx          attemptContext // the first attempt's context, likewise
 	lane         string
 	successor    *job          // the lane's next job, once this one is done
 	accepted     time.Duration // when it was received, since run.started

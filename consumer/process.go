@@ -191,12 +191,17 @@ func (r *run) attempt(j *job) int {
 // recovery.
 func (r *run) call(j *job, attempt int) (err error) {
 	d := j.d
-	var m *Message
+	var (
+		m  *Message
+		ac *attemptContext
+	)
 	if j.retries == 0 && j.msg.d == nil {
-		m = &j.msg
+		m, ac = &j.msg, &j.ctx
 		fillMessage(m, d, attempt)
 	} else {
-		m = newMessage(d, attempt) // a handler may still hold the earlier one
+		// A handler may still hold the earlier attempt's message and
+		// context.
+		m = newMessage(d, attempt)
 	}
 	ctx := r.handlerCtx
 	if len(d.Headers) > 0 {
@@ -206,14 +211,20 @@ func (r *run) call(j *job, attempt int) (err error) {
 	if r.tel.spans() {
 		ctx, span = r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStartOptions(d, attempt)...)
 	}
-	hctx, cancel := context.WithCancelCause(ctx)
-	d.OnLost(cancel)
+	ac = startAttempt(ac, ctx, d)
+	var hctx context.Context = ac
 	if t := r.cfg.handlerTimeout; t > 0 {
 		var cancelTimeout context.CancelFunc
 		hctx, cancelTimeout = context.WithTimeoutCause(hctx, t, ErrHandlerTimeout)
 		defer cancelTimeout()
 	}
-	start := time.Now()
+	// Timed only where the duration can be recorded: two clock reads per
+	// attempt are a good part of the cost of a quick handler.
+	var start time.Time
+	timed := r.tel.timed()
+	if timed {
+		start = time.Now()
+	}
 	returned := false
 	defer func() {
 		p := recover()
@@ -228,8 +239,7 @@ func (r *run) call(j *job, attempt int) (err error) {
 		if exited {
 			err = ErrHandlerExited
 		}
-		d.OnLost(nil)
-		cancel(nil)
+		ac.end()
 		// A deferral (consumer.Defer: an overlapping duplicate, say) is no
 		// failure of the handler: it is counted and traced apart, so that
 		// error rates and error spans show failures only.
@@ -241,7 +251,9 @@ func (r *run) call(j *job, attempt int) (err error) {
 		case err != nil:
 			res = r.tel.resultErr
 		}
-		r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
+		if timed {
+			r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
+		}
 		if span != nil {
 			switch {
 			case deferred:

@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+	metricnoop "go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 )
@@ -43,6 +44,9 @@ type telemetry struct {
 	// spans says whether processing spans can reach anything; see
 	// newSpanSwitch.
 	spans func() bool
+	// timed says whether handler durations can reach anything; see
+	// newMetricSwitch.
+	timed func() bool
 
 	received    metric.Int64Counter
 	redelivered metric.Int64Counter
@@ -68,7 +72,11 @@ type telemetry struct {
 
 func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	m := c.meterProvider.Meter(instrumentationName)
-	t := &telemetry{tracer: processTracer{c.tracerProvider.Tracer(instrumentationName)}, spans: newSpanSwitch(c.tracerProvider)}
+	t := &telemetry{
+		tracer: processTracer{c.tracerProvider.Tracer(instrumentationName)},
+		spans:  newSpanSwitch(c.tracerProvider),
+		timed:  newMetricSwitch(c.meterProvider),
+	}
 	var err error
 	counter := func(name, desc string) metric.Int64Counter {
 		if err != nil {
@@ -173,7 +181,7 @@ func newSpanSwitch(tp trace.TracerProvider) func() bool {
 	case noop.TracerProvider, *noop.TracerProvider:
 		return func() bool { return false }
 	}
-	if !isGlobalDefault(tp) {
+	if !isGlobalDefault(tp, "tracerProvider") {
 		return func() bool { return true }
 	}
 	return func() bool {
@@ -183,14 +191,30 @@ func newSpanSwitch(tp trace.TracerProvider) func() bool {
 	}
 }
 
-// isGlobalDefault reports whether tp is OpenTelemetry's delegating global
-// provider, which records nothing until an SDK is installed. Its type is
-// internal to OpenTelemetry, so it is recognised by name; a mismatch after an
-// upgrade only means spans are always started, as before.
-func isGlobalDefault(tp trace.TracerProvider) bool {
-	t := reflect.TypeOf(tp)
+// newMetricSwitch is newSpanSwitch for the handler duration histogram: a
+// consumer whose metrics go nowhere does not read the clock twice per
+// attempt to time its handler. Counters are added to either way; they cost
+// next to nothing when they go nowhere.
+func newMetricSwitch(mp metric.MeterProvider) func() bool {
+	switch mp.(type) {
+	case metricnoop.MeterProvider, *metricnoop.MeterProvider:
+		return func() bool { return false }
+	}
+	if !isGlobalDefault(mp, "meterProvider") {
+		return func() bool { return true }
+	}
+	return func() bool { return otel.GetMeterProvider() != mp }
+}
+
+// isGlobalDefault reports whether p is OpenTelemetry's delegating global
+// provider of the given type name, which records nothing until an SDK is
+// installed. Its type is internal to OpenTelemetry, so it is recognised by
+// name; a mismatch after an upgrade only means spans are always started and
+// handlers always timed, as before.
+func isGlobalDefault(p any, typeName string) bool {
+	t := reflect.TypeOf(p)
 	return t != nil && t.Kind() == reflect.Pointer &&
-		t.Elem().Name() == "tracerProvider" &&
+		t.Elem().Name() == typeName &&
 		t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global"
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/custody-go/custody/consumer"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	metricnoop "go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
@@ -174,6 +175,35 @@ func TestSpansFollowTheGlobalProvider(t *testing.T) {
 	}
 	if got := ended[0].SpanContext().TraceID().String(); got != traceID {
 		t.Errorf("span in trace %s, want %s", got, traceID)
+	}
+}
+
+var globalMetricsUnset = func() *atomic.Bool { var b atomic.Bool; b.Store(true); return &b }()
+
+// A consumer built before the application installs its metrics SDK through
+// the OpenTelemetry globals does not time its handlers while nothing could
+// record the durations, and times them once the SDK is installed.
+func TestHandlerDurationsFollowTheGlobalMeterProvider(t *testing.T) {
+	if !globalMetricsUnset.CompareAndSwap(true, false) {
+		t.Skip("the OpenTelemetry global meter provider can be installed only once per process (-count > 1)")
+	}
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	handled := make(chan struct{}, 2)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		handled <- struct{}{}
+		return nil
+	})
+	e.publish("before")
+	<-handled
+	reader, mp := newMeter()
+	otel.SetMeterProvider(mp)
+	t.Cleanup(func() { otel.SetMeterProvider(metricnoop.NewMeterProvider()) })
+	e.publish("after")
+	<-handled
+	waitFor(t, "both acked", func() bool { return e.stats("q").Acked == 2 })
+	r.stop()
+	if got := sums(t, reader)["custody.handler.duration"]; got != 1 {
+		t.Fatalf("custody.handler.duration counted %d attempts, want 1 (the message handled after the SDK was installed)", got)
 	}
 }
 
