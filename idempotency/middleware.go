@@ -66,7 +66,15 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	}
 
 	claimed := time.Now()
-	state, tok, err := g.store.Claim(ctx, key, fp, g.cfg.lease)
+	state, tok, err := g.claim(ctx, key, fp)
+	if err == nil && state == Acquired && ctx.Err() != nil {
+		// The delivery ended (its lease lost, the shutdown deadline) while
+		// the claim was on its way: the handler must not run now, and the
+		// claim is given back, or the redelivery would be deferred as an
+		// overlapping duplicate of nothing until the claim's lease ran out.
+		g.release(ctx, key, tok)
+		return context.Cause(ctx)
+	}
 	switch {
 	case errors.Is(err, ErrFingerprintMismatch):
 		g.m.Mismatches.Add(ctx, 1)
@@ -109,6 +117,17 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	}
 	g.complete(ctx, key, tok, k.lostCounted())
 	return nil
+}
+
+// claim claims key on the store. It does not give up when the delivery's
+// context ends: a store may have made the claim by then, and a caller that
+// stopped waiting for the reply would leave it behind, held by nobody, for
+// the claim's whole lease. It waits up to the store timeout instead, and
+// Handle gives back a claim that arrived too late.
+func (g *guard) claim(ctx context.Context, key, fp string) (State, Token, error) {
+	cctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
+	defer done()
+	return g.store.Claim(cctx, key, fp, g.cfg.lease)
 }
 
 // complete records the effect. A failure here does not fail the message:

@@ -133,10 +133,13 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 	}
 }
 
-// WithStoreTimeout bounds the Complete or Release call made after the
-// handler returns. It runs on a context detached from the handler's, so
-// that a handler cancelled at its deadline still records its outcome.
-// Default 10s. Must be positive.
+// WithStoreTimeout bounds each call to the store on a delivery's behalf: the
+// Claim before the handler, and the Complete or Release after it returns.
+// They run on a context detached from the handler's: a handler cancelled at
+// its deadline still records its outcome, and a Claim the store may already
+// have made is waited for (and given back when the delivery ended
+// meanwhile) rather than left behind for its whole lease. Default 10s. Must
+// be positive.
 func WithStoreTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
