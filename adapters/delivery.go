@@ -59,15 +59,16 @@ type Delivery struct {
 	// channel generation, an assignment epoch. The runtime never reads it.
 	Handle any
 
-	mu sync.Mutex
+	mu     sync.Mutex
+	lost   error
+	lostAt time.Time
+	onLost func(error)
+	lostCh chan struct{}
 	// isLost is set, under mu, once lost is: the runtime asks LostCause
 	// several times per message, and nearly always of a held delivery, which
-	// an atomic load answers without the lock.
+	// an atomic load answers without the lock. (Beside settled, it takes
+	// no room of its own: a Delivery stays in its allocation size class.)
 	isLost  atomic.Bool
-	lost    error
-	lostAt  time.Time
-	onLost  func(error)
-	lostCh  chan struct{}
 	settled bool
 }
 
