@@ -251,6 +251,32 @@ func TestPanicsDeadLetterWithTheirValue(t *testing.T) {
 	}
 }
 
+// panickyError is an error whose Error method panics.
+type panickyError struct{}
+
+func (panickyError) Error() string { panic("Error() of a nil field") }
+
+// A handler error whose Error method panics is a handler failure like a
+// panic, not a crash: the runtime formats errors for its logs, spans and
+// dead-letter diagnostics outside the handler's recover.
+func TestErrorWhoseErrorMethodPanicsIsAFailureNotACrash(t *testing.T) {
+	reader, mp := newMeter()
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("p")
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		return panickyError{}
+	}, fastRetry(2), consumer.WithDeadLetter(e.dlq()), consumer.WithMeterProvider(mp))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	if got := sums(t, reader)["custody.handler.panics"]; got != 2 {
+		t.Errorf("custody.handler.panics = %d, want 2 (one per attempt)", got)
+	}
+	ms, _ := e.b.Messages("dlq")
+	if h := ms[0].Headers[adapters.HeaderError]; !strings.Contains(h, "Error() of a nil field") || !strings.Contains(h, "panickyError") {
+		t.Fatalf("error header %q does not say which error panicked and how", h)
+	}
+}
+
 func TestShutdownFinishesInFlightAndAcksThem(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("1", "2", "3", "4", "5", "6")

@@ -17,7 +17,9 @@
 //     without counting the attempt (except as a broker that counts
 //     deliveries does: see Defer); a deferral never dead-letters.
 //
-// A panic in the handler is recovered and treated as an error. A handler that
+// A panic in the handler is recovered and treated as an error, and so is a
+// returned error whose Error method panics (the attempt fails with a
+// [PanicError] saying so; both are counted as panics). A handler that
 // ends its goroutine with runtime.Goexit instead of returning (t.FailNow, or
 // testify's require, in a handler under test) fails its attempt with
 // [ErrHandlerExited]: the message is given back at once and the worker

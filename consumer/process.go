@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime/debug"
 	"time"
 
@@ -233,6 +234,13 @@ func (r *run) call(j *job, attempt int) (err error) {
 			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
 			r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", d.ID, "panic", p)
 		}
+		if p == nil && err != nil {
+			var ok bool
+			if err, ok = checkedError(err); !ok {
+				r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+				r.cfg.logger.Error("custody: handler returned an error whose Error method panicked", "consumer", r.cfg.name, "id", d.ID, "error", err)
+			}
+		}
 		// Neither returned nor panicked: runtime.Goexit is ending this
 		// goroutine, and nothing after this function will run on it.
 		exited := p == nil && !returned
@@ -271,6 +279,23 @@ func (r *run) call(j *job, attempt int) (err error) {
 	err = r.c.handler.Handle(hctx, m)
 	returned = true
 	return err
+}
+
+// checkedError returns err, or a PanicError saying so when err's Error
+// method panics: the runtime formats handler errors for its logs, spans and
+// dead-letter diagnostics outside the handler's recover, where such a panic
+// would crash the process. Only failed attempts pay for the check.
+func checkedError(err error) (checked error, ok bool) {
+	defer func() {
+		if p := recover(); p != nil {
+			checked, ok = &PanicError{
+				Value: fmt.Sprintf("the error it returned (%T) panicked in its Error method: %v", err, p),
+				Stack: debug.Stack(),
+			}, false
+		}
+	}()
+	_ = err.Error()
+	return err, true
 }
 
 // handlerExited settles j, whose handler ended its worker with
