@@ -1,7 +1,6 @@
 package lease
 
 import (
-	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -49,33 +48,36 @@ type Config struct {
 type Keeper struct {
 	ext      adapters.Extender
 	cfg      Config
-	interval time.Duration
-	slack    time.Duration
+	epoch    time.Time // tick 0
+	lease    int64     // cfg.Lease, in ticks
+	interval int64
+	slack    int64
+	// yield is startOne as a func value, made once: StartAll passes it to
+	// the caller's iterator without allocating a closure per call.
+	yield func(*Lease, *adapters.Delivery) bool
 
 	mu       sync.Mutex
-	due      leaseHeap
+	t        table
 	inFlight int // leases taken for renewal, out of the heap until it returns
-	wake     chan struct{}
-	closed   bool
+	// armed is the earliest due time the scheduler will wake for without
+	// being poked: a lease scheduled later needs no wake-up.
+	armed  int64
+	wake   chan struct{}
+	closed bool
+	// StartAll's state while it runs, for startOne.
+	starting bool
+	startNow int64 // 0 until read
+	// needPoke is set when a lease was scheduled before armed, within one
+	// hold of the lock, which pokes the scheduler once it let go.
+	needPoke bool
 }
 
-// Lease is one tracked delivery.
+// Lease is one tracked delivery. It names the keeper's state for the
+// delivery; the keeper reads it in Stop and never after Stop returned.
 type Lease struct {
-	k        *Keeper
-	d        *adapters.Delivery
-	due      time.Time
-	expires  time.Time // when the broker lets the lease run out, as last granted
-	deadline time.Time // zero: no cap
-	index    int       // position in the heap, -1 when not in it
-	// renewing is open while the keeper works on the lease outside its
-	// lock: a renewal taken or on the wire, or a loss being made. Stop
-	// waits for it to close.
-	renewing chan struct{}
-	stopped  bool
-	// retry is set when due is a retry of a failed renewal. A retry is
-	// taken when due, not early with the leases due soon: its next retry
-	// would fall within the slack again and be taken at once.
-	retry bool
+	k    *Keeper
+	gen  uint64
+	slot int32 // -1: started on a keeper that had stopped
 }
 
 // New returns a Keeper renewing through ext. It fails when cfg is invalid.
@@ -105,16 +107,33 @@ func New(ext adapters.Extender, cfg Config) (*Keeper, error) {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = interval
 	}
-	return &Keeper{
+	k := &Keeper{
 		ext:      ext,
 		cfg:      cfg,
-		interval: interval,
+		epoch:    time.Now(),
+		lease:    int64(cfg.Lease),
+		interval: int64(interval),
 		// Renewing a little early costs nothing and fills batches: take
 		// leases due within a quarter of the interval along with those due now.
-		slack: interval / 4,
+		slack: int64(interval / 4),
+		armed: never,
 		wake:  make(chan struct{}, 1),
-	}, nil
+	}
+	k.t.minStale = minStale
+	k.yield = k.startOne
+	return k, nil
 }
+
+// maxTick bounds the ticks of a time, far enough from the int64 range that
+// differences and sums of lease lengths cannot overflow.
+const maxTick = 1 << 62
+
+// ticks converts t to ticks, by its monotonic reading where it has one.
+func (k *Keeper) ticks(t time.Time) int64 {
+	return min(max(int64(t.Sub(k.epoch)), -maxTick), maxTick)
+}
+
+func (k *Keeper) now() int64 { return k.ticks(time.Now()) }
 
 // Track starts keeping d's lease alive, counting from d.ReceivedAt (or now
 // when that is zero), or from d.LeasedAt when the adapter renewed the lease
@@ -127,7 +146,7 @@ func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 
 // Start is Track with a Lease the caller provides, typically embedded in its
 // own per-delivery state to save an allocation per delivery. l must be a zero
-// Lease, or one that was stopped; it must not be copied while tracked.
+// Lease, or one that was stopped.
 func (k *Keeper) Start(l *Lease, d *adapters.Delivery) {
 	k.StartAll(func(yield func(*Lease, *adapters.Delivery) bool) { yield(l, d) })
 }
@@ -135,42 +154,66 @@ func (k *Keeper) Start(l *Lease, d *adapters.Delivery) {
 // StartAll is Start for every pair leases yields, under one lock: a receiver
 // tracks a whole batch at the cost of one.
 func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
-	var now time.Time
-	first := false
 	k.mu.Lock()
-	for l, d := range leases {
-		start := d.ReceivedAt
-		if start.IsZero() {
-			if now.IsZero() {
-				now = time.Now()
-			}
-			start = now
-		}
-		// A lease the adapter renewed before handing the delivery over
-		// (while it waited in a buffer) runs from that renewal: counted
-		// from the receipt it would pass for expired, and one transient
-		// failure of its first renewal would lose a delivery with most of
-		// its lease left.
-		leased := start
-		if d.LeasedAt.After(leased) {
-			leased = d.LeasedAt
-		}
-		*l = Lease{k: k, d: d, due: leased.Add(k.interval), expires: leased.Add(k.cfg.Lease), index: -1}
-		if k.cfg.MaxHold > 0 {
-			l.deadline = start.Add(k.cfg.MaxHold)
-			if l.deadline.Before(l.due) {
-				l.due = l.deadline
-			}
-		}
-		if k.closed {
-			continue
-		}
-		heap.Push(&k.due, l)
-		first = first || l.index == 0
-	}
+	k.starting, k.startNow = true, 0
+	leases(k.yield)
+	k.starting = false
+	poke := k.needPoke
+	k.needPoke = false
 	k.mu.Unlock()
-	if first {
+	if poke {
 		k.poke()
+	}
+}
+
+// startOne starts one lease for StartAll, under the lock.
+func (k *Keeper) startOne(l *Lease, d *adapters.Delivery) bool {
+	if !k.starting {
+		panic("lease: StartAll's iterator called yield after it returned")
+	}
+	var start int64
+	if d.ReceivedAt.IsZero() {
+		if k.startNow == 0 {
+			k.startNow = k.now()
+		}
+		start = k.startNow
+	} else {
+		start = k.ticks(d.ReceivedAt)
+	}
+	// A lease the adapter renewed before handing the delivery over
+	// (while it waited in a buffer) runs from that renewal: counted
+	// from the receipt it would pass for expired, and one transient
+	// failure of its first renewal would lose a delivery with most of
+	// its lease left.
+	leased := start
+	if !d.LeasedAt.IsZero() {
+		leased = max(leased, k.ticks(d.LeasedAt))
+	}
+	due := addTicks(leased, k.interval)
+	deadline := int64(never)
+	if k.cfg.MaxHold > 0 {
+		deadline = addTicks(start, int64(k.cfg.MaxHold))
+		due = min(due, deadline)
+	}
+	if k.closed {
+		*l = Lease{k: k, slot: -1}
+		return true
+	}
+	i := k.t.alloc()
+	s := &k.t.slots[i]
+	s.d, s.expires, s.deadline = d, addTicks(leased, k.lease), deadline
+	*l = Lease{k: k, gen: s.gen, slot: i}
+	k.schedule(i, due)
+	return true
+}
+
+// schedule queues slot i at due, and notes whether the scheduler needs a
+// wake-up for it.
+func (k *Keeper) schedule(i int32, due int64) {
+	k.t.push(i, due)
+	if due < k.armed {
+		k.armed = due
+		k.needPoke = true
 	}
 }
 
@@ -181,13 +224,24 @@ func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
 // lost: once Stop returns, the delivery's LostCause shows whether the keeper
 // lost it, and the keeper will not lose it afterwards. Stop must not be
 // called from the delivery's OnLost callback, which runs inside that loss.
+// Stopping a lease again, or a zero Lease, does nothing.
 func (l *Lease) Stop() {
 	k := l.k
+	if k == nil || l.slot < 0 {
+		return
+	}
 	k.mu.Lock()
-	l.stopped = true
-	wait := l.renewing
-	if l.index >= 0 {
-		heap.Remove(&k.due, l.index)
+	s := &k.t.slots[l.slot]
+	if s.gen != l.gen { // stopped already, or the keeper let it go
+		k.mu.Unlock()
+		return
+	}
+	wait := s.renewing
+	if wait == nil {
+		k.t.release(l.slot)
+	} else {
+		// Whoever holds the lease frees the slot once done with it.
+		s.stopped = true
 	}
 	k.mu.Unlock()
 	if wait != nil {
@@ -200,7 +254,7 @@ func (l *Lease) Stop() {
 func (k *Keeper) Len() int {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	return len(k.due) + k.inFlight
+	return k.t.queuedLen() + k.inFlight
 }
 
 func (k *Keeper) poke() {
@@ -218,7 +272,7 @@ func (k *Keeper) Run(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	for {
-		now := time.Now()
+		now := k.now()
 		batches, next := k.takeDue(now)
 		for _, b := range batches {
 			if ctx.Err() != nil {
@@ -242,18 +296,15 @@ func (k *Keeper) Run(ctx context.Context) {
 			continue // more may be due already
 		}
 		wait := time.Hour
-		if !next.IsZero() {
-			wait = next.Sub(now)
+		if next != never {
+			wait = time.Duration(next - now)
 		}
 		timer.Reset(wait)
 		select {
 		case <-ctx.Done():
 			k.mu.Lock()
 			k.closed = true
-			for _, l := range k.due {
-				l.index = -1
-			}
-			k.due = nil
+			k.t.clear()
 			k.mu.Unlock()
 			wg.Wait()
 			return
@@ -265,67 +316,71 @@ func (k *Keeper) Run(ctx context.Context) {
 
 type batch struct {
 	extendTo time.Duration
-	leases   []*Lease
+	slots    []int32
 }
 
 // takeDue removes the leases due by now (plus slack) from the heap, marks
 // them renewing and groups them into batches. It also loses the leases that
-// reached their hold cap. It returns the time the next lease falls due.
-func (k *Keeper) takeDue(now time.Time) ([]batch, time.Time) {
+// reached their hold cap. It returns the tick the next lease falls due at,
+// or never.
+func (k *Keeper) takeDue(now int64) ([]batch, int64) {
 	var (
 		batches []batch
 		expired []loss
 	)
-	horizon := now.Add(k.slack)
+	horizon := addTicks(now, k.slack)
 	k.mu.Lock()
-	for len(k.due) > 0 {
-		l := k.due[0]
+	for {
+		e, ok := k.t.peek()
+		if !ok {
+			break
+		}
+		s := &k.t.slots[e.slot]
 		// Leases due soon are taken early, to fill batches; but not a
 		// retry, nor a lease whose due time is its cap (its lease already
 		// runs to the cap): taken early, either would fall due within the
 		// slack again and be taken at once, call after call.
 		limit := horizon
-		if l.retry || (!l.deadline.IsZero() && !l.due.Before(l.deadline)) {
+		if s.retry || (s.deadline != never && e.due >= s.deadline) {
 			limit = now
 		}
-		if l.due.After(limit) {
+		if e.due > limit {
 			break
 		}
-		heap.Pop(&k.due)
-		l.retry = false
-		extendTo := k.cfg.Lease
-		if !l.deadline.IsZero() {
-			left := l.deadline.Sub(now)
+		k.t.pop()
+		s.retry = false
+		extendTo := k.lease
+		if s.deadline != never {
+			left := s.deadline - now
 			if left <= 0 {
-				l.stopped = true
-				l.renewing = make(chan struct{}) // Stop waits for the loss
-				expired = append(expired, loss{l: l, d: l.d, cause: ErrMaxHold})
+				s.stopped = true
+				s.renewing = make(chan struct{}) // Stop waits for the loss
+				expired = append(expired, loss{slot: e.slot, d: s.d, cause: ErrMaxHold})
 				continue
 			}
-			if left < extendTo {
-				extendTo = left
-			}
+			extendTo = min(extendTo, left)
 		}
-		l.renewing = make(chan struct{})
+		s.renewing = make(chan struct{})
 		k.inFlight++
 		// Batches are few and short: a linear scan beats a map here.
 		placed := false
 		for i := range batches {
 			b := &batches[i]
-			if b.extendTo == extendTo && len(b.leases) < k.cfg.MaxBatch {
-				b.leases = append(b.leases, l)
+			if b.extendTo == time.Duration(extendTo) && len(b.slots) < k.cfg.MaxBatch {
+				b.slots = append(b.slots, e.slot)
 				placed = true
 				break
 			}
 		}
 		if !placed {
-			batches = append(batches, batch{extendTo: extendTo, leases: []*Lease{l}})
+			batches = append(batches, batch{extendTo: time.Duration(extendTo), slots: []int32{e.slot}})
 		}
 	}
-	var next time.Time
-	if len(k.due) > 0 {
-		next = k.due[0].due
+	next := int64(never)
+	if e, ok := k.t.peek(); ok {
+		next = e.due
 	}
+	k.armed = next
 	k.mu.Unlock()
 	k.lose(expired)
 	return batches, next
@@ -334,30 +389,32 @@ func (k *Keeper) takeDue(now time.Time) ([]batch, time.Time) {
 func (k *Keeper) renew(ctx context.Context, b batch) {
 	// A lease stopped while its batch waited for a free slot is not sent:
 	// its handler finished, and the runtime is about to ack it.
-	ds := make([]*adapters.Delivery, 0, len(b.leases))
+	ds := make([]*adapters.Delivery, 0, len(b.slots))
 	k.mu.Lock()
-	k.inFlight -= len(b.leases)
-	kept := b.leases[:0]
-	for _, l := range b.leases {
-		if l.stopped || k.closed || ctx.Err() != nil {
-			close(l.renewing)
-			l.renewing = nil
+	k.inFlight -= len(b.slots)
+	kept := b.slots[:0]
+	for _, i := range b.slots {
+		s := &k.t.slots[i]
+		if s.stopped || k.closed || ctx.Err() != nil {
+			close(s.renewing)
+			k.t.release(i)
 			continue
 		}
-		kept = append(kept, l)
-		ds = append(ds, l.d)
+		kept = append(kept, i)
+		ds = append(ds, s.d)
 	}
-	b.leases = kept
+	b.slots = kept
 	k.inFlight += len(kept)
 	k.mu.Unlock()
 	if len(ds) == 0 {
 		return
 	}
-	sent := time.Now()
+	sent := k.now()
 	cctx, cancel := context.WithTimeout(ctx, k.cfg.Timeout)
 	err := k.ext.Extend(cctx, ds, b.extendTo)
 	cancel()
-	now := time.Now()
+	now := k.now()
+	extendTo := int64(b.extendTo)
 	var (
 		lost     []loss
 		retrying int
@@ -369,57 +426,56 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 	closing := ctx.Err() != nil
 	k.mu.Lock()
 	closing = closing || k.closed
-	k.inFlight -= len(b.leases)
-	for i, l := range b.leases {
-		if e := adapters.EntryError(err, i); e != nil {
-			if l.stopped || closing {
-				l.stopped = true
-				close(l.renewing)
-				l.renewing = nil
+	k.inFlight -= len(b.slots)
+	for n, i := range b.slots {
+		s := &k.t.slots[i]
+		if e := adapters.EntryError(err, n); e != nil {
+			if s.stopped || closing {
+				close(s.renewing)
+				k.t.release(i)
 				continue
 			}
 			// A failure that does not say the lease is gone (a network
 			// error, throttling, a timeout) leaves the lease as last
 			// granted: try again while it has time left.
-			left := l.expires.Sub(now)
+			left := s.expires - now
 			if !errors.Is(e, adapters.ErrLeaseLost) && left > k.slack {
-				close(l.renewing)
-				l.renewing = nil
-				l.due = now.Add(min(k.interval/2, left/2))
-				l.retry = true
-				heap.Push(&k.due, l)
+				close(s.renewing)
+				s.renewing = nil
+				s.retry = true
+				k.schedule(i, now+min(k.interval/2, left/2))
 				retrying++
 				retryErr = e
 				continue
 			}
-			// l.renewing stays open until the delivery is lost, so that a
+			// s.renewing stays open until the delivery is lost, so that a
 			// Stop now waits for the loss.
-			l.stopped = true
+			s.stopped = true
 			cause := e
 			if !errors.Is(cause, adapters.ErrLeaseLost) {
 				cause = fmt.Errorf("%w: renewals failed until the lease ran out: %w", adapters.ErrLeaseLost, cause)
 			}
-			lost = append(lost, loss{l: l, d: l.d, cause: cause})
+			lost = append(lost, loss{slot: i, d: s.d, cause: cause})
 			continue
 		}
-		close(l.renewing)
-		l.renewing = nil
+		close(s.renewing)
+		s.renewing = nil
 		renewed++
-		l.expires = sent.Add(b.extendTo)
-		if l.stopped || closing {
+		s.expires = addTicks(sent, extendTo)
+		if s.stopped || closing {
+			k.t.release(i)
 			continue
 		}
-		l.due = now.Add(time.Duration(float64(b.extendTo) * k.cfg.Fraction))
-		if b.extendTo < k.cfg.Lease || (!l.deadline.IsZero() && l.deadline.Before(l.due)) {
+		due := addTicks(now, int64(float64(extendTo)*k.cfg.Fraction))
+		if extendTo < k.lease || s.deadline < due {
 			// The last extension before the cap: come back at the cap to
 			// lose the delivery rather than renew it.
-			l.due = now.Add(b.extendTo)
-			if !l.deadline.IsZero() && l.deadline.Before(l.due) {
-				l.due = l.deadline
-			}
+			due = min(addTicks(now, extendTo), s.deadline)
 		}
-		heap.Push(&k.due, l)
+		k.schedule(i, due)
 	}
+	poke := k.needPoke
+	k.needPoke = false
 	k.mu.Unlock()
 	// Losses first: until they are made, a Stop of those leases waits, so
 	// no callback runs before that.
@@ -430,17 +486,19 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 	if retrying > 0 && k.cfg.Retrying != nil {
 		k.cfg.Retrying(retrying, retryErr)
 	}
-	k.poke()
+	if poke {
+		k.poke()
+	}
 }
 
 // abandon releases leases taken for a renewal that will not be sent because
 // the keeper is stopping.
 func (k *Keeper) abandon(b batch) {
 	k.mu.Lock()
-	k.inFlight -= len(b.leases)
-	for _, l := range b.leases {
-		close(l.renewing)
-		l.renewing = nil
+	k.inFlight -= len(b.slots)
+	for _, i := range b.slots {
+		close(k.t.slots[i].renewing)
+		k.t.release(i)
 	}
 	k.mu.Unlock()
 }
@@ -448,15 +506,14 @@ func (k *Keeper) abandon(b batch) {
 // loss is a delivery the keeper decided to lose, its lease stopped and its
 // renewing channel open.
 type loss struct {
-	l     *Lease
+	slot  int32
 	d     *adapters.Delivery
 	cause error
 }
 
 // lose loses the deliveries of ls, then closes their leases' renewing
-// channels, so that a Stop racing the loss returns only once the delivery is
-// lost; then it reports them to Config.Lost. Once a lease's channel is
-// closed its owner may reuse it, so only the loss's own fields are read.
+// channels and frees their slots, so that a Stop racing the loss returns
+// only once the delivery is lost; then it reports them to Config.Lost.
 func (k *Keeper) lose(ls []loss) {
 	if len(ls) == 0 {
 		return
@@ -466,8 +523,8 @@ func (k *Keeper) lose(ls []loss) {
 	}
 	k.mu.Lock()
 	for _, x := range ls {
-		close(x.l.renewing)
-		x.l.renewing = nil
+		close(k.t.slots[x.slot].renewing)
+		k.t.release(x.slot)
 	}
 	k.mu.Unlock()
 	if k.cfg.Lost != nil {
@@ -475,29 +532,4 @@ func (k *Keeper) lose(ls []loss) {
 			k.cfg.Lost(x.d, x.cause)
 		}
 	}
-}
-
-// leaseHeap orders leases by due time.
-type leaseHeap []*Lease
-
-func (h leaseHeap) Len() int           { return len(h) }
-func (h leaseHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
-func (h leaseHeap) Swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].index = i
-	h[j].index = j
-}
-func (h *leaseHeap) Push(x any) {
-	l := x.(*Lease)
-	l.index = len(*h)
-	*h = append(*h, l)
-}
-func (h *leaseHeap) Pop() any {
-	old := *h
-	n := len(old)
-	l := old[n-1]
-	old[n-1] = nil
-	l.index = -1
-	*h = old[:n-1]
-	return l
 }

@@ -170,14 +170,14 @@ func TestStoppedLeaseIsNotRenewedWhileItsBatchWaits(t *testing.T) {
 	eventually(t, "the other lease taken for renewal", func() bool {
 		k.mu.Lock()
 		defer k.mu.Unlock()
-		return l.renewing != nil
+		return k.t.slots[l.slot].renewing != nil
 	})
 	stopped := make(chan struct{})
 	go func() { l.Stop(); close(stopped) }()
 	eventually(t, "Stop marked the lease", func() bool {
 		k.mu.Lock()
 		defer k.mu.Unlock()
-		return l.stopped
+		return k.t.slots[l.slot].stopped
 	})
 	rec.mu.Lock()
 	block := rec.block
