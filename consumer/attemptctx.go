@@ -25,11 +25,20 @@ import (
 type attemptContext struct {
 	parent context.Context
 	d      *adapters.Delivery
-	ended  atomic.Bool
+	// state moves from attemptFresh to attemptBuilt (build) or
+	// attemptEnded (end), and from attemptBuilt to attemptEnded. An attempt
+	// whose context was never built ends with one compare-and-swap.
+	state atomic.Int32
 
-	mu   sync.Mutex // guards building real, and ending
+	mu   sync.Mutex // held while building real
 	real atomic.Pointer[builtContext]
 }
+
+const (
+	attemptFresh int32 = iota
+	attemptBuilt
+	attemptEnded
+)
 
 type builtContext struct {
 	ctx    context.Context
@@ -76,8 +85,12 @@ func startAttempt(a *attemptContext, parent context.Context, d *adapters.Deliver
 // end cancels the attempt's context: a handler may have handed it to work
 // that outlives the attempt.
 func (a *attemptContext) end() {
+	if a.state.CompareAndSwap(attemptFresh, attemptEnded) {
+		return // never built: nothing registered, nothing to cancel
+	}
+	// Built, or being built: the lock waits for real to be stored.
 	a.mu.Lock()
-	a.ended.Store(true)
+	a.state.Store(attemptEnded)
 	b := a.real.Load()
 	a.mu.Unlock()
 	if b != nil {
@@ -104,10 +117,10 @@ func (a *attemptContext) build() *builtContext {
 	}
 	ctx, cancel := context.WithCancelCause(parent)
 	b := &builtContext{ctx: ctx, cancel: cancel}
-	if a.ended.Load() {
-		cancel(nil)
-	} else {
+	if a.state.CompareAndSwap(attemptFresh, attemptBuilt) {
 		a.d.OnLost(cancel) // calls cancel at once if the delivery is lost
+	} else {
+		cancel(nil) // the attempt ended first
 	}
 	a.real.Store(b)
 	return b
@@ -121,7 +134,7 @@ func (a *attemptContext) Err() error {
 	if b := a.real.Load(); b != nil {
 		return b.ctx.Err()
 	}
-	if a.ended.Load() || a.d.LostCause() != nil {
+	if a.state.Load() == attemptEnded || a.d.LostCause() != nil {
 		// Built now, Done would be closed at once.
 		return context.Canceled
 	}
