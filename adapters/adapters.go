@@ -49,6 +49,17 @@ type Extender interface {
 	Extend(ctx context.Context, ds []*Delivery, d time.Duration) error
 }
 
+// Recaller is implemented by sources that recall deliveries (see
+// [Delivery.Recall]). The channel Recalls returns receives a value (sent
+// without blocking, so one value may stand for several recalls) after the
+// source has recalled deliveries. The runtime then gives back at once the
+// recalled deliveries that wait for a worker or behind a running job of
+// their lane, rather than when a worker reaches them. Recalls is called once,
+// when the consumer starts; the channel must not be closed before Close.
+type Recaller interface {
+	Recalls() <-chan struct{}
+}
+
 // DeadLetter is a destination for messages that will not be processed: they
 // failed MaxAttempts times, or failed with a permanent error.
 //

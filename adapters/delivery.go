@@ -70,6 +70,13 @@ type Delivery struct {
 	// no room of its own: a Delivery stays in its allocation size class.)
 	isLost  atomic.Bool
 	settled bool
+	// recalled is set by Recall. An atomic beside the mutex: the runtime
+	// reads it for every job it is about to start. It fits in the padding
+	// after settled.
+	recalled atomic.Bool
+	// recallCh is closed by Recall once made (by RecallSignal); guarded by
+	// mu, as is the store to recalled that goes with closing it.
+	recallCh chan struct{}
 }
 
 // Lose marks the delivery as no longer ackable by this consumer and says why.
@@ -149,6 +156,62 @@ func (d *Delivery) OnLost(fn func(error)) {
 	}
 	d.onLost = fn
 	d.mu.Unlock()
+}
+
+// Recall asks the runtime to give the delivery back if its handler has not
+// started yet. The adapter calls it when it wants the message back soon but
+// can still take an ack: a Kafka partition being revoked, whose revoke waits
+// for the partition's handed-out records to be settled. The runtime checks
+// for a recall before each handler attempt (the first one and every retry in
+// place) and while a retry waits out its backoff; a recalled delivery that
+// is not running is nacked with no delay (counted as released), and the jobs
+// queued behind it in its lane then go the same way, each as it is reached.
+//
+// A handler already running is not disturbed: its context is not cancelled,
+// and its outcome is settled as usual (an ack still counts). Recall is no
+// loss; call Lose for that.
+//
+// The runtime keeps a lane's order only if, of the deliveries of one lane
+// (one ordered stream, such as a partition), the adapter recalls every one
+// handed out after a recalled one too, and recalls the later ones first:
+// then a delivery found recalled is never followed by one that runs before
+// its redelivery. Deliveries handed out after the recall (the stream given
+// back to this consumer) need not be recalled.
+//
+// Recall is safe to call from any goroutine, any number of times; only the
+// first call has an effect. A Source that recalls deliveries should also
+// implement [Recaller], so that the runtime gives back at once the recalled
+// deliveries that wait for a worker or behind a running job of their lane.
+func (d *Delivery) Recall() {
+	if d.recalled.Load() {
+		return
+	}
+	d.mu.Lock()
+	if !d.recalled.Load() {
+		d.recalled.Store(true)
+		if d.recallCh != nil {
+			close(d.recallCh)
+		}
+	}
+	d.mu.Unlock()
+}
+
+// Recalled reports whether Recall was called. It is a single atomic load,
+// cheap enough to check per job.
+func (d *Delivery) Recalled() bool { return d.recalled.Load() }
+
+// RecallSignal returns a channel closed when Recall is called (closed
+// already if it was). The runtime selects on it while a retry waits in place.
+func (d *Delivery) RecallSignal() <-chan struct{} {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.recallCh == nil {
+		d.recallCh = make(chan struct{})
+		if d.recalled.Load() {
+			close(d.recallCh)
+		}
+	}
+	return d.recallCh
 }
 
 // MarkSettled records that the adapter disposed of the delivery itself (for

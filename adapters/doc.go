@@ -27,6 +27,19 @@
 // dead channel), and the broker may ignore it (SQS with a stale receipt
 // handle). Either way nothing is lost; the message may be redelivered.
 //
+// # Recalling a delivery
+//
+// An adapter that wants deliveries back soon, but can still take their acks,
+// calls [Delivery.Recall] instead: the Kafka adapter does so for the records
+// of a partition being revoked, so that its revoke waits only for the
+// handlers actually running. The runtime gives a recalled delivery back
+// (a Nack with no delay) if its handler has not started, or before a retry
+// in place; a running handler is left alone and its ack still counts. To
+// keep a lane's order, recall every delivery of the lane handed out after a
+// recalled one, the latest first. A Source that recalls deliveries also
+// implements [Recaller], so that the runtime need not wait for a free worker
+// to give back those that wait.
+//
 // # Batch results
 //
 // Ack, Nack, Extend and friends work on batches. They return nil when every

@@ -278,7 +278,9 @@ func (r *run) run(ctx context.Context) error {
 		r.startWorker(&workersWG)
 	}
 
+	stopRecalls := r.startRecalls()
 	recvErr := r.receive(ctx)
+	stopRecalls()
 
 	// Drain.
 	r.draining.Store(true)

@@ -22,6 +22,13 @@ func (r *run) process(j *job) {
 		r.processAtMostOnce(j)
 		return
 	}
+	if j.d.Recalled() {
+		// The adapter wants it back before it starts (its Kafka partition
+		// is being revoked): given back at once, even at shutdown with
+		// WithLeaveUnfinishedOnShutdown, since the adapter waits for it.
+		r.releaseNow(j)
+		return
+	}
 	if r.draining.Load() {
 		r.release(j) // not started before shutdown: give it back at once
 		return
@@ -40,6 +47,12 @@ func (r *run) process(j *job) {
 			// Lost while it waited (a revoked partition, a dead channel):
 			// running the handler now would only repeat the new owner's work.
 			r.lost(j, cause)
+			return
+		}
+		if j.d.Recalled() {
+			// Recalled while a retry waited: no handler runs, so it goes
+			// back now (see Delivery.Recall).
+			r.releaseNow(j)
 			return
 		}
 		attempt := r.attempt(j)
@@ -322,13 +335,18 @@ func (r *run) handlerExited(j *job) {
 }
 
 // wait holds j in place for delay, its lease kept alive. It reports false, and
-// settles j, when the wait was cut short by shutdown or a lost lease.
+// settles j, when the wait was cut short by shutdown, a lost lease or a
+// recall. A recall ends the wait at once rather than after it: no handler
+// runs meanwhile, and the adapter may be waiting for the delivery (a Kafka
+// revoke), for as long as a backoff, which can be minutes.
 func (r *run) wait(j *job, delay time.Duration) bool {
 	t := time.NewTimer(delay)
 	defer t.Stop()
 	select {
 	case <-t.C:
 		return true
+	case <-j.d.RecallSignal():
+		r.releaseNow(j)
 	case <-j.d.Lost():
 		r.lost(j, j.d.LostCause())
 	case <-r.drainCh:
@@ -424,6 +442,9 @@ func (r *run) releaseWaiting() {
 		switch {
 		case j.d.LostCause() != nil:
 			r.lost(j, j.d.LostCause())
+		case j.d.Recalled():
+			r.stopLease(j)
+			give = append(give, j) // the adapter asked for it: never left
 		case r.cfg.leaveOnShutdown:
 			r.stopLease(j)
 			r.settle(j, outcomeLeft)
@@ -432,6 +453,13 @@ func (r *run) releaseWaiting() {
 			give = append(give, j)
 		}
 	}
+	r.releaseAll(give)
+}
+
+// releaseAll gives back, in one call and for immediate redelivery, jobs
+// whose leases are stopped and that are no lane's running job: it does not
+// pass their lanes on.
+func (r *run) releaseAll(give []*job) {
 	if len(give) == 0 {
 		return
 	}

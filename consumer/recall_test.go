@@ -1,0 +1,281 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+)
+
+// recallSource is a memory source whose test can recall the deliveries it
+// handed out, as the Kafka adapter does on a revoke. It reports no recalls
+// to the runtime (it is no adapters.Recaller): the runtime finds them when
+// it reaches the jobs.
+type recallSource struct {
+	*nackRecorder
+	mu    sync.Mutex
+	first map[string]*adapters.Delivery // each body's first delivery
+}
+
+func (s *recallSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	ds, err := s.nackRecorder.Receive(ctx, max)
+	s.mu.Lock()
+	for _, d := range ds {
+		if _, ok := s.first[string(d.Body)]; !ok {
+			s.first[string(d.Body)] = d
+		}
+	}
+	s.mu.Unlock()
+	return ds, err
+}
+
+func (s *recallSource) received(bodies ...string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range bodies {
+		if s.first[b] == nil {
+			return false
+		}
+	}
+	return true
+}
+
+// recall recalls the first deliveries of bodies, in the order given.
+func (s *recallSource) recall(bodies ...string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range bodies {
+		s.first[b].Recall()
+	}
+}
+
+// recallerSource is a recallSource that tells the runtime of its recalls
+// (adapters.Recaller).
+type recallerSource struct {
+	*recallSource
+	recalls chan struct{}
+}
+
+func (s *recallerSource) Recalls() <-chan struct{} { return s.recalls }
+
+func (s *recallerSource) recall(bodies ...string) {
+	s.recallSource.recall(bodies...)
+	select {
+	case s.recalls <- struct{}{}:
+	default:
+	}
+}
+
+// newRecallEnv publishes bodies to a queue "q", FIFO with group "a" or not,
+// and returns a recallSource on it.
+func newRecallEnv(t *testing.T, fifo bool, bodies ...string) (*memory.Broker, *recallSource) {
+	t.Helper()
+	b := memory.NewBroker()
+	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 2 * time.Second, FIFO: fifo}); err != nil {
+		t.Fatal(err)
+	}
+	for _, body := range bodies {
+		m := memory.Message{Body: []byte(body)}
+		if fifo {
+			m.Key = "a"
+		}
+		if err := b.Publish(context.Background(), "q", m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mem, err := b.Source("q", memory.WithPollWait(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b, &recallSource{nackRecorder: &nackRecorder{Source: mem}, first: map[string]*adapters.Delivery{}}
+}
+
+// slowFirst is a handler whose first delivery of slow blocks until release
+// is closed, and which records every effect in order.
+type slowFirst struct {
+	slow      string
+	started   chan struct{}
+	release   chan struct{}
+	cancelled atomic.Bool
+
+	mu   sync.Mutex
+	done []string
+}
+
+func newSlowFirst(slow string) *slowFirst {
+	return &slowFirst{slow: slow, started: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (h *slowFirst) handle(ctx context.Context, m *consumer.Message) error {
+	if string(m.Body) == h.slow && m.Attempt == 1 {
+		close(h.started)
+		select {
+		case <-h.release:
+		case <-ctx.Done():
+			h.cancelled.Store(true)
+			return ctx.Err()
+		}
+	}
+	h.mu.Lock()
+	h.done = append(h.done, string(m.Body))
+	h.mu.Unlock()
+	return nil
+}
+
+func (h *slowFirst) effects() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.done)
+}
+
+func acked(t *testing.T, b *memory.Broker, n int) func() bool {
+	return func() bool {
+		s, err := b.Stats("q")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.Acked == int64(n)
+	}
+}
+
+// Recalled deliveries queued behind a running one of their lane are given
+// back when the runtime reaches them, without running their handler; the
+// running one is not disturbed (its context stays alive) and its ack
+// counts; the lane's effects still happen in order once the given-back
+// messages come again.
+func TestRecallGivesBackQueuedJobsAndSparesTheRunningOne(t *testing.T) {
+	all := []string{"a1", "a2", "a3", "a4", "a5"}
+	b, src := newRecallEnv(t, true, all...)
+	h := newSlowFirst("a1")
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(4))
+	defer r.stop()
+	await(t, "a1's handler to start", h.started)
+	waitFor(t, "the whole group to be received", func() bool { return src.received(all...) })
+	src.recall("a5", "a4", "a3", "a2", "a1") // the latest first; a1 is running
+	if got := h.effects(); len(got) != 0 {
+		t.Fatalf("effects %v before a1 was released", got)
+	}
+	close(h.release)
+	waitFor(t, "every message acked", acked(t, b, len(all)))
+	if h.cancelled.Load() {
+		t.Error("the running handler's context was cancelled by a recall")
+	}
+	bodies, delays := src.nacked()
+	if !slices.Equal(bodies[:min(4, len(bodies))], []string{"a2", "a3", "a4", "a5"}) {
+		t.Errorf("nacked %v, want a2..a5 given back in order", bodies)
+	}
+	for i, d := range delays {
+		if d != 0 {
+			t.Errorf("nack %d of %s asked for a %v delay, want 0", i, bodies[i], d)
+		}
+	}
+	if got := h.effects(); !slices.Equal(got, all) {
+		t.Errorf("effects %v, want %v: each once, in order", got, all)
+	}
+}
+
+// With a source that reports its recalls (adapters.Recaller), the recalled
+// jobs queued behind a running one of their lane are given back at once,
+// while it still runs, not when it ends.
+func TestRecallerGivesBackQueuedJobsWhileTheLanesJobRuns(t *testing.T) {
+	all := []string{"a1", "a2", "a3", "a4", "a5"}
+	b, inner := newRecallEnv(t, true, all...)
+	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	h := newSlowFirst("a1")
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(4))
+	defer r.stop()
+	await(t, "a1's handler to start", h.started)
+	waitFor(t, "the whole group to be received", func() bool { return inner.received(all...) })
+	src.recall("a5", "a4", "a3", "a2", "a1")
+	waitFor(t, "a2..a5 to be given back while a1 runs", func() bool {
+		bodies, _ := inner.nacked()
+		return len(bodies) == 4
+	})
+	if bodies, _ := inner.nacked(); !slices.Equal(bodies, []string{"a2", "a3", "a4", "a5"}) {
+		t.Fatalf("nacked %v, want a2..a5 in order", bodies)
+	}
+	if got := h.effects(); len(got) != 0 {
+		t.Fatalf("effects %v before a1 was released", got)
+	}
+	close(h.release)
+	waitFor(t, "every message acked", acked(t, b, len(all)))
+	if h.cancelled.Load() {
+		t.Error("the running handler's context was cancelled by a recall")
+	}
+	if got := h.effects(); !slices.Equal(got, all) {
+		t.Errorf("effects %v, want %v: each once, in order", got, all)
+	}
+}
+
+// Unordered jobs waiting for a worker (all of them busy) are given back at
+// once when recalled, with a source that reports its recalls.
+func TestRecallerGivesBackJobsWaitingForAWorker(t *testing.T) {
+	all := []string{"m1", "m2", "m3", "m4"}
+	b, inner := newRecallEnv(t, false, all...)
+	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	h := newSlowFirst("m1")
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(1))
+	defer r.stop()
+	await(t, "m1's handler to start", h.started)
+	waitFor(t, "every message to be received", func() bool { return inner.received(all...) })
+	src.recall("m2", "m3", "m4")
+	waitFor(t, "m2..m4 to be given back while m1 runs", func() bool {
+		bodies, _ := inner.nacked()
+		return len(bodies) >= 3
+	})
+	if bodies, _ := inner.nacked(); !slices.Equal(slices.Sorted(slices.Values(bodies)), []string{"m2", "m3", "m4"}) {
+		t.Fatalf("nacked %v, want m2, m3 and m4", bodies)
+	}
+	if got := h.effects(); len(got) != 0 {
+		t.Fatalf("effects %v before m1 was released", got)
+	}
+	close(h.release)
+	waitFor(t, "every message acked", acked(t, b, len(all)))
+	if got := h.effects(); len(got) != len(all) {
+		t.Errorf("effects %v, want each of %v once", got, all)
+	}
+}
+
+// A delivery recalled while a retry of it waits in place for its backoff
+// (an hour here) is given back at once: no handler runs meanwhile. The lane
+// goes on, and its effects happen in order.
+func TestRecallEndsARetryWaitingInPlace(t *testing.T) {
+	b, src := newRecallEnv(t, true, "a1", "a2")
+	failed := make(chan struct{})
+	var mu sync.Mutex
+	var done []string
+	h := func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "a1" && m.Attempt == 1 {
+			close(failed)
+			return errors.New("not yet")
+		}
+		mu.Lock()
+		done = append(done, fmt.Sprintf("%s#%d", m.Body, m.Attempt))
+		mu.Unlock()
+		return nil
+	}
+	r := runOn(t, src, h, consumer.WithConcurrency(2),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 5, Backoff: consumer.ConstantBackoff(time.Hour)}))
+	defer r.stop()
+	await(t, "a1's first attempt to fail", failed)
+	waitFor(t, "a1 and a2 to be received", func() bool { return src.received("a1", "a2") })
+	src.recall("a2", "a1")
+	waitFor(t, "both messages acked", acked(t, b, 2))
+	bodies, delays := src.nacked()
+	if !slices.Equal(bodies, []string{"a1", "a2"}) || !slices.Equal(delays, []time.Duration{0, 0}) {
+		t.Errorf("nacked %v with delays %v, want a1 and a2 given back at once", bodies, delays)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(done, []string{"a1#2", "a2#2"}) {
+		t.Errorf("effects %v, want a1 then a2, each redelivered once", done)
+	}
+}
