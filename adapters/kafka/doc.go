@@ -75,10 +75,18 @@
 //
 // # Rebalances
 //
-// On revoke the Source stops handing out the partition's records, lets its
-// in-flight handlers run for up to [WithRevokeDrain] (10s by default), then
-// cancels the rest (their contexts end with cause [adapters.ErrRevoked]),
-// fences the assignment and commits its done prefix synchronously. After the
+// On revoke the Source stops handing out the partition's records and
+// recalls those already handed out ([adapters.Delivery.Recall], the latest
+// first; the Source is an [adapters.Recaller]): the runtime gives back at
+// once every one whose handler has not started (queued behind the running
+// record of its lane, waiting for a worker, or waiting in place for a
+// retry), and a given-back record is not done, so the commit stops before
+// it. The revoke then waits, for up to [WithRevokeDrain] (10s by default),
+// only for the handlers actually running, acks what they finish, cancels
+// the rest (their contexts end with cause [adapters.ErrRevoked]), fences the
+// assignment and commits its done prefix synchronously. A backlog of
+// records therefore costs a rebalance nothing: the partition's new owner
+// runs them. After the
 // fence nothing of that assignment is marked or committed: a completion that
 // arrives late is refused with ErrRevoked, and the partition's new owner runs
 // the record. Lost partitions (a fatal group error) are fenced without a

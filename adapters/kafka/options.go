@@ -223,9 +223,11 @@ func WithMaxInFlight(n int) Option {
 	}
 }
 
-// WithRevokeDrain sets how long a revoked partition's in-flight handlers may
+// WithRevokeDrain sets how long a revoked partition's running handlers may
 // run on before their contexts are cancelled (with adapters.ErrRevoked) and
-// the partition's done prefix is committed. Keep it well below the group's
+// the partition's done prefix is committed. Records handed out whose
+// handlers have not started are recalled and given back at once, so the
+// drain waits for the running ones only. Keep it well below the group's
 // rebalance timeout (kgo.RebalanceTimeout, 60s by default): the rebalance
 // waits for it. Default 10s.
 func WithRevokeDrain(d time.Duration) Option {

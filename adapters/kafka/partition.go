@@ -146,6 +146,25 @@ func (p *partition) eachHeld(fn func(h *held)) {
 	}
 }
 
+// recallHeld recalls every handed-out delivery, the last handed out first,
+// and reports whether there was any. Called under Source.mu with draining
+// set, so nothing is handed out meanwhile. Latest first, because the runtime
+// gives a lane's recalled records back as it reaches them, in order: had an
+// earlier record been recalled first, the runtime could give it back and
+// start a later one not yet recalled, which would then run before the
+// earlier one's redelivery. A nack of a recalled record leaves it not done,
+// so the revoke's commit stops before it.
+func (p *partition) recallHeld() bool {
+	found := false
+	for i := len(p.out) - 1; i >= p.outHead; i-- {
+		if h := p.out[i]; h != nil {
+			h.d.Recall()
+			found = true
+		}
+	}
+	return found
+}
+
 // dropHeld forgets every handed-out delivery, appending them to lose.
 func (p *partition) dropHeld(lose []*held) []*held {
 	for _, h := range p.out[p.outHead:] {

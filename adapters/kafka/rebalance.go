@@ -65,14 +65,17 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 	return nil
 }
 
-// onRevoked stops handing out the revoked partitions, lets their in-flight
-// records finish for up to the revoke drain, gives up the rest (their
-// contexts are cancelled with adapters.ErrRevoked), fences the partitions and
-// commits their done prefixes synchronously.
+// onRevoked stops handing out the revoked partitions, recalls their
+// handed-out records (the runtime gives back at once those whose handlers
+// have not started), lets the running ones finish for up to the revoke
+// drain, gives up the rest (their contexts are cancelled with
+// adapters.ErrRevoked), fences the partitions and commits their done
+// prefixes synchronously.
 func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
 	s.mu.Lock()
 	ps := s.partitionsLocked(revoked)
 	var waits []chan struct{}
+	recalled := false
 	for _, p := range ps {
 		p.draining = true
 		s.dropBacklogLocked(p)
@@ -80,8 +83,15 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 			p.drained = make(chan struct{})
 			waits = append(waits, p.drained)
 		}
+		recalled = p.recallHeld() || recalled
 	}
 	s.mu.Unlock()
+	if recalled {
+		select {
+		case s.recalls <- struct{}{}:
+		default: // a signal is pending: the runtime looks at them all
+		}
+	}
 	// Paused partitions stay paused across rebalances in franz-go: a
 	// partition paused now and assigned back later would never be fetched.
 	// Resumed once draining is set: nothing pauses a draining partition.

@@ -66,8 +66,10 @@ type Source struct {
 	stopLag  context.CancelFunc
 	// commitSoon asks the commit loop to commit before its next tick.
 	commitSoon chan struct{}
-	closeErr   error
-	once       sync.Once
+	// recalls is signalled when a revoke recalled deliveries (see Recalls).
+	recalls  chan struct{}
+	closeErr error
+	once     sync.Once
 }
 
 const heldSlab = 64
@@ -106,6 +108,7 @@ func NewSource(opts ...Option) (*Source, error) {
 		loopDone:   make(chan struct{}),
 		lagDone:    make(chan struct{}),
 		commitSoon: make(chan struct{}, 1),
+		recalls:    make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
 	}
 	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
@@ -147,6 +150,12 @@ func NewSource(opts ...Option) (*Source, error) {
 // Client returns the franz-go client, for admin calls and inspection. Do not
 // poll, commit or close it: the Source owns those.
 func (s *Source) Client() *kgo.Client { return s.cl }
+
+// Recalls implements adapters.Recaller: it is signalled when a revoke
+// recalled the records of its partitions that were handed out (see
+// onRevoked), so that the runtime gives back at once those that have not
+// started.
+func (s *Source) Recalls() <-chan struct{} { return s.recalls }
 
 // Capabilities implements adapters.Source.
 func (s *Source) Capabilities() adapters.Capabilities {
