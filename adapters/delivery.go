@@ -63,20 +63,40 @@ type Delivery struct {
 	lost   error
 	lostAt time.Time
 	onLost func(error)
-	lostCh chan struct{}
-	// isLost is set, under mu, once lost is: the runtime asks LostCause
-	// several times per message, and nearly always of a held delivery, which
-	// an atomic load answers without the lock. (Beside settled, it takes
-	// no room of its own: a Delivery stays in its allocation size class.)
-	isLost  atomic.Bool
-	settled bool
-	// recalled is set by Recall. An atomic beside the mutex: the runtime
-	// reads it for every job it is about to start. It fits in the padding
-	// after settled.
-	recalled atomic.Bool
-	// recallCh is closed by Recall once made (by RecallSignal); guarded by
-	// mu, as is the store to recalled that goes with closing it.
-	recallCh chan struct{}
+	// signals holds the channels Lost and RecallSignal hand out, made when
+	// first asked for: most deliveries never need one. Guarded by mu.
+	signals *deliverySignals
+	// flags holds flagLost, flagRecalled and flagSettled: set under mu,
+	// read without it. The runtime asks whether a delivery is lost or
+	// recalled several times per message, nearly always of one that is
+	// neither, which an atomic load answers without the lock. (One word for
+	// all three keeps a Delivery in its allocation size class.)
+	flags atomic.Uint32
+}
+
+// deliverySignals are a Delivery's channels, made on demand.
+type deliverySignals struct {
+	lost   chan struct{} // closed by Lose
+	recall chan struct{} // closed by Recall
+}
+
+const (
+	flagLost uint32 = 1 << iota
+	flagRecalled
+	flagSettled
+)
+
+// setFlag sets f; called with mu held.
+func (d *Delivery) setFlag(f uint32) { d.flags.Or(f) }
+
+func (d *Delivery) hasFlag(f uint32) bool { return d.flags.Load()&f != 0 }
+
+// signalsLocked returns d's channels, making them; called with mu held.
+func (d *Delivery) signalsLocked() *deliverySignals {
+	if d.signals == nil {
+		d.signals = &deliverySignals{}
+	}
+	return d.signals
 }
 
 // Lose marks the delivery as no longer ackable by this consumer and says why.
@@ -93,11 +113,11 @@ func (d *Delivery) Lose(cause error) {
 	}
 	d.lost = cause
 	d.lostAt = time.Now()
-	d.isLost.Store(true)
+	d.setFlag(flagLost)
 	fn := d.onLost
 	d.onLost = nil
-	if d.lostCh != nil {
-		close(d.lostCh)
+	if d.signals != nil && d.signals.lost != nil {
+		close(d.signals.lost)
 	}
 	d.mu.Unlock()
 	if fn != nil {
@@ -108,7 +128,7 @@ func (d *Delivery) Lose(cause error) {
 // LostCause returns the cause given to Lose, or nil while the delivery is
 // still held.
 func (d *Delivery) LostCause() error {
-	if !d.isLost.Load() {
+	if !d.hasFlag(flagLost) {
 		return nil
 	}
 	d.mu.Lock()
@@ -131,13 +151,14 @@ func (d *Delivery) LostAt() time.Time {
 func (d *Delivery) Lost() <-chan struct{} {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.lostCh == nil {
-		d.lostCh = make(chan struct{})
+	sig := d.signalsLocked()
+	if sig.lost == nil {
+		sig.lost = make(chan struct{})
 		if d.lost != nil {
-			close(d.lostCh)
+			close(sig.lost)
 		}
 	}
-	return d.lostCh
+	return sig.lost
 }
 
 // OnLost registers fn to run (once, on the goroutine that calls Lose) when the
@@ -183,14 +204,14 @@ func (d *Delivery) OnLost(fn func(error)) {
 // implement [Recaller], so that the runtime gives back at once the recalled
 // deliveries that wait for a worker or behind a running job of their lane.
 func (d *Delivery) Recall() {
-	if d.recalled.Load() {
+	if d.hasFlag(flagRecalled) {
 		return
 	}
 	d.mu.Lock()
-	if !d.recalled.Load() {
-		d.recalled.Store(true)
-		if d.recallCh != nil {
-			close(d.recallCh)
+	if !d.hasFlag(flagRecalled) {
+		d.setFlag(flagRecalled)
+		if d.signals != nil && d.signals.recall != nil {
+			close(d.signals.recall)
 		}
 	}
 	d.mu.Unlock()
@@ -198,36 +219,33 @@ func (d *Delivery) Recall() {
 
 // Recalled reports whether Recall was called. It is a single atomic load,
 // cheap enough to check per job.
-func (d *Delivery) Recalled() bool { return d.recalled.Load() }
+func (d *Delivery) Recalled() bool { return d.hasFlag(flagRecalled) }
 
 // RecallSignal returns a channel closed when Recall is called (closed
 // already if it was). The runtime selects on it while a retry waits in place.
 func (d *Delivery) RecallSignal() <-chan struct{} {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.recallCh == nil {
-		d.recallCh = make(chan struct{})
-		if d.recalled.Load() {
-			close(d.recallCh)
+	sig := d.signalsLocked()
+	if sig.recall == nil {
+		sig.recall = make(chan struct{})
+		if d.hasFlag(flagRecalled) {
+			close(sig.recall)
 		}
 	}
-	return d.recallCh
+	return sig.recall
 }
 
 // MarkSettled records that the adapter disposed of the delivery itself (for
 // example a native dead-letter reject), so the runtime must not ack it.
 func (d *Delivery) MarkSettled() {
 	d.mu.Lock()
-	d.settled = true
+	d.setFlag(flagSettled)
 	d.mu.Unlock()
 }
 
 // Settled reports whether MarkSettled was called.
-func (d *Delivery) Settled() bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.settled
-}
+func (d *Delivery) Settled() bool { return d.hasFlag(flagSettled) }
 
 // As sets *target to the native message when target is a non-nil pointer to a
 // type the native message is assignable to, and reports whether it did.
