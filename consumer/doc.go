@@ -66,6 +66,12 @@
 // which the adapter would refuse: the delivery is settled lost, and the
 // broker or the partition's new owner delivers it again.
 //
+// A handler's context is built when the handler first asks for its Done
+// channel or its cause, or derives a context from it; until then its Err
+// is answered from the delivery's state, so a handler that never looks at
+// its context costs no allocation for it. Either way it is cancelled once
+// the attempt ends: a goroutine the handler left running sees that.
+//
 // # Concurrency and order
 //
 // [WithConcurrency] handlers run at once. Deliveries the adapter marks with an
