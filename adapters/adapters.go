@@ -115,8 +115,10 @@ type Capabilities struct {
 	// per receive). Zero means no cap.
 	MaxLeaseAge time.Duration
 
-	// NackDelay reports whether Nack honours redeliverAfter. When false the
-	// runtime retries in place.
+	// NackDelay reports whether Nack honours redeliverAfter. When false,
+	// or when CountsDeliveries is false (a redelivery would start counting
+	// attempts again, so MaxAttempts would never be reached), the runtime
+	// retries in place.
 	NackDelay bool
 
 	// CountsDeliveries reports whether Delivery.Attempt comes from the broker

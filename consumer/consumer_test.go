@@ -251,6 +251,48 @@ func TestPanicsDeadLetterWithTheirValue(t *testing.T) {
 	}
 }
 
+// uncountedSource is a memory source whose broker, as far as the runtime
+// can tell, delays redelivery but does not count deliveries: every delivery
+// reports a first attempt.
+type uncountedSource struct{ *memory.Source }
+
+func (s uncountedSource) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.CountsDeliveries = false
+	return c
+}
+
+func (s uncountedSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	ds, err := s.Source.Receive(ctx, max)
+	for _, d := range ds {
+		d.Attempt = 1
+	}
+	return ds, err
+}
+
+// Where the broker delays redelivery but counts no deliveries, a message that
+// always fails still reaches MaxAttempts and the dead-letter destination: the
+// runtime retries it in place, counting the attempts itself, instead of
+// nacking it into redeliveries that each look like a first attempt.
+func TestPoisonLeavesTheStreamWhereTheBrokerCountsNoDeliveries(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("poison")
+	var calls atomic.Int32
+	r := runOn(t, uncountedSource{e.source()}, func(ctx context.Context, m *consumer.Message) error {
+		calls.Add(1)
+		return errors.New("always fails")
+	}, fastRetry(3), consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "the poison message dead-lettered", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	if n := calls.Load(); n != 3 {
+		t.Errorf("handler ran %d times, want MaxAttempts (3)", n)
+	}
+	ms, _ := e.b.Messages("dlq")
+	if got := ms[0].Headers[adapters.HeaderAttempts]; got != "3" {
+		t.Errorf("attempts header %q, want 3", got)
+	}
+}
+
 // panickyError is an error whose Error method panics.
 type panickyError struct{}
 

@@ -31,10 +31,12 @@
 // a millisecond, whatever the backoff, RetryAfter or Defer asks for. Where
 // the broker can redeliver after a delay (SQS visibility, RabbitMQ, the
 // memory broker), the message is given back with that delay and no worker
-// waits. Where it cannot (Kafka), or where the message belongs to an ordered
-// lane (whose order a redelivery could break), the worker waits in place
-// with the lease kept alive. Attempts are counted by the broker where it
-// counts deliveries, otherwise by the runtime.
+// waits. Where it cannot (Kafka), where the message belongs to an ordered
+// lane (whose order a redelivery could break), or where the broker counts no
+// deliveries (each redelivery would look like a first attempt, and
+// MaxAttempts would never be reached), the worker waits in place with the
+// lease kept alive. Attempts are counted by the broker where it counts
+// deliveries, otherwise by the runtime.
 //
 // # Dead letters
 //

@@ -99,7 +99,7 @@ func (r *run) process(j *job) {
 			r.giveBack(j, delay)
 			return
 		}
-		if r.c.caps.NackDelay && j.lane == "" {
+		if r.retriesByNack(j) {
 			// The broker holds the message for the delay; no worker waits.
 			r.nack(j, delay, outcomeRetried)
 			return
@@ -171,7 +171,7 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			r.giveBack(j, delay)
 			return true
 		}
-		if r.c.caps.NackDelay && j.lane == "" {
+		if r.retriesByNack(j) {
 			r.nack(j, delay, outcomeRetried)
 			return true
 		}
@@ -399,6 +399,16 @@ func (r *run) nack(j *job, delay time.Duration, outcome string) {
 func (r *run) nackFailed(j *job, err error) {
 	r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
 		"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+}
+
+// retriesByNack reports whether j's next attempt should wait at the broker
+// (a nack with the delay) rather than in place. It needs delayed redelivery,
+// and a delivery count that survives it: without one, the redelivery would
+// come back as a first attempt, and a message that always fails would never
+// reach MaxAttempts and never leave the stream. Jobs of a lane wait in place,
+// so that the lane keeps its order.
+func (r *run) retriesByNack(j *job) bool {
+	return r.c.caps.NackDelay && r.c.caps.CountsDeliveries && j.lane == ""
 }
 
 // giveBack returns a failed delivery during shutdown, keeping its backoff
