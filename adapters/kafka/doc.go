@@ -86,10 +86,9 @@
 // the rest (their contexts end with cause [adapters.ErrRevoked]), fences the
 // assignment and commits its done prefix synchronously. A backlog of
 // records therefore costs a rebalance nothing: the partition's new owner
-// runs them. After the
-// fence nothing of that assignment is marked or committed: a completion that
-// arrives late is refused with ErrRevoked, and the partition's new owner runs
-// the record. Lost partitions (a fatal group error) are fenced without a
+// runs them. After the fence nothing of that assignment is marked or
+// committed: a completion that arrives late is refused with ErrRevoked, and
+// the partition's new owner runs the record. Lost partitions (a fatal group error) are fenced without a
 // commit. Polls block rebalances only between a poll and the moment its
 // records are booked under their epoch (franz-go's BlockRebalanceOnPoll,
 // released at once; concurrent Receive calls poll one at a time, since
