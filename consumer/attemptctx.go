@@ -30,8 +30,11 @@ type attemptContext struct {
 	// whose context was never built ends with one compare-and-swap.
 	state atomic.Int32
 
-	mu   sync.Mutex // held while building real
-	real atomic.Pointer[builtContext]
+	mu sync.Mutex // held while building real
+	// real points to built once it is set: written before the pointer is
+	// stored, read after it is loaded, so without the lock.
+	real  atomic.Pointer[builtContext]
+	built builtContext
 }
 
 const (
@@ -116,7 +119,8 @@ func (a *attemptContext) build() *builtContext {
 		parent = context.WithoutCancel(parent)
 	}
 	ctx, cancel := context.WithCancelCause(parent)
-	b := &builtContext{ctx: ctx, cancel: cancel}
+	a.built = builtContext{ctx: ctx, cancel: cancel}
+	b := &a.built
 	if a.state.CompareAndSwap(attemptFresh, attemptBuilt) {
 		a.d.OnLost(cancel) // calls cancel at once if the delivery is lost
 	} else {

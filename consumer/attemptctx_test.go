@@ -192,3 +192,26 @@ func TestAttemptContextUnusedAllocatesNothing(t *testing.T) {
 		t.Fatalf("an unused attempt context allocated %v times, want 0", allocs)
 	}
 }
+
+// A handler that asks for its context's Done pays for the cancellable
+// context it builds, and for nothing more.
+func TestAttemptContextBuiltAllocatesOnlyTheCancelContext(t *testing.T) {
+	parent, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	d := &adapters.Delivery{ID: "m"}
+	var a attemptContext
+	allocs := testing.AllocsPerRun(100, func() {
+		a = attemptContext{}
+		ac := startAttempt(&a, parent, d)
+		_ = ac.Done()
+		ac.end()
+	})
+	plain := testing.AllocsPerRun(100, func() {
+		ctx, c := context.WithCancelCause(parent)
+		_ = ctx.Done()
+		c(nil)
+	})
+	if allocs > plain {
+		t.Fatalf("building an attempt context allocated %v times, a plain context.WithCancelCause %v", allocs, plain)
+	}
+}
