@@ -26,8 +26,9 @@ type attemptContext struct {
 	parent context.Context
 	d      *adapters.Delivery
 	// state moves from attemptFresh to attemptBuilt (build) or
-	// attemptEnded (end), and from attemptBuilt to attemptEnded. An attempt
-	// whose context was never built ends with one compare-and-swap.
+	// attemptEnded or attemptEndedLost (end), and from attemptBuilt to
+	// attemptEnded. An attempt whose context was never built ends with one
+	// compare-and-swap.
 	state atomic.Int32
 
 	mu sync.Mutex // held while building real
@@ -41,6 +42,10 @@ const (
 	attemptFresh int32 = iota
 	attemptBuilt
 	attemptEnded
+	// attemptEndedLost is attemptEnded for an attempt that ended unbuilt
+	// after its delivery was lost: a context built afterwards reports the
+	// loss as its cause, as it would have had it been built before.
+	attemptEndedLost
 )
 
 type builtContext struct {
@@ -88,7 +93,11 @@ func startAttempt(a *attemptContext, parent context.Context, d *adapters.Deliver
 // end cancels the attempt's context: a handler may have handed it to work
 // that outlives the attempt.
 func (a *attemptContext) end() {
-	if a.state.CompareAndSwap(attemptFresh, attemptEnded) {
+	ended := attemptEnded
+	if a.d.LostCause() != nil {
+		ended = attemptEndedLost
+	}
+	if a.state.CompareAndSwap(attemptFresh, ended) {
 		return // never built: nothing registered, nothing to cancel
 	}
 	// Built, or being built: the lock waits for real to be stored.
@@ -124,7 +133,12 @@ func (a *attemptContext) build() *builtContext {
 	if a.state.CompareAndSwap(attemptFresh, attemptBuilt) {
 		a.d.OnLost(cancel) // calls cancel at once if the delivery is lost
 	} else {
-		cancel(nil) // the attempt ended first
+		// The attempt ended first; after a loss, which is then the cause.
+		var cause error
+		if a.state.Load() == attemptEndedLost {
+			cause = a.d.LostCause()
+		}
+		cancel(cause)
 	}
 	a.real.Store(b)
 	return b
@@ -138,7 +152,7 @@ func (a *attemptContext) Err() error {
 	if b := a.real.Load(); b != nil {
 		return b.ctx.Err()
 	}
-	if a.state.Load() == attemptEnded || a.d.LostCause() != nil {
+	if a.state.Load() >= attemptEnded || a.d.LostCause() != nil {
 		// Built now, Done would be closed at once.
 		return context.Canceled
 	}
