@@ -179,6 +179,10 @@ type run struct {
 	heads   []*job            // the receiver's scratch for dispatchLaned
 
 	spanName string
+
+	// recalledOnArrival wakes the recall loop (see recall.go); nil when the
+	// source reports no recalls.
+	recalledOnArrival chan struct{}
 }
 
 // job is one held delivery.
@@ -340,6 +344,7 @@ func (r *run) receive(ctx context.Context) error {
 		r.credit.release(n - len(ds))
 		if len(ds) > 0 {
 			r.accept(ds)
+			r.noteRecalledOnArrival(ds)
 		}
 		if err != nil {
 			if ctx.Err() != nil {

@@ -16,9 +16,29 @@ func (r *run) startRecalls() (stop func()) {
 		return func() {}
 	}
 	recalls := rc.Recalls()
+	r.recalledOnArrival = make(chan struct{}, 1)
 	stopCh, done := make(chan struct{}), make(chan struct{})
 	go func() { defer close(done); r.recallLoop(recalls, stopCh) }()
 	return func() { close(stopCh); <-done }
+}
+
+// noteRecalledOnArrival wakes recallLoop when a delivery of ds, just
+// queued, was recalled already: the adapter recalled it after handing it
+// out and before the runtime queued it, so the scan its signal started may
+// have missed it, and with every worker busy it would wait for one.
+func (r *run) noteRecalledOnArrival(ds []*adapters.Delivery) {
+	if r.recalledOnArrival == nil {
+		return
+	}
+	for _, d := range ds {
+		if d.Recalled() {
+			select {
+			case r.recalledOnArrival <- struct{}{}:
+			default:
+			}
+			return
+		}
+	}
 }
 
 // recallLoop gives back recalled waiting jobs each time the source reports
@@ -30,6 +50,8 @@ func (r *run) recallLoop(recalls <-chan struct{}, stop <-chan struct{}) {
 		case <-stop:
 			return
 		case <-recalls:
+			r.releaseRecalled()
+		case <-r.recalledOnArrival:
 			r.releaseRecalled()
 		}
 	}

@@ -279,3 +279,57 @@ func TestRecallEndsARetryWaitingInPlace(t *testing.T) {
 		t.Errorf("effects %v, want a1 then a2, each redelivered once", done)
 	}
 }
+
+// lateRecallSource hands out its first delivery alone, and every later one
+// already recalled, signalling the recall before handing it out: the
+// deliveries an adapter recalls between handing them out and the runtime
+// queueing them, which the runtime's scan for that signal finds nowhere.
+type lateRecallSource struct {
+	*nackRecorder
+	recalls chan struct{}
+	calls   atomic.Int32
+}
+
+func (s *lateRecallSource) Recalls() <-chan struct{} { return s.recalls }
+
+func (s *lateRecallSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	call := s.calls.Add(1)
+	if call == 1 {
+		return s.nackRecorder.Receive(ctx, 1)
+	}
+	ds, err := s.nackRecorder.Receive(ctx, max)
+	if call > 2 || len(ds) == 0 {
+		return ds, err // the redeliveries are not recalled
+	}
+	for _, d := range ds {
+		d.Recall()
+	}
+	select {
+	case s.recalls <- struct{}{}:
+	default:
+	}
+	time.Sleep(10 * time.Millisecond) // let the scan run, and miss them
+	return ds, err
+}
+
+// Deliveries found recalled when the runtime accepts them are given back at
+// once, even with every worker busy: the source's signal came before they
+// were queued, so its scan could not find them.
+func TestRecalledOnArrivalAreGivenBackWhileWorkersAreBusy(t *testing.T) {
+	all := []string{"m1", "m2", "m3", "m4"}
+	b, inner := newRecallEnv(t, false, all...)
+	src := &lateRecallSource{nackRecorder: inner.nackRecorder, recalls: make(chan struct{}, 1)}
+	h := newSlowFirst("m1")
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(1))
+	defer r.stop()
+	await(t, "m1's handler to start", h.started)
+	waitFor(t, "m2..m4 to be given back while m1 runs", func() bool {
+		bodies, _ := inner.nacked()
+		return len(bodies) >= 3
+	})
+	if got := h.effects(); len(got) != 0 {
+		t.Fatalf("effects %v before m1 was released", got)
+	}
+	close(h.release)
+	waitFor(t, "every message acked", acked(t, b, len(all)))
+}
