@@ -28,7 +28,7 @@ func New(store Store, opts ...Option) (consumer.Middleware, error) {
 	if err := c.fill(); err != nil {
 		return nil, err
 	}
-	m, err := dupmetrics.New(c.meter, scope)
+	m, err := dupmetrics.New(c.meter, scope, c.name)
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: creating metrics: %w", err)
 	}
@@ -57,7 +57,7 @@ type guard struct {
 func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	key := g.cfg.keyFunc(msg)
 	if key == "" {
-		g.m.MissingKeys.Add(ctx, 1)
+		g.m.MissingKeys.Add(ctx, 1, g.m.Plain)
 		return consumer.Permanent(ErrNoKey)
 	}
 	var fp string
@@ -77,7 +77,7 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	}
 	switch {
 	case errors.Is(err, ErrFingerprintMismatch):
-		g.m.Mismatches.Add(ctx, 1)
+		g.m.Mismatches.Add(ctx, 1, g.m.Plain)
 		return consumer.Permanent(err)
 	case errors.Is(err, ErrUnstorableKey):
 		return consumer.Permanent(err)

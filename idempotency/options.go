@@ -25,6 +25,7 @@ type config struct {
 	overlapDelay time.Duration
 	storeTimeout time.Duration
 	meter        metric.MeterProvider
+	name         string
 	logger       *slog.Logger
 }
 
@@ -146,6 +147,18 @@ func WithStoreTimeout(d time.Duration) Option {
 			return fmt.Errorf("idempotency: WithStoreTimeout(%v): must be positive", d)
 		}
 		c.storeTimeout = d
+		return nil
+	}
+}
+
+// WithName sets the custody.consumer attribute of the middleware's metrics,
+// so that they join the consumer's own (and two consumers in one process
+// count their duplicates apart): pass the name given to consumer.WithName
+// (or the adapter's default, such as "sqs:orders"). Default none: the
+// attribute is left out.
+func WithName(name string) Option {
+	return func(c *config) error {
+		c.name = name
 		return nil
 	}
 }

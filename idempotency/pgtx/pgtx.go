@@ -55,6 +55,7 @@ type config struct {
 	txOptions    pgx.TxOptions
 	overlapDelay time.Duration
 	meter        metric.MeterProvider
+	name         string
 }
 
 // WithTable names the processed-keys table ("name" or "schema.name").
@@ -140,6 +141,17 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 	}
 }
 
+// WithName sets the custody.consumer attribute of the helper's metrics, so
+// that they join the consumer's own: pass the name given to
+// consumer.WithName (or the adapter's default, such as "kafka:orders").
+// Default none: the attribute is left out.
+func WithName(name string) Option {
+	return func(c *config) error {
+		c.name = name
+		return nil
+	}
+}
+
 // WithMeterProvider sets where duplicates are counted (the same metric names
 // as the idempotency middleware; a failed BEGIN or claim statement counts as
 // a store error with op "claim"). Default otel.GetMeterProvider().
@@ -173,7 +185,7 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	if c.meter == nil {
 		c.meter = otel.GetMeterProvider()
 	}
-	m, err := dupmetrics.New(c.meter, "github.com/custody-go/custody/idempotency/pgtx")
+	m, err := dupmetrics.New(c.meter, "github.com/custody-go/custody/idempotency/pgtx", c.name)
 	if err != nil {
 		return nil, fmt.Errorf("pgtx: creating metrics: %w", err)
 	}
@@ -213,7 +225,7 @@ WHERE key IN (
 func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	key := h.cfg.keyFunc(m)
 	if key == "" {
-		h.m.MissingKeys.Add(ctx, 1)
+		h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
 		return consumer.Permanent(idempotency.ErrNoKey)
 	}
 	var fp string
@@ -255,7 +267,7 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 				return fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err)
 			}
 			if old != "" && old != fp {
-				h.m.Mismatches.Add(ctx, 1)
+				h.m.Mismatches.Add(ctx, 1, h.m.Plain)
 				return consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key))
 			}
 		}

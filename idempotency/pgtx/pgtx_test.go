@@ -447,3 +447,23 @@ func TestCancelledDeliveryIsNoStoreError(t *testing.T) {
 		t.Fatal("a cancelled claim left rows behind")
 	}
 }
+
+// With WithName, the duplicates and refusals carry the consumer's name as
+// custody.consumer, as the runtime's metrics do.
+func TestMetricsCarryTheConsumerName(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, f.insertEffect, pgtx.WithName("orders"))
+	ctx := context.Background()
+	for range 2 {
+		if err := h.Handle(ctx, msg("m-1", "a")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = h.Handle(ctx, msg("", "no key"))
+	if got := f.count(t, idempotency.MetricDuplicates, "custody.consumer", "orders"); got != 1 {
+		t.Errorf("duplicates named orders = %d, want 1", got)
+	}
+	if got := f.count(t, idempotency.MetricMissingKeys, "custody.consumer", "orders"); got != 1 {
+		t.Errorf("missing keys named orders = %d, want 1", got)
+	}
+}

@@ -4,6 +4,8 @@
 package dupmetrics
 
 import (
+	"slices"
+
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 )
@@ -22,12 +24,17 @@ const (
 type Set struct {
 	Duplicates, ClaimsLost, Mismatches, MissingKeys, StoreErrors metric.Int64Counter
 
+	// Plain is for the counters that take no attribute of their own: it
+	// carries only the consumer's name, if any.
+	Plain                                    metric.AddOption
 	Sequential, Overlapping                  metric.AddOption
 	OpClaim, OpComplete, OpRelease, OpExtend metric.AddOption
 }
 
-// New creates the counters in the meter scope.
-func New(mp metric.MeterProvider, scope string) (*Set, error) {
+// New creates the counters in the meter scope. A consumer name, when not
+// empty, is added to every data point as custody.consumer, the attribute
+// the runtime's own metrics carry, so that the two join.
+func New(mp metric.MeterProvider, scope, consumer string) (*Set, error) {
 	m := mp.Meter(scope)
 	var (
 		s   Set
@@ -49,9 +56,15 @@ func New(mp metric.MeterProvider, scope string) (*Set, error) {
 	if err != nil {
 		return nil, err
 	}
-	set := func(k, v string) metric.AddOption {
-		return metric.WithAttributeSet(attribute.NewSet(attribute.String(k, v)))
+	var base []attribute.KeyValue
+	if consumer != "" {
+		base = append(base, attribute.String("custody.consumer", consumer))
 	}
+	set := func(k, v string) metric.AddOption {
+		kvs := append(slices.Clone(base), attribute.String(k, v))
+		return metric.WithAttributeSet(attribute.NewSet(kvs...))
+	}
+	s.Plain = metric.WithAttributeSet(attribute.NewSet(base...))
 	s.Sequential = set("custody.duplicate.kind", "sequential")
 	s.Overlapping = set("custody.duplicate.kind", "overlapping")
 	s.OpClaim = set("custody.idempotency.op", "claim")
