@@ -91,6 +91,18 @@ func (d *Delivery) setFlag(f uint32) { d.flags.Or(f) }
 
 func (d *Delivery) hasFlag(f uint32) bool { return d.flags.Load()&f != 0 }
 
+// madeLocked returns *ch, made on the first call (closed at once if what it
+// signals happened already); called with mu held.
+func madeLocked(ch *chan struct{}, happened bool) chan struct{} {
+	if *ch == nil {
+		*ch = make(chan struct{})
+		if happened {
+			close(*ch)
+		}
+	}
+	return *ch
+}
+
 // signalsLocked returns d's channels, making them; called with mu held.
 func (d *Delivery) signalsLocked() *deliverySignals {
 	if d.signals == nil {
@@ -151,14 +163,7 @@ func (d *Delivery) LostAt() time.Time {
 func (d *Delivery) Lost() <-chan struct{} {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	sig := d.signalsLocked()
-	if sig.lost == nil {
-		sig.lost = make(chan struct{})
-		if d.lost != nil {
-			close(sig.lost)
-		}
-	}
-	return sig.lost
+	return madeLocked(&d.signalsLocked().lost, d.lost != nil)
 }
 
 // OnLost registers fn to run (once, on the goroutine that calls Lose) when the
@@ -226,14 +231,7 @@ func (d *Delivery) Recalled() bool { return d.hasFlag(flagRecalled) }
 func (d *Delivery) RecallSignal() <-chan struct{} {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	sig := d.signalsLocked()
-	if sig.recall == nil {
-		sig.recall = make(chan struct{})
-		if d.hasFlag(flagRecalled) {
-			close(sig.recall)
-		}
-	}
-	return sig.recall
+	return madeLocked(&d.signalsLocked().recall, d.hasFlag(flagRecalled))
 }
 
 // MarkSettled records that the adapter disposed of the delivery itself (for
