@@ -29,7 +29,8 @@ type Source interface {
 	// redeliverAfter (zero: as soon as the broker may). Adapters whose
 	// broker has no delayed redelivery report NackDelay=false in their
 	// Capabilities; the runtime then waits in place and only calls Nack with
-	// zero delay, to release deliveries at shutdown.
+	// zero delay, to give back deliveries it will not run (at shutdown,
+	// recalled, or behind a lost one of their lane).
 	Nack(ctx context.Context, ds []*Delivery, redeliverAfter time.Duration) error
 
 	// Capabilities describes what the broker offers. It is read once, when

@@ -190,8 +190,9 @@ func (d *Delivery) OnLost(fn func(error)) {
 // for the partition's handed-out records to be settled. The runtime checks
 // for a recall before each handler attempt (the first one and every retry in
 // place) and while a retry waits out its backoff; a recalled delivery that
-// is not running is nacked with no delay (counted as released), and the jobs
-// queued behind it in its lane then go the same way, each as it is reached.
+// is not running is nacked with no delay (counted as released), and the
+// recalled jobs queued behind it in its lane then go the same way, each as it
+// is reached.
 //
 // A handler already running is not disturbed: its context is not cancelled,
 // and its outcome is settled as usual (an ack still counts). Recall is no

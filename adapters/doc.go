@@ -20,12 +20,13 @@
 //
 // Every Delivery can be lost: its lease expired and another consumer took it,
 // its channel closed, its partition was revoked. The adapter calls
-// [Delivery.Lose] with a cause as soon as it knows; the runtime has wired the
-// handler's context to that call, so the handler sees ctx.Done() with
-// [context.Cause] explaining why. A handler that still returns nil gets its
-// ack sent: the adapter refuses it where it can tell (a fenced partition, a
-// dead channel), and the broker may ignore it (SQS with a stale receipt
-// handle). Either way nothing is lost; the message may be redelivered.
+// [Delivery.Lose] with a cause as soon as it knows; the runtime wires the
+// handler's context to that call (once the handler asks for its Done channel
+// or cause), so the handler sees ctx.Done() with [context.Cause] explaining
+// why. A handler that still returns nil gets its ack sent: the adapter
+// refuses it where it can tell (a fenced partition, a dead channel), and the
+// broker may ignore it (SQS with a stale receipt handle). Either way nothing
+// is lost; the message may be redelivered.
 //
 // # Recalling a delivery
 //

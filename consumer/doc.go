@@ -69,10 +69,12 @@
 // broker or the partition's new owner delivers it again.
 //
 // A handler's context is built when the handler first asks for its Done
-// channel or its cause, or derives a context from it; until then its Err
-// is answered from the delivery's state, so a handler that never looks at
-// its context costs no allocation for it. Either way it is cancelled once
-// the attempt ends: a goroutine the handler left running sees that.
+// channel or its cause, or derives a cancellable context from it (as
+// [WithHandlerTimeout] does for every attempt); until then its Err is
+// answered from the delivery's state, so a handler that never looks at its
+// context, without a handler timeout, costs no allocation for it. Either
+// way it is cancelled once the attempt ends: a goroutine the handler left
+// running sees that.
 //
 // # Concurrency and order
 //

@@ -47,13 +47,14 @@ func RetryAfter(err error, d time.Duration) error {
 // only a failure of its own (or a Permanent error) can send it there.
 //
 // Where the runtime waits in place (ordered lanes, brokers without delayed
-// redelivery), a deferral leaves Message.Attempt as it was. Where the broker
-// redelivers the message after the delay and counts deliveries itself (SQS,
-// RabbitMQ, the memory broker), the next delivery's Attempt is one higher,
-// and a broker's own redrive policy (an SQS maxReceiveCount, a memory queue's
-// MaxReceiveCount) still counts it. So does MaxAttempts, which reads that
-// count: once deferred MaxAttempts-1 times or more, the message is
-// dead-lettered at its first failure of its own, without a retry.
+// redelivery or without a delivery count), a deferral leaves Message.Attempt
+// as it was. Where the broker redelivers the message after the delay and
+// counts deliveries itself (SQS, RabbitMQ, the memory broker), the next
+// delivery's Attempt is one higher, and a broker's own redrive policy (an SQS
+// maxReceiveCount, a memory queue's MaxReceiveCount) still counts it. So does
+// MaxAttempts, which reads that count: once deferred MaxAttempts-1 times or
+// more, the message is dead-lettered at its first failure of its own, without
+// a retry.
 //
 // A deferral is no failure in the telemetry either: its attempt's duration
 // is recorded with custody.result "deferred", and its span gets a "deferred"
@@ -99,7 +100,8 @@ func IsDeferred(err error) bool {
 	return errors.As(err, &r) && r.deferred
 }
 
-// PanicError is the error a recovered handler panic becomes. It is retried and
+// PanicError is the error a recovered handler panic becomes, and the one
+// that replaces a returned error whose Error method panics. It is retried and
 // dead-lettered like any other error.
 type PanicError struct {
 	Value any

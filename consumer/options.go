@@ -294,7 +294,9 @@ func WithAtMostOnceAckBeforeProcessingUnsafe() Option {
 // should not pick them up at once, for example while a deploy replaces this
 // one. Default off: unfinished deliveries are released (Nack with no delay).
 // Outside shutdown it changes nothing: deliveries queued behind a lost one of
-// their ordering key are still released at once.
+// their ordering key are still released at once. Nor does it keep back
+// deliveries the adapter recalled (a revoked Kafka partition's) that have not
+// started: they are released at once, since the adapter waits for them.
 func WithLeaveUnfinishedOnShutdown() Option {
 	return optionFunc(func(c *config) error { c.leaveOnShutdown = true; return nil })
 }
