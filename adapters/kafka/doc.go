@@ -88,12 +88,12 @@
 // records therefore costs a rebalance nothing: the partition's new owner
 // runs them. After the fence nothing of that assignment is marked or
 // committed: a completion that arrives late is refused with ErrRevoked, and
-// the partition's new owner runs the record. Lost partitions (a fatal group error) are fenced without a
-// commit. Polls block rebalances only between a poll and the moment its
-// records are booked under their epoch (franz-go's BlockRebalanceOnPoll,
-// released at once; concurrent Receive calls poll one at a time, since
-// releasing it releases every poll), so a record can never be booked under
-// the wrong assignment.
+// the partition's new owner runs the record. Lost partitions (a fatal group
+// error) are fenced without a commit. Polls block rebalances only between a
+// poll and the moment its records are booked under their epoch (franz-go's
+// BlockRebalanceOnPoll, released at once; concurrent Receive calls poll one
+// at a time, since releasing it releases every poll), so a record can never
+// be booked under the wrong assignment.
 //
 // # Data loss
 //
