@@ -489,7 +489,8 @@ func (r *run) releaseAll(give []*job) {
 // release gives j back for immediate redelivery (shutdown), or leaves it to
 // its lease with WithLeaveUnfinishedOnShutdown.
 func (r *run) release(j *job) {
-	if r.cfg.leaveOnShutdown && j.d.LostCause() == nil {
+	// A recalled delivery is never left: the adapter waits for it.
+	if r.cfg.leaveOnShutdown && j.d.LostCause() == nil && !j.d.Recalled() {
 		r.stopLease(j)
 		r.settle(j, outcomeLeft)
 		r.next(j)

@@ -333,3 +333,26 @@ func TestRecalledOnArrivalAreGivenBackWhileWorkersAreBusy(t *testing.T) {
 	close(h.release)
 	waitFor(t, "every message acked", acked(t, b, len(all)))
 }
+
+// A recalled delivery whose running handler the shutdown deadline cuts short
+// is given back, even with WithLeaveUnfinishedOnShutdown: the adapter that
+// recalled it (a Kafka revoke) waits for it, and left to its lease it would
+// hold that wait up until the end.
+func TestRecalledDeliveryCutAtShutdownIsGivenBackNotLeft(t *testing.T) {
+	_, src := newRecallEnv(t, false, "m1")
+	started := make(chan struct{})
+	r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+		close(started)
+		<-ctx.Done()
+		return ctx.Err()
+	}, consumer.WithLeaveUnfinishedOnShutdown(), consumer.WithShutdownTimeout(50*time.Millisecond))
+	await(t, "the handler to start", started)
+	waitFor(t, "m1 to be received", func() bool { return src.received("m1") })
+	src.recall("m1")
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if bodies, _ := src.nacked(); !slices.Equal(bodies, []string{"m1"}) {
+		t.Fatalf("nacked %v, want m1 given back rather than left to its lease", bodies)
+	}
+}

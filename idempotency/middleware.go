@@ -167,6 +167,6 @@ func (g *guard) release(ctx context.Context, key string, tok Token) {
 		return // stale: the claim had already run out or been taken over
 	}
 	g.m.StoreErrors.Add(ctx, 1, g.m.OpRelease)
-	g.cfg.logger.WarnContext(ctx, "idempotency: could not release the claim after a failed handler; retries wait until its lease runs out",
+	g.cfg.logger.WarnContext(ctx, "idempotency: could not release the claim; the key's next delivery waits until the claim's lease runs out",
 		slog.String("key", key), slog.Any("error", err))
 }
