@@ -79,7 +79,9 @@
 // unacked (it holds a prefetch slot, no worker), then publishes its next
 // attempt to the queue and acks the original after the broker confirmed
 // the copy. Longer delays publish the copy at once to a delay queue
-// (named "<queue>.custody-delay.<ms>ms", durable, created on first use)
+// (named "<queue>.custody-delay.<ms>ms", or for a queue name too long for
+// that "<prefix of the queue name>~<hash>.custody-delay.<ms>ms", durable,
+// created on first use)
 // whose message TTL is the delay rounded up to a fixed ladder of steps and
 // which dead-letters back to the queue; the original is acked after the
 // confirm. So do short delays once half the prefetch window already waits

@@ -505,6 +505,8 @@ func FuzzDelayStep(f *testing.F) {
 		f.Add(int64(d), "orders")
 	}
 	f.Add(int64(time.Minute), "")
+	f.Add(int64(time.Minute), strings.Repeat("q", 240))
+	f.Add(int64(time.Minute), strings.Repeat("é", 125))
 	f.Fuzz(func(t *testing.T, n int64, queue string) {
 		d := time.Duration(n)
 		got := delayStep(d)
@@ -534,13 +536,35 @@ func FuzzDelayStep(f *testing.F) {
 			t.Fatalf("delayStep(%v) = %v rounds up by 2.5x or more", d, got)
 		}
 		name := delayQueueName(queue, got)
-		rest, ok := strings.CutPrefix(name, queue+".custody-delay.")
+		if len(name) > maxShortstr {
+			t.Fatalf("delay queue name of %d bytes, over an AMQP short string", len(name))
+		}
+		if utf8.ValidString(queue) && !utf8.ValidString(name) {
+			t.Fatalf("delay queue name %q of a UTF-8 queue name is not UTF-8", name)
+		}
+		// The queue's name, or as much of it as fits and a hash of it all.
+		base, rest, ok := strings.Cut(name, ".custody-delay.")
+		if i := strings.LastIndex(name, ".custody-delay."); ok {
+			base, rest = name[:i], name[i+len(".custody-delay."):]
+		}
+		if base != queue {
+			prefix, hash, cut := strings.Cut(base[max(0, len(base)-17):], "~")
+			if !cut || prefix != "" || len(hash) != 16 || !strings.HasPrefix(queue, base[:len(base)-17]) {
+				t.Fatalf("delay queue name %q of a %d-byte queue name: want the name, or a prefix of it and ~hash", name, len(queue))
+			}
+			if len(queue)+len(".custody-delay.")+len(rest) <= maxShortstr {
+				t.Fatalf("delay queue name %q shortened though the whole name fits", name)
+			}
+		}
 		ms, err := strconv.ParseInt(strings.TrimSuffix(rest, "ms"), 10, 64)
 		if !ok || !strings.HasSuffix(rest, "ms") || err != nil || time.Duration(ms)*time.Millisecond != got {
 			t.Fatalf("delay queue name %q does not read back to step %v", name, got)
 		}
 		if !bytes.Equal([]byte(delayQueueName(queue, got)), []byte(name)) {
 			t.Fatalf("delay queue name is not stable")
+		}
+		if other := queue + "x"; len(name) == maxShortstr && delayQueueName(other, got) == name {
+			t.Fatalf("queues %q and %q share the delay queue %q", queue, other, name)
 		}
 	})
 }

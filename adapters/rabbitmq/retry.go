@@ -2,10 +2,12 @@ package rabbitmq
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
-	"fmt"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -256,9 +258,27 @@ func delayStep(d time.Duration) time.Duration {
 	return delayLadder[len(delayLadder)-1]
 }
 
-// delayQueueName names the delay queue of queue for one ladder step.
+// delayQueueName names the delay queue of queue for one ladder step: the
+// queue's name, ".custody-delay." and the step in milliseconds. Where that
+// would pass the 255 bytes of an AMQP short string (queue names of more
+// than about 230 bytes), it keeps as much of the queue's name as fits, cut
+// at a character boundary, then "~" and a hash of the whole name, so that
+// the name is still one every consumer of the queue agrees on, and two
+// queues that share a long prefix do not share delay queues. (Refused by
+// the broker, a longer name made every such retry wait in place, and cost
+// the channel each time.)
 func delayQueueName(queue string, step time.Duration) string {
-	return fmt.Sprintf("%s.custody-delay.%sms", queue, strconv.FormatInt(step.Milliseconds(), 10))
+	suffix := ".custody-delay." + strconv.FormatInt(step.Milliseconds(), 10) + "ms"
+	if len(queue)+len(suffix) <= maxShortstr {
+		return queue + suffix
+	}
+	sum := sha256.Sum256([]byte(queue))
+	tag := "~" + hex.EncodeToString(sum[:8])
+	keep := maxShortstr - len(suffix) - len(tag)
+	for keep > 0 && !utf8.RuneStart(queue[keep]) {
+		keep--
+	}
+	return queue[:keep] + tag + suffix
 }
 
 // beginRepublish registers an in-place retry about to publish its copy and

@@ -107,6 +107,34 @@ func TestRetryInPlaceRepublishesNextAttempt(t *testing.T) {
 	}
 }
 
+// A queue whose name leaves no room for the delay queue's suffix in the 255
+// bytes of an AMQP short string still retries through a delay queue, named
+// with a hash: the broker refused the longer name, and every such retry
+// waited in place and cost the channel.
+func TestRetryThroughDelayQueueOfALongQueueName(t *testing.T) {
+	a := newAdmin(t)
+	q := uniqueName(t, "long")
+	q += strings.Repeat("q", maxShortstr-len(q))
+	a.declare(q, ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	if d.Attempt != 2 {
+		t.Fatalf("Attempt %d after the delay queue, want 2", d.Attempt)
+	}
+	name := delayQueueName(q, 250*time.Millisecond)
+	if len(name) > maxShortstr || !strings.Contains(d.Headers["x-death"], name) {
+		t.Fatalf("x-death %q does not show the delay queue %q (%d bytes)", d.Headers["x-death"], name, len(name))
+	}
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedInPlace != 0 {
+		t.Fatalf("stats %+v: want one retry through the delay queue, none in place", st)
+	}
+}
+
 // A delay above the threshold goes through a delay queue that dead-letters
 // back to the source queue; the worker is not held and neither is the
 // delivery.
