@@ -26,7 +26,7 @@ var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1
 //	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
 //	custody.kafka.skipped         counter: records skipped because a previous owner had done them
 //	custody.kafka.rewinds         counter: partitions rewound after the broker lost data (see ErrRewound)
-//	custody.kafka.expired         counter, records: deleted before the group read them (see ErrExpired)
+//	custody.kafka.expired         counter, offsets: deleted before the group read them (see ErrExpired); on a compacted topic some held no record
 //
 // All carry messaging.consumer.group.name (the group); lag, skipped and
 // rewinds also messaging.destination.name and
@@ -76,7 +76,7 @@ func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry,
 		return nil, err
 	}
 	if t.expired, err = m.Int64Counter("custody.kafka.expired", metric.WithUnit("{message}"),
-		metric.WithDescription("Records deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start.")); err != nil {
+		metric.WithDescription("Offsets deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start. Offsets, not records: on a compacted topic some of them held no record.")); err != nil {
 		return nil, err
 	}
 	lag, err := m.Int64ObservableGauge("custody.kafka.lag", metric.WithUnit("{message}"),
