@@ -448,7 +448,7 @@ func TestSpanAttributesStatusAndParent(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
 	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
 	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-	if err := e.b.Publish(context.Background(), "q", memory.Message{Body: []byte("fail"),
+	if err := e.b.Publish(context.Background(), "q", memory.Message{ID: "m1", Body: []byte("fail"),
 		Headers: map[string]string{"Traceparent": "00-" + traceID + "-" + parentID + "-01"}}); err != nil {
 		t.Fatal(err)
 	}

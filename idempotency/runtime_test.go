@@ -134,3 +134,32 @@ func TestOverlappingDuplicateOutwaitsASlowOriginal(t *testing.T) {
 		t.Fatalf("%d copies dead-lettered while the original ran", st.Visible)
 	}
 }
+
+// An idempotency store outlives the embedded broker (a process restarts with
+// a fresh memory broker and the same Redis or PostgreSQL store): the new
+// broker's messages, published without IDs, are new work and must run, not
+// be taken for the old broker's messages and skipped.
+func TestNewBrokersMessagesAreNotTakenForAnEarlierOnes(t *testing.T) {
+	store := newMemory(t)
+	var runs atomic.Int32
+	h := newGuard(t, store, func(context.Context, *consumer.Message) error {
+		runs.Add(1)
+		return nil
+	})
+	const perBroker = 3
+	for range 2 {
+		b := memory.NewBroker()
+		if err := b.CreateQueue("q", memory.QueueOptions{Lease: time.Minute}); err != nil {
+			t.Fatal(err)
+		}
+		for range perBroker {
+			if err := b.Publish(context.Background(), "q", memory.Message{Body: []byte("x")}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		runUntilDrained(t, b, "q", h)
+	}
+	if got := runs.Load(); got != 2*perBroker {
+		t.Fatalf("the handler ran %d times for %d distinct messages: the second broker's were skipped as duplicates of the first's", got, 2*perBroker)
+	}
+}

@@ -5,6 +5,8 @@ import (
 	"cmp"
 	"container/heap"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"maps"
@@ -26,11 +28,26 @@ type Broker struct {
 	queues  map[string]*queue
 	seq     uint64
 	receipt uint64
+	// idPrefix starts the IDs Publish generates: random per broker, so that
+	// they never repeat across brokers or process restarts (see newIDPrefix).
+	idPrefix string
 }
 
 // NewBroker returns an empty broker.
 func NewBroker() *Broker {
-	return &Broker{queues: make(map[string]*queue)}
+	return &Broker{queues: make(map[string]*queue), idPrefix: newIDPrefix()}
+}
+
+// newIDPrefix returns "m-" and 64 random bits in hex. A generated ID is the
+// prefix and the broker's publish sequence number. A sequence number alone
+// ("m1", "m2", …) starts over in every broker: a store that outlives the
+// broker, such as the idempotency middleware's Redis or PostgreSQL store
+// keyed on the message ID (its default), would take the new broker's "m1"
+// for the old one's and skip its effect.
+func newIDPrefix() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return "m-" + hex.EncodeToString(b[:]) + "-"
 }
 
 // QueueOptions configures a queue.
@@ -59,7 +76,9 @@ type QueueOptions struct {
 
 // Message is a message to publish, or one read back with Messages.
 type Message struct {
-	// ID identifies the message; Publish generates one when empty.
+	// ID identifies the message; Publish generates one when empty, unique
+	// across brokers and processes (not only within this broker), since an
+	// idempotency store keyed on message IDs may outlive the broker.
 	ID      string
 	Body    []byte
 	Headers map[string]string
@@ -149,7 +168,7 @@ func (b *Broker) publishLocked(q *queue, m Message, now time.Time) {
 	b.seq++
 	id := m.ID
 	if id == "" {
-		id = "m" + strconv.FormatUint(b.seq, 10)
+		id = b.idPrefix + strconv.FormatUint(b.seq, 10)
 	}
 	msg := &message{id: id, body: m.Body, headers: m.Headers, key: m.Key, seq: b.seq, published: now, ready: true}
 	heap.Push(&q.ready, msg)

@@ -434,3 +434,29 @@ func TestDeadLetterKeepsItsOwnCopy(t *testing.T) {
 		t.Fatalf("dead-letter queue holds %+v, want the body as sent", dead)
 	}
 }
+
+// Generated IDs are unique across brokers, not only within one: a new broker
+// (a restarted process) must not hand out the IDs an earlier one did, which
+// a store outliving it may still hold.
+func TestGeneratedIDsDifferAcrossBrokers(t *testing.T) {
+	seen := map[string]bool{}
+	for range 2 {
+		b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+		if err := b.Publish(context.Background(), "q", Message{}, Message{}, Message{ID: "mine"}); err != nil {
+			t.Fatal(err)
+		}
+		ms, err := b.Messages("q")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ms[2].ID != "mine" {
+			t.Errorf("a message published with ID %q reads back as %q", "mine", ms[2].ID)
+		}
+		for _, m := range ms[:2] {
+			if m.ID == "" || seen[m.ID] {
+				t.Errorf("generated ID %q is empty or was generated before", m.ID)
+			}
+			seen[m.ID] = true
+		}
+	}
+}

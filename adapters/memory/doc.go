@@ -26,5 +26,8 @@
 // does; [DeadLetterQueue.SetFault] makes dead-letter writes fail.
 // [Broker.Stats] and [Broker.Messages] show what the broker holds.
 //
-// Nothing is persisted: the broker lives as long as the process.
+// Nothing is persisted: the broker lives as long as the process. The IDs it
+// generates for messages published without one carry a random prefix per
+// broker, so they do not repeat after a restart: an idempotency store keyed
+// on message IDs (Redis, PostgreSQL) may outlive the broker.
 package memory
