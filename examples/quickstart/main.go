@@ -55,7 +55,10 @@ func run() error {
 		if i == 13 {
 			body = []byte(`{"id": 13, "amount": "thirteen"`) // malformed: a poison message
 		}
-		if err := broker.Publish(ctx, "orders", memory.Message{Body: body}); err != nil {
+		// The producer names each message; left out, the broker would
+		// generate an ID.
+		msg := memory.Message{ID: fmt.Sprintf("order-%d", i), Body: body}
+		if err := broker.Publish(ctx, "orders", msg); err != nil {
 			return err
 		}
 	}
