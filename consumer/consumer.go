@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -427,7 +428,7 @@ func (r *run) accept(ds []*adapters.Delivery) {
 		case d.OrderingKey != "":
 			j.lane = d.OrderingKey
 		case r.cfg.ordering == OrderByKey && d.Key != "":
-			j.lane = "\x00key:" + d.Key
+			j.lane = keyLanePrefix + d.Key
 		}
 		laned = laned || j.lane != ""
 	}
@@ -508,6 +509,10 @@ func (r *run) startWorker(wg *sync.WaitGroup) {
 // lanes share the workers fairly when there are fewer workers than lanes.
 const laneRun = 16
 
+// keyLanePrefix begins the lanes OrderByKey makes of Message.Key, apart from
+// the adapters' ordering keys.
+const keyLanePrefix = "\x00key:"
+
 // runLane processes j and then, on the same worker, the jobs queued behind
 // it in its lane, up to laneRun of them.
 func (r *run) runLane(j *job) {
@@ -532,6 +537,12 @@ func (r *run) runLane(j *job) {
 // It takes up to laneRun queued jobs at once and links them through their
 // successor fields, so a busy lane costs one lock per run of jobs rather
 // than one per job; the lane stays busy until the last of them is done.
+// It takes only the next job of an OrderByKey lane when the source recalls
+// deliveries: such a lane may mix the source's ordered streams (one key in
+// several Kafka partitions), and a recalled job of one stream linked behind
+// a job of another, which is not recalled and may hold the lane for long
+// (a retry's backoff), would be out of reach of releaseRecalled until that
+// job ended, where the adapter waits for it.
 func (r *run) next(j *job) {
 	if j.lane == "" || j.successor != nil {
 		return // no lane, or the job's successor was taken with it
@@ -544,6 +555,9 @@ func (r *run) next(j *job) {
 		return
 	}
 	n := min(len(q), laneRun)
+	if r.recalledOnArrival != nil && strings.HasPrefix(j.lane, keyLanePrefix) {
+		n = 1
+	}
 	for i := 0; i < n-1; i++ {
 		q[i].successor = q[i+1]
 	}

@@ -356,3 +356,54 @@ func TestRecalledDeliveryCutAtShutdownIsGivenBackNotLeft(t *testing.T) {
 		t.Fatalf("nacked %v, want m1 given back rather than left to its lease", bodies)
 	}
 }
+
+// An OrderByKey lane can hold deliveries of several of the source's ordered
+// streams (the records of one key in two Kafka partitions, with the adapter's
+// ordering Unordered). A recalled delivery of one stream waiting in such a
+// lane behind a job of another stream, which is not recalled and may hold
+// the lane for long (a retry waiting out an hour's backoff here), is given
+// back at once, not once that job is done: the adapter (a revoke) waits for
+// it. Here x0, x1 and y1 share key k; y1 alone is recalled, as a revoke of
+// its partition would.
+func TestRecallerGivesBackKeyLaneJobBehindAnotherStreamsJob(t *testing.T) {
+	b := memory.NewBroker()
+	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 2 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	all := []string{"x0", "x1", "y1"}
+	for _, body := range all {
+		if err := b.Publish(context.Background(), "q", memory.Message{Body: []byte(body), Key: "k"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mem, err := b.Source("q", memory.WithPollWait(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	inner := &recallSource{nackRecorder: &nackRecorder{Source: mem}, first: map[string]*adapters.Delivery{}}
+	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	started, release, failed := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	h := func(ctx context.Context, m *consumer.Message) error {
+		switch {
+		case string(m.Body) == "x0" && m.Attempt == 1:
+			close(started)
+			<-release
+		case string(m.Body) == "x1" && m.Attempt == 1:
+			close(failed)
+			return errors.New("not yet")
+		}
+		return nil
+	}
+	r := runOn(t, src, h, consumer.WithConcurrency(4), consumer.WithOrdering(consumer.OrderByKey),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 5, Backoff: consumer.ConstantBackoff(time.Hour)}))
+	defer r.stop()
+	await(t, "x0's handler to start", started)
+	waitFor(t, "every message to be received", func() bool { return inner.received(all...) })
+	close(release) // x0 ends: x1, then y1, are next in the lane
+	await(t, "x1's first attempt to fail", failed)
+	src.recall("y1")
+	waitFor(t, "y1 to be given back while x1 waits for its retry", func() bool {
+		bodies, _ := inner.nacked()
+		return slices.Contains(bodies, "y1")
+	})
+}
