@@ -22,20 +22,49 @@ func startConsumer(t *testing.T, c *consumer.Consumer) <-chan error {
 	return done
 }
 
-// stopSignalSource closes stopped when a Receive ends with its context done:
-// the runtime has stopped receiving.
+// stopSignalSource closes stopped once Run's receive context is done and no
+// Receive is running: the runtime has stopped receiving. Waiting only for a
+// Receive to end with its context done is not enough: the cancellation can
+// land between two calls, and then the runtime, which checks its context
+// before each call, makes no further call to see it.
 type stopSignalSource struct {
 	*memory.Source
 	stopped chan struct{}
 	once    sync.Once
+
+	mu        sync.Mutex
+	receiving int
+	watching  bool
 }
 
 func (s *stopSignalSource) Receive(ctx context.Context, n int) ([]*adapters.Delivery, error) {
+	s.mu.Lock()
+	s.receiving++
+	if !s.watching {
+		// Every call gets Run's receive context.
+		s.watching = true
+		context.AfterFunc(ctx, s.check)
+	}
+	s.mu.Unlock()
 	ds, err := s.Source.Receive(ctx, n)
+	s.mu.Lock()
+	s.receiving--
+	s.mu.Unlock()
 	if ctx.Err() != nil {
-		s.once.Do(func() { close(s.stopped) })
+		s.check()
 	}
 	return ds, err
+}
+
+// check closes stopped if no Receive is running (it is called once the
+// receive context is done).
+func (s *stopSignalSource) check() {
+	s.mu.Lock()
+	idle := s.receiving == 0
+	s.mu.Unlock()
+	if idle {
+		s.once.Do(func() { close(s.stopped) })
+	}
 }
 
 // TestShutdownWaitsForTheDrainAndAcks: Shutdown stops receiving, lets the
