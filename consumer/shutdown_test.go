@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -35,6 +36,13 @@ type stopSignalSource struct {
 	mu        sync.Mutex
 	receiving int
 	watching  bool
+
+	closed atomic.Bool // Run closes its source just before it returns
+}
+
+func (s *stopSignalSource) Close() error {
+	s.closed.Store(true)
+	return s.Source.Close()
 }
 
 func (s *stopSignalSource) Receive(ctx context.Context, n int) ([]*adapters.Delivery, error) {
@@ -102,13 +110,13 @@ func TestShutdownWaitsForTheDrainAndAcks(t *testing.T) {
 	if err := await(t, "Shutdown to return", shut); err != nil {
 		t.Fatalf("Shutdown = %v, want nil after a clean drain", err)
 	}
-	select {
-	case err := <-ran:
-		if err != nil {
-			t.Fatalf("Run = %v, want nil", err)
-		}
-	default:
-		t.Fatal("Shutdown returned before Run did")
+	// Run's result reaches ran only after Run has returned, which may be
+	// after Shutdown returned; the source's Close, Run's last step, may not.
+	if !src.closed.Load() {
+		t.Fatal("Shutdown returned before Run did: the source is not closed yet")
+	}
+	if err := await(t, "Run to return", ran); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
 	}
 	e.publish("after")
 	if s := e.stats("q"); s.Acked != 1 || s.Received != 1 || s.Visible != 1 {
