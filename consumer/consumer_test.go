@@ -337,7 +337,11 @@ func TestShutdownFinishesInFlightAndAcksThem(t *testing.T) {
 	waitFor(t, "three running", func() bool { return started.Load() == 3 })
 	done := make(chan error)
 	go func() { done <- r.stop() }()
-	time.Sleep(20 * time.Millisecond)
+	// Release the handlers only once the drain has begun, which gives the
+	// three waiting deliveries back: released earlier (a sleep was used, and
+	// a loaded machine can start the stop later), the workers run those
+	// three as well.
+	waitFor(t, "the three waiting deliveries given back", func() bool { return e.stats("q").Visible == 3 })
 	close(release)
 	if err := <-done; err != nil {
 		t.Fatal(err)
