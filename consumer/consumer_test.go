@@ -43,18 +43,22 @@ func TestCrashedConsumerLosesNothing(t *testing.T) {
 	}
 	effects := newCounter()
 	crashing := e.source()
-	var crashed atomic.Bool
+	// The handler decides when the process dies, not the test: the consumer
+	// handles all 50 messages before a test polling for progress sees ten.
+	var calls, stuck atomic.Int32
 	block := make(chan struct{})
 	r1 := run(t, crashing, func(ctx context.Context, m *consumer.Message) error {
-		if crashed.Load() {
+		if calls.Add(1) > 10 {
+			stuck.Add(1)
 			<-block // the dead process never finishes
 			return errors.New("dead")
 		}
 		effects.inc(m.Body)
 		return nil
 	}, consumer.WithConcurrency(4), consumer.WithShutdownTimeout(10*time.Millisecond))
-	waitFor(t, "some progress", func() bool { return effects.distinct() >= 10 })
-	crashed.Store(true)
+	unblock := sync.OnceFunc(func() { close(block) })
+	t.Cleanup(unblock) // before r1's stop, should the test fail
+	waitFor(t, "every worker stuck", func() bool { return stuck.Load() == 4 })
 	crashing.Crash()
 	survivor := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
 		effects.inc(m.Body)
@@ -62,7 +66,7 @@ func TestCrashedConsumerLosesNothing(t *testing.T) {
 	}, consumer.WithConcurrency(4))
 	waitFor(t, "every message's effect", func() bool { return effects.distinct() == n })
 	waitFor(t, "queue empty", func() bool { s := e.stats("q"); return s.Visible == 0 && s.InFlight == 0 })
-	close(block)
+	unblock()
 	r1.stop()
 	survivor.stop()
 }
