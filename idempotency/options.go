@@ -42,6 +42,15 @@ func defaultConfig() config {
 // message (SQS MessageId, Kafka topic/partition/offset, AMQP message-id when
 // the publisher set one). It is empty when the broker gave none, and the
 // middleware then refuses the message with a permanent [ErrNoKey].
+//
+// A broker's ID is unique only among the messages that broker knows. Kafka's
+// topic/partition/offset starts over when a topic is deleted and created
+// again, and the same topic on another cluster has the same IDs; an AMQP
+// message-id is whatever its publisher chose. A store that outlives such a
+// reset within the retention, or that consumers of several clusters share,
+// takes the new messages for completed ones and skips their effects. Keep
+// such stores apart, or key on the producer's business key, or put the
+// cluster in the key with [WithKeyFunc].
 func MessageID(m *consumer.Message) string { return m.ID }
 
 // WithKeyFunc sets how the idempotency key is read from a message. Default
