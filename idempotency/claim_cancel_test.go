@@ -11,23 +11,23 @@ import (
 	"github.com/custody-go/custody/idempotency"
 )
 
-// replyLostStore applies a Claim, then holds its reply back until the
-// caller's context ends or the delay passes, as a network store does whose
-// reply is still on the way when the caller gives up: the claim is made, and
-// the caller, had it stopped waiting, would not know it holds it.
+// replyLostStore applies a Claim, then calls applied (the test ends the
+// delivery there), then drops its reply if the caller's context has ended,
+// as a network store does whose reply is still on the way when the caller
+// gives up: the claim is made, and a caller that stopped waiting would not
+// know it holds it.
 type replyLostStore struct {
 	idempotency.Store
-	delay time.Duration
+	applied func()
 }
 
 func (s replyLostStore) Claim(ctx context.Context, key, fp string, lease time.Duration) (idempotency.State, idempotency.Token, error) {
 	st, tok, err := s.Store.Claim(context.Background(), key, fp, lease)
-	select {
-	case <-ctx.Done():
+	s.applied()
+	if ctx.Err() != nil {
 		return 0, "", ctx.Err()
-	case <-time.After(s.delay):
-		return st, tok, err
 	}
+	return st, tok, err
 }
 
 // A delivery that ends (its lease lost, the shutdown deadline) while its
@@ -35,15 +35,16 @@ func (s replyLostStore) Claim(ctx context.Context, key, fp string, lease time.Du
 // instead of being deferred as an overlapping duplicate until the orphaned
 // claim's lease runs out. The handler does not run for the ended delivery.
 func TestClaimCutShortByTheDeliveryIsGivenBack(t *testing.T) {
-	mem := newMemory(t)
-	store := replyLostStore{Store: mem, delay: 200 * time.Millisecond}
+	ctx, cancel := context.WithCancelCause(context.Background())
+	// The delivery ends once the store has applied the claim, before its
+	// reply arrives: decided by the store, not by a timer that a loaded
+	// machine could fire after the reply.
+	store := replyLostStore{Store: newMemory(t), applied: func() { cancel(adapters.ErrLeaseLost) }}
 	ran := make(chan struct{}, 2)
 	h := newGuard(t, store, func(context.Context, *consumer.Message) error {
 		ran <- struct{}{}
 		return nil
 	}, idempotency.WithLease(time.Hour))
-	ctx, cancel := context.WithCancelCause(context.Background())
-	time.AfterFunc(20*time.Millisecond, func() { cancel(adapters.ErrLeaseLost) })
 	err := h.Handle(ctx, msg("m-1", "x"))
 	if err == nil {
 		t.Fatal("Handle returned nil for a delivery that ended while its claim was on the wire")
