@@ -60,7 +60,9 @@ type QueueOptions struct {
 	// publish order, one at a time: a group is blocked while one of its
 	// messages is received and not yet acked, or waiting for a delayed
 	// redelivery. Publish refuses a message without a Key, as SQS refuses
-	// one without a MessageGroupId.
+	// one without a MessageGroupId. A dead-letter copy without one
+	// (DeadLetterQueue.Send of another source's delivery, a redrive from a
+	// standard queue) gets its ID as its Key: a group of its own.
 	FIFO bool
 	// MaxReceiveCount, when positive, moves a message to DeadLetterQueue
 	// instead of delivering it for the (MaxReceiveCount+1)th time, as an SQS
@@ -170,7 +172,14 @@ func (b *Broker) publishLocked(q *queue, m Message, now time.Time) {
 	if id == "" {
 		id = b.idPrefix + strconv.FormatUint(b.seq, 10)
 	}
-	msg := &message{id: id, body: m.Body, headers: m.Headers, key: m.Key, seq: b.seq, published: now, ready: true}
+	key := m.Key
+	if key == "" && q.opts.FIFO {
+		// Only a dead-letter copy (DeadLetterQueue.Send, a redrive) gets
+		// here keyless: Publish refuses such messages. Each gets a group of
+		// its own, its ID, so that one copy in flight holds up no other.
+		key = id
+	}
+	msg := &message{id: id, body: m.Body, headers: m.Headers, key: key, seq: b.seq, published: now, ready: true}
 	heap.Push(&q.ready, msg)
 	q.signal()
 }

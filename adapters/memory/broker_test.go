@@ -460,3 +460,41 @@ func TestGeneratedIDsDifferAcrossBrokers(t *testing.T) {
 		}
 	}
 }
+
+// A FIFO dead-letter queue takes keyless copies (from a standard queue or
+// another broker's adapter); each gets a group of its own, so one copy in
+// flight does not hold up the others.
+func TestKeylessDeadLettersOnFIFOQueueDoNotBlockEachOther(t *testing.T) {
+	b := NewBroker()
+	if err := b.CreateQueue("dlq", QueueOptions{Lease: time.Hour, FIFO: true}); err != nil {
+		t.Fatal(err)
+	}
+	dlq, err := b.DeadLetterQueue("dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"a", "b"} {
+		d := &adapters.Delivery{ID: id, Body: []byte(id), Queue: "elsewhere", Partition: -1, Offset: -1}
+		if err := dlq.Send(context.Background(), d, adapters.Failure{Err: errors.New("poison"), Attempts: 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	src, err := b.Source("dlq", WithPollWait(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = src.Close() })
+	var got []string
+	for range 2 { // one at a time: the first stays in flight
+		ds, err := src.Receive(context.Background(), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range ds {
+			got = append(got, d.ID)
+		}
+	}
+	if !slices.Equal(got, []string{"a", "b"}) {
+		t.Fatalf("received %v with the first copy in flight, want [a b]: keyless copies share a FIFO group", got)
+	}
+}
