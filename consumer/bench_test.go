@@ -66,17 +66,47 @@ func benchRounds(b *testing.B, round func(br *memory.Broker, n int, stop func())
 	}
 }
 
-func BenchmarkRawReceiveAckLoop(b *testing.B) { benchmarkRawLoop(b, false) }
+func BenchmarkRawReceiveAckLoop(b *testing.B) { benchmarkRawLoop(b, false, 0) }
 
 // BenchmarkRawReceiveAckEachLoop acks every message on its own, as most
 // hand-written consumers do: the ratio against it is the other bound.
-func BenchmarkRawReceiveAckEachLoop(b *testing.B) { benchmarkRawLoop(b, true) }
+func BenchmarkRawReceiveAckEachLoop(b *testing.B) { benchmarkRawLoop(b, true, 0) }
 
-// benchmarkRawLoop receives batches of ten, calls a no-op handler on each
-// message and acks the batch at once, or each message after its handler.
-func benchmarkRawLoop(b *testing.B, ackEach bool) {
+// The same loops and consumers with a handler that computes for about 2 µs
+// (benchWork rounds of arithmetic, no allocation, no clock): the runtime's
+// cost where a handler does work of its own, and what a deeper receive
+// window (WithMaxInFlight) buys at concurrency 1.
+func BenchmarkRawReceiveAckLoopWork(b *testing.B)    { benchmarkRawLoop(b, false, benchWork) }
+func BenchmarkConsumerConcurrency1Work(b *testing.B) { benchmarkConsumer(b, 1, benchWork) }
+func BenchmarkConsumerConcurrency1WorkInFlight100(b *testing.B) {
+	benchmarkConsumer(b, 1, benchWork, consumer.WithMaxInFlight(100))
+}
+
+// benchWork is the rounds of work the *Work benchmarks' handlers do.
+const benchWork = 2000
+
+// work computes for a while, as a handler that does something.
+func work(rounds int) {
+	x := uint64(rounds)
+	for range rounds {
+		x = x*6364136223846793005 + 1442695040888963407
+	}
+	workSink.Add(x)
+}
+
+var workSink atomic.Uint64
+
+// benchmarkRawLoop receives batches of ten, calls a handler doing rounds of
+// work (none: a no-op) on each message and acks the batch at once, or each
+// message after its handler.
+func benchmarkRawLoop(b *testing.B, ackEach bool, rounds int) {
 	ctx := context.Background()
-	handler := func(context.Context, *consumer.Message) error { return nil }
+	handler := func(context.Context, *consumer.Message) error {
+		if rounds > 0 {
+			work(rounds)
+		}
+		return nil
+	}
 	benchRounds(b, func(br *memory.Broker, n int, _ func()) {
 		src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
 		for done := 0; done < n; {
@@ -103,8 +133,9 @@ func benchmarkRawLoop(b *testing.B, ackEach bool) {
 }
 
 // benchmarkConsumer runs a consumer per round and stops the timer once every
-// message is handled and acked; the shutdown is not timed.
-func benchmarkConsumer(b *testing.B, concurrency int) {
+// message is handled and acked; the shutdown is not timed. Its handler does
+// rounds of work (none: a no-op).
+func benchmarkConsumer(b *testing.B, concurrency, rounds int, opts ...consumer.Option) {
 	logger := testlog.New(b)
 	benchRounds(b, func(br *memory.Broker, n int, stop func()) {
 		src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
@@ -116,12 +147,15 @@ func benchmarkConsumer(b *testing.B, concurrency int) {
 		finished := make(chan struct{})
 		target := int64(n)
 		c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			if rounds > 0 {
+				work(rounds)
+			}
 			if handled.Add(1) == target {
 				close(finished)
 			}
 			return nil
-		}), consumer.WithConcurrency(concurrency), consumer.WithLogger(logger),
-			consumer.WithDeadLetter(dlq))
+		}), append([]consumer.Option{consumer.WithConcurrency(concurrency), consumer.WithLogger(logger),
+			consumer.WithDeadLetter(dlq)}, opts...)...)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -143,5 +177,5 @@ func benchmarkConsumer(b *testing.B, concurrency int) {
 	})
 }
 
-func BenchmarkConsumerConcurrency1(b *testing.B) { benchmarkConsumer(b, 1) }
-func BenchmarkConsumerConcurrency8(b *testing.B) { benchmarkConsumer(b, 8) }
+func BenchmarkConsumerConcurrency1(b *testing.B) { benchmarkConsumer(b, 1, 0) }
+func BenchmarkConsumerConcurrency8(b *testing.B) { benchmarkConsumer(b, 8, 0) }

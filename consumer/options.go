@@ -100,6 +100,14 @@ func WithConcurrency(n int) Option {
 // that one batch can be fetched while another is handled (and never more
 // than the adapter's MaxUnacked). Must be at least the concurrency, and at
 // most 1,048,576.
+//
+// A deeper window keeps quick handlers fed: the receiver is woken to fetch
+// the next batch when half the window is free, and a goroutine woken by a
+// busy one can wait tens of microseconds for a core. With handlers of a few
+// microseconds at concurrency 1, 100 measured about 15% faster than the
+// default on the memory broker (BenchmarkConsumerConcurrency1Work). The cost:
+// one consumer holds, and keeps leased, that many messages that other
+// instances could otherwise take, which with slow handlers means waiting.
 func WithMaxInFlight(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > maxInFlight {
