@@ -66,8 +66,8 @@ type QueueOptions struct {
 	FIFO bool
 	// MaxReceiveCount, when positive, moves a message to DeadLetterQueue
 	// instead of delivering it for the (MaxReceiveCount+1)th time, as an SQS
-	// redrive policy does. The moved message keeps its ID, body, key and
-	// headers, and gains the headers adapters.HeaderOriginalQueue and
+	// redrive policy does. The moved message keeps its ID, body, key,
+	// headers and publish time, and gains the headers adapters.HeaderOriginalQueue and
 	// adapters.HeaderAttempts; diagnostic headers from an earlier trip to a
 	// dead-letter queue are dropped.
 	MaxReceiveCount int
@@ -166,7 +166,8 @@ func (b *Broker) Publish(ctx context.Context, queueName string, msgs ...Message)
 	return nil
 }
 
-func (b *Broker) publishLocked(q *queue, m Message, now time.Time) {
+// publishLocked appends m to q, published at the given time.
+func (b *Broker) publishLocked(q *queue, m Message, published time.Time) {
 	b.seq++
 	id := m.ID
 	if id == "" {
@@ -179,7 +180,7 @@ func (b *Broker) publishLocked(q *queue, m Message, now time.Time) {
 		// its own, its ID, so that one copy in flight holds up no other.
 		key = id
 	}
-	msg := &message{id: id, body: m.Body, headers: m.Headers, key: key, seq: b.seq, published: now, ready: true}
+	msg := &message{id: id, body: m.Body, headers: m.Headers, key: key, seq: b.seq, published: published, ready: true}
 	heap.Push(&q.ready, msg)
 	q.signal()
 }
@@ -272,7 +273,9 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 			}
 			h[adapters.HeaderOriginalQueue] = q.name
 			h[adapters.HeaderAttempts] = strconv.Itoa(m.receives - 1)
-			b.publishLocked(dlq, Message{ID: m.id, Body: m.body, Headers: h, Key: m.key}, now)
+			// The move keeps the original publish time, as an SQS redrive
+			// keeps the enqueue timestamp: the copy is the same message.
+			b.publishLocked(dlq, Message{ID: m.id, Body: m.body, Headers: h, Key: m.key}, m.published)
 			continue
 		}
 		q.stats.Received++

@@ -498,3 +498,43 @@ func TestKeylessDeadLettersOnFIFOQueueDoNotBlockEachOther(t *testing.T) {
 		t.Fatalf("received %v with the first copy in flight, want [a b]: keyless copies share a FIFO group", got)
 	}
 }
+
+// A redriven message keeps its publish time, as an SQS redrive keeps the
+// enqueue timestamp: the dead-letter queue holds the same message, not a new
+// one published at the move.
+func TestRedriveKeepsThePublishTime(t *testing.T) {
+	b := NewBroker()
+	if err := b.CreateQueue("dlq", QueueOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CreateQueue("q", QueueOptions{Lease: time.Hour, MaxReceiveCount: 1, DeadLetterQueue: "dlq"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publish(context.Background(), "q", Message{ID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	src := openSource(t, b, WithPollWait(10*time.Millisecond))
+	first := receive(t, src, 1)
+	if len(first) != 1 {
+		t.Fatalf("first receive: %v", ids(first))
+	}
+	if err := src.Nack(context.Background(), first, 0); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Millisecond) // the move happens visibly later than the publish
+	if ds := receive(t, src, 1); len(ds) != 0 {
+		t.Fatalf("second receive got %v, want nothing: the message is redriven", ids(ds))
+	}
+	dsrc, err := b.Source("dlq", WithPollWait(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dsrc.Close() })
+	dead := receive(t, dsrc, 1)
+	if len(dead) != 1 {
+		t.Fatalf("dead-letter queue: %v, want a", ids(dead))
+	}
+	if !dead[0].PublishedAt.Equal(first[0].PublishedAt) {
+		t.Errorf("redriven copy published at %v, want the original's %v", dead[0].PublishedAt, first[0].PublishedAt)
+	}
+}
