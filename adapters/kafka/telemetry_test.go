@@ -130,9 +130,16 @@ func TestLagAfterARewind(t *testing.T) {
 		offs, _ := c.committed(t, group, topic)
 		return offs[0] == 20
 	})
-	lag, ok := collect(t, reader, "custody.kafka.lag").(metricdata.Gauge[int64])
-	if !ok || len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 10 {
-		t.Fatalf("lag = %+v with 20 committed and the high watermark at 30; want 10", lag)
+	// The group holds the commit a moment before the Source learns it was
+	// accepted (the response is still on its way): wait for the gauge too.
+	var lag map[int]int64
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if lag = lagByPartition(t, reader); len(lag) == 1 && lag[0] == 10 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("lag = %v with 20 committed and the high watermark at 30; want 10", lag)
+		}
 	}
 }
 
