@@ -35,9 +35,13 @@
 //     committed yet (an overlapping duplicate): Handle returns
 //     consumer.Defer wrapping idempotency.ErrInProgressElsewhere without
 //     waiting for it. The check
-//     uses a transaction-scoped advisory lock on a hash of the table and
-//     key (pg_try_advisory_xact_lock), so it never blocks on the other
-//     transaction's row lock and never holds a connection idle.
+//     uses a transaction-scoped advisory lock on a hash of the table's OID
+//     and the key (pg_try_advisory_xact_lock), so it never blocks on the
+//     other transaction's row lock and never holds a connection idle, and
+//     handlers that name the table differently ("t", "public.t") agree.
+//     Versions of 2026-12-01 and earlier hashed the name as written: a
+//     copy handled by such a version meanwhile waits on the row lock, then
+//     counts as sequential; each effect still commits once.
 //
 // # What is exactly once, and what is not
 //

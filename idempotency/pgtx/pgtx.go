@@ -49,7 +49,6 @@ type Option func(*config) error
 
 type config struct {
 	table        pgsql.Table
-	tableName    string
 	keyFunc      func(*consumer.Message) string
 	fingerprint  func(*consumer.Message) string
 	txOptions    pgx.TxOptions
@@ -66,7 +65,7 @@ func WithTable(name string) Option {
 		if err != nil {
 			return fmt.Errorf("pgtx: WithTable(%q): %w", name, err)
 		}
-		c.table, c.tableName = t, name
+		c.table = t
 		return nil
 	}
 }
@@ -175,7 +174,7 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	if fn == nil {
 		return nil, errors.New("pgtx: New(nil func): pass the function that performs the effect")
 	}
-	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second, tableName: DefaultTable}
+	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second}
 	c.table, _ = pgsql.ParseTable(DefaultTable)
 	for _, o := range opts {
 		if err := o(&c); err != nil {
@@ -202,8 +201,11 @@ func (h *Handler) prepareSQL() {
 	// is the key inserted; a conflict then can only be a committed row.
 	// When another transaction holds it, a committed row still makes this a
 	// sequential duplicate (the holder is one too): done says so.
+	// The table is identified by its OID, as the INSERT resolves it, not
+	// by its name as written: handlers that call one table "t" and
+	// "public.t" must take the same lock.
 	h.claimSQL = `WITH lock AS MATERIALIZED (
-    SELECT pg_try_advisory_xact_lock(hashtextextended($3 || $1, 0)) AS held
+    SELECT pg_try_advisory_xact_lock(hashtextextended(($3::text::regclass)::oid::text || ':' || $1, 0)) AS held
 ), ins AS (
     INSERT INTO ` + t + ` (key, fingerprint)
     SELECT $1, $2 FROM lock WHERE lock.held
@@ -252,7 +254,7 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	}()
 
 	var held, inserted, done bool
-	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.tableName+":").Scan(&held, &inserted, &done); err != nil {
+	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.table.Quoted).Scan(&held, &inserted, &done); err != nil {
 		h.countStoreError(ctx)
 		return fmt.Errorf("pgtx: record key %q: %w", key, err)
 	}

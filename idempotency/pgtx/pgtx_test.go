@@ -467,3 +467,49 @@ func TestMetricsCarryTheConsumerName(t *testing.T) {
 		t.Errorf("missing keys named orders = %d, want 1", got)
 	}
 }
+
+// TestOverlapIsSeenWhateverTheTableIsCalled: two handlers that name the same
+// processed table differently ("t" and "public.t": two services, or two
+// versions of one) must still see each other's copies of a key as
+// overlapping. The advisory lock was taken on a hash of the name as written,
+// so the second copy did not see the first's lock, waited on its row lock
+// until it committed, and then skipped as a sequential duplicate.
+func TestOverlapIsSeenWhateverTheTableIsCalled(t *testing.T) {
+	f := newFixture(t)
+	entered, leave := make(chan struct{}), make(chan struct{})
+	first := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		close(entered)
+		<-leave
+		return f.insertEffect(ctx, tx, m)
+	})
+	second := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		t.Error("the second copy ran while the first was in flight")
+		return f.insertEffect(ctx, tx, m)
+	}, pgtx.WithTable("public."+f.processed))
+	ctx := context.Background()
+	firstDone := make(chan error, 1)
+	go func() { firstDone <- first.Handle(ctx, msg("m", "a")) }()
+	<-entered
+
+	// The first copy stays in flight until the second returns, or 10 s
+	// (a version that waits on the row lock then finishes as sequential).
+	secondDone := make(chan error, 1)
+	go func() { secondDone <- second.Handle(ctx, msg("m", "a")) }()
+	var err error
+	select {
+	case err = <-secondDone:
+		close(leave)
+	case <-time.After(10 * time.Second):
+		close(leave)
+		err = <-secondDone
+	}
+	if !errors.Is(err, idempotency.ErrInProgressElsewhere) {
+		t.Errorf("the copy under the other table name returned %v while the first was in flight, want ErrInProgressElsewhere", err)
+	}
+	if err := <-firstDone; err != nil {
+		t.Fatal(err)
+	}
+	if n := f.rows(t, f.effects); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
+}
