@@ -492,8 +492,8 @@ func TestSpanAttributesStatusAndParent(t *testing.T) {
 			"messaging.message.id":       "m1",
 			"custody.consumer":           "spans",
 		} {
-			if got, ok := attrs.Value(k); !ok || got.Emit() != v {
-				t.Errorf("span %d: %s = %q, want %q (attributes %v)", i, k, got.Emit(), v, s.Attributes())
+			if got, ok := attrs.Value(k); !ok || got.String() != v {
+				t.Errorf("span %d: %s = %q, want %q (attributes %v)", i, k, got.String(), v, s.Attributes())
 			}
 		}
 		if got, _ := attrs.Value("custody.attempt"); got.AsInt64() != int64(i+1) {

@@ -101,7 +101,7 @@ func WithDiagnosticsAttribute(name string) DeadLetterOption {
 		// and the originals, never dead-lettered, would stay in their
 		// queues for good: refuse the name here instead.
 		if !validAttributeName(name) {
-			return fmt.Errorf("awssqs.WithDiagnosticsAttribute(%q): SQS refuses that attribute name; use 1 to 256 letters, digits, '_', '-' and '.', with no leading, trailing or doubled '.', not starting with AWS. or Amazon.", name)
+			return fmt.Errorf("awssqs.WithDiagnosticsAttribute(%q): SQS refuses that attribute name; use 1 to 256 letters, digits, '_', '-' and '.', with no leading, trailing or doubled '.', not starting with \"AWS.\" or \"Amazon.\"", name)
 		}
 		q.attr = name
 		return nil

@@ -313,7 +313,7 @@ func TestProcessingSpansNameTheRecordAtStart(t *testing.T) {
 			if !ok {
 				t.Fatalf("a span started without %s: %v", k, attrs.ToSlice())
 			}
-			return v.Emit()
+			return v.String()
 		}
 		for k, want := range map[string]string{
 			"messaging.system":           "kafka",
