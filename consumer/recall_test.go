@@ -407,3 +407,48 @@ func TestRecallerGivesBackKeyLaneJobBehindAnotherStreamsJob(t *testing.T) {
 		return slices.Contains(bodies, "y1")
 	})
 }
+
+// A recalled lane head that waits in the workers' queue (every worker busy
+// with another job) is given back at once with the recalled jobs queued
+// behind it in its lane, in the lane's order, while the busy worker's job
+// runs on.
+func TestRecallerGivesBackALaneHeadWaitingForAWorker(t *testing.T) {
+	b := memory.NewBroker()
+	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 2 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	msgs := []memory.Message{{Body: []byte("m1")}} // keyless: no lane, runs first
+	for _, body := range []string{"b1", "b2", "b3"} {
+		msgs = append(msgs, memory.Message{Body: []byte(body), Key: "b"})
+	}
+	if err := b.Publish(context.Background(), "q", msgs...); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := b.Source("q", memory.WithPollWait(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	inner := &recallSource{nackRecorder: &nackRecorder{Source: mem}, first: map[string]*adapters.Delivery{}}
+	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	h := newSlowFirst("m1")
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(1), consumer.WithOrdering(consumer.OrderByKey))
+	defer r.stop()
+	await(t, "m1's handler to start", h.started)
+	waitFor(t, "every message to be received", func() bool { return inner.received("b1", "b2", "b3") })
+	src.recall("b3", "b2", "b1") // the latest first, as the Kafka adapter does
+	waitFor(t, "b1..b3 to be given back while m1 runs", func() bool {
+		bodies, _ := inner.nacked()
+		return len(bodies) == 3
+	})
+	if bodies, _ := inner.nacked(); !slices.Equal(bodies, []string{"b1", "b2", "b3"}) {
+		t.Fatalf("nacked %v, want b1, b2, b3: the lane's order", bodies)
+	}
+	if got := h.effects(); len(got) != 0 {
+		t.Fatalf("effects %v before m1 was released", got)
+	}
+	close(h.release)
+	waitFor(t, "every message acked", acked(t, b, len(msgs)))
+	if got := h.effects(); !slices.Equal(got, []string{"m1", "b1", "b2", "b3"}) {
+		t.Errorf("effects %v, want m1, b1, b2, b3: each once, the lane in order", got)
+	}
+}
