@@ -238,3 +238,37 @@ func TestDeferAndRetryAfterWaitAtLeastTheFloor(t *testing.T) {
 		}
 	}
 }
+
+// TestFailedReceivesAreRetriedWithBackoff: a Receive that fails (the broker
+// unreachable for a while) is tried again after a growing, jittered wait
+// (50 ms doubling, up to half taken off), not in a loop that floods the
+// broker and the log; once it answers again, everything is handled.
+func TestFailedReceivesAreRetriedWithBackoff(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: 5 * time.Second})
+	e.publish("a", "b", "c")
+	const failures = 3
+	var mu sync.Mutex
+	var calls []time.Time
+	src := e.source(memory.WithFaults(memory.Faults{Receive: func() error {
+		mu.Lock()
+		defer mu.Unlock()
+		calls = append(calls, time.Now())
+		if len(calls) <= failures {
+			return errors.New("connection refused")
+		}
+		return nil
+	}}))
+	r := runOn(t, src, func(context.Context, *consumer.Message) error { return nil })
+	defer r.stop()
+	waitFor(t, "every message acked once the broker answers", func() bool { return e.stats("q").Acked == 3 })
+	mu.Lock()
+	defer mu.Unlock()
+	// The n-th failure waits at least half of 50ms·2^(n-1) before the next
+	// try. Lower bounds only: a slow machine can only make the gaps longer.
+	for n := 1; n <= failures; n++ {
+		least := 25 * time.Millisecond << (n - 1)
+		if gap := calls[n].Sub(calls[n-1]); gap < least {
+			t.Errorf("try %d came %v after failure %d; want at least %v", n+1, gap, n, least)
+		}
+	}
+}
