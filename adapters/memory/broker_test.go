@@ -538,3 +538,58 @@ func TestRedriveKeepsThePublishTime(t *testing.T) {
 		t.Errorf("redriven copy published at %v, want the original's %v", dead[0].PublishedAt, first[0].PublishedAt)
 	}
 }
+
+// Every call that cannot work fails at once with an error that names what
+// is wrong: an option, a missing queue (ErrNoQueue), or a delivery of
+// another queue.
+func TestInvalidCallsFailNamingTheProblem(t *testing.T) {
+	ctx := context.Background()
+	b := NewBroker()
+	for _, q := range []string{"q", "other", "dlq"} {
+		if err := b.CreateQueue(q, QueueOptions{Lease: time.Hour}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	names := map[string]error{
+		"empty queue name":      b.CreateQueue("", QueueOptions{}),
+		"Lease":                 b.CreateQueue("x1", QueueOptions{Lease: -time.Second}),
+		"MaxReceiveCount":       b.CreateQueue("x2", QueueOptions{MaxReceiveCount: -1}),
+		"must name an existing": b.CreateQueue("x3", QueueOptions{MaxReceiveCount: 3, DeadLetterQueue: "nowhere"}),
+		"queue exists":          b.CreateQueue("q", QueueOptions{}),
+		"WithPollWait":          func() error { _, err := b.Source("q", WithPollWait(0)); return err }(),
+		"Receive: max 0":        func() error { _, err := openSource(t, b).Receive(ctx, 0); return err }(),
+		"did not come from":     nil, // below
+		"Publish(\"nowhere\")":  b.Publish(ctx, "nowhere", Message{Body: []byte("x")}),
+		"Stats(\"nowhere\")":    func() error { _, err := b.Stats("nowhere"); return err }(),
+		"Messages(\"nowhere\")": func() error { _, err := b.Messages("nowhere"); return err }(),
+		"Source(\"nowhere\")":   func() error { _, err := b.Source("nowhere"); return err }(),
+		"DeadLetterQueue(\"now": func() error { _, err := b.DeadLetterQueue("nowhere"); return err }(),
+	}
+	// An ack for another queue's delivery fails that entry, and acks nothing.
+	if err := b.Publish(ctx, "other", Message{ID: "o"}); err != nil {
+		t.Fatal(err)
+	}
+	other, err := b.Source("other")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	ds := receive(t, other, 1)
+	err = openSource(t, b).Ack(ctx, ds)
+	names["did not come from"] = adapters.EntryError(err, 0)
+	if st, _ := b.Stats("other"); st.Acked != 0 {
+		t.Errorf("an ack through another queue's source acked %d messages", st.Acked)
+	}
+	for want, err := range names {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("got %v, want an error saying %q", err, want)
+		}
+	}
+	for _, call := range []string{"Publish", "Stats", "Messages", "Source", "DeadLetterQueue"} {
+		for want, err := range names {
+			if strings.HasPrefix(want, call+"(") && !errors.Is(err, ErrNoQueue) {
+				t.Errorf("%s of a missing queue = %v, want ErrNoQueue", call, err)
+			}
+		}
+	}
+}
