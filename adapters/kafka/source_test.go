@@ -32,6 +32,41 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 			t.Errorf("%s: got error %v, want one naming the option", name, err)
 		}
 	}
+	// Values each option refuses by itself, with the required ones valid.
+	required := []Option{WithBrokers("b:9092"), WithGroup("g"), WithTopics("t")}
+	for _, c := range []struct {
+		want string
+		opt  Option
+	}{
+		{"WithBrokers: give at least one", WithBrokers()},
+		{"WithBrokers: empty broker address", WithBrokers("b:9092", "")},
+		{"WithGroup: the group name must not be empty", WithGroup("")},
+		{"WithTopics: give at least one", WithTopics()},
+		{"WithTopics: empty topic name", WithTopics("t", "")},
+		{"WithClientFactory: nil", WithClientFactory(nil)},
+		{"WithCommitTimeout(0s)", WithCommitTimeout(0)},
+		{"WithMaxInFlight(0)", WithMaxInFlight(0)},
+		{"WithMeterProvider: nil", WithMeterProvider(nil)},
+	} {
+		_, err := NewSource(append(slices.Clone(required), c.opt)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("got error %v, want one saying %q", err, c.want)
+		}
+	}
+	// A client the factory cannot make fails NewSource with its reason.
+	refused := errors.New("no TLS configuration")
+	_, err := NewSource(append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
+	if !errors.Is(err, refused) {
+		t.Errorf("NewSource with a failing client factory = %v, want its error", err)
+	}
+	for want, cfg := range map[string]DeadLetterConfig{
+		"DeadLetterConfig.Topic is required":   {Brokers: []string{"b:9092"}},
+		"DeadLetterConfig.Brokers is required": {Topic: "dlq"},
+	} {
+		if _, err := NewDeadLetter(cfg); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("NewDeadLetter(%+v) = %v, want an error saying %q", cfg, err, want)
+		}
+	}
 }
 
 // One slow record holds the committed offset back while later records
