@@ -290,3 +290,58 @@ func TestConnectionsDyingAtOnceBackOff(t *testing.T) {
 		}
 	}
 }
+
+// A queue deleted under a consumer (an operator, a redeploy that re-creates
+// it): the broker cancels the consumer while its channel stays open. The
+// deliveries in hand are lost with a cause that says so, their acks are
+// refused rather than sent for messages that no longer exist, and once the
+// queue exists again consumption resumes on its own.
+func TestDeletedQueueLosesItsDeliveriesAndResumesOnceItIsBack(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 3)...)
+	s := openSource(t, q, WithPrefetch(3), WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond),
+		WithPollWait(50*time.Millisecond))
+	old := receiveN(t, s, 3)
+	if _, err := a.ch.QueueDelete(q, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range old {
+		select {
+		case <-d.Lost():
+		case <-time.After(30 * time.Second):
+			t.Fatal("a delivery of the deleted queue was not lost")
+		}
+		if !errors.Is(d.LostCause(), adapters.ErrConnectionLost) || !strings.Contains(d.LostCause().Error(), "cancelled consumer") {
+			t.Fatalf("lost cause %v, want ErrConnectionLost saying the broker cancelled the consumer", d.LostCause())
+		}
+	}
+	err := s.Ack(context.Background(), old)
+	for i := range old {
+		if e := adapters.EntryError(err, i); !errors.Is(e, adapters.ErrConnectionLost) {
+			t.Fatalf("Ack of the deleted queue's delivery %d = %v, want ErrConnectionLost", i, e)
+		}
+	}
+
+	a.declare(q, ClassicQueue, nil)
+	a.publish(q, "after")
+	// Receive reports the failing reconnections until the queue is back.
+	var got []*adapters.Delivery
+	for deadline := time.Now().Add(30 * time.Second); len(got) == 0; {
+		ds, err := s.Receive(context.Background(), 1)
+		if len(ds) == 0 && time.Now().After(deadline) {
+			t.Fatalf("no recovery once the queue was back (last error %v)", err)
+		}
+		got = append(got, ds...)
+	}
+	if string(got[0].Body) != "after" {
+		t.Fatalf("received %q after the queue came back, want \"after\"", got[0].Body)
+	}
+	if err := s.Ack(context.Background(), got); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages ready after the ack, want 0", n)
+	}
+}
