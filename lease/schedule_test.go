@@ -115,13 +115,23 @@ func TestFailedRenewalOfAStoppedLeaseIsNotALoss(t *testing.T) {
 		fail:    func(*adapters.Delivery) error { return errors.New("receipt handle is invalid") },
 	}
 	var lost atomic.Int32
-	k := start(t, rec, Config{Lease: 30 * time.Millisecond, Lost: func(*adapters.Delivery, error) { lost.Add(1) }})
+	const lease = 30 * time.Millisecond
+	k := start(t, rec, Config{Lease: lease, Lost: func(*adapters.Delivery, error) { lost.Add(1) }})
 	d := &adapters.Delivery{ReceivedAt: time.Now()}
 	l := k.Track(d)
 	<-rec.entered
 	stopped := make(chan struct{})
 	go func() { l.Stop(); close(stopped) }()
-	time.Sleep(20 * time.Millisecond) // Stop is waiting for the renewal
+	// The renewal fails once Stop waits for it (failing before, past the
+	// lease, it rightly loses a delivery that nobody stopped: a fixed pause
+	// let a slow start of Stop come after it), and once the lease has run
+	// out, so that only the Stop keeps the failure from being a loss.
+	eventually(t, "Stop waiting for the renewal", func() bool {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return k.t.slots[l.slot].stopped
+	})
+	time.Sleep(time.Until(d.ReceivedAt.Add(lease)))
 	rec.mu.Lock()
 	block := rec.block
 	rec.block = nil
