@@ -307,7 +307,12 @@ func TestFailingExtensionsCancelTheHandlerBeforeTheClaimRunsOut(t *testing.T) {
 			return fmt.Errorf("cause = %v, want ErrClaimLost", context.Cause(ctx))
 		}
 		return nil
-	}, idempotency.WithMeterProvider(m), idempotency.WithLease(300*time.Millisecond))
+	}, idempotency.WithMeterProvider(m),
+		// The first extension is due at a third of the lease and retried
+		// only if it failed before two thirds: the lease leaves a late
+		// timer (a loaded machine) half a second. With 300 ms, one 100 ms
+		// late left no time for the retry the test asks for.
+		idempotency.WithLease(1500*time.Millisecond))
 	if err := h.Handle(context.Background(), msg("m", "x")); err != nil {
 		t.Fatal(err)
 	}
