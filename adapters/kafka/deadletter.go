@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
@@ -121,9 +122,27 @@ func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 	}
 	if err := dl.cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
+		if errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.RecordListTooLarge) {
+			// Retrying cannot help, and the partition waits on the record
+			// until it leaves: say what to change, on every try.
+			return fmt.Errorf("kafka: the dead-letter copy of %s (%d bytes: the record, its key once more and the diagnostics) "+
+				"is too large for topic %q; the partition waits on it until the copy fits: raise the topic's max.message.bytes "+
+				"and the sink's kgo.ProducerBatchMaxBytes (DeadLetterConfig.ClientOptions) a few KiB above the source topic's: %w",
+				d.ID, recordSize(rec), dl.topic, err)
+		}
 		return fmt.Errorf("kafka: producing to dead-letter topic %q: %w", dl.topic, err)
 	}
 	return nil
+}
+
+// recordSize is the bytes of r's key, value and headers, about what the
+// producer measures against its limit.
+func recordSize(r *kgo.Record) int {
+	n := len(r.Key) + len(r.Value)
+	for _, h := range r.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return n
 }
 
 // keepHeader reports whether the copy keeps the original's header k: not

@@ -2,7 +2,9 @@ package kafka
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -154,5 +156,58 @@ func TestDeadLetterFailedProduceReturnsError(t *testing.T) {
 	}
 	if got := c.readTopic(t, "orders.dlq", 1); len(got) != 1 {
 		t.Fatalf("dead-letter topic holds %d records, want 1", len(got))
+	}
+}
+
+// A copy too large for the dead-letter topic (its max.message.bytes, or the
+// producer's own limit) cannot be retried into fitting: the error says so,
+// names the two limits to raise, and keeps the client's error.
+func TestDeadLetterTooLargeSaysWhatToRaise(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	limit := "4096"
+	resp, err := c.admin.CreateTopic(ctx, 1, 1, map[string]*string{"max.message.bytes": &limit}, "orders.dlq")
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Random bytes, so that compression does not bring the copy under
+	// the limit.
+	value := make([]byte, 5000)
+	_, _ = rand.Read(value)
+	c.produce(t, &kgo.Record{Topic: "orders", Key: []byte("k"), Value: value})
+	s := c.open(t, newGroup(), "orders")
+	d := receiveN(t, s, 1)[0]
+	f := adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}
+
+	for name, opts := range map[string][]kgo.Opt{
+		"the topic's limit":    nil,
+		"the producer's limit": {kgo.ProducerBatchMaxBytes(2048)},
+	} {
+		dl, err := NewDeadLetter(DeadLetterConfig{Topic: "orders.dlq", Brokers: c.addrs, ClientOptions: opts})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = dl.Send(ctx, d, f)
+		dl.Close()
+		if !errors.Is(err, kerr.MessageTooLarge) && !errors.Is(err, kerr.RecordListTooLarge) {
+			t.Fatalf("%s: Send = %v, want the client's too-large error", name, err)
+		}
+		for _, want := range []string{"max.message.bytes", "kgo.ProducerBatchMaxBytes", "too large for topic \"orders.dlq\""} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("%s: Send = %q, want it to say %q", name, err, want)
+			}
+		}
+	}
+	ends, err := c.admin.ListEndOffsets(ctx, "orders.dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o, _ := ends.Lookup("orders.dlq", 0); o.Offset != 0 {
+		t.Fatalf("the dead-letter topic ends at %d, want 0: nothing written", o.Offset)
 	}
 }
