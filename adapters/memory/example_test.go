@@ -1,0 +1,84 @@
+package memory_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/adapters/memory"
+	"github.com/custody-go/custody/consumer"
+)
+
+// quiet keeps the runtime's warnings out of the examples' output.
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// waitFor polls cond, as a handler test waits for the consumer to get
+// somewhere.
+func waitFor(cond func() bool) {
+	for deadline := time.Now().Add(10 * time.Second); !cond() && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// A handler test with an injected fault: the first ack is lost on its way
+// to the broker, so the message comes back once its lease runs out and the
+// handler runs twice. This is at-least-once delivery; put the idempotency
+// middleware in front of handlers whose effect must not repeat.
+func ExampleWithFaults() {
+	ctx := context.Background()
+	b := memory.NewBroker()
+	_ = b.CreateQueue("orders", memory.QueueOptions{Lease: 300 * time.Millisecond})
+	_ = b.Publish(ctx, "orders", memory.Message{ID: "order-1"})
+
+	var lost atomic.Bool
+	src, _ := b.Source("orders", memory.WithPollWait(10*time.Millisecond), memory.WithFaults(memory.Faults{
+		Ack: func(*adapters.Delivery) error {
+			if lost.CompareAndSwap(false, true) {
+				return errors.New("connection reset")
+			}
+			return nil
+		},
+	}))
+	var runs atomic.Int32
+	c, _ := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		runs.Add(1)
+		return nil
+	}), consumer.WithLogger(quiet))
+	go func() { _ = c.Run(ctx) }()
+
+	waitFor(func() bool { s, _ := b.Stats("orders"); return s.Acked == 1 })
+	_ = c.Shutdown(ctx)
+	s, _ := b.Stats("orders")
+	fmt.Printf("handler runs: %d, receives: %d, acked: %d\n", runs.Load(), s.Received, s.Acked)
+	// Output: handler runs: 2, receives: 2, acked: 1
+}
+
+// A queue with a redrive policy moves a message to its dead-letter queue
+// once it has been received MaxReceiveCount times, as SQS does, whatever the
+// consumer does with it.
+func ExampleQueueOptions_redrive() {
+	ctx := context.Background()
+	b := memory.NewBroker()
+	_ = b.CreateQueue("orders-dlq", memory.QueueOptions{})
+	_ = b.CreateQueue("orders", memory.QueueOptions{MaxReceiveCount: 2, DeadLetterQueue: "orders-dlq"})
+	_ = b.Publish(ctx, "orders", memory.Message{ID: "order-7", Body: []byte("poison")})
+
+	src, _ := b.Source("orders", memory.WithPollWait(10*time.Millisecond))
+	c, _ := consumer.New(src, consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		return errors.New("downstream refused it")
+	}), consumer.WithRetry(consumer.Retry{MaxAttempts: 10, Backoff: consumer.ConstantBackoff(time.Millisecond)}),
+		consumer.WithLogger(quiet))
+	go func() { _ = c.Run(ctx) }()
+
+	waitFor(func() bool { s, _ := b.Stats("orders-dlq"); return s.Visible == 1 })
+	_ = c.Shutdown(ctx)
+	dead, _ := b.Messages("orders-dlq")
+	fmt.Printf("%s %q from %s after %s receives\n", dead[0].ID, dead[0].Body,
+		dead[0].Headers[adapters.HeaderOriginalQueue], dead[0].Headers[adapters.HeaderAttempts])
+	// Output: order-7 "poison" from orders after 2 receives
+}
