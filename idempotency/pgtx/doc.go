@@ -39,9 +39,10 @@
 //     and the key (pg_try_advisory_xact_lock), so it never blocks on the
 //     other transaction's row lock and never holds a connection idle, and
 //     handlers that name the table differently ("t", "public.t") agree.
-//     Versions of 2026-12-01 and earlier hashed the name as written: a
-//     copy handled by such a version meanwhile waits on the row lock, then
-//     counts as sequential; each effect still commits once.
+//     (Earlier versions hashed the name as written. While both run, during
+//     an upgrade, a copy overlapping one of the other version waits on the
+//     row lock and then counts as sequential; each effect still commits
+//     once.)
 //
 // # What is exactly once, and what is not
 //
