@@ -97,6 +97,12 @@ func TestRetryInPlaceRepublishesNextAttempt(t *testing.T) {
 				t.Fatal(err)
 			}
 			waitUnacked(t, q, 0)
+			// An in-place retry is counted after its original's ack is
+			// sent, which the broker may report before the count is made.
+			waitUntil(t, "both retries counted", func() bool {
+				st := s.Stats()
+				return st.RetriedInPlace+st.DelayQueued+st.RetryFailures == 2
+			})
 			if st := s.Stats(); st.RetriedInPlace != 2 || st.DelayQueued != 0 {
 				t.Fatalf("stats %+v: want two in-place retries", st)
 			}
@@ -198,6 +204,8 @@ func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
+	// The in-place retry is counted after its original's ack is sent.
+	waitUntil(t, "both tries counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 2 })
 	if st := s.Stats(); st.RetryFailures != 1 || st.RetriedInPlace != 1 {
 		t.Fatalf("stats %+v: want one failed delay-queue publish and one in-place retry", st)
 	}
@@ -424,6 +432,11 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
+	// The in-place retry is counted after its original's ack is sent.
+	waitUntil(t, "every try counted", func() bool {
+		st := s.Stats()
+		return st.DelayQueued+st.RetryFailures+st.RetriedInPlace == 3
+	})
 	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 1 || st.RetriedInPlace != 1 {
 		t.Fatalf("stats %+v: want one delay-queue retry, and one that gave up on the blocked publisher and waited in place", st)
 	}
