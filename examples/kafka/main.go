@@ -200,7 +200,7 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	if err := reportCommitted(ctx, adm, group, cfg.topic, start, end, out); err != nil {
 		return err
 	}
-	return reportDeadLetters(ctx, brokers, dlqTopic, out)
+	return reportDeadLetters(ctx, adm, brokers, dlqTopic, out)
 }
 
 func splitList(s string) []string {
@@ -271,14 +271,36 @@ func reportCommitted(ctx context.Context, adm *kadm.Client, group, topic string,
 	return nil
 }
 
-func reportDeadLetters(ctx context.Context, brokers []string, topic string, out io.Writer) error {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic),
-		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+// reportDeadLetters prints the dead letters of the topic. It first asks
+// where the topic ends, so that "nothing was written" and "written but not
+// read back" fail apart, and then reads the partitions that hold records
+// from their start.
+func reportDeadLetters(ctx context.Context, adm *kadm.Client, brokers []string, topic string, out io.Writer) error {
+	ends, err := adm.ListEndOffsets(ctx, topic)
+	if err != nil {
+		return err
+	}
+	starts, err := adm.ListStartOffsets(ctx, topic)
+	if err != nil {
+		return err
+	}
+	parts := map[int32]kgo.Offset{}
+	ends.Each(func(e kadm.ListedOffset) {
+		if s, ok := starts.Lookup(topic, e.Partition); ok && e.Offset > s.Offset {
+			parts[e.Partition] = kgo.NewOffset().At(s.Offset)
+		}
+	})
+	if len(parts) == 0 {
+		return errors.New("the malformed order did not reach the dead-letter topic: it holds no records")
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...),
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: parts}),
+		kgo.FetchMaxWait(500*time.Millisecond))
 	if err != nil {
 		return err
 	}
 	defer cl.Close()
-	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	var found int
 	for found == 0 && pctx.Err() == nil {
@@ -294,7 +316,7 @@ func reportDeadLetters(ctx context.Context, brokers []string, topic string, out 
 		})
 	}
 	if found == 0 {
-		return errors.New("the malformed order did not reach the dead-letter topic")
+		return fmt.Errorf("the dead-letter topic holds records (partitions %v) but none could be read back: %w", parts, pctx.Err())
 	}
 	return nil
 }
