@@ -78,24 +78,37 @@ func (s *recallerSource) recall(bodies ...string) {
 // and returns a recallSource on it.
 func newRecallEnv(t *testing.T, fifo bool, bodies ...string) (*memory.Broker, *recallSource) {
 	t.Helper()
+	msgs := make([]memory.Message, len(bodies))
+	for i, body := range bodies {
+		msgs[i] = memory.Message{Body: []byte(body)}
+		if fifo {
+			msgs[i].Key = "a"
+		}
+	}
+	return newRecallQueue(t, memory.QueueOptions{Lease: 2 * time.Second, FIFO: fifo}, msgs...)
+}
+
+// newRecallQueue publishes msgs to a queue "q" made with opts and returns a
+// recallSource on it.
+func newRecallQueue(t *testing.T, opts memory.QueueOptions, msgs ...memory.Message) (*memory.Broker, *recallSource) {
+	t.Helper()
 	b := memory.NewBroker()
-	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 2 * time.Second, FIFO: fifo}); err != nil {
+	if err := b.CreateQueue("q", opts); err != nil {
 		t.Fatal(err)
 	}
-	for _, body := range bodies {
-		m := memory.Message{Body: []byte(body)}
-		if fifo {
-			m.Key = "a"
-		}
-		if err := b.Publish(context.Background(), "q", m); err != nil {
-			t.Fatal(err)
-		}
+	if err := b.Publish(context.Background(), "q", msgs...); err != nil {
+		t.Fatal(err)
 	}
 	mem, err := b.Source("q", memory.WithPollWait(10*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return b, &recallSource{nackRecorder: &nackRecorder{Source: mem}, first: map[string]*adapters.Delivery{}}
+}
+
+// reporting wraps s as a source that tells the runtime of its recalls.
+func reporting(s *recallSource) *recallerSource {
+	return &recallerSource{recallSource: s, recalls: make(chan struct{}, 1)}
 }
 
 // slowFirst is a handler whose first delivery of slow blocks until release
@@ -188,7 +201,7 @@ func TestRecallGivesBackQueuedJobsAndSparesTheRunningOne(t *testing.T) {
 func TestRecallerGivesBackQueuedJobsWhileTheLanesJobRuns(t *testing.T) {
 	all := []string{"a1", "a2", "a3", "a4", "a5"}
 	b, inner := newRecallEnv(t, true, all...)
-	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	src := reporting(inner)
 	h := newSlowFirst("a1")
 	r := runOn(t, src, h.handle, consumer.WithConcurrency(4))
 	defer r.stop()
@@ -220,7 +233,7 @@ func TestRecallerGivesBackQueuedJobsWhileTheLanesJobRuns(t *testing.T) {
 func TestRecallerGivesBackJobsWaitingForAWorker(t *testing.T) {
 	all := []string{"m1", "m2", "m3", "m4"}
 	b, inner := newRecallEnv(t, false, all...)
-	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	src := reporting(inner)
 	h := newSlowFirst("m1")
 	r := runOn(t, src, h.handle, consumer.WithConcurrency(1))
 	defer r.stop()
@@ -366,22 +379,13 @@ func TestRecalledDeliveryCutAtShutdownIsGivenBackNotLeft(t *testing.T) {
 // it. Here x0, x1 and y1 share key k; y1 alone is recalled, as a revoke of
 // its partition would.
 func TestRecallerGivesBackKeyLaneJobBehindAnotherStreamsJob(t *testing.T) {
-	b := memory.NewBroker()
-	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 2 * time.Second}); err != nil {
-		t.Fatal(err)
-	}
 	all := []string{"x0", "x1", "y1"}
+	var msgs []memory.Message
 	for _, body := range all {
-		if err := b.Publish(context.Background(), "q", memory.Message{Body: []byte(body), Key: "k"}); err != nil {
-			t.Fatal(err)
-		}
+		msgs = append(msgs, memory.Message{Body: []byte(body), Key: "k"})
 	}
-	mem, err := b.Source("q", memory.WithPollWait(10*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	inner := &recallSource{nackRecorder: &nackRecorder{Source: mem}, first: map[string]*adapters.Delivery{}}
-	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	_, inner := newRecallQueue(t, memory.QueueOptions{Lease: 2 * time.Second}, msgs...)
+	src := reporting(inner)
 	started, release, failed := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	h := func(ctx context.Context, m *consumer.Message) error {
 		switch {
@@ -413,23 +417,12 @@ func TestRecallerGivesBackKeyLaneJobBehindAnotherStreamsJob(t *testing.T) {
 // behind it in its lane, in the lane's order, while the busy worker's job
 // runs on.
 func TestRecallerGivesBackALaneHeadWaitingForAWorker(t *testing.T) {
-	b := memory.NewBroker()
-	if err := b.CreateQueue("q", memory.QueueOptions{Lease: 2 * time.Second}); err != nil {
-		t.Fatal(err)
-	}
 	msgs := []memory.Message{{Body: []byte("m1")}} // keyless: no lane, runs first
 	for _, body := range []string{"b1", "b2", "b3"} {
 		msgs = append(msgs, memory.Message{Body: []byte(body), Key: "b"})
 	}
-	if err := b.Publish(context.Background(), "q", msgs...); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := b.Source("q", memory.WithPollWait(10*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	inner := &recallSource{nackRecorder: &nackRecorder{Source: mem}, first: map[string]*adapters.Delivery{}}
-	src := &recallerSource{recallSource: inner, recalls: make(chan struct{}, 1)}
+	b, inner := newRecallQueue(t, memory.QueueOptions{Lease: 2 * time.Second}, msgs...)
+	src := reporting(inner)
 	h := newSlowFirst("m1")
 	r := runOn(t, src, h.handle, consumer.WithConcurrency(1), consumer.WithOrdering(consumer.OrderByKey))
 	defer r.stop()
