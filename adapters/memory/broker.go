@@ -61,8 +61,8 @@ type QueueOptions struct {
 	// messages is received and not yet acked, or waiting for a delayed
 	// redelivery. Publish refuses a message without a Key, as SQS refuses
 	// one without a MessageGroupId. A dead-letter copy without one
-	// (DeadLetterQueue.Send of another source's delivery, a redrive from a
-	// standard queue) gets its ID as its Key: a group of its own.
+	// (DeadLetterQueue.Send of a delivery from a standard queue or another
+	// broker) gets its ID as its Key: a group of its own.
 	FIFO bool
 	// MaxReceiveCount, when positive, moves a message to DeadLetterQueue
 	// instead of delivering it for the (MaxReceiveCount+1)th time, as an SQS
@@ -72,7 +72,8 @@ type QueueOptions struct {
 	// dead-letter queue are dropped.
 	MaxReceiveCount int
 	// DeadLetterQueue names the queue redriven messages go to. It must exist
-	// when MaxReceiveCount is set, and must be empty when it is not.
+	// when MaxReceiveCount is set, and must be empty when it is not. As with
+	// SQS, it must be FIFO when this queue is, and standard when it is not.
 	DeadLetterQueue string
 }
 
@@ -123,8 +124,15 @@ func (b *Broker) CreateQueue(name string, opts QueueOptions) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if opts.MaxReceiveCount > 0 {
-		if _, ok := b.queues[opts.DeadLetterQueue]; !ok {
+		dlq, ok := b.queues[opts.DeadLetterQueue]
+		if !ok {
 			return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.DeadLetterQueue %q must name an existing queue when MaxReceiveCount is set", name, opts.DeadLetterQueue)
+		}
+		if dlq.opts.FIFO != opts.FIFO {
+			// SQS refuses such a redrive policy; a test that passed here
+			// would describe a queue pair that cannot be created there.
+			return fmt.Errorf("memory: CreateQueue(%q): QueueOptions.DeadLetterQueue %q must be of the same type as the queue (FIFO %t, dead-letter queue FIFO %t), as SQS requires",
+				name, opts.DeadLetterQueue, opts.FIFO, dlq.opts.FIFO)
 		}
 	}
 	if _, ok := b.queues[name]; ok {
@@ -175,8 +183,8 @@ func (b *Broker) publishLocked(q *queue, m Message, published time.Time) {
 	}
 	key := m.Key
 	if key == "" && q.opts.FIFO {
-		// Only a dead-letter copy (DeadLetterQueue.Send, a redrive) gets
-		// here keyless: Publish refuses such messages. Each gets a group of
+		// Only a dead-letter copy (DeadLetterQueue.Send) gets here
+		// keyless: Publish refuses such messages. Each gets a group of
 		// its own, its ID, so that one copy in flight holds up no other.
 		key = id
 	}

@@ -368,6 +368,25 @@ func TestCreateQueueRefusesDeadLetterQueueWithoutCount(t *testing.T) {
 	}
 }
 
+// SQS refuses a redrive policy between a FIFO queue and a standard one, either
+// way round; so does the memory broker, so that a queue pair tested here can
+// be created there.
+func TestCreateQueueRefusesRedriveBetweenTypes(t *testing.T) {
+	for _, fifo := range []bool{false, true} {
+		b := NewBroker()
+		if err := b.CreateQueue("dlq", QueueOptions{FIFO: !fifo}); err != nil {
+			t.Fatal(err)
+		}
+		err := b.CreateQueue("q", QueueOptions{FIFO: fifo, MaxReceiveCount: 1, DeadLetterQueue: "dlq"})
+		if err == nil || !strings.Contains(err.Error(), "DeadLetterQueue") || !strings.Contains(err.Error(), "same type") {
+			t.Fatalf("CreateQueue(FIFO %t) redriving into a queue of the other type = %v, want an error naming DeadLetterQueue and the types", fifo, err)
+		}
+		if err := b.CreateQueue("same", QueueOptions{FIFO: !fifo, MaxReceiveCount: 1, DeadLetterQueue: "dlq"}); err != nil {
+			t.Fatalf("CreateQueue(FIFO %t) redriving into a queue of its own type: %v", !fifo, err)
+		}
+	}
+}
+
 // A message dead-lettered before and replayed carries that trip's
 // diagnostics. When the queue redrives it, the dead-letter copy describes
 // this redrive alone: an old error, or the partition of the old copy beside
@@ -461,8 +480,8 @@ func TestGeneratedIDsDifferAcrossBrokers(t *testing.T) {
 	}
 }
 
-// A FIFO dead-letter queue takes keyless copies (from a standard queue or
-// another broker's adapter); each gets a group of its own, so one copy in
+// A FIFO dead-letter queue takes keyless copies (DeadLetterQueue.Send of a
+// delivery from a standard queue or another broker); each gets a group of its own, so one copy in
 // flight does not hold up the others.
 func TestKeylessDeadLettersOnFIFOQueueDoNotBlockEachOther(t *testing.T) {
 	b := NewBroker()

@@ -17,7 +17,8 @@
 // group back while one of its messages is in flight; every message published
 // to one needs a Key. A queue with MaxReceiveCount moves a message to its
 // DeadLetterQueue instead of delivering it again, as an SQS redrive policy
-// does.
+// does; as with SQS, the two queues must be of the same type, FIFO or
+// standard.
 //
 // # Testing with it
 //

@@ -37,7 +37,8 @@ func FuzzBrokerAgainstModel(f *testing.F) {
 			prog = prog[:300]
 		}
 		b := NewBroker()
-		if err := b.CreateQueue("dlq", QueueOptions{}); err != nil {
+		// The same type as "q": SQS refuses a redrive between types.
+		if err := b.CreateQueue("dlq", QueueOptions{FIFO: fifo}); err != nil {
 			t.Fatal(err)
 		}
 		opts := QueueOptions{Lease: time.Hour, FIFO: fifo, MaxReceiveCount: maxReceives}
