@@ -1,0 +1,92 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/idempotency"
+	"github.com/custody-go/custody/idempotency/internal/pgsql"
+	"github.com/custody-go/custody/idempotency/internal/teststores"
+	"github.com/custody-go/custody/idempotency/pgstore"
+	"github.com/custody-go/custody/idempotency/redisstore"
+)
+
+// A Claim the store cannot make fails the delivery with an ordinary error,
+// so the message comes back and its effect runs once the store can claim
+// the key again. Acking it instead would drop a message whose effect never
+// ran; running the handler without a claim could run the effect twice.
+func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
+	stores := []struct {
+		name string
+		new  func(t *testing.T) (idempotency.Store, func())
+	}{
+		// A full MemoryStore refuses a claim until one of its in-progress
+		// claims ends.
+		{"memory full", func(t *testing.T) (idempotency.Store, func()) {
+			s := newMemory(t, idempotency.MemoryMaxEntries(1))
+			st, tok, err := s.Claim(context.Background(), "other", "", time.Hour)
+			if err != nil || st != idempotency.Acquired {
+				t.Fatalf("filling the store: %v, %v", st, err)
+			}
+			return s, func() {
+				if err := s.Release(context.Background(), "other", tok); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}},
+		// Clients that can no longer reach their servers.
+		{"redis closed", func(t *testing.T) (idempotency.Store, func()) {
+			c := teststores.RedisClient(t)
+			s, err := redisstore.New(c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = c.Close()
+			return s, nil
+		}},
+		{"postgres closed", func(t *testing.T) (idempotency.Store, func()) {
+			pool := pgsql.TestPool(t)
+			s, err := pgstore.New(pool)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pool.Close()
+			return s, nil
+		}},
+	}
+	for _, st := range stores {
+		t.Run(st.name, func(t *testing.T) {
+			m := newMeter(t)
+			store, free := st.new(t)
+			var runs atomic.Int32
+			h := newGuard(t, store, func(context.Context, *consumer.Message) error {
+				runs.Add(1)
+				return nil
+			}, idempotency.WithMeterProvider(m), idempotency.WithLogger(quiet))
+			err := h.Handle(context.Background(), msg("m", "x"))
+			if err == nil || consumer.IsPermanent(err) || errors.Is(err, idempotency.ErrInProgressElsewhere) {
+				t.Fatalf("Handle with a failing Claim = %v, want an ordinary error (the message is retried)", err)
+			}
+			if runs.Load() != 0 {
+				t.Fatal("the handler ran without a claim")
+			}
+			if got := m.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "claim"); got != 1 {
+				t.Fatalf("store errors (claim) = %d, want 1", got)
+			}
+			if got := m.count(t, idempotency.MetricDuplicates, "", ""); got != 0 {
+				t.Fatalf("duplicates = %d, want 0: the message was never claimed", got)
+			}
+			if free == nil {
+				return
+			}
+			free()
+			if err := h.Handle(context.Background(), msg("m", "x")); err != nil || runs.Load() != 1 {
+				t.Fatalf("retry once the store can claim = %v with %d runs; want nil and 1", err, runs.Load())
+			}
+		})
+	}
+}
