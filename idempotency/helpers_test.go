@@ -74,16 +74,20 @@ type faultyStore struct {
 	extending   atomic.Int64 // Extend calls running now
 	completeErr atomic.Pointer[error]
 	releases    atomic.Int64
-	claimed     atomic.Pointer[time.Time] // when the last Claim returned: the claim runs out no later than this plus its lease
-	claimSent   atomic.Pointer[time.Time] // when the last Claim was sent: the claim runs out no earlier than this plus its lease
-	claimDelay  atomic.Int64              // nanoseconds the reply to a Claim is held back after the store made the claim
-	extendUntil atomic.Pointer[time.Time] // the latest deadline an Extend was given
+	claimed     atomic.Pointer[time.Time]         // when the last Claim returned: the claim runs out no later than this plus its lease
+	claimSent   atomic.Pointer[time.Time]         // when the last Claim was sent: the claim runs out no earlier than this plus its lease
+	claimDelay  atomic.Int64                      // nanoseconds the reply to a Claim is held back after the store made the claim
+	extendUntil atomic.Pointer[time.Time]         // the latest deadline an Extend was given
+	token       atomic.Pointer[idempotency.Token] // the token of the last claim acquired
 }
 
 func (s *faultyStore) Claim(ctx context.Context, key, fp string, lease time.Duration) (idempotency.State, idempotency.Token, error) {
 	sent := time.Now()
 	s.claimSent.Store(&sent)
 	st, tok, err := s.Store.Claim(ctx, key, fp, lease)
+	if err == nil && st == idempotency.Acquired {
+		s.token.Store(&tok)
+	}
 	time.Sleep(time.Duration(s.claimDelay.Load())) // a slow network, or a stalled client
 	now := time.Now()
 	s.claimed.Store(&now)
