@@ -311,21 +311,28 @@ func TestCommittedKeyIsSequentialWhileAnotherCopyHoldsTheLock(t *testing.T) {
 	if err := h.Handle(ctx, msg("m", "a")); err != nil {
 		t.Fatal(err)
 	}
-	// Another copy's transaction, between taking the lock and finding the
-	// row: hold the same advisory lock.
+	// Other copies' transactions, between taking the lock and finding the
+	// row: hold the advisory locks the handler takes for "m" and for "n",
+	// which was never committed.
 	other, err := f.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer other.Rollback(ctx)
-	if _, err := other.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`, f.processed+":m"); err != nil {
-		t.Fatal(err)
+	for _, key := range []string{"m", "n"} {
+		if _, err := other.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended(($1::text::regclass)::oid::text || ':' || $2, 0))`, f.processed, key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The lock is the handler's: a copy of the uncommitted key overlaps.
+	if err := h.Handle(ctx, msg("n", "a")); !errors.Is(err, idempotency.ErrInProgressElsewhere) {
+		t.Fatalf("copy of a key whose lock is held = %v, want ErrInProgressElsewhere (does the test take the handler's lock?)", err)
 	}
 	if err := h.Handle(ctx, msg("m", "a")); err != nil {
 		t.Fatalf("copy of a committed key = %v, want nil (skipped)", err)
 	}
-	if f.duplicates(t, "sequential") != 1 || f.duplicates(t, "overlapping") != 0 || f.rows(t, f.effects) != 1 {
-		t.Fatalf("sequential %d, overlapping %d, effects %d; want 1, 0, 1",
+	if f.duplicates(t, "sequential") != 1 || f.duplicates(t, "overlapping") != 1 || f.rows(t, f.effects) != 1 {
+		t.Fatalf("sequential %d, overlapping %d, effects %d; want 1, 1 (the uncommitted key), 1",
 			f.duplicates(t, "sequential"), f.duplicates(t, "overlapping"), f.rows(t, f.effects))
 	}
 }
