@@ -520,3 +520,22 @@ func TestOverlapIsSeenWhateverTheTableIsCalled(t *testing.T) {
 		t.Fatalf("%d effects, want 1", n)
 	}
 }
+
+// Turning fingerprints on for a table that already holds keys recorded
+// without one: a copy of such a key is a sequential duplicate, skipped as
+// before, not a mismatch sent to the dead-letter queue. The old record has
+// no fingerprint to compare with.
+func TestKeyRecordedWithoutFingerprintIsSkippedOnceFingerprintsAreOn(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	if err := f.handler(t, f.insertEffect).Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatal(err)
+	}
+	h := f.handler(t, f.insertEffect, pgtx.WithFingerprint(idempotency.FingerprintBody))
+	if err := h.Handle(ctx, msg("m", "a")); err != nil {
+		t.Fatalf("copy of a key recorded without a fingerprint = %v, want nil (skipped)", err)
+	}
+	if f.rows(t, f.effects) != 1 || f.duplicates(t, "sequential") != 1 {
+		t.Fatalf("effects %d, sequential %d; want 1 and 1", f.rows(t, f.effects), f.duplicates(t, "sequential"))
+	}
+}
