@@ -518,10 +518,11 @@ func TestKeylessDeadLettersOnFIFOQueueDoNotBlockEachOther(t *testing.T) {
 	}
 }
 
-// A redriven message keeps its publish time, as an SQS redrive keeps the
-// enqueue timestamp: the dead-letter queue holds the same message, not a new
-// one published at the move.
-func TestRedriveKeepsThePublishTime(t *testing.T) {
+// newRedriveBroker returns a broker whose queue "q" holds one message, "a",
+// and moves it to "dlq" instead of delivering it a second time. Leases are
+// an hour: the tests play their expiry.
+func newRedriveBroker(t *testing.T) *Broker {
+	t.Helper()
 	b := NewBroker()
 	if err := b.CreateQueue("dlq", QueueOptions{}); err != nil {
 		t.Fatal(err)
@@ -532,6 +533,14 @@ func TestRedriveKeepsThePublishTime(t *testing.T) {
 	if err := b.Publish(context.Background(), "q", Message{ID: "a"}); err != nil {
 		t.Fatal(err)
 	}
+	return b
+}
+
+// A redriven message keeps its publish time, as an SQS redrive keeps the
+// enqueue timestamp: the dead-letter queue holds the same message, not a new
+// one published at the move.
+func TestRedriveKeepsThePublishTime(t *testing.T) {
+	b := newRedriveBroker(t)
 	src := openSource(t, b, WithPollWait(10*time.Millisecond))
 	first := receive(t, src, 1)
 	if len(first) != 1 {
@@ -610,5 +619,42 @@ func TestInvalidCallsFailNamingTheProblem(t *testing.T) {
 				t.Errorf("%s of a missing queue = %v, want ErrNoQueue", call, err)
 			}
 		}
+	}
+}
+
+// A message redriven while its last holder's lease has run out, unacked
+// (a handler still running whose extension failed), is lost to that holder
+// at once, as when another consumer receives it: the holder's context is
+// cancelled rather than left running on a message now in the dead-letter
+// queue, whose ack can only fail.
+func TestRedriveLosesTheLastHoldersDelivery(t *testing.T) {
+	b := newRedriveBroker(t)
+	holder, other := openSource(t, b), openSource(t, b, WithPollWait(10*time.Millisecond))
+	held := receive(t, holder, 1)
+	if len(held) != 1 {
+		t.Fatalf("received %v, want a", ids(held))
+	}
+	// The lease runs out: an extension to zero, so no clock is involved.
+	if err := holder.Extend(context.Background(), held, 0); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-held[0].Lost():
+		t.Fatal("the delivery is lost before anyone else took the message")
+	default:
+	}
+	if ds := receive(t, other, 1); len(ds) != 0 {
+		t.Fatalf("second receive got %v, want nothing: the message is redriven", ids(ds))
+	}
+	if dead, err := b.Messages("dlq"); err != nil || len(dead) != 1 {
+		t.Fatalf("dead-letter queue holds %v (%v), want a", dead, err)
+	}
+	select {
+	case <-held[0].Lost():
+	default:
+		t.Fatal("the last holder's delivery is not lost after its message was redriven")
+	}
+	if !errors.Is(held[0].LostCause(), adapters.ErrLeaseLost) {
+		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", held[0].LostCause())
 	}
 }
