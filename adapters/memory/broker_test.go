@@ -658,3 +658,74 @@ func TestRedriveLosesTheLastHoldersDelivery(t *testing.T) {
 		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", held[0].LostCause())
 	}
 }
+
+// A FIFO message whose lease ran out, extended by its holder before anyone
+// else received it, is held again, and so is its group: the next message of
+// the group waits until it is acked, as SQS keeps a group blocked while one
+// of its messages is in flight.
+func TestFIFOMessageExtendedAfterItsLeaseRanOutHoldsItsGroupAgain(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour, FIFO: true})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a1", Key: "g"}, Message{ID: "a2", Key: "g"}); err != nil {
+		t.Fatal(err)
+	}
+	holder, other := openSource(t, b), openSource(t, b, WithPollWait(10*time.Millisecond))
+	ctx := context.Background()
+	held := receive(t, holder, 1)
+	if len(held) != 1 || held[0].ID != "a1" {
+		t.Fatalf("received %v, want a1", ids(held))
+	}
+	// The lease runs out (an extension to zero, so no clock is involved),
+	// then the holder extends it before anyone took the message.
+	if err := holder.Extend(ctx, held, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Extend(ctx, held, time.Hour); err != nil {
+		t.Fatalf("extending the held message after its lease ran out: %v", err)
+	}
+	if ds := receive(t, other, 10); len(ds) != 0 {
+		t.Fatalf("received %v while a1 is held, want nothing: its group is blocked", ids(ds))
+	}
+	if err := holder.Ack(ctx, held); err != nil {
+		t.Fatal(err)
+	}
+	if ds := receive(t, other, 10); len(ds) != 1 || ds[0].ID != "a2" {
+		t.Fatalf("received %v after a1 was acked, want a2", ids(ds))
+	}
+}
+
+// A FIFO message acked after its lease ran out (nobody received it since, so
+// its receipt is still valid) was no longer holding its group: the ack must
+// not release the group a second time while another of its messages is in
+// flight, or the next message would be delivered before that one is done.
+func TestFIFOAckAfterTheLeaseRanOutKeepsTheGroupBlocked(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour, FIFO: true})
+	ctx := context.Background()
+	if err := b.Publish(ctx, "q", Message{ID: "a1", Key: "g"}, Message{ID: "a2", Key: "g"}); err != nil {
+		t.Fatal(err)
+	}
+	holder, other := openSource(t, b), openSource(t, b, WithPollWait(10*time.Millisecond))
+	held := receive(t, holder, 10)
+	if got := ids(held); len(got) != 2 || got[0] != "a1" || got[1] != "a2" {
+		t.Fatalf("received %v, want a1 and a2 in one batch", got)
+	}
+	// a1's lease runs out (an extension to zero, so no clock is involved);
+	// a2 stays in flight.
+	if err := holder.Extend(ctx, held[:1], 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Ack(ctx, held[:1]); err != nil {
+		t.Fatalf("ack of a1 after its lease ran out, before anyone took it: %v", err)
+	}
+	if err := b.Publish(ctx, "q", Message{ID: "a3", Key: "g"}); err != nil {
+		t.Fatal(err)
+	}
+	if ds := receive(t, other, 10); len(ds) != 0 {
+		t.Fatalf("received %v while a2 is in flight, want nothing: its group is blocked", ids(ds))
+	}
+	if err := holder.Ack(ctx, held[1:]); err != nil {
+		t.Fatal(err)
+	}
+	if ds := receive(t, other, 10); len(ds) != 1 || ds[0].ID != "a3" {
+		t.Fatalf("received %v after a2 was acked, want a3", ids(ds))
+	}
+}
