@@ -729,3 +729,64 @@ func TestFIFOAckAfterTheLeaseRanOutKeepsTheGroupBlocked(t *testing.T) {
 		t.Fatalf("received %v after a2 was acked, want a3", ids(ds))
 	}
 }
+
+// A receive fault fails that Receive with the hook's error and takes no
+// message: the message stays visible, never counted as received, for the
+// next Receive once the fault is gone.
+func TestReceiveFaultTakesNoMessage(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+	ctx := context.Background()
+	if err := b.Publish(ctx, "q", Message{ID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	injected := errors.New("injected")
+	s := openSource(t, b, WithPollWait(10*time.Millisecond), WithFaults(Faults{Receive: func() error { return injected }}))
+	if ds, err := s.Receive(ctx, 10); !errors.Is(err, injected) || len(ds) != 0 {
+		t.Fatalf("Receive under a receive fault = %v, %v; want no message and the injected error", ids(ds), err)
+	}
+	if st, _ := b.Stats("q"); st.Received != 0 || st.Visible != 1 {
+		t.Fatalf("stats %+v after a failed receive, want the message visible and never received", st)
+	}
+	s.SetFaults(Faults{})
+	if ds := receive(t, s, 10); len(ds) != 1 || ds[0].ID != "a" || ds[0].Attempt != 1 {
+		t.Fatalf("received %v once the fault was gone, want a as attempt 1", ids(ds))
+	}
+}
+
+// SetFault makes Send fail for the deliveries its function refuses, writing
+// nothing, as a dead-letter destination that is down does; the others, and
+// every delivery once the fault is removed, are written.
+func TestDeadLetterFaultRefusesTheWrite(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{})
+	dlq, err := b.DeadLetterQueue("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := errors.New("dead-letter queue down")
+	dlq.SetFault(func(d *adapters.Delivery) error {
+		if d.ID == "refused" {
+			return down
+		}
+		return nil
+	})
+	ctx := context.Background()
+	failure := adapters.Failure{Err: errors.New("boom"), Attempts: 1}
+	refused := &adapters.Delivery{ID: "refused", Partition: -1, Offset: -1}
+	if err := dlq.Send(ctx, refused, failure); !errors.Is(err, down) {
+		t.Fatalf("Send under the fault = %v, want the fault's error", err)
+	}
+	if err := dlq.Send(ctx, &adapters.Delivery{ID: "passed", Partition: -1, Offset: -1}, failure); err != nil {
+		t.Fatalf("Send of a delivery the fault lets through = %v", err)
+	}
+	dlq.SetFault(nil)
+	if err := dlq.Send(ctx, refused, failure); err != nil {
+		t.Fatalf("Send once the fault is removed = %v", err)
+	}
+	dead, err := b.Messages("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dead) != 2 || dead[0].ID != "passed" || dead[1].ID != "refused" {
+		t.Fatalf("dead-letter queue holds %+v, want passed, then refused once the fault was removed", dead)
+	}
+}
