@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -187,17 +188,26 @@ func TestOverlappingDuplicateIsTurnedAwayWithoutWaiting(t *testing.T) {
 	ctx := context.Background()
 	first := make(chan error, 1)
 	go func() { first <- h.Handle(ctx, msg("m", "a")) }()
-	<-entered
+	// The first copy's transaction must end even when an assertion below
+	// fails: the pool's Close, in the fixture's cleanup, waits for it.
+	var once sync.Once
+	release := func() { once.Do(func() { close(leave) }) }
+	t.Cleanup(release)
+	select {
+	case <-entered:
+	case err := <-first:
+		t.Fatalf("the first copy returned %v before its effect ran", err)
+	}
 
-	// Bounded so that a version that waits on the row lock fails instead
-	// of hanging until the first transaction ends.
+	// Bounded so that a version that waits on the lock fails instead of
+	// hanging until the first transaction ends.
 	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	err := h.Handle(tctx, msg("m", "a"))
 	cancel()
 	if !errors.Is(err, idempotency.ErrInProgressElsewhere) || !consumer.IsDeferred(err) || func() bool { d, ok := consumer.RetryDelay(err); return !ok || d != 3*time.Second }() {
 		t.Fatalf("overlapping duplicate = %v, want Defer(ErrInProgressElsewhere, 3s)", err)
 	}
-	close(leave)
+	release()
 	if err := <-first; err != nil {
 		t.Fatal(err)
 	}
