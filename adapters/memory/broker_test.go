@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"maps"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -788,5 +789,35 @@ func TestDeadLetterFaultRefusesTheWrite(t *testing.T) {
 	}
 	if len(dead) != 2 || dead[0].ID != "passed" || dead[1].ID != "refused" {
 		t.Fatalf("dead-letter queue holds %+v, want passed, then refused once the fault was removed", dead)
+	}
+}
+
+// A redelivery keeps the time of the message's first receive, which the
+// dead-letter diagnostics report as its first failure, whoever received it
+// then: it is not reset by each receive.
+func TestRedeliveryKeepsTheFirstReceiveTime(t *testing.T) {
+	b := newTestBroker(t, QueueOptions{Lease: time.Hour})
+	ctx := context.Background()
+	if err := b.Publish(ctx, "q", Message{ID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	first, second := openSource(t, b), openSource(t, b)
+	ds := receive(t, first, 1)
+	if len(ds) != 1 || !ds[0].FirstReceivedAt.Equal(ds[0].ReceivedAt) {
+		t.Fatalf("first receive %v, want a, first received when received", ids(ds))
+	}
+	firstAt := ds[0].ReceivedAt
+	if err := first.Nack(ctx, ds, 0); err != nil {
+		t.Fatal(err)
+	}
+	for !time.Now().After(firstAt) { // the clock moves on, or a reset could not show
+		runtime.Gosched()
+	}
+	again := receive(t, second, 1)
+	if len(again) != 1 || again[0].Attempt != 2 {
+		t.Fatalf("second receive %v, want a as attempt 2", ids(again))
+	}
+	if !again[0].FirstReceivedAt.Equal(firstAt) {
+		t.Fatalf("redelivery's FirstReceivedAt = %v, want the first receive's %v", again[0].FirstReceivedAt, firstAt)
 	}
 }
