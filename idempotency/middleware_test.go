@@ -259,13 +259,23 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 		}
 		cause = context.Cause(ctx)
 		return ctx.Err()
-	}, idempotency.WithMeterProvider(m), idempotency.WithLease(time.Second), idempotency.WithExtendInterval(10*time.Millisecond))
+	},
+		// The claim would hold for an hour: the handler is cancelled because
+		// the store said the claim is gone, not because the lease ran out.
+		idempotency.WithMeterProvider(m), idempotency.WithLease(time.Hour), idempotency.WithExtendInterval(10*time.Millisecond))
 	err := h.Handle(context.Background(), msg("m", "x"))
 	if !errors.Is(err, context.Canceled) || !errors.Is(cause, idempotency.ErrClaimLost) {
 		t.Fatalf("handler returned %v with cause %v; want its context cancelled with ErrClaimLost", err, cause)
 	}
 	if got := m.count(t, idempotency.MetricClaimsLost, "custody.idempotency.op", "extend"); got != 1 {
 		t.Fatalf("claims lost = %d, want 1", got)
+	}
+	// A stale token is an answer, not a failure: it is not retried as one.
+	if got := m.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "extend"); got != 0 {
+		t.Fatalf("store errors (extend) = %d, want 0", got)
+	}
+	if n := store.extends.Load(); n != 1 {
+		t.Fatalf("%d extension attempts, want 1: the claim is known lost after the first", n)
 	}
 }
 
