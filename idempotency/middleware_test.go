@@ -279,6 +279,31 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 	}
 }
 
+// An overlapping duplicate is tried again a lease later unless
+// WithOverlapRetryDelay says otherwise, as documented: by then the original
+// has finished or its claim has run out.
+func TestOverlapRetryDelayDefaultsToTheLease(t *testing.T) {
+	for _, lease := range []time.Duration{0, 7 * time.Second} {
+		store := newMemory(t)
+		var opts []idempotency.Option
+		want := 30 * time.Second // the default lease
+		if lease != 0 {
+			opts, want = append(opts, idempotency.WithLease(lease)), lease
+		}
+		h := newGuard(t, store, func(context.Context, *consumer.Message) error {
+			t.Error("the handler ran for a key in progress elsewhere")
+			return nil
+		}, opts...)
+		if _, _, err := store.Claim(context.Background(), "m", "", time.Hour); err != nil {
+			t.Fatal(err)
+		}
+		err := h.Handle(context.Background(), msg("m", "x"))
+		if d, ok := consumer.RetryDelay(err); !errors.Is(err, idempotency.ErrInProgressElsewhere) || !ok || d != want {
+			t.Errorf("lease %v: overlapping duplicate = %v (retry after %v), want Defer(ErrInProgressElsewhere, %v)", lease, err, d, want)
+		}
+	}
+}
+
 // A claim lost while the handler ran is counted once, even when the
 // handler finishes regardless and recording its effect then fails for the
 // same reason.
