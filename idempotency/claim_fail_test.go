@@ -90,3 +90,24 @@ func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 		})
 	}
 }
+
+// brokenStore is a Store implementation with a bug: its Claim answers no
+// state and no error.
+type brokenStore struct{ idempotency.Store }
+
+func (brokenStore) Claim(context.Context, string, string, time.Duration) (idempotency.State, idempotency.Token, error) {
+	return 0, "", nil
+}
+
+// A state the middleware does not know (a Store written elsewhere, with a
+// bug) fails the delivery: the handler is not run without a claim, and the
+// message is not acked as if its effect had happened.
+func TestUnknownClaimStateFailsTheDelivery(t *testing.T) {
+	h := newGuard(t, brokenStore{newMemory(t)}, func(context.Context, *consumer.Message) error {
+		t.Error("the handler ran without a claim")
+		return nil
+	})
+	if err := h.Handle(context.Background(), msg("m", "x")); err == nil || !contains(err.Error(), "invalid state") {
+		t.Fatalf("Handle with a store answering no state = %v, want an error naming the invalid state", err)
+	}
+}
