@@ -237,6 +237,9 @@ func TestFingerprintMismatchIsPermanent(t *testing.T) {
 	if f.rows(t, f.effects) != 1 {
 		t.Fatalf("%d effect rows, want 1", f.rows(t, f.effects))
 	}
+	if got := f.count(t, idempotency.MetricFingerprintMismatches, "", ""); got != 1 {
+		t.Fatalf("fingerprint mismatches counted %d, want 1", got)
+	}
 }
 
 func TestMessageWithoutKeyIsPermanent(t *testing.T) {
