@@ -821,3 +821,16 @@ func TestRedeliveryKeepsTheFirstReceiveTime(t *testing.T) {
 		t.Fatalf("redelivery's FirstReceivedAt = %v, want the first receive's %v", again[0].FirstReceivedAt, firstAt)
 	}
 }
+
+// Capabilities describe the queue as created: its lease, its order (FIFO
+// queues only), and the delayed nacks and broker-side delivery counts every
+// memory queue has.
+func TestCapabilitiesDescribeTheQueue(t *testing.T) {
+	for _, fifo := range []bool{false, true} {
+		b := newTestBroker(t, QueueOptions{Lease: 7 * time.Second, FIFO: fifo})
+		c := openSource(t, b).Capabilities()
+		if c.Name != "memory:q" || c.Lease != 7*time.Second || c.Ordered != fifo || !c.NackDelay || !c.CountsDeliveries {
+			t.Errorf("FIFO %t: capabilities %+v, want memory:q, a 7s lease, Ordered %t, NackDelay and CountsDeliveries", fifo, c, fifo)
+		}
+	}
+}
