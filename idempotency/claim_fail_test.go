@@ -3,9 +3,12 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"net"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency"
@@ -109,5 +112,60 @@ func TestUnknownClaimStateFailsTheDelivery(t *testing.T) {
 	})
 	if err := h.Handle(context.Background(), msg("m", "x")); err == nil || !contains(err.Error(), "invalid state") {
 		t.Fatalf("Handle with a store answering no state = %v, want an error naming the invalid state", err)
+	}
+}
+
+// A store that never answers (a hung server, a network partition that drops
+// packets) fails the Claim after WithStoreTimeout, so the delivery is
+// retried later instead of holding its worker for as long as the store
+// stays silent. The server here accepts PostgreSQL connections and never
+// says a word.
+func TestSilentStoreFailsTheClaimAfterTheStoreTimeout(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		var conns []net.Conn
+		defer func() {
+			for _, c := range conns {
+				_ = c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c) // held open, never answered
+		}
+	}()
+	pool, err := pgxpool.New(context.Background(), "postgres://postgres@"+ln.Addr().String()+"/test?sslmode=disable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	store, err := pgstore.New(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := newMeter(t)
+	h := newGuard(t, store, func(context.Context, *consumer.Message) error {
+		t.Error("the handler ran without a claim")
+		return nil
+	}, idempotency.WithMeterProvider(m), idempotency.WithStoreTimeout(100*time.Millisecond))
+	done := make(chan error, 1)
+	go func() { done <- h.Handle(context.Background(), msg("m", "x")) }()
+	select {
+	case err := <-done:
+		if err == nil || consumer.IsPermanent(err) {
+			t.Fatalf("Handle with a silent store = %v, want an ordinary error (the message is retried)", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Handle still waits on a silent store 30 s into a 100 ms store timeout")
+	}
+	if got := m.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "claim"); got != 1 {
+		t.Fatalf("store errors (claim) = %d, want 1", got)
 	}
 }
