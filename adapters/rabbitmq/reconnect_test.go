@@ -345,3 +345,42 @@ func TestDeletedQueueLosesItsDeliveriesAndResumesOnceItIsBack(t *testing.T) {
 		t.Fatalf("%d messages ready after the ack, want 0", n)
 	}
 }
+
+// Deliveries the broker sent that wait in the Source, not yet received,
+// when the channel dies are lost with it, and the broker sends them again on
+// the next channel: Receive hands out those fresh copies only, never the
+// dead channel's, which no ack could settle.
+func TestDeliveriesWaitingWhenTheChannelDiesAreNotHandedOut(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 3)...)
+	s := openSource(t, q, WithPrefetch(10), WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+	waitUntil(t, "the three deliveries to wait in the Source", func() bool { return s.Stats().Delivered == 3 })
+	killConnection(t, s)
+	waitGenerations(t, s, 2)
+	waitUntil(t, "the three lost ones to be counted", func() bool { return s.Stats().Lost == 3 })
+
+	ds := receiveN(t, s, 3)
+	for _, d := range ds {
+		if cause := d.LostCause(); cause != nil {
+			t.Fatalf("Receive handed out %s, lost with the dead channel: %v", d.Body, cause)
+		}
+		if g := handleOf(d).gen.id; g != 2 {
+			t.Fatalf("Receive handed out %s from generation %d, want 2", d.Body, g)
+		}
+	}
+	got := bodies(ds)
+	slices.Sort(got)
+	if !slices.Equal(got, names("m", 3)) {
+		t.Fatalf("received %v, want m1 to m3 once each", got)
+	}
+	if err := s.Ack(context.Background(), ds); err != nil {
+		t.Fatalf("Ack of the redelivered messages: %v", err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages left after the redelivered ones were acked", n)
+	}
+}
