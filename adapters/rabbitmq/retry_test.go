@@ -524,3 +524,46 @@ func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
 }
 
 func (sr *stallingRelay) block() { sr.stalled.Store(true) }
+
+// A delivery waiting in place for its retry and then given back at once
+// (Nack without a delay) is requeued by the broker, and its wait publishes
+// no copy when it ends: the message would be handled twice. A second retry,
+// started after the first wait, is the mark: once its copy is back, the
+// first wait has long ended.
+func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10))
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+		t.Fatalf("requeue of a delivery waiting in place: %v", err)
+	}
+	again := receiveN(t, s, 1)[0]
+	if again.Attempt != 2 || again.Headers[HeaderAttempt] != "" {
+		t.Fatalf("after the requeue: attempt %d, %s %q; want the broker's redelivery, attempt 2", again.Attempt, HeaderAttempt, again.Headers[HeaderAttempt])
+	}
+	if err := s.Nack(ctx, []*adapters.Delivery{again}, 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	next := receiveN(t, s, 1)[0]
+	if next.Attempt != 3 {
+		t.Fatalf("the next delivery has attempt %d (%s %q), want the second retry's copy, attempt 3", next.Attempt, HeaderAttempt, next.Headers[HeaderAttempt])
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{next}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages left: the requeued delivery's wait published a copy", n)
+	}
+	if st := s.Stats(); st.RetriedInPlace != 1 {
+		t.Fatalf("stats %+v: want one copy, the second retry's", st)
+	}
+}
