@@ -91,3 +91,37 @@ func TestPrefetchOneNeverWaitsInPlace(t *testing.T) {
 	}
 	waitUnacked(t, q, 0)
 }
+
+// TestPrefetchBoundsWhatTheBrokerSends: the channel's QoS is the prefetch,
+// so the broker never has more than that many deliveries unacked with the
+// Source: the rest stay ready in the queue, for other consumers, until acks
+// free the window.
+func TestPrefetchBoundsWhatTheBrokerSends(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 20)...)
+	s := openSource(t, q, WithPrefetch(4))
+	within := func() {
+		t.Helper()
+		delivered := s.Stats().Delivered // before Acked, which only grows
+		if acked := s.Stats().Acked; delivered > acked+4 {
+			t.Fatalf("the broker sent %d deliveries with %d acked: more than the prefetch of 4 unacked", delivered, acked)
+		}
+	}
+	waitUntil(t, "the window to fill", func() bool { return s.Stats().Delivered >= 4 })
+	within()
+	if n := a.ready(q); n != 16 {
+		t.Fatalf("%d messages ready in the queue with the window full, want 16", n)
+	}
+	ctx := context.Background()
+	for got := 0; got < 20; {
+		ds := receiveN(t, s, 1)
+		within()
+		if err := s.Ack(ctx, ds); err != nil {
+			t.Fatal(err)
+		}
+		got += len(ds)
+	}
+	waitUnacked(t, q, 0)
+	within()
+}
