@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -231,17 +232,28 @@ func TestDelayStepRoundsUp(t *testing.T) {
 	}
 }
 
-// recordingHandler keeps the messages of log records.
+// recordingHandler keeps the messages of log records, and their duration
+// attributes by key.
 type recordingHandler struct {
-	mu   sync.Mutex
-	msgs []string
+	mu        sync.Mutex
+	msgs      []string
+	durations map[string][]time.Duration
 }
 
 func (r *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
 func (r *recordingHandler) Handle(_ context.Context, rec slog.Record) error {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	r.msgs = append(r.msgs, rec.Message)
-	r.mu.Unlock()
+	rec.Attrs(func(a slog.Attr) bool {
+		if a.Value.Kind() == slog.KindDuration {
+			if r.durations == nil {
+				r.durations = map[string][]time.Duration{}
+			}
+			r.durations[a.Key] = append(r.durations[a.Key], a.Value.Duration())
+		}
+		return true
+	})
 	return nil
 }
 func (r *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return r }
@@ -280,6 +292,14 @@ func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
 	}
 	if !logs.contains("consumer timeout") {
 		t.Fatalf("no warning about the consumer timeout; logged %v", logs.msgs)
+	}
+	// The wait it settled for, not a measured time: three quarters of the
+	// timeout at most, so a slow handler or a loaded broker leaves room.
+	logs.mu.Lock()
+	waits := slices.Clone(logs.durations["waiting"])
+	logs.mu.Unlock()
+	if len(waits) != 1 || waits[0] > 1500*time.Millisecond {
+		t.Fatalf("in-place waits logged %v, want one of at most 1.5s (3/4 of the 2s consumer timeout)", waits)
 	}
 	if st := s.Stats(); st.Generations != 1 {
 		t.Fatalf("the channel was replaced: %+v", st)
