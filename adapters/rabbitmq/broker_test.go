@@ -103,6 +103,21 @@ func deleteQueues(queue string) {
 	}
 }
 
+// exchangeTo declares a direct exchange, deleted when the test ends, that
+// routes key to queue, and returns its name.
+func (a *admin) exchangeTo(queue, key string) string {
+	a.t.Helper()
+	ex := uniqueName(a.t, "ex")
+	if err := a.ch.ExchangeDeclare(ex, "direct", false, true, false, false, nil); err != nil {
+		a.t.Fatal(err)
+	}
+	a.t.Cleanup(func() { a.ch.ExchangeDelete(ex, false, false) })
+	if err := a.ch.QueueBind(queue, key, ex, false, nil); err != nil {
+		a.t.Fatal(err)
+	}
+	return ex
+}
+
 // publish puts messages with the given bodies on queue, message ids equal to
 // the bodies, and waits for the broker's confirms.
 func (a *admin) publish(queue string, bodies ...string) {

@@ -558,14 +558,7 @@ func TestDeadLetterExchangeReplacesStaleDiagnostics(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	dlq := a.queue(ClassicQueue, nil)
-	ex := uniqueName(t, "ex")
-	if err := a.ch.ExchangeDeclare(ex, "direct", false, true, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.ch.ExchangeDelete(ex, false, false) })
-	if err := a.ch.QueueBind(q, "rk", ex, false, nil); err != nil {
-		t.Fatal(err)
-	}
+	ex := a.exchangeTo(q, "rk")
 	stale := amqp.Table{
 		adapters.HeaderOriginalPart: "7777", adapters.HeaderOriginalOffset: "7777", adapters.HeaderOriginalKey: "stale-key",
 		adapters.HeaderOriginalID: "stale-id", adapters.HeaderError: "stale", "own": "kept",

@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -585,5 +586,54 @@ func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 	}
 	if st := s.Stats(); st.RetriedInPlace != 1 {
 		t.Fatalf("stats %+v: want one copy, the second retry's", st)
+	}
+}
+
+// A message published through a named exchange keeps that route in its
+// retries' copies, which are published through the default exchange (in
+// place) or dead-lettered from a delay queue: after two retries of each
+// kind its dead-letter copy still names the exchange and routing key it was
+// first published with.
+func TestRetriesKeepTheOriginalRoute(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, nil)
+	ex := a.exchangeTo(q, "orders.created")
+	dc, err := a.ch.PublishWithDeferredConfirm(ex, "orders.created", true, false, amqp.Publishing{MessageId: "id-1", Body: []byte("m1")})
+	if err != nil || !dc.Wait() {
+		t.Fatalf("publish through %s: %v", ex, err)
+	}
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(200*time.Millisecond))
+	x := openSink(t, "", dlq)
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	// Two in place, then two through a delay queue.
+	for _, delay := range []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond, 250 * time.Millisecond} {
+		if err := s.Nack(ctx, []*adapters.Delivery{d}, delay); err != nil {
+			t.Fatal(err)
+		}
+		d = receiveN(t, s, 1)[0]
+		if d.Headers[HeaderOriginalExchange] != ex || d.Headers[HeaderOriginalRoutingKey] != "orders.created" {
+			t.Fatalf("attempt %d names the original route %q/%q, want %q/%q", d.Attempt,
+				d.Headers[HeaderOriginalExchange], d.Headers[HeaderOriginalRoutingKey], ex, "orders.created")
+		}
+	}
+	if st := s.Stats(); st.DelayQueued != 2 {
+		t.Fatalf("stats %+v: want two retries through a delay queue", st)
+	}
+	if err := x.Send(ctx, d, adapters.Failure{Err: errors.New("boom"), Attempts: d.Attempt}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	got := a.drain(dlq)
+	if len(got) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages, want 1", len(got))
+	}
+	h := stringHeaders(got[0].Headers)
+	if h[HeaderOriginalExchange] != ex || h[HeaderOriginalRoutingKey] != "orders.created" || h[adapters.HeaderAttempts] != "5" {
+		t.Fatalf("dead-letter copy: original route %q/%q, attempts %q; want %q/%q after 5 attempts",
+			h[HeaderOriginalExchange], h[HeaderOriginalRoutingKey], h[adapters.HeaderAttempts], ex, "orders.created")
 	}
 }
