@@ -25,16 +25,7 @@ func TestNacksShareRequestsAndDelayRedelivery(t *testing.T) {
 	defer src.Close()
 	ds := receiveAtLeast(t, src, 10)
 	before := e.counter.Op("ChangeMessageVisibilityBatch")
-	var wg sync.WaitGroup
-	errs := make([]error, len(ds))
-	for i, d := range ds {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = src.Nack(e.ctx(), []*adapters.Delivery{d}, 3*time.Second)
-		}()
-	}
-	wg.Wait()
+	errs := nackEach(e, src, ds, 3*time.Second)
 	nacked := time.Now()
 	for i, err := range errs {
 		if err != nil {
@@ -58,4 +49,55 @@ func TestNacksShareRequestsAndDelayRedelivery(t *testing.T) {
 		early = nil
 		return back == 10
 	})
+}
+
+// TestFullNackBatchGoesOutAtOnce: the linger is for nacks that wait for
+// others to fill a ChangeMessageVisibilityBatch; ten fill one, which goes
+// out at once. Here the linger is an hour, so the nacks return only if the
+// full batch did not wait for it.
+func TestFullNackBatchGoesOutAtOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	for range 10 {
+		e.send(url, "retry me", "", nil)
+	}
+	hourLinger := func(o *options) error { o.nackLinger = time.Hour; return nil }
+	src, err := New(e.ctx(), e.client, url, testOptions(hourLinger)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	ds := receiveAtLeast(t, src, 10)
+	before := e.counter.Op("ChangeMessageVisibilityBatch")
+	errs := nackEach(e, src, ds, 0)
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("Nack %d: %v (a full batch waited for the linger)", i, err)
+		}
+	}
+	if n := e.counter.Op("ChangeMessageVisibilityBatch") - before; n != 1 {
+		t.Errorf("ten nacks took %d requests, want one full batch", n)
+	}
+	var back int
+	waitFor(t, "the ten nacked messages to come back", func() bool {
+		back += len(e.drain(url, 0))
+		return back == 10
+	})
+}
+
+// nackEach nacks each delivery in a call of its own, all at once, as the
+// runtime's workers do, and returns each call's error.
+func nackEach(e *env, src *Source, ds []*adapters.Delivery, delay time.Duration) []error {
+	var wg sync.WaitGroup
+	errs := make([]error, len(ds))
+	for i, d := range ds {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = src.Nack(e.ctx(), []*adapters.Delivery{d}, delay)
+		}()
+	}
+	wg.Wait()
+	return errs
 }
