@@ -637,3 +637,41 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 			h[HeaderOriginalExchange], h[HeaderOriginalRoutingKey], h[adapters.HeaderAttempts], ex, "orders.created")
 	}
 }
+
+// A delay queue deleted behind the adapter's back (by an operator, or a
+// policy) makes the next retry through it unroutable: that one waits in
+// place, and the retry after it declares the delay queue again rather than
+// waiting in place for good.
+func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	ctx := context.Background()
+	delayQueue := delayQueueName(q, 250*time.Millisecond)
+	d := receiveN(t, s, 1)[0]
+	for attempt := 1; attempt <= 3; attempt++ {
+		if attempt == 2 {
+			if _, err := a.ch.QueueDelete(delayQueue, false, false, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		d = receiveN(t, s, 1)[0]
+		if d.Attempt != attempt+1 {
+			t.Fatalf("Attempt %d after retry %d, want %d", d.Attempt, attempt, attempt+1)
+		}
+	}
+	if !strings.Contains(d.Headers["x-death"], delayQueue) {
+		t.Fatalf("the third retry did not pass the delay queue: x-death %q", d.Headers["x-death"])
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.DelayQueued != 2 || st.RetryFailures != 1 {
+		t.Fatalf("stats %+v: want the first and third retries through the delay queue, the second failed there", st)
+	}
+}
