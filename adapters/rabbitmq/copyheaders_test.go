@@ -853,3 +853,43 @@ func TestInPlaceRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 		t.Fatalf("parked message: kept %q, big intact %v, x-death %s", h["kept"], h["big"] == m.Headers["big"], h["x-death"])
 	}
 }
+
+// A retry's copy that fits frame_max once it leaves out the first receive
+// time keeps its original route: the bookkeeping is shed a group at a time,
+// only as far as needed, and the route is what the dead-letter copy names.
+func TestRetryCopyShedsOnlyWhatItMust(t *testing.T) {
+	a := newAdmin(t)
+	budget := budgetOf(t, a.conn)
+	q := a.queue(ClassicQueue, nil)
+	attempt, _ := entrySize(HeaderAttempt, int64(2))
+	exchange, _ := entrySize(HeaderOriginalExchange, "")
+	key, _ := entrySize(HeaderOriginalRoutingKey, q)
+	first, _ := entrySize(HeaderFirstReceived, "2006-01-02T15:04:05Z") // the shortest time it writes
+	// Room for the attempt and the route, not for the first receive time.
+	slack := attempt + exchange + key + first/2
+	m := amqp.Publishing{MessageId: "near", Body: []byte("near"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{"kept": "yes"}}
+	padTo(t, &m, "big", budget-brokerAdditions(q, "", q)-slack)
+	a.publishMsg(q, m)
+	s := openSource(t, q, WithPrefetch(10))
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0]
+	if d.Attempt != 2 || d.Headers["big"] != m.Headers["big"] {
+		t.Fatalf("retry: attempt %d, big intact %v", d.Attempt, d.Headers["big"] == m.Headers["big"])
+	}
+	if _, ok := d.Headers[HeaderFirstReceived]; ok {
+		t.Fatalf("the copy kept %s although it could not fit", HeaderFirstReceived)
+	}
+	if route, ok := d.Headers[HeaderOriginalRoutingKey]; !ok || route != q {
+		t.Fatalf("the copy's original routing key %q (present %v), want %q: shed although it fitted", route, ok, q)
+	}
+	if _, ok := d.Headers[HeaderOriginalExchange]; !ok {
+		t.Fatalf("the copy left out %s although it fitted", HeaderOriginalExchange)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+}
