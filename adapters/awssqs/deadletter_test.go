@@ -744,3 +744,39 @@ func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestRedriveSendOfALostLeaseSucceeds: Redrive.Send gives the message back
+// to SQS for its redrive policy. When SQS refuses the release because the
+// lease was lost (here the message was deleted meanwhile, as a consumer
+// that received it after this one's lease ran out would), the message is
+// already SQS's to move or gone: Send succeeds and settles the delivery
+// rather than report a failed dead-letter write.
+func TestRedriveSendOfALostLeaseSucceeds(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	_, dlqARN := e.queue(false, 30*time.Second, nil)
+	url, _ := e.queue(false, 30*time.Second, map[string]string{"RedrivePolicy": redrivePolicyJSON(dlqARN, 3)})
+	e.send(url, "poison body", "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	redrive, err := src.Redrive(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := receiveAtLeast(t, src, 1)[0]
+	if _, err := e.client.DeleteMessage(e.ctx(), &sqs.DeleteMessageInput{QueueUrl: aws.String(url), ReceiptHandle: aws.String(receipt(d))}); err != nil {
+		t.Fatal(err)
+	}
+	if err := redrive.Send(e.ctx(), d, adapters.Failure{Err: errors.New("cannot parse"), Attempts: 3}); err != nil {
+		t.Fatalf("Send of a delivery whose lease was lost: %v, want nil", err)
+	}
+	if !d.Settled() || redrive.HandedOver() != 1 {
+		t.Errorf("after Send: settled %v, handed over %d; want settled, 1", d.Settled(), redrive.HandedOver())
+	}
+	if !errors.Is(d.LostCause(), adapters.ErrLeaseLost) || src.Stats().LeaseLost != 1 {
+		t.Errorf("lost cause %v, Stats.LeaseLost %d; want the lost lease recorded", d.LostCause(), src.Stats().LeaseLost)
+	}
+}
