@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -224,5 +225,33 @@ func TestCloseCountsHeldDeliveriesAsLost(t *testing.T) {
 	}
 	if st := s.Stats(); st.Lost != 1 {
 		t.Fatalf("Stats().Lost = %d after Close gave back one held delivery, want 1", st.Lost)
+	}
+}
+
+// A delivery handed to another queue's Source is refused, by Ack and by
+// Nack, naming the mistake: settled there it would ack or requeue a message
+// of a channel that Source does not own. It stays unacked with its own
+// Source, and comes back when that one closes.
+func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
+	a := newAdmin(t)
+	q1 := a.queue(ClassicQueue, nil)
+	q2 := a.queue(ClassicQueue, nil)
+	a.publish(q2, "m1")
+	s1 := openSource(t, q1, WithPrefetch(10))
+	s2 := openSource(t, q2, WithPrefetch(10))
+	ctx := context.Background()
+	d := receiveN(t, s2, 1)
+	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, d, 0), s1.Nack(ctx, d, time.Second)} {
+		var be *adapters.BatchError
+		if !errors.As(err, &be) || be.Failed[0] == nil || !strings.Contains(be.Failed[0].Error(), "did not come from the Source") {
+			t.Fatalf("settling another Source's delivery: %v, want it refused", err)
+		}
+	}
+	if err := s2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(q2, 1)
+	if st := s2.Stats(); st.Acked != 0 || st.Rejects != 0 || st.RetriedInPlace != 0 {
+		t.Fatalf("the delivery was settled through the other Source: %+v", st)
 	}
 }
