@@ -20,14 +20,18 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 	}{
 		{WithWaitTime(21 * time.Second), "WithWaitTime"},
 		{WithWaitTime(1500 * time.Millisecond), "WithWaitTime"},
+		{WithWaitTime(-time.Second), "WithWaitTime"},
 		{WithMaxMessages(11), "WithMaxMessages"},
 		{WithMaxMessages(0), "WithMaxMessages"},
 		{WithPollers(0), "WithPollers"},
 		{WithVisibilityTimeout(0), "WithVisibilityTimeout"},
 		{WithVisibilityTimeout(13 * time.Hour), "WithVisibilityTimeout"},
+		{WithVisibilityTimeout(1500 * time.Millisecond), "WithVisibilityTimeout"},
 		{WithMessageAttributes(), "WithMessageAttributes"},
 		{WithAckLinger(2 * time.Second), "WithAckLinger"},
+		{WithAckLinger(-time.Millisecond), "WithAckLinger"},
 		{WithNackLinger(-time.Second), "WithNackLinger"},
+		{WithNackLinger(2 * time.Second), "WithNackLinger"},
 	}
 	for _, c := range cases {
 		o := defaultOptions()
@@ -49,7 +53,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 	if _, err := NewDeadLetterQueue(nil, "http://x/1/q"); err == nil {
 		t.Error("NewDeadLetterQueue with a nil client succeeded")
 	}
-	for _, opt := range []DeadLetterOption{WithMaxMessageSize(10), WithDiagnosticsAttribute("AWS.x")} {
+	for _, opt := range []DeadLetterOption{WithMaxMessageSize(10), WithMaxMessageSize(2 << 20), WithDiagnosticsAttribute("AWS.x")} {
 		if _, err := NewDeadLetterQueue(noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
 			t.Errorf("NewDeadLetterQueue with a bad option: %v", err)
 		}
