@@ -893,3 +893,41 @@ func TestRetryCopyShedsOnlyWhatItMust(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A retry through a delay queue passes two queues that may dead-letter the
+// copy, the delay queue (always) and the source queue, so its copy leaves
+// room for the headers both add. One that fits beside the source queue's
+// alone is not sent through the delay queue, where the headers of the
+// second hop could take it past frame_max, but waits in place, where it
+// fits.
+func TestDelayQueueCopyLeavesRoomForBothHops(t *testing.T) {
+	a := newAdmin(t)
+	budget := budgetOf(t, a.conn)
+	q := a.queue(ClassicQueue, nil)
+	source := brokerAdditions(q, "", q)
+	name := delayQueueName(q, 250*time.Millisecond)
+	delay := brokerAdditions(name, "", name)
+	attempt, _ := entrySize(HeaderAttempt, int64(2))
+	m := amqp.Publishing{MessageId: "near", Body: []byte("near"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{"kept": "yes"}}
+	// Even with all its bookkeeping left out, the copy fits beside the
+	// source queue's headers and not beside both queues'.
+	padTo(t, &m, "big", budget-source-attempt-delay/2)
+	a.publishMsg(q, m)
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DelayQueued != 0 || st.RetryFailures != 1 {
+		t.Fatalf("stats %+v: want the delay queue refused for the copy, and the retry waiting in place", st)
+	}
+	d = receiveN(t, s, 1)[0]
+	if d.Attempt != 2 || d.Headers["kept"] != "yes" || d.Headers["big"] != m.Headers["big"] {
+		t.Fatalf("retry: attempt %d, kept %q, big intact %v", d.Attempt, d.Headers["kept"], d.Headers["big"] == m.Headers["big"])
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the in-place retry counted", func() bool { return s.Stats().RetriedInPlace == 1 })
+}
