@@ -1,8 +1,12 @@
 package awssqs
 
 import (
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
 
 	"github.com/custody-go/custody/adapters"
 )
@@ -78,5 +82,32 @@ func TestVisibilityTimeoutOption(t *testing.T) {
 	})
 	if since := time.Since(ds[0].ReceivedAt); since < 1500*time.Millisecond {
 		t.Errorf("message back %v after the receive, before its timeout", since)
+	}
+}
+
+// TestZeroVisibilityQueueNeedsTheOption: a queue whose VisibilityTimeout is
+// 0 makes every message it hands out visible again at once, to any other
+// consumer, while the handler runs: nothing could be held. New refuses it,
+// naming the option that gives the receives a timeout of their own, and
+// accepts it with that option.
+func TestZeroVisibilityQueueNeedsTheOption(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	// Set afterwards: the emulator creates a queue asked for 0 with its
+	// default of 30 s.
+	if _, err := e.client.SetQueueAttributes(e.ctx(), &sqs.SetQueueAttributesInput{QueueUrl: aws.String(url), Attributes: map[string]string{"VisibilityTimeout": "0"}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(e.ctx(), e.client, url, testOptions()...); err == nil || !strings.Contains(err.Error(), "WithVisibilityTimeout") {
+		t.Fatalf("New on a queue with VisibilityTimeout 0: %v, want an error naming WithVisibilityTimeout", err)
+	}
+	src, err := New(e.ctx(), e.client, url, testOptions(WithVisibilityTimeout(30*time.Second))...)
+	if err != nil {
+		t.Fatalf("New with WithVisibilityTimeout: %v", err)
+	}
+	defer src.Close()
+	if l := src.Capabilities().Lease; l != 30*time.Second {
+		t.Fatalf("Lease = %v, want the 30s asked for", l)
 	}
 }
