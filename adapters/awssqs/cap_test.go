@@ -2,11 +2,14 @@ package awssqs
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
+
+	"github.com/custody-go/custody/adapters"
 )
 
 // slowAnswerClient stands for a ReceiveMessage answer that takes a while to
@@ -62,5 +65,37 @@ func TestTwelveHoursCountFromTheReceiveAtSQS(t *testing.T) {
 	}
 	if secs := nackTimeout(ds[0], time.Minute, now); secs > 10 {
 		t.Errorf("nack 10 s before the cap asks %d s; SQS would refuse it", secs)
+	}
+}
+
+// TestRenewalPastTwelveHoursLosesTheDelivery: a delivery SQS has kept
+// invisible for its 12 hours cannot be renewed; Extend marks it lost with
+// ErrMaxVisibility, so the runtime cancels its handler, and sends no
+// request SQS would refuse. (The receive's time is moved back here: the
+// emulator keeps no 12-hour clock.)
+func TestRenewalPastTwelveHoursLosesTheDelivery(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	e.send(url, "old", "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	d := receiveAtLeast(t, src, 1)[0]
+	d.Handle.(*handle).asked = time.Now().Add(-MaxLeaseAge - time.Minute)
+
+	before := e.counter.Op("ChangeMessageVisibilityBatch")
+	err = src.Extend(e.ctx(), []*adapters.Delivery{d}, 30*time.Second)
+	var be *adapters.BatchError
+	if !errors.As(err, &be) || !errors.Is(be.Failed[0], ErrMaxVisibility) {
+		t.Fatalf("Extend past the 12 hours: %v, want a BatchError of ErrMaxVisibility", err)
+	}
+	if !errors.Is(d.LostCause(), ErrMaxVisibility) {
+		t.Errorf("lost cause %v, want ErrMaxVisibility", d.LostCause())
+	}
+	if n := e.counter.Op("ChangeMessageVisibilityBatch") - before; n != 0 {
+		t.Errorf("Extend sent %d requests for a delivery past the cap, want none", n)
 	}
 }
