@@ -292,3 +292,25 @@ func TestStaleReceiptHandle(t *testing.T) {
 		t.Errorf("a deleted %d messages, want 1 (m2)", st.Deleted)
 	}
 }
+
+// TestReceiveOnAnEmptyQueueReturnsEmpty: a Receive whose poll finds the
+// queue empty returns an empty result and no error, as documented, rather
+// than poll again until messages come: the caller's context must not be
+// its only way out.
+func TestReceiveOnAnEmptyQueueReturnsEmpty(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 30*time.Second, nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	ds, err := src.Receive(e.ctx(), 10)
+	if err != nil || len(ds) != 0 {
+		t.Fatalf("Receive on an empty queue: %d deliveries, %v; want none and no error", len(ds), err)
+	}
+	if st := src.Stats(); st.EmptyReceives < 1 {
+		t.Errorf("Stats.EmptyReceives = %d after an empty poll", st.EmptyReceives)
+	}
+}
