@@ -390,8 +390,9 @@ func TestDeadLetterQueueFIFOKeepsLookAlikeDeliveries(t *testing.T) {
 // TestDeadLetterQueueFIFOGroupsForeignCopiesByLane: copies of another
 // broker's messages in a FIFO dead-letter queue are grouped by their lane
 // (a Kafka partition or key), so the order the source kept is kept and
-// lanes do not wait on each other; a lane SQS would refuse as a group id is
-// hashed; a message without a lane gets a group of its own. (All copies
+// lanes do not wait on each other; a lane SQS would refuse as a group id
+// (characters it does not allow, or over 128 of them) is hashed; a message
+// without a lane gets a group of its own. (All copies
 // once shared one group: one stuck copy held every other behind it.)
 func TestDeadLetterQueueFIFOGroupsForeignCopiesByLane(t *testing.T) {
 	t.Parallel()
@@ -406,11 +407,13 @@ func TestDeadLetterQueueFIFOGroupsForeignCopiesByLane(t *testing.T) {
 			Queue: "orders", Partition: 0, Offset: 1, Attempt: 1, ReceivedAt: time.Now()}
 	}
 	badLane := "orders/0/clé client " + strings.Repeat("k", 130)
+	// Plain ASCII, but 129 characters: one more than SQS allows.
+	longLane := "orders/0/" + strings.Repeat("k", 120)
 	sent := map[string]string{ // body: its lane
-		"a1": "orders/0", "a2": "orders/0", "b1": badLane, "u1": "", "u2": "",
+		"a1": "orders/0", "a2": "orders/0", "b1": badLane, "c1": longLane, "u1": "", "u2": "",
 	}
 	fail := adapters.Failure{Err: errors.New("bad record"), Attempts: 1, Permanent: true}
-	for _, body := range []string{"a1", "a2", "b1", "u1", "u2"} {
+	for _, body := range []string{"a1", "a2", "b1", "c1", "u1", "u2"} {
 		if err := dlq.Send(e.ctx(), record(sent[body], body), fail); err != nil {
 			t.Fatalf("Send %s: %v", body, err)
 		}
@@ -427,8 +430,13 @@ func TestDeadLetterQueueFIFOGroupsForeignCopiesByLane(t *testing.T) {
 	if groups["a1"] != "orders/0" || groups["a2"] != "orders/0" {
 		t.Errorf("copies of lane orders/0 in groups %q and %q, want orders/0", groups["a1"], groups["a2"])
 	}
-	if g := groups["b1"]; !strings.HasPrefix(g, "custody-lane-") {
-		t.Errorf("copy of a lane SQS refuses as a group id is in group %q, want a digest of it", g)
+	for _, body := range []string{"b1", "c1"} {
+		if g := groups[body]; !strings.HasPrefix(g, "custody-lane-") {
+			t.Errorf("copy %s of a lane SQS refuses as a group id is in group %q, want a digest of its lane", body, g)
+		}
+	}
+	if groups["b1"] == groups["c1"] {
+		t.Errorf("copies of two lanes share the group %q", groups["b1"])
 	}
 	if groups["u1"] == groups["u2"] || groups["u1"] == "orders/0" {
 		t.Errorf("copies without a lane share group %q / %q; want a group each", groups["u1"], groups["u2"])
