@@ -11,6 +11,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
 )
 
@@ -69,7 +70,9 @@ func TestTransactionMarkersAreCommittedPast(t *testing.T) {
 	open := c.beginTransaction(t, "ledger", "e")             // offset 9, open
 	reader, mp := newMeter(t)
 	group := newGroup()
-	s := c.open(t, group, "ledger", WithMeterProvider(mp), WithCommitInterval(20*time.Millisecond),
+	// The lag comes from fetches alone here (the refresh, which lists the
+	// ends itself, is TestLagRefreshReadCommittedCountsToTheLastStableOffset's).
+	s := c.open(t, group, "ledger", WithMeterProvider(mp), WithCommitInterval(20*time.Millisecond), WithLagRefresh(0),
 		WithClientOptions(kgo.FetchIsolationLevel(kgo.ReadCommitted())))
 	var mu sync.Mutex
 	var ran []string
@@ -112,5 +115,92 @@ func TestTransactionMarkersAreCommittedPast(t *testing.T) {
 	defer mu.Unlock()
 	if want := []string{"a", "b", "c", "d", "e"}; !slices.Equal(ran, want) {
 		t.Errorf("ran %v, want the committed transactions' records %v", ran, want)
+	}
+}
+
+// commitPastMarkers receives, expecting nothing to hand out (only
+// transaction markers are left, done without running), and commits until
+// the group's commit of partition 0 reaches want.
+func (c *cluster) commitPastMarkers(t *testing.T, s *Source, topic string, want int64) {
+	t.Helper()
+	eventually(t, fmt.Sprintf("the commit past the markers (%d)", want), func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		if ds, _ := s.Receive(ctx, 10); len(ds) > 0 {
+			t.Fatalf("received %v; only markers were left", offsets(ds))
+		}
+		commitNow(t, s)
+		offs, _ := c.committed(t, s.cfg.group, topic)
+		return offs[0] == want
+	})
+}
+
+// TestAbortedTransactionAtTheCommittedOffsetIsNotReportedExpired: read
+// committed, the client never hands over an aborted transaction's records,
+// so a partition's first record after an assignment can lie well above its
+// committed offset with nothing deleted: the offsets between hold records
+// nobody should run. That gap is not retention's (the log still starts at
+// 0), and Receive must not report it as records deleted before the group
+// read them, nor count them in custody.kafka.expired.
+func TestAbortedTransactionAtTheCommittedOffsetIsNotReportedExpired(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "ledger", 1)
+	c.beginTransaction(t, "ledger", "a", "b", "c").end(true) // offsets 0-2, marker 3
+	group := newGroup()
+	readCommitted := WithClientOptions(kgo.FetchIsolationLevel(kgo.ReadCommitted()))
+	first := c.open(t, group, "ledger", WithCommitInterval(time.Hour), readCommitted)
+	ack(t, first, receiveN(t, first, 3)...)
+	c.commitPastMarkers(t, first, "ledger", 4)
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	c.beginTransaction(t, "ledger", "x", "y").end(false) // offsets 4-5 aborted, marker 6
+	c.beginTransaction(t, "ledger", "d").end(true)       // offset 7, marker 8
+
+	reader, mp := newMeter(t)
+	s := c.open(t, group, "ledger", WithCommitInterval(time.Hour), WithMeterProvider(mp), readCommitted)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var got []*adapters.Delivery
+	for len(got) == 0 {
+		ds, err := s.Receive(ctx, 10)
+		if err != nil {
+			t.Fatalf("Receive after an aborted transaction at the committed offset: %v", err)
+		}
+		got = append(got, ds...)
+	}
+	if o := offsets(got); !slices.Equal(o, []int64{7}) {
+		t.Fatalf("received offsets %v, want only the committed transaction's record at 7", o)
+	}
+	if expired, ok := collect(t, reader, "custody.kafka.expired").(metricdata.Sum[int64]); ok && len(expired.DataPoints) > 0 {
+		t.Fatalf("custody.kafka.expired = %+v after an aborted transaction; nothing was deleted", expired)
+	}
+}
+
+// TestLagRefreshReadCommittedCountsToTheLastStableOffset: read committed,
+// the records of a transaction still open cannot be read yet, so they are no
+// lag. That holds for the end offsets the Source lists itself for a
+// partition no fetch reports on (here: nothing readable to fetch), not only
+// for those fetches bring: listing the high watermark instead showed the
+// open transaction as lag that no consumer could work off.
+func TestLagRefreshReadCommittedCountsToTheLastStableOffset(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "ledger", 1)
+	c.beginTransaction(t, "ledger", "a", "b").end(true) // offsets 0-1, marker 2
+	c.beginTransaction(t, "ledger", "e")                // offset 3, open
+	reader, mp := newMeter(t)
+	s := c.open(t, newGroup(), "ledger", WithMeterProvider(mp), WithCommitInterval(time.Hour),
+		WithLagRefresh(20*time.Millisecond), WithClientOptions(kgo.FetchIsolationLevel(kgo.ReadCommitted())))
+	ack(t, s, receiveN(t, s, 2)...)
+	c.commitPastMarkers(t, s, "ledger", 3)
+	listed := time.Now()
+	eventually(t, "the partition's end listed after the commit", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		p := s.parts[tpKey{"ledger", 0}]
+		return p != nil && p.hwmAt.After(listed)
+	})
+	if lag := lagByPartition(t, reader); len(lag) != 1 || lag[0] != 0 {
+		t.Fatalf("lag = %v with everything readable done and a transaction open; want 0", lag)
 	}
 }
