@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -397,5 +399,48 @@ func TestDataLossRewindResumesAPausedPartition(t *testing.T) {
 	}
 	if paused := cl.PauseFetchPartitions(nil); len(paused) != 0 {
 		t.Fatalf("still paused after the rewind: %v; the partition would never be fetched again", paused)
+	}
+}
+
+// TestDataLossRewindForgetsDoneOffsetsBeyondTheResetPoint: a previous owner
+// recorded offsets done in its commit metadata; the broker then lost the log
+// from below them, and new records took their offsets. The metadata named
+// the lost records: after the rewind, the records now at those offsets must
+// be handed out, not skipped as done and committed past.
+func TestDataLossRewindForgetsDoneOffsetsBeyondTheResetPoint(t *testing.T) {
+	c := newCluster(t)
+	const topic = "rewind-skip"
+	c.createTopic(t, topic, 1)
+	produceValues(t, c, topic, 5) // 0..4
+	group := newGroup()
+	// A previous owner committed 0, with 5..9 (records of the old log)
+	// recorded done.
+	var os kadm.Offsets
+	os.Add(kadm.Offset{Topic: topic, Partition: 0, At: 0, LeaderEpoch: -1,
+		Metadata: encodeDone(0, func(fn func(int64)) {
+			for o := int64(5); o <= 9; o++ {
+				fn(o)
+			}
+		})})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if resp, err := c.admin.CommitOffsets(ctx, group, os); err != nil || resp.Error() != nil {
+		t.Fatalf("commit: %v %v", err, resp.Error())
+	}
+	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithOrdering(Unordered),
+		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
+	first := receiveN(t, s, 5)
+	ack(t, s, first[:2]...) // 0..1 done, 2..4 running
+
+	c.loseData(t, topic, 3)       // 3 and beyond replaced
+	produceValues(t, c, topic, 5) // 5..9, written after the loss
+	again, _ := receiveThroughLoss(t, s, 8)
+	if got := offsets(again); !slices.Equal(got, []int64{2, 3, 4, 5, 6, 7, 8, 9}) {
+		t.Fatalf("after the rewind, handed out offsets %v; want 2..9 (2 not done, 3..9 the new log's)", got)
+	}
+	ack(t, s, again...)
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, topic); offs[0] != 10 {
+		t.Errorf("committed %d after everything was done; want 10", offs[0])
 	}
 }
