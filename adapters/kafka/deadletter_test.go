@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -209,5 +210,49 @@ func TestDeadLetterTooLargeSaysWhatToRaise(t *testing.T) {
 	}
 	if o, _ := ends.Lookup("orders.dlq", 0); o.Offset != 0 {
 		t.Fatalf("the dead-letter topic ends at %d, want 0: nothing written", o.Offset)
+	}
+}
+
+// A delivery that is not a Kafka record (a Kafka dead-letter topic behind
+// another broker's source) is copied from the delivery itself: its key, its
+// body and its headers, an earlier trip's diagnostics excepted (the group
+// header too, which a sink without a group does not write anew).
+func TestDeadLetterCopiesADeliveryFromAnotherBroker(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders.dlq", 1)
+	dl, err := NewDeadLetter(DeadLetterConfig{Topic: "orders.dlq", Brokers: c.addrs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dl.Close()
+	d := &adapters.Delivery{
+		ID: "m-1", Queue: "orders-queue", Partition: -1, Offset: -1, Key: "customer-7", Body: []byte("poison"),
+		Headers: map[string]string{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", adapters.HeaderError: "an earlier failure", HeaderGroup: "an earlier group"},
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := dl.Send(ctx, d, adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}); err != nil {
+		t.Fatalf("send: %v", err)
+	}
+	r := c.readTopic(t, "orders.dlq", 1)[0]
+	if string(r.Key) != "customer-7" || string(r.Value) != "poison" {
+		t.Fatalf("dead letter key/value %q/%q, want the delivery's", r.Key, r.Value)
+	}
+	h := map[string][]string{}
+	for _, rh := range r.Headers {
+		h[rh.Key] = append(h[rh.Key], string(rh.Value))
+	}
+	for k, v := range map[string]string{
+		"traceparent":                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+		adapters.HeaderError:         "cannot parse",
+		adapters.HeaderOriginalQueue: "orders-queue",
+		adapters.HeaderOriginalID:    "m-1",
+	} {
+		if !slices.Equal(h[k], []string{v}) {
+			t.Errorf("header %s = %q, want only %q", k, h[k], v)
+		}
+	}
+	if g, ok := h[HeaderGroup]; ok {
+		t.Errorf("header %s = %q, copied from an earlier trip by a sink without a group", HeaderGroup, g)
 	}
 }
