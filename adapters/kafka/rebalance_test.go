@@ -223,15 +223,22 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 // The same through the group protocol: the cluster answers a heartbeat with
 // UNKNOWN_MEMBER_ID (the member was kicked out), franz-go declares the
 // partitions lost, and the Source fences them without committing, refuses
-// late acks, rejoins and delivers the uncommitted records again.
+// late acks, rejoins and delivers the uncommitted records again. The
+// partition is lost paused at its in-flight bound: franz-go keeps a
+// partition paused across rebalances, and unless the loss resumed it, it
+// was never fetched again once assigned back.
 func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
-	ds := receiveN(t, s, 5)
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMaxInFlightPerPartition(3))
+	ds := receiveN(t, s, 3)
 	ack(t, s, ds[:2]...)
+	ds = append(ds, receiveN(t, s, 2)...) // three running: the bound
+	if paused := s.Client().PauseFetchPartitions(nil); len(paused) == 0 {
+		t.Fatal("the partition at its bound is not paused: the test cannot show the loss resuming it")
+	}
 
 	var kicked atomic.Bool
 	kick := func(req kmsg.Request) (kmsg.Response, error, bool) {
@@ -280,16 +287,16 @@ func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	// reports the lost session (the runtime logs it and retries).
 	var again []*adapters.Delivery
 	eventually(t, "the records delivered again", func() bool {
-		ds, err := s.Receive(context.Background(), 5-len(again))
+		ds, err := s.Receive(context.Background(), 3-len(again))
 		var session *kgo.ErrGroupSession
 		if err != nil && !errors.As(err, &session) {
 			t.Fatalf("receive after rejoining: %v", err)
 		}
 		again = append(again, ds...)
-		return len(again) == 5
+		return len(again) == 3
 	})
-	if got := offsets(again); !slices.Equal(got, []int64{0, 1, 2, 3, 4}) {
-		t.Fatalf("after rejoining, offsets %v, want 0..4", got)
+	if got := offsets(again); !slices.Equal(got, []int64{0, 1, 2}) {
+		t.Fatalf("after rejoining, offsets %v, want 0..2", got)
 	}
 }
 
@@ -379,16 +386,20 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 }
 
 // franz-go keeps a partition paused across rebalances. A partition paused
-// while its revoke drains (here by a nack that refills its backlog past the
-// metadata bound) would never be fetched again once assigned back.
+// when its revoke begins (here at its in-flight bound), or while the revoke
+// drains (a nack refills its backlog past the metadata bound), would never
+// be fetched again once assigned back.
 func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
-	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32),
+	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32), WithMaxInFlightPerPartition(3),
 		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	ds := receiveN(t, a, 3)
+	if paused := a.Client().PauseFetchPartitions(nil); len(paused) == 0 {
+		t.Fatal("the partition at its bound is not paused: the test cannot show the revoke resuming it")
+	}
 
 	a.mu.Lock()
 	old := a.parts[tpKey{"orders", 0}]
@@ -535,5 +546,43 @@ func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
 				t.Fatalf("committed %d but offset %d was never done (done: %v)", offs[0], o, done)
 			}
 		}
+	}
+}
+
+// The revoke drain bounds the wait for all the revoked partitions together:
+// with the records of two partitions running on past it, the revoke gives
+// them up once the drain time is over and the partitions are assigned
+// back. (Waiting out the drain for the first partition and then without
+// limit for the second held the rebalance until the group gave up on the
+// member.)
+func TestRevokeDrainBoundsTheWaitForEveryPartition(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 2)
+	c.produceN(t, "orders", 2, 2, 2)
+	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+		WithRevokeDrain(100*time.Millisecond),
+		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
+	first := receiveN(t, a, 4) // running, never finished
+	a.mu.Lock()
+	old := map[int32]*partition{0: a.parts[tpKey{"orders", 0}], 1: a.parts[tpKey{"orders", 1}]}
+	a.mu.Unlock()
+	a.Client().ForceRebalance() // the only member rejoins: revoke, then assign back
+	eventually(t, "both partitions assigned back", func() bool {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		for id, p := range old {
+			if np := a.parts[tpKey{"orders", id}]; np == nil || np == p {
+				return false
+			}
+		}
+		return true
+	})
+	for _, d := range first {
+		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("%s lost with %v after the drain, want ErrRevoked", d.ID, d.LostCause())
+		}
+	}
+	if again := receiveN(t, a, 4); len(again) != 4 {
+		t.Fatalf("received %v after the partitions were assigned back, want the 4 unfinished records", offsets(again))
 	}
 }
