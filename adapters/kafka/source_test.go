@@ -442,3 +442,26 @@ func TestNewGroupStartPosition(t *testing.T) {
 		}
 	}
 }
+
+// TestOptionBoundsAreAccepted: the smallest value each option documents as
+// valid is accepted (an off-by-one in a check refuses a configuration the
+// documentation promises).
+func TestOptionBoundsAreAccepted(t *testing.T) {
+	required := []Option{WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t")}
+	for name, opts := range map[string][]Option{
+		"WithCommitInterval(1ms)":                               {WithCommitInterval(time.Millisecond)},
+		"WithPollWait(1ms)":                                     {WithPollWait(time.Millisecond)},
+		"WithRevokeDrain(0)":                                    {WithRevokeDrain(0)},
+		"WithLagRefresh(0), the refresh off":                    {WithLagRefresh(0)},
+		"WithMetadataLimit(32)":                                 {WithMetadataLimit(32)},
+		"WithMaxInFlightPerPartition equal to WithMaxInFlight":  {WithMaxInFlight(8), WithMaxInFlightPerPartition(8)},
+		"WithMaxInFlight(1) and WithMaxInFlightPerPartition(1)": {WithMaxInFlight(1), WithMaxInFlightPerPartition(1)},
+	} {
+		s, err := NewSource(append(slices.Clone(required), opts...)...)
+		if err != nil {
+			t.Errorf("%s: NewSource = %v, want it accepted", name, err)
+			continue
+		}
+		_ = s.Close()
+	}
+}
