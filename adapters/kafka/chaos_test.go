@@ -296,18 +296,7 @@ func (ch *chaos) watchCommits() {
 		if !drop {
 			return nil, nil, false
 		}
-		resp := req.ResponseKind().(*kmsg.OffsetCommitResponse)
-		for _, rt := range req.Topics {
-			st := kmsg.NewOffsetCommitResponseTopic()
-			st.Topic, st.TopicID = rt.Topic, rt.TopicID
-			for _, rp := range rt.Partitions {
-				sp := kmsg.NewOffsetCommitResponseTopicPartition()
-				sp.Partition = rp.Partition
-				st.Partitions = append(st.Partitions, sp)
-			}
-			resp.Topics = append(resp.Topics, st)
-		}
-		return resp, nil, true
+		return offsetCommitResponse(req, 0), nil, true
 	})
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
@@ -304,6 +305,21 @@ func TestClosedWithoutCommitResumesFromCommitted(t *testing.T) {
 	got := receiveN(t, b, 15)
 	if got[0].Offset != 5 || got[14].Offset != 19 {
 		t.Fatalf("resumed with offsets %v, want 5..19", offsets(got))
+	}
+}
+
+// Close commits the done prefixes and reports it when that commit fails:
+// the records done since the last commit are then run again by the
+// partitions' next owners, and the program should say so.
+func TestCloseReportsAFailedCommit(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	s := c.open(t, newGroup(), "orders", WithCommitInterval(time.Hour))
+	ack(t, s, receiveN(t, s, 3)...)
+	c.refuseCommits(true)
+	if err := s.Close(); !errors.Is(err, kerr.GroupAuthorizationFailed) {
+		t.Fatalf("Close = %v with every commit refused, want the coordinator's error", err)
 	}
 }
 

@@ -58,32 +58,18 @@ func TestTelemetryLagAndCommits(t *testing.T) {
 	ds := receiveN(t, s, 10)
 	ack(t, s, ds[:4]...)
 	commitNow(t, s)
+	commitNow(t, s) // nothing done since: no request
 	lag, ok := collect(t, reader, "custody.kafka.lag").(metricdata.Gauge[int64])
 	if !ok || len(lag.DataPoints) != 1 || lag.DataPoints[0].Value != 6 {
 		t.Fatalf("lag = %+v, want one partition at 10-4 = 6", lag)
 	}
 	dur, ok := collect(t, reader, "custody.kafka.commit.duration").(metricdata.Histogram[float64])
 	if !ok || len(dur.DataPoints) != 1 || dur.DataPoints[0].Count != 1 {
-		t.Fatalf("commit duration = %+v, want one successful commit", dur)
+		t.Fatalf("commit duration = %+v, want one successful commit (the second had nothing to send)", dur)
 	}
 
 	// The coordinator refuses the next commit.
-	c.fake.ControlKey(int16(kmsg.OffsetCommit), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
-		req := kreq.(*kmsg.OffsetCommitRequest)
-		resp := req.ResponseKind().(*kmsg.OffsetCommitResponse)
-		for _, rt := range req.Topics {
-			st := kmsg.NewOffsetCommitResponseTopic()
-			st.Topic, st.TopicID = rt.Topic, rt.TopicID
-			for _, rp := range rt.Partitions {
-				sp := kmsg.NewOffsetCommitResponseTopicPartition()
-				sp.Partition = rp.Partition
-				sp.ErrorCode = kerr.GroupAuthorizationFailed.Code
-				st.Partitions = append(st.Partitions, sp)
-			}
-			resp.Topics = append(resp.Topics, st)
-		}
-		return resp, nil, true
-	})
+	c.refuseCommits(false)
 	ack(t, s, ds[4:]...)
 	if err := s.Commit(context.Background()); err == nil {
 		t.Fatal("a refused commit returned nil")
@@ -342,4 +328,32 @@ func TestProcessingSpansNameTheRecordAtStart(t *testing.T) {
 			}
 		}
 	}
+}
+
+// refuseCommits makes the coordinator refuse the next offset commit, or
+// every one from now on, with GROUP_AUTHORIZATION_FAILED for each partition.
+func (c *cluster) refuseCommits(every bool) {
+	c.fake.ControlKey(int16(kmsg.OffsetCommit), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		if every {
+			c.fake.KeepControl()
+		}
+		return offsetCommitResponse(kreq.(*kmsg.OffsetCommitRequest), kerr.GroupAuthorizationFailed.Code), nil, true
+	})
+}
+
+// offsetCommitResponse answers every partition of req with the error code
+// (0: committed).
+func offsetCommitResponse(req *kmsg.OffsetCommitRequest, code int16) *kmsg.OffsetCommitResponse {
+	resp := req.ResponseKind().(*kmsg.OffsetCommitResponse)
+	for _, rt := range req.Topics {
+		st := kmsg.NewOffsetCommitResponseTopic()
+		st.Topic, st.TopicID = rt.Topic, rt.TopicID
+		for _, rp := range rt.Partitions {
+			sp := kmsg.NewOffsetCommitResponseTopicPartition()
+			sp.Partition, sp.ErrorCode = rp.Partition, code
+			st.Partitions = append(st.Partitions, sp)
+		}
+		resp.Topics = append(resp.Topics, st)
+	}
+	return resp
 }
