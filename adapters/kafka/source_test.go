@@ -11,6 +11,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
 func TestInvalidOptionsNameTheOption(t *testing.T) {
@@ -138,13 +139,18 @@ func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
 		t.Fatalf("committed %d, want 0 (offset 0 never finished)", offs[0])
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	reader, mp := newMeter(t)
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mp))
 	got := receiveN(t, b, 2)
 	if more := receiveFor(t, b, 500*time.Millisecond); len(more) > 0 {
 		got = append(got, more...)
 	}
 	if o := offsets(got); !slices.Equal(o, []int64{0, 5}) {
 		t.Fatalf("new owner received offsets %v, want only the unfinished [0 5]", o)
+	}
+	skipped, _ := collect(t, reader, "custody.kafka.skipped").(metricdata.Sum[int64])
+	if len(skipped.DataPoints) != 1 || skipped.DataPoints[0].Value != 8 {
+		t.Fatalf("custody.kafka.skipped = %+v, want the 8 records the first owner did", skipped)
 	}
 	ack(t, b, got...)
 	commitNow(t, b)

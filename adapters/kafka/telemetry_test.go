@@ -127,6 +127,10 @@ func TestLagAfterARewind(t *testing.T) {
 			t.Fatalf("lag = %v with 20 committed and the high watermark at 30; want 10", lag)
 		}
 	}
+	rewinds, _ := collect(t, reader, "custody.kafka.rewinds").(metricdata.Sum[int64])
+	if len(rewinds.DataPoints) != 1 || rewinds.DataPoints[0].Value != 1 {
+		t.Fatalf("custody.kafka.rewinds = %+v, want 1", rewinds)
+	}
 }
 
 // TestLagGrowsWhileThePartitionIsNotFetched: fetches bring the end offset
