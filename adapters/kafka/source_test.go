@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
@@ -211,7 +212,8 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 }
 
 // A partition whose done offsets could outgrow the metadata limit stops
-// taking records until its prefix catches up.
+// taking records, and fetching, until its prefix catches up; then the room
+// comes back, round after round.
 func TestMetadataLimitStopsTakingRecords(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
@@ -229,10 +231,16 @@ func TestMetadataLimitStopsTakingRecords(t *testing.T) {
 	if more := receiveFor(t, s, 500*time.Millisecond); len(more) > 0 {
 		t.Fatalf("took %d more records while the head was unfinished", len(more))
 	}
+	// Nor does it fetch records it could not take.
+	if paused := s.Client().PauseFetchPartitions(nil); len(paused) == 0 {
+		t.Fatal("the partition that can take no records is still fetched")
+	}
 	ack(t, s, first[0])
+	// The positions the prefix passed give their room back: with all taken
+	// before done, two records fit again, round after round.
 	seen := len(first)
 	for seen < 50 {
-		ds := receiveN(t, s, 1)
+		ds := receiveN(t, s, min(2, 50-seen))
 		seen += len(ds)
 		ack(t, s, ds...)
 	}
@@ -485,5 +493,50 @@ func TestOptionBoundsAreAccepted(t *testing.T) {
 			continue
 		}
 		_ = s.Close()
+	}
+}
+
+// Done offsets inherited from a previous owner are passed on only as far as
+// the metadata limit allows: the commit never carries more than the limit
+// (a broker refuses such a commit outright, and would refuse it on every
+// retry), and the first span that does not fit ends the list.
+func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 10, 10)
+	group := newGroup()
+	// A previous owner committed 0 with every even offset from 2 to 400
+	// recorded done: far more than 64 bytes of metadata.
+	var os kadm.Offsets
+	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 0, LeaderEpoch: -1,
+		Metadata: encodeDone(0, func(fn func(int64)) {
+			for o := int64(2); o <= 400; o += 2 {
+				fn(o)
+			}
+		})})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if resp, err := c.admin.CommitOffsets(ctx, group, os); err != nil || resp.Error() != nil {
+		t.Fatalf("commit: %v %v", err, resp.Error())
+	}
+	const limit = 64
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMetadataLimit(limit))
+	ds := receiveN(t, s, 6) // 0 and the odd offsets to 9; the even ones are skipped
+	for _, d := range ds {
+		if d.Offset != 0 {
+			ack(t, s, d)
+		}
+	}
+	commitNow(t, s)
+	offs, metas := c.committed(t, group, "orders")
+	if offs[0] != 0 {
+		t.Fatalf("committed %d, want 0 (offset 0 never finished)", offs[0])
+	}
+	if len(metas[0]) > limit {
+		t.Fatalf("commit metadata of %d bytes, over the limit of %d: %q", len(metas[0]), limit, metas[0])
+	}
+	spans := decodeDone(metas[0], 0)
+	if len(spans) == 0 || spans[0] != (span{1, 10}) {
+		t.Fatalf("commit metadata records %v, want it to start with [1 10] (this owner's and the first inherited)", spans)
 	}
 }
