@@ -496,6 +496,23 @@ func TestOptionBoundsAreAccepted(t *testing.T) {
 	}
 }
 
+// A partition is paused as soon as its records handed out reach the bound,
+// not one record later, and resumed below it.
+func TestPartitionAtItsBoundIsPaused(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	s := c.open(t, newGroup(), "orders", WithMaxInFlightPerPartition(3))
+	ds := receiveN(t, s, 3)
+	if paused := s.Client().PauseFetchPartitions(nil)["orders"]; !slices.Equal(paused, []int32{0}) {
+		t.Fatalf("paused %v with 3 records of the bound of 3 handed out; want partition 0", paused)
+	}
+	ack(t, s, ds[0])
+	if paused := s.Client().PauseFetchPartitions(nil); len(paused) != 0 {
+		t.Fatalf("still paused %v below the bound", paused)
+	}
+}
+
 // Done offsets inherited from a previous owner are passed on only as far as
 // the metadata limit allows: the commit never carries more than the limit
 // (a broker refuses such a commit outright, and would refuse it on every
