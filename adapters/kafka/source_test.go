@@ -557,3 +557,106 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 		t.Fatalf("commit metadata records %v, want it to start with [1 10] (this owner's and the first inherited)", spans)
 	}
 }
+
+// Nacked records come again once each, in offset order; an ack of a
+// delivery already nacked, or acked, changes nothing: the nacked records
+// stay not done, and the commit stops before them.
+func TestAckAfterNackOrTwiceIsIgnored(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 3, 3)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 3)
+	if err := s.Nack(context.Background(), ds[:2], 0); err != nil {
+		t.Fatal(err)
+	}
+	ack(t, s, ds[0]) // late: the record was given back
+	ack(t, s, ds[2])
+	ack(t, s, ds[2]) // twice
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 0 {
+		t.Fatalf("committed %d although offset 0 was nacked before its ack", offs[0])
+	}
+	again := receiveN(t, s, 2)
+	if got := offsets(again); !slices.Equal(got, []int64{0, 1}) {
+		t.Fatalf("redelivered offsets %v, want [0 1]", got)
+	}
+	if more := receiveFor(t, s, 300*time.Millisecond); len(more) > 0 {
+		t.Fatalf("handed out %v more after the redelivery", offsets(more))
+	}
+	ack(t, s, again...)
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 3 {
+		t.Fatalf("committed %d, want 3", offs[0])
+	}
+}
+
+// One Receive shares its records out over the partitions with records
+// waiting, so that a runtime asking for few still gets work for every
+// partition's lane, not a batch of one partition's.
+func TestReceiveSharesOutOverThePartitions(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 4)
+	c.produceN(t, "orders", 4, 10, 10)
+	s := c.open(t, newGroup(), "orders", WithOrdering(Unordered))
+	// Wait until every partition has records polled and waiting, taking
+	// one record at a time meanwhile.
+	var held []*adapters.Delivery
+	eventually(t, "records of every partition waiting", func() bool {
+		s.mu.Lock()
+		waiting := 0
+		for _, p := range s.order {
+			if p.backlogLen() > 0 {
+				waiting++
+			}
+		}
+		s.mu.Unlock()
+		if waiting == 4 {
+			return true
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		ds, _ := s.Receive(ctx, 1)
+		held = append(held, ds...)
+		return false
+	})
+	ds, err := s.Receive(context.Background(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	parts := map[int32]bool{}
+	for _, d := range ds {
+		parts[d.Partition] = true
+	}
+	if len(ds) != 4 || len(parts) != 4 {
+		t.Fatalf("Receive(4) handed out %d records of partitions %v; want one of each of the 4", len(ds), parts)
+	}
+}
+
+// Many records of a partition finishing out of order, with two early ones
+// still running, keep track of those two: their acks mark them done, and
+// the commit reaches the end.
+func TestOutOfOrderAcksAroundLongRunningRecords(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 120, 120)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 100)
+	var slow []*adapters.Delivery
+	for _, d := range ds {
+		if d.Offset == 1 || d.Offset == 50 {
+			slow = append(slow, d)
+			continue
+		}
+		ack(t, s, d)
+	}
+	rest := receiveN(t, s, 20) // handed out beside the two still running
+	ack(t, s, slow[1], slow[0])
+	ack(t, s, rest...)
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 120 {
+		t.Fatalf("committed %d with every record done, want 120", offs[0])
+	}
+}
