@@ -878,7 +878,10 @@ func (s noNackDelay) Capabilities() adapters.Capabilities {
 }
 
 func TestRetriesWaitInPlaceWithoutBrokerDelay(t *testing.T) {
-	e := newEnv(t, memory.QueueOptions{Lease: 60 * time.Millisecond})
+	// Four waits of 300 ms outlast the lease, renewed every third of it: a
+	// renewal may come hundreds of milliseconds late on a loaded machine
+	// before the lease runs out (with a 60 ms lease, 40 ms late lost it).
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("x")
 	var attempts []int
 	var mu sync.Mutex
@@ -891,7 +894,7 @@ func TestRetriesWaitInPlaceWithoutBrokerDelay(t *testing.T) {
 			return errors.New("dependency down")
 		}
 		return nil
-	}), consumer.WithRetry(consumer.Retry{MaxAttempts: 2, Backoff: consumer.ConstantBackoff(50 * time.Millisecond)}),
+	}), consumer.WithRetry(consumer.Retry{MaxAttempts: 2, Backoff: consumer.ConstantBackoff(300 * time.Millisecond)}),
 		consumer.WithLogger(testlog.New(t)))
 	if err != nil {
 		t.Fatal(err)
