@@ -746,6 +746,57 @@ func TestExhaustedWithoutDeadLetterIsGivenBack(t *testing.T) {
 	}
 }
 
+// Without a dead-letter destination, a message of an ordered lane that runs
+// out of attempts is retried in place rather than given back to the broker:
+// given back, the messages behind it in its lane would run before its
+// redelivery. Here a1 fails three times with MaxAttempts 2; a2, same key,
+// must wait for it.
+func TestExhaustedWithoutDeadLetterKeepsItsLaneInOrder(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publishKeyed("a", "a1", "a2")
+	var mu sync.Mutex
+	var done []string
+	calls := newCounter()
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "a1" && calls.inc(m.Body) <= 3 {
+			return errors.New("not yet")
+		}
+		mu.Lock()
+		done = append(done, string(m.Body))
+		mu.Unlock()
+		return nil
+	}, consumer.WithConcurrency(2), consumer.WithOrdering(consumer.OrderByKey), fastRetry(2))
+	waitFor(t, "both messages acked", func() bool { return e.stats("q").Acked == 2 })
+	r.stop()
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(done, []string{"a1", "a2"}) {
+		t.Fatalf("effects %v, want a1 then a2: the exhausted a1 let a2 overtake it", done)
+	}
+}
+
+// A retry policy that leaves MaxAttempts zero takes the default, five
+// attempts, as WithRetry says of its zero fields: taken as it stands, a
+// policy set only for its backoff dead-lettered every message at its first
+// failure.
+func TestRetryWithoutMaxAttemptsTakesTheDefault(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("x")
+	var calls atomic.Int32
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		calls.Add(1)
+		return errors.New("always fails")
+	}, consumer.WithRetry(consumer.Retry{Backoff: consumer.ConstantBackoff(5 * time.Millisecond)}),
+		consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "the dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := calls.Load(); n != 5 {
+		t.Errorf("handler ran %d times before the dead letter, want the default 5", n)
+	}
+}
+
 func TestInvalidOptionsFailAtNewNamingTheOption(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{})
 	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })

@@ -51,6 +51,16 @@ func (e *env) publish(bodies ...string) {
 	}
 }
 
+// publishKeyed publishes bodies with Message.Key key, in order.
+func (e *env) publishKeyed(key string, bodies ...string) {
+	e.t.Helper()
+	for _, body := range bodies {
+		if err := e.b.Publish(context.Background(), "q", memory.Message{Key: key, Body: []byte(body)}); err != nil {
+			e.t.Fatal(err)
+		}
+	}
+}
+
 func (e *env) source(opts ...memory.SourceOption) *memory.Source {
 	e.t.Helper()
 	opts = append([]memory.SourceOption{memory.WithPollWait(10 * time.Millisecond)}, opts...)
