@@ -264,3 +264,96 @@ func TestNoReceiveAfterShutdownBegan(t *testing.T) {
 		t.Fatalf("stats %+v: the late message must not be received", s)
 	}
 }
+
+// uncountedRecorder is a nackRecorder whose broker, as far as the runtime
+// can tell, delays redelivery but counts no deliveries: its retries wait in
+// place, not at the broker.
+type uncountedRecorder struct{ *nackRecorder }
+
+func (s uncountedRecorder) Capabilities() adapters.Capabilities {
+	c := s.nackRecorder.Capabilities()
+	c.CountsDeliveries = false
+	return c
+}
+
+// A message that fails while the drain runs, by its handler or by its
+// dead-letter write, is given back with its backoff where the broker can
+// delay a redelivery, even one whose retries otherwise wait in place: given
+// back at once, it came straight back to the next consumer, at no pace. The
+// first message's failure waits until the drain has given back the second,
+// which never started.
+func TestFailureDuringTheDrainIsGivenBackWithItsBackoff(t *testing.T) {
+	for _, failing := range []string{"handler", "dead-letter write"} {
+		t.Run(failing, func(t *testing.T) {
+			e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+			e.publish("first", "second")
+			src := uncountedRecorder{&nackRecorder{Source: e.source()}}
+			started, release := make(chan string, 1), make(chan struct{})
+			block := func(body string) {
+				started <- body
+				<-release
+			}
+			dlq := e.dlq()
+			dlq.SetFault(func(d *adapters.Delivery) error {
+				block(string(d.Body))
+				return errors.New("dead-letter queue down")
+			})
+			var calls atomic.Int32
+			r := runOn(t, src, func(ctx context.Context, m *consumer.Message) error {
+				if calls.Add(1) > 1 {
+					t.Errorf("%s handled after the drain began", m.Body)
+					return nil
+				}
+				if failing == "handler" {
+					block(string(m.Body))
+					return errors.New("downstream unavailable")
+				}
+				return consumer.Permanent(errors.New("cannot parse"))
+			}, consumer.WithConcurrency(1), consumer.WithMaxInFlight(2), consumer.WithDeadLetter(dlq),
+				consumer.WithRetry(consumer.Retry{MaxAttempts: 5, Backoff: consumer.ConstantBackoff(time.Hour)}))
+			waitFor(t, "both messages received", func() bool { return e.stats("q").InFlight == 2 })
+			failed := await(t, "the "+failing+" to start", started)
+			stopped := make(chan error, 1)
+			go func() { stopped <- r.stop() }()
+			waitFor(t, "the waiting message given back by the drain", func() bool {
+				bodies, _ := src.nacked()
+				return len(bodies) == 1
+			})
+			close(release)
+			if err := await(t, "Run to return", stopped); err != nil {
+				t.Fatal(err)
+			}
+			bodies, delays := src.nacked()
+			if len(bodies) != 2 || bodies[1] != failed || delays[1] != time.Hour {
+				t.Fatalf("nacked %v with delays %v, want %s given back last with its hour of backoff", bodies, delays, failed)
+			}
+		})
+	}
+}
+
+// A retry waiting in place for its backoff (an ordered lane) when shutdown
+// begins is given back at once, without another attempt: the drain lets
+// running handlers finish, it starts none.
+func TestRetryWaitingInPlaceIsGivenBackAtShutdown(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publishKeyed("k", "x")
+	var calls atomic.Int32
+	failed := make(chan struct{})
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		if calls.Add(1) == 1 {
+			close(failed)
+		}
+		return errors.New("downstream unavailable")
+	}, consumer.WithOrdering(consumer.OrderByKey),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 5, Backoff: consumer.ConstantBackoff(time.Hour)}))
+	await(t, "the first attempt to fail", failed)
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Errorf("handler ran %d times, want once: a retry ran during the drain", n)
+	}
+	if s := e.stats("q"); s.Visible != 1 || s.Acked != 0 {
+		t.Errorf("stats %+v, want the message given back for redelivery at once", s)
+	}
+}
