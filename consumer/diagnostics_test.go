@@ -68,3 +68,46 @@ func TestDeadLetterFirstFailureOfInPlaceRetries(t *testing.T) {
 			last.Format(time.RFC3339Nano), ends[2].Format(time.RFC3339Nano))
 	}
 }
+
+// A deferral (consumer.Defer) is no failure of the message, so it does not
+// start the first-failure time a dead letter carries: here the message is
+// deferred once in place (an ordered lane), then fails for good, and its
+// first failure is that second attempt's, not the deferral's.
+func TestDeadLetterFirstFailureIsNotADeferral(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publishKeyed("k", "x")
+	var (
+		mu     sync.Mutex
+		starts []time.Time // when each call began
+	)
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		starts = append(starts, time.Now())
+		if len(starts) == 1 {
+			return consumer.Defer(errors.New("the original still runs"), 20*time.Millisecond)
+		}
+		return consumer.Permanent(errors.New("bad input"))
+	}, consumer.WithOrdering(consumer.OrderByKey), fastRetry(3), consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "the dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	ms, err := e.b.Messages("dlq")
+	if err != nil || len(ms) != 1 {
+		t.Fatalf("dead-letter queue holds %d messages (%v), want 1", len(ms), err)
+	}
+	first, err := time.Parse(time.RFC3339Nano, ms[0].Headers[adapters.HeaderFirstFailure])
+	if err != nil {
+		t.Fatalf("first failure header: %v (headers %v)", err, ms[0].Headers)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(starts) != 2 {
+		t.Fatalf("handler ran %d times, want twice: deferred, then failed for good", len(starts))
+	}
+	if first.Before(starts[1]) {
+		t.Errorf("first failure at %v, before the failing attempt began at %v: the deferral was taken for a failure",
+			first.Format(time.RFC3339Nano), starts[1].Format(time.RFC3339Nano))
+	}
+}
