@@ -67,6 +67,18 @@ func collectAll(t *testing.T, reader *sdkmetric.ManualReader) collected {
 	return c
 }
 
+// stopAndCollect stops r, fails the test if Run did not return nil, and
+// collects the metrics, checking that they balance for the consumer name.
+func stopAndCollect(t *testing.T, r *running, reader *sdkmetric.ManualReader, name string) collected {
+	t.Helper()
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	c := collectAll(t, reader)
+	c.balanced(name)
+	return c
+}
+
 // settledTotal sums custody.messages.settled over every outcome.
 func (c collected) settledTotal() int64 { return c.points["custody.messages.settled"] }
 
@@ -675,5 +687,94 @@ func TestDeferralIsNoErrorInMetricsOrSpans(t *testing.T) {
 	}
 	if len(events) != 1 || events[0] != "deferred" {
 		t.Errorf("the deferred attempt's span has events %v, want [deferred]", events)
+	}
+}
+
+// unparsable is a handler for which every message is a permanent failure.
+func unparsable(context.Context, *consumer.Message) error {
+	return consumer.Permanent(errors.New("cannot parse"))
+}
+
+// TestTelemetryDeadLetterFailureAfterTheLeaseWasLost: a dead-letter write
+// that fails after the delivery's lease was lost settles the delivery as
+// lost, with the loss counted, instead of giving it back as a retry that
+// the broker, which took the message back already, cannot honour. Its
+// redelivery is dead-lettered.
+func TestTelemetryDeadLetterFailureAfterTheLeaseWasLost(t *testing.T) {
+	reader, mp := newMeter()
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
+	e.publish("x")
+	src := e.source(memory.WithFaults(memory.Faults{Extend: func(d *adapters.Delivery) error {
+		if d.Attempt == 1 {
+			return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+		}
+		return nil
+	}}))
+	dlq := e.dlq()
+	dlq.SetFault(func(d *adapters.Delivery) error {
+		if d.Attempt > 1 {
+			return nil
+		}
+		select {
+		case <-d.Lost(): // the refused renewal lost it while the write was on its way
+		case <-time.After(patience):
+			t.Error("the first delivery was never lost")
+		}
+		return errors.New("dead-letter queue down")
+	})
+	r := run(t, src, unparsable, consumer.WithName("dlq"), consumer.WithMeterProvider(mp), consumer.WithDeadLetter(dlq), fastRetry(3))
+	waitFor(t, "the redelivery dead-lettered", func() bool { return e.stats("dlq").Visible == 1 })
+	c := stopAndCollect(t, r, reader, "dlq")
+	c.want(map[string]int64{
+		"custody.messages.received":              2,
+		"custody.messages.settled/lost":          1,
+		"custody.messages.settled/retried":       0,
+		"custody.messages.settled/dead_lettered": 1,
+		"custody.deadletter.failures":            1,
+		"custody.lease.lost":                     1,
+	})
+}
+
+// disposingDeadLetter dead-letters a delivery and disposes of the original
+// itself, as a native dead-letter reject does (RabbitMQ's), marking the
+// delivery settled so that the runtime does not ack it.
+type disposingDeadLetter struct {
+	dlq *memory.DeadLetterQueue
+	src *memory.Source
+}
+
+func (d disposingDeadLetter) Send(ctx context.Context, del *adapters.Delivery, f adapters.Failure) error {
+	if err := d.dlq.Send(ctx, del, f); err != nil {
+		return err
+	}
+	if err := d.src.Ack(ctx, []*adapters.Delivery{del}); err != nil {
+		return err
+	}
+	del.MarkSettled()
+	return nil
+}
+
+// TestTelemetryDeadLetterThatSettledTheOriginal: a delivery whose
+// dead-letter destination disposed of it is settled as dead-lettered
+// without an ack of its own, which the broker would refuse (counted as an
+// ack failure and a lost lease, with a warning of a redelivery that never
+// comes).
+func TestTelemetryDeadLetterThatSettledTheOriginal(t *testing.T) {
+	reader, mp := newMeter()
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("x")
+	src := e.source()
+	r := run(t, src, unparsable, consumer.WithName("native"), consumer.WithMeterProvider(mp),
+		consumer.WithDeadLetter(disposingDeadLetter{dlq: e.dlq(), src: src}))
+	waitFor(t, "the message dead-lettered", func() bool { return e.stats("dlq").Visible == 1 })
+	c := stopAndCollect(t, r, reader, "native")
+	c.want(map[string]int64{
+		"custody.messages.settled/dead_lettered": 1,
+		"custody.messages.settled/lost":          0,
+		"custody.ack.failures":                   0,
+		"custody.lease.lost":                     0,
+	})
+	if s := e.stats("q"); s.Acked != 1 || s.Visible+s.InFlight != 0 {
+		t.Errorf("stats %+v, want the original gone", s)
 	}
 }
