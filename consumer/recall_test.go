@@ -445,3 +445,63 @@ func TestRecallerGivesBackALaneHeadWaitingForAWorker(t *testing.T) {
 		t.Errorf("effects %v, want m1, b1, b2, b3: each once, the lane in order", got)
 	}
 }
+
+// A recalled delivery still waiting for a worker when shutdown begins is
+// given back, even with WithLeaveUnfinishedOnShutdown: the adapter that
+// recalled it waits for it. The source here reports no recalls, so nothing
+// gave m2 back before the drain reached it; m1, running and not recalled,
+// is left to its lease as the option asks.
+func TestRecalledJobWaitingAtShutdownIsGivenBackNotLeft(t *testing.T) {
+	_, src := newRecallEnv(t, false, "m1", "m2")
+	h := newSlowFirst("m1") // never released: the shutdown timeout cuts it
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(1),
+		consumer.WithLeaveUnfinishedOnShutdown(), consumer.WithShutdownTimeout(50*time.Millisecond))
+	await(t, "m1's handler to start", h.started)
+	waitFor(t, "m2 to be received", func() bool { return src.received("m2") })
+	src.recall("m2")
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if bodies, _ := src.nacked(); !slices.Equal(bodies, []string{"m2"}) {
+		t.Fatalf("nacked %v, want m2 given back and m1 left to its lease", bodies)
+	}
+	if got := h.effects(); len(got) != 0 {
+		t.Errorf("effects %v: a recalled delivery ran at shutdown", got)
+	}
+}
+
+// A delivery that is lost and then recalled while it waits for a worker (a
+// revoke that the adapter both reports and recalls) is settled as lost, as
+// process settles it, not given back: the adapter refuses to take back what
+// it lost, and a release would count a delivery the consumer never had back
+// to give.
+func TestRecallOfALostWaitingDeliveryIsSettledLost(t *testing.T) {
+	reader, mp := newMeter()
+	// A lease long enough that m2 comes back only after the test.
+	b, inner := newRecallQueue(t, memory.QueueOptions{Lease: time.Minute},
+		memory.Message{Body: []byte("m1")}, memory.Message{Body: []byte("m2")})
+	src := reporting(inner)
+	h := newSlowFirst("m1")
+	r := runOn(t, src, h.handle, consumer.WithConcurrency(1), consumer.WithName("recall"), consumer.WithMeterProvider(mp))
+	await(t, "m1's handler to start", h.started)
+	waitFor(t, "m2 to be received", func() bool { return inner.received("m2") })
+	inner.mu.Lock()
+	m2 := inner.first["m2"]
+	inner.mu.Unlock()
+	m2.Lose(adapters.ErrRevoked)
+	src.recall("m2")
+	waitFor(t, "the runtime to take the recall signal", func() bool { return len(src.recalls) == 0 })
+	close(h.release)
+	waitFor(t, "m1 acked", func() bool {
+		s, err := b.Stats("q")
+		return err == nil && s.Acked >= 1
+	})
+	c := stopAndCollect(t, r, reader, "recall")
+	if bodies, _ := inner.nacked(); len(bodies) != 0 {
+		t.Errorf("nacked %v, want nothing: m2 was lost before it was recalled", bodies)
+	}
+	c.want(map[string]int64{
+		"custody.messages.settled/lost":     1,
+		"custody.messages.settled/released": 0,
+	})
+}
