@@ -13,6 +13,7 @@ import (
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/lease"
 )
 
 // boundedSource is a memory source that, like SQS, receives at most
@@ -84,6 +85,23 @@ func TestInFlightNeverExceedsMaxInFlight(t *testing.T) {
 	}
 	if src.peak > 4 {
 		t.Fatalf("the runtime held %d deliveries at once, above WithMaxInFlight(4)", src.peak)
+	}
+}
+
+// TestMaxInFlightOfOneReceivesAfterEachAck: with room for one delivery, the
+// ack that frees it wakes the receiver for the next. The room it frees
+// brings the runtime down to its wake-up mark exactly (none held): a wake
+// only below that mark left the receiver waiting for good after the first
+// message.
+func TestMaxInFlightOfOneReceivesAfterEachAck(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("a", "b", "c")
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		return nil
+	}, consumer.WithMaxInFlight(1))
+	waitFor(t, "every message acked", func() bool { return e.stats("q").Acked == 3 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -270,5 +288,61 @@ func TestFailedReceivesAreRetriedWithBackoff(t *testing.T) {
 		if gap := calls[n].Sub(calls[n-1]); gap < least {
 			t.Errorf("try %d came %v after failure %d; want at least %v", n+1, gap, n, least)
 		}
+	}
+}
+
+// leaseAgeSource is a memory source whose broker caps how long a delivery
+// may be held (as SQS caps it at 12 hours from the receive).
+type leaseAgeSource struct {
+	*memory.Source
+	maxAge time.Duration
+}
+
+func (s leaseAgeSource) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.MaxLeaseAge = s.maxAge
+	return c
+}
+
+// TestProcessingTimeIsCappedByTheOptionAndTheBroker: a handler that runs past
+// the maximum processing time has its context cancelled with a lost lease
+// as the cause (lease.ErrMaxHold), and its message is redelivered. The cap
+// is WithMaxProcessingTime, or the broker's own (Capabilities.MaxLeaseAge)
+// where that is shorter.
+func TestProcessingTimeIsCappedByTheOptionAndTheBroker(t *testing.T) {
+	const held = 300 * time.Millisecond
+	for _, tc := range []struct {
+		name   string
+		maxAge time.Duration
+		opts   []consumer.Option
+	}{
+		{"option", 0, []consumer.Option{consumer.WithMaxProcessingTime(held)}},
+		{"broker", held, []consumer.Option{consumer.WithMaxProcessingTime(time.Hour)}},
+		{"broker with the default", held, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+			e.publish("long")
+			causes := make(chan error, 1)
+			r := runOn(t, leaseAgeSource{Source: e.source(), maxAge: tc.maxAge}, func(ctx context.Context, m *consumer.Message) error {
+				if m.Attempt > 1 {
+					return nil
+				}
+				select {
+				case <-ctx.Done():
+					causes <- context.Cause(ctx)
+				case <-time.After(patience):
+					causes <- errors.New("the handler's context outlived the cap")
+				}
+				return ctx.Err()
+			}, tc.opts...)
+			if cause := await(t, "the first attempt to end", causes); !errors.Is(cause, lease.ErrMaxHold) {
+				t.Fatalf("handler's context cause = %v, want lease.ErrMaxHold", cause)
+			}
+			waitFor(t, "the redelivery acked", func() bool { return e.stats("q").Acked == 1 })
+			if err := r.stop(); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }
