@@ -817,6 +817,8 @@ func TestInvalidOptionsFailAtNewNamingTheOption(t *testing.T) {
 		{consumer.WithShutdownTimeout(-time.Second), "WithShutdownTimeout"},
 		{consumer.WithMaxProcessingTime(0), "WithMaxProcessingTime"},
 		{consumer.WithLeaseRenewal(1.5), "WithLeaseRenewal"},
+		{consumer.WithLeaseRenewal(1), "WithLeaseRenewal"}, // renewed only as the lease runs out
+		{consumer.WithLeaseRenewal(0), "WithLeaseRenewal"},
 		{consumer.WithLeaseRenewal(math.NaN()), "WithLeaseRenewal"},
 		{consumer.WithRetry(consumer.Retry{Backoff: consumer.ConstantBackoff(0)}), "WithRetry"},
 		{consumer.WithRetry(consumer.Retry{Backoff: &consumer.ExponentialBackoff{}}), "WithRetry"},
