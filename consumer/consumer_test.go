@@ -995,6 +995,43 @@ func TestConcurrencyAboveThePrefetchFailsAtNew(t *testing.T) {
 	}
 }
 
+// askingPrefetched is a prefetched source that records the most deliveries
+// one Receive asked for.
+type askingPrefetched struct {
+	prefetched
+	largest atomic.Int32
+}
+
+func (s *askingPrefetched) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	for {
+		old := s.largest.Load()
+		if int32(max) <= old || s.largest.CompareAndSwap(old, int32(max)) {
+			break
+		}
+	}
+	return s.prefetched.Receive(ctx, max)
+}
+
+// The default in-flight bound keeps to the adapter's prefetch
+// (Capabilities.MaxUnacked): the runtime never asks for more deliveries
+// than the broker lets one consumer hold unacked, here 4, where the default
+// would otherwise be 20, asked for 10 at a time.
+func TestDefaultMaxInFlightKeepsToThePrefetch(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	for i := 0; i < 10; i++ {
+		e.publish(fmt.Sprint(i))
+	}
+	src := &askingPrefetched{prefetched: prefetched{e.source()}}
+	r := runOn(t, src, func(context.Context, *consumer.Message) error { return nil })
+	waitFor(t, "every message acked", func() bool { return e.stats("q").Acked == 10 })
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := src.largest.Load(); n > 4 {
+		t.Fatalf("a Receive asked for %d deliveries; the prefetch allows 4 unacked", n)
+	}
+}
+
 func TestLeaveUnfinishedOnShutdownKeepsTheLease(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
 	e.publish("stuck")
