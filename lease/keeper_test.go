@@ -348,3 +348,52 @@ func BenchmarkKeeper100k(b *testing.B) {
 	b.ReportMetric(float64(peak), "goroutines")
 	b.ReportMetric(0, "ns/op")
 }
+
+// TestRenewedReportsTheLeasesRenewed: Renewed is told how many leases each
+// renewal call extended, which leaves out an entry the adapter refused (its
+// delivery lost). The runtime counts its custody.lease.extensions from it.
+func TestRenewedReportsTheLeasesRenewed(t *testing.T) {
+	now := time.Now()
+	kept1, kept2, refused := &adapters.Delivery{ReceivedAt: now}, &adapters.Delivery{ReceivedAt: now}, &adapters.Delivery{ReceivedAt: now}
+	rec := &recorder{fail: func(d *adapters.Delivery) error {
+		if d == refused {
+			return adapters.ErrLeaseLost
+		}
+		return nil
+	}}
+	var renewed atomic.Int64
+	k := start(t, rec, Config{Lease: 300 * time.Millisecond, Renewed: func(n int) { renewed.Add(int64(n)) }})
+	l1, l2 := k.Track(kept1), k.Track(kept2)
+	k.Track(refused)
+	eventually(t, "two renewals of each kept lease", func() bool { return rec.count(kept1) >= 2 && rec.count(kept2) >= 2 })
+	l1.Stop() // no renewal is on the wire once they return
+	l2.Stop()
+	if refused.LostCause() == nil {
+		t.Fatal("the refused delivery was not lost")
+	}
+	want := int64(rec.count(kept1) + rec.count(kept2))
+	// Renewed runs after its call's leases are let go, so maybe after Stop.
+	eventually(t, "Renewed to report every renewal", func() bool { return renewed.Load() >= want })
+	if n := renewed.Load(); n != want {
+		t.Fatalf("Renewed reported %d renewals, want %d: the refused entry is no renewal", n, want)
+	}
+}
+
+// TestLeasesDueSoonJoinTheBatchDueNow: leases that fall due within a quarter
+// of the renewal interval of one due now are renewed in the same call,
+// rather than in a call each a few milliseconds apart (SQS bills each).
+func TestLeasesDueSoonJoinTheBatchDueNow(t *testing.T) {
+	rec := &recorder{}
+	// Renewed every 100 ms; the second lease falls due 10 ms after the first.
+	k := start(t, rec, Config{Lease: 300 * time.Millisecond})
+	now := time.Now()
+	first, second := &adapters.Delivery{ReceivedAt: now.Add(-10 * time.Millisecond)}, &adapters.Delivery{ReceivedAt: now}
+	k.Track(first)
+	k.Track(second)
+	eventually(t, "a first renewal", func() bool { return rec.count(first) >= 1 })
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if got := len(rec.calls[0]); got != 2 {
+		t.Fatalf("the first renewal call carried %d leases, want both", got)
+	}
+}
