@@ -324,3 +324,42 @@ func TestLenCountsLeasesOnTheWire(t *testing.T) {
 		t.Fatalf("Len() = %d after Stop, want 0", n)
 	}
 }
+
+// hangingFirstCall is an Extender whose first call hangs until its context
+// ends, as a call to a broker that stopped answering does, and whose later
+// calls succeed.
+type hangingFirstCall struct{ calls atomic.Int32 }
+
+func (e *hangingFirstCall) Extend(ctx context.Context, _ []*adapters.Delivery, _ time.Duration) error {
+	if e.calls.Add(1) == 1 {
+		<-ctx.Done()
+		return fmt.Errorf("extend: %w", ctx.Err())
+	}
+	return nil
+}
+
+// TestHungRenewalIsCutAtTheTimeoutAndTriedAgain: a renewal call that hangs
+// is cut short at Config.Timeout and tried again while the lease lasts, so
+// the delivery is kept. Left hanging, it held its lease (and a Stop of it,
+// which the runtime calls before the ack) until the broker answered, and
+// the lease ran out meanwhile.
+func TestHungRenewalIsCutAtTheTimeoutAndTriedAgain(t *testing.T) {
+	ext := &hangingFirstCall{}
+	var retrying atomic.Int32
+	// Renewed every second; the retry comes half a second after the cut,
+	// well before the three-second lease runs out.
+	k := start(t, ext, Config{Lease: 3 * time.Second, Timeout: 100 * time.Millisecond,
+		Retrying: func(n int, _ error) { retrying.Add(int32(n)) }})
+	d := &adapters.Delivery{ReceivedAt: time.Now()}
+	l := k.Track(d)
+	eventually(t, "the renewal tried again", func() bool { return ext.calls.Load() >= 2 })
+	l.Stop()
+	if cause := d.LostCause(); cause != nil {
+		t.Fatalf("lost after a hung renewal: %v", cause)
+	}
+	// Retrying reports after its call returned, maybe after the next call.
+	eventually(t, "the cut call reported", func() bool { return retrying.Load() >= 1 })
+	if n := retrying.Load(); n != 1 {
+		t.Errorf("Retrying reported %d leases, want 1: the hung call", n)
+	}
+}
