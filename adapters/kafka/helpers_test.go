@@ -3,6 +3,8 @@ package kafka
 import (
 	"context"
 	"fmt"
+	"runtime/pprof"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -159,6 +161,11 @@ func eventually(t testing.TB, what string, cond func() bool) {
 	deadline := time.Now().Add(30 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
+			// What every goroutine was doing: the lead when a wait that
+			// passes thousands of times fails once on a loaded machine.
+			var stacks strings.Builder
+			_ = pprof.Lookup("goroutine").WriteTo(&stacks, 1)
+			t.Logf("goroutines at the timeout:\n%s", stacks.String())
 			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(20 * time.Millisecond)
