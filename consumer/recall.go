@@ -91,12 +91,16 @@ func (r *run) releaseRecalled() {
 	for _, j := range keep {
 		r.work <- j // never blocks: they were taken from it
 	}
+	// The leases of the jobs taken from the lanes are stopped after the
+	// lock is released: Stop may wait for a renewal in flight, which is a
+	// round trip to the broker, and every worker finishing a laned job
+	// waits for lanesMu meanwhile.
+	fromLanes := len(give)
 	r.lanesMu.Lock()
 	for lane, q := range r.lanes {
 		kept := q[:0]
 		for _, j := range q {
 			if recalledWaiting(j) {
-				r.stopLease(j)
 				give = append(give, j)
 			} else {
 				kept = append(kept, j)
@@ -108,6 +112,9 @@ func (r *run) releaseRecalled() {
 		}
 	}
 	r.lanesMu.Unlock()
+	for _, j := range give[fromLanes:] {
+		r.stopLease(j)
+	}
 	r.releaseAll(give)
 }
 

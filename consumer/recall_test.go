@@ -505,3 +505,78 @@ func TestRecallOfALostWaitingDeliveryIsSettledLost(t *testing.T) {
 		"custody.messages.settled/released": 0,
 	})
 }
+
+// hangingRenewals is a recallerSource whose lease renewals hang, once one
+// includes the delivery of body target, until unblock is closed: a renewal
+// stuck on the wire.
+type hangingRenewals struct {
+	*recallerSource
+	target  string
+	hung    chan struct{}
+	once    sync.Once
+	unblock chan struct{}
+}
+
+func (s *hangingRenewals) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	for _, x := range ds {
+		if string(x.Body) == s.target {
+			s.once.Do(func() { close(s.hung) })
+			<-s.unblock
+			break
+		}
+	}
+	return s.recallerSource.Extend(ctx, ds, d)
+}
+
+// Giving back recalled jobs queued in a lane waits for their leases'
+// renewals on the wire to end, and that wait holds no other lane up: a
+// worker that finishes a job of another lane passes that lane on meanwhile.
+func TestRecallWaitingForARenewalHoldsNoOtherLaneUp(t *testing.T) {
+	msgs := []memory.Message{{Body: []byte("a1"), Key: "a"}, {Body: []byte("a2"), Key: "a"}, {Body: []byte("a3"), Key: "a"}}
+	b, inner := newRecallQueue(t, memory.QueueOptions{Lease: 900 * time.Millisecond, FIFO: true}, msgs...)
+	src := &hangingRenewals{recallerSource: reporting(inner), target: "a2", hung: make(chan struct{}), unblock: make(chan struct{})}
+	started := map[string]chan struct{}{"a1": make(chan struct{}), "b1": make(chan struct{})}
+	release := map[string]chan struct{}{"a1": make(chan struct{}), "b1": make(chan struct{})}
+	var mu sync.Mutex
+	var effects []string
+	h := func(ctx context.Context, m *consumer.Message) error {
+		body := string(m.Body)
+		if ch, ok := started[body]; ok && m.Attempt == 1 {
+			close(ch)
+			select {
+			case <-release[body]:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		mu.Lock()
+		effects = append(effects, body)
+		mu.Unlock()
+		return nil
+	}
+	r := runOn(t, src, h, consumer.WithConcurrency(4))
+	defer r.stop()
+	defer close(release["a1"])
+	defer close(src.unblock)
+	await(t, "a1's handler to start", started["a1"])
+	waitFor(t, "group a to be received", func() bool { return inner.received("a1", "a2", "a3") })
+	await(t, "the renewal of group a's leases to hang", src.hung)
+	// Group b arrives after that renewal began, so its leases are not in it.
+	if err := b.Publish(context.Background(), "q", memory.Message{Body: []byte("b1"), Key: "b"},
+		memory.Message{Body: []byte("b2"), Key: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	await(t, "b1's handler to start", started["b1"])
+	waitFor(t, "b2 to be received", func() bool { return inner.received("b2") })
+	src.recall("a3", "a2")
+	time.Sleep(20 * time.Millisecond) // let the give-back reach the hung renewal
+	close(release["b1"])
+	waitFor(t, "b2 to run while the recalled jobs' renewal hangs", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Contains(effects, "b2")
+	})
+	if bodies, _ := inner.nacked(); len(bodies) != 0 {
+		t.Errorf("nacked %v while their leases' renewal was on the wire", bodies)
+	}
+}
