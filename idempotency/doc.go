@@ -32,7 +32,11 @@
 //     the claim would run out, the handler's context is cancelled with
 //     [ErrClaimLost] as its cause. When the handler returns nil the key is
 //     marked completed and kept for the retention; when it returns an error
-//     or panics, the claim is released so that the retry can claim it.
+//     or panics, the claim is released so that the retry can claim it. A
+//     claim whose reply came back only after its lease had run out holds
+//     nothing (another delivery may have taken the key): the handler does
+//     not run, the claim is given back, and Handle fails with an error
+//     wrapping ErrClaimLost, which the runtime retries.
 //   - Completed: a sequential duplicate. The handler is skipped and the
 //     message acked (Handle returns nil).
 //   - In progress elsewhere: an overlapping duplicate. The handler is not

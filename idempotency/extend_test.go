@@ -127,3 +127,78 @@ func TestSlowClaimReplyDoesNotDelayTheFirstExtension(t *testing.T) {
 		})
 	}
 }
+
+// TestClaimReplyAfterTheLeaseDoesNotRunTheHandler: a Claim whose reply
+// comes back only after the claim's lease has run out (a stalled store or
+// network, a paused process, a lease shorter than the store timeout) holds
+// nothing any more: another delivery may have taken the key over and be
+// running the effect. Running the handler then runs the effect twice at
+// once; the delivery must be retried instead, and never acked unrun.
+func TestClaimReplyAfterTheLeaseDoesNotRunTheHandler(t *testing.T) {
+	for _, st := range teststores.All() {
+		t.Run(st.Name, func(t *testing.T) {
+			t.Parallel()
+			const lease = 300 * time.Millisecond
+			m := newMeter(t)
+			store := &faultyStore{Store: st.New(t)}
+			store.claimDelay.Store(int64(2 * time.Second)) // the first copy's reply
+			var running, most, runsA, runsB atomic.Int32
+			firstDone := make(chan struct{})
+			h := newGuard(t, store, func(ctx context.Context, msg *consumer.Message) error {
+				n := running.Add(1)
+				defer running.Add(-1)
+				for o := most.Load(); n > o && !most.CompareAndSwap(o, n); o = most.Load() {
+				}
+				if msg.Headers["copy"] == "first" {
+					runsA.Add(1)
+					return nil
+				}
+				runsB.Add(1)
+				// Hold the key until the first copy is done with it.
+				select {
+				case <-firstDone:
+				case <-time.After(30 * time.Second):
+				}
+				return nil
+			}, idempotency.WithLease(lease), idempotency.WithMeterProvider(m))
+
+			first := msg("k", "x")
+			first.Headers = map[string]string{"copy": "first"}
+			var firstErr error
+			go func() {
+				defer close(firstDone)
+				firstErr = h.Handle(context.Background(), first)
+			}()
+			eventually(t, "the first copy's claim is made", func() bool { return store.token.Load() != nil })
+			store.claimDelay.Store(0)
+
+			// Once the claim ran out, a second copy takes the key over.
+			second := msg("k", "x")
+			second.Headers = map[string]string{"copy": "second"}
+			var secondErr error
+			for {
+				secondErr = h.Handle(context.Background(), second)
+				if !errors.Is(secondErr, idempotency.ErrInProgressElsewhere) {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			<-firstDone
+			if secondErr != nil {
+				t.Fatalf("second copy = %v, want it to run once the first claim ran out", secondErr)
+			}
+			if runsB.Load() != 1 {
+				t.Skipf("the second copy did not take the key over while the first reply was held back (runs %d); inconclusive", runsB.Load())
+			}
+			if most.Load() > 1 || runsA.Load() != 0 {
+				t.Fatalf("the first copy ran its handler %d times on a claim whose reply came after its lease ran out (%d at once)", runsA.Load(), most.Load())
+			}
+			if !errors.Is(firstErr, idempotency.ErrClaimLost) {
+				t.Fatalf("first copy = %v, want an error wrapping ErrClaimLost (retried, never acked unrun)", firstErr)
+			}
+			if n := m.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "claim"); n != 1 {
+				t.Fatalf("store errors (claim) = %d, want 1 for the claim answered too late", n)
+			}
+		})
+	}
+}

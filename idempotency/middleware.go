@@ -75,6 +75,16 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 		g.release(ctx, key, tok)
 		return context.Cause(ctx)
 	}
+	if err == nil && state == Acquired && !time.Now().Before(claimed.Add(g.cfg.lease)) {
+		// The reply came after the claim's lease ran out (a stalled store
+		// or network, a paused process): the claim holds nothing any more,
+		// and another delivery may have taken the key over and be running
+		// the effect. Give it back (a no-op if it was taken over) and let
+		// the runtime retry, as after a Claim that failed.
+		g.release(ctx, key, tok)
+		g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)
+		return fmt.Errorf("idempotency: claiming key %q: the store's reply came after the claim's lease (%v) had run out: %w", key, g.cfg.lease, ErrClaimLost)
+	}
 	switch {
 	case errors.Is(err, ErrFingerprintMismatch):
 		g.m.Mismatches.Add(ctx, 1, g.m.Plain)

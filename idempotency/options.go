@@ -148,8 +148,10 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 // They run on a context detached from the handler's: a handler cancelled at
 // its deadline still records its outcome, and a Claim the store may already
 // have made is waited for (and given back when the delivery ended
-// meanwhile) rather than left behind for its whole lease. Default 10s. Must
-// be positive.
+// meanwhile) rather than left behind for its whole lease. Keep it shorter
+// than the lease: a Claim answered after the lease ran out holds nothing,
+// and is given back without running the handler. Default 10s. Must be
+// positive.
 func WithStoreTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {

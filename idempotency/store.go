@@ -126,6 +126,8 @@ var (
 
 	// ErrClaimLost is the cause given to the handler's context when the
 	// middleware could not keep the claim alive: another consumer may take
-	// the key over, so the handler should stop its effect.
+	// the key over, so the handler should stop its effect. Handle also
+	// fails with it, without running the handler, when the store's reply
+	// to the Claim came only after the claim's lease had run out.
 	ErrClaimLost = errors.New("idempotency: the claim on the key was lost while the handler ran; another consumer may take it over")
 )
