@@ -1,8 +1,11 @@
 package pgtx_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"net"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +22,7 @@ import (
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
 	"github.com/custody-go/custody/idempotency/pgtx"
+	"github.com/custody-go/custody/internal/testbroker"
 )
 
 // fixture is a processed-keys table and an effects table of the test's own.
@@ -550,5 +554,154 @@ func TestKeyRecordedWithoutFingerprintIsSkippedOnceFingerprintsAreOn(t *testing.
 	}
 	if f.rows(t, f.effects) != 1 || f.duplicates(t, "sequential") != 1 {
 		t.Fatalf("effects %d, sequential %d; want 1 and 1", f.rows(t, f.effects), f.duplicates(t, "sequential"))
+	}
+}
+
+// commitCutter is a TCP proxy in front of the test database that, while
+// armed, breaks the connection that sends COMMIT: before the COMMIT reaches
+// the server (dropSent) or after the server answered it, dropping the
+// answer (dropReply). Either way the client cannot tell what happened.
+type commitCutter struct {
+	ln        net.Listener
+	server    string
+	armed     atomic.Bool
+	dropReply bool
+	cuts      atomic.Int32
+	wg        sync.WaitGroup
+}
+
+func newCommitCutter(t *testing.T, dropReply bool) (*commitCutter, *pgxpool.Pool) {
+	t.Helper()
+	pgsql.TestPool(t) // skips when the database is unreachable
+	u, err := url.Parse(testbroker.Addr(pgsql.URLEnv, "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &commitCutter{ln: ln, server: u.Host, dropReply: dropReply}
+	if _, _, err := net.SplitHostPort(c.server); err != nil {
+		c.server = net.JoinHostPort(c.server, "5432")
+	}
+	c.wg.Go(c.accept)
+	u.Host = ln.Addr().String()
+	pool, err := pgxpool.New(context.Background(), u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		pool.Close()
+		ln.Close()
+		c.wg.Wait()
+	})
+	return c, pool
+}
+
+func (c *commitCutter) accept() {
+	for {
+		client, err := c.ln.Accept()
+		if err != nil {
+			return
+		}
+		server, err := net.Dial("tcp", c.server)
+		if err != nil {
+			client.Close()
+			continue
+		}
+		var cut atomic.Bool // COMMIT seen: the next answer is dropped
+		closeBoth := func() { client.Close(); server.Close() }
+		c.wg.Go(func() {
+			defer closeBoth()
+			buf := make([]byte, 64<<10)
+			for {
+				n, err := client.Read(buf)
+				if err != nil {
+					return
+				}
+				if c.armed.Load() && bytes.Contains(buf[:n], []byte("commit\x00")) {
+					c.cuts.Add(1)
+					if !c.dropReply {
+						return // the COMMIT never reaches the server
+					}
+					cut.Store(true)
+				}
+				if _, err := server.Write(buf[:n]); err != nil {
+					return
+				}
+			}
+		})
+		c.wg.Go(func() {
+			defer closeBoth()
+			buf := make([]byte, 64<<10)
+			for {
+				n, err := server.Read(buf)
+				if err != nil || cut.Load() {
+					return // the server answered the COMMIT: drop the answer
+				}
+				if _, err := client.Write(buf[:n]); err != nil {
+					return
+				}
+			}
+		})
+	}
+}
+
+// A COMMIT whose outcome the handler cannot know (the connection broke
+// before it reached the server, or after the server committed and before
+// the answer came back) fails the delivery, never acks it; the retry then
+// runs the effect if it was not committed and skips it if it was, so the
+// effect is committed exactly once either way.
+func TestCommitWithUnknownOutcomeIsRetriedExactlyOnce(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		dropReply  bool
+		sequential int64
+	}{
+		{"lost before the server", false, 0},
+		{"answer lost after the commit", true, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			cutter, pool := newCommitCutter(t, tc.dropReply)
+			f.handler(t, func(context.Context, pgx.Tx, *consumer.Message) error { return nil }) // the schema
+			var runs atomic.Int32
+			h, err := pgtx.New(pool, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+				runs.Add(1)
+				return f.insertEffect(ctx, tx, m)
+			}, pgtx.WithTable(f.processed), pgtx.WithMeterProvider(f.mp))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			cutter.armed.Store(true)
+			if err := h.Handle(ctx, msg("pay-1", "a")); err == nil {
+				t.Fatal("Handle returned nil for a COMMIT whose answer never came: the message would be acked unknowing")
+			}
+			cutter.armed.Store(false)
+			if cutter.cuts.Load() != 1 {
+				t.Fatalf("%d COMMITs cut, want 1", cutter.cuts.Load())
+			}
+			// The redelivery, until the first transaction has ended on the
+			// server (it may be deferred while the server notices).
+			end := time.Now().Add(30 * time.Second)
+			for {
+				err = h.Handle(ctx, msg("pay-1", "a"))
+				if err == nil || !consumer.IsDeferred(err) || time.Now().After(end) {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			if err != nil {
+				t.Fatalf("redelivery = %v, want nil", err)
+			}
+			if n := f.rows(t, f.effects); n != 1 || f.rows(t, f.processed) != 1 {
+				t.Fatalf("effect rows %d, key rows %d after the redelivery; want exactly 1 each", n, f.rows(t, f.processed))
+			}
+			if got := f.duplicates(t, "sequential"); got != tc.sequential {
+				t.Fatalf("sequential duplicates %d, want %d (runs %d)", got, tc.sequential, runs.Load())
+			}
+		})
 	}
 }
