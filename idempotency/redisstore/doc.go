@@ -5,8 +5,10 @@
 //
 // Each key is one Redis string, named prefix + key, holding the state, the
 // claim's token and the payload fingerprint. Its Redis expiry is the claim's
-// lease while in progress and the retention once completed, so Redis itself
-// forgets records: there is nothing to clean up.
+// lease while in progress and the retention once completed (each rounded up
+// to whole milliseconds, Redis's precision, so that a claim is never held
+// for less than asked), so Redis itself forgets records: there is nothing to
+// clean up.
 //
 // # Operations and cost
 //

@@ -71,7 +71,7 @@ func (s *Store) Claim(ctx context.Context, key, fingerprint string, lease time.D
 	}
 	tok := idempotency.NewToken()
 	old, err := s.c.SetArgs(ctx, s.prefix+key, inProgress+string(tok)+":"+fingerprint,
-		redis.SetArgs{Mode: "NX", TTL: lease, Get: true}).Result()
+		redis.SetArgs{Mode: "NX", TTL: time.Duration(millis(lease)) * time.Millisecond, Get: true}).Result()
 	if errors.Is(err, redis.Nil) {
 		return idempotency.Acquired, tok, nil
 	}
@@ -148,7 +148,7 @@ func (s *Store) Complete(ctx context.Context, key string, token idempotency.Toke
 	if err := checkDuration("retention", retention); err != nil {
 		return err
 	}
-	return s.run(ctx, "complete", completeScript, key, string(token), retention.Milliseconds())
+	return s.run(ctx, "complete", completeScript, key, string(token), millis(retention))
 }
 
 // Release implements idempotency.Store.
@@ -161,7 +161,7 @@ func (s *Store) Extend(ctx context.Context, key string, token idempotency.Token,
 	if err := checkDuration("lease", lease); err != nil {
 		return err
 	}
-	return s.run(ctx, "extend", extendScript, key, string(token), lease.Milliseconds())
+	return s.run(ctx, "extend", extendScript, key, string(token), millis(lease))
 }
 
 func (s *Store) run(ctx context.Context, op string, script *redis.Script, key string, args ...any) error {
@@ -173,6 +173,14 @@ func (s *Store) run(ctx context.Context, op string, script *redis.Script, key st
 		return fmt.Errorf("%w (key %q)", idempotency.ErrStaleToken, key)
 	}
 	return nil
+}
+
+// millis rounds d up to whole milliseconds, Redis's precision: a claim
+// must be held at least as long as its holder was told (the middleware
+// extends it, and cancels the handler, by that reckoning), never a fraction
+// of a millisecond less.
+func millis(d time.Duration) int64 {
+	return int64((d + time.Millisecond - 1) / time.Millisecond)
 }
 
 func checkDuration(name string, d time.Duration) error {

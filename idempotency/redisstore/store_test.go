@@ -3,6 +3,7 @@ package redisstore_test
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -93,6 +94,76 @@ func TestRetriedClaimFindsItsOwnRecord(t *testing.T) {
 	}
 	if st, _, err := s.Claim(ctx, "k", "fp", time.Hour); err != nil || st != idempotency.Completed {
 		t.Fatalf("Claim after completion = (%v, %v), want completed", st, err)
+	}
+}
+
+// expiryHook records the expiry, in milliseconds, of every SET ... PX and
+// of every script call (its last argument) sent to Redis.
+type expiryHook struct {
+	mu  sync.Mutex
+	got []int64
+}
+
+func (h *expiryHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *expiryHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *expiryHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		args := cmd.Args()
+		for i, a := range args {
+			if s, ok := a.(string); ok && strings.EqualFold(s, "px") && i+1 < len(args) {
+				h.add(args[i+1])
+			}
+		}
+		if name := strings.ToLower(cmd.Name()); name == "evalsha" || name == "eval" {
+			h.add(args[len(args)-1])
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *expiryHook) add(v any) {
+	if n, ok := v.(int64); ok {
+		h.mu.Lock()
+		h.got = append(h.got, n)
+		h.mu.Unlock()
+	}
+}
+
+// A lease that is not a whole number of milliseconds is rounded up for
+// Redis, never down: the middleware counts on the claim being held at least
+// the lease it asked for (it extends, and cancels the handler, by that
+// reckoning), and a claim that runs out before that lets a duplicate in
+// while the holder believes it still holds the key.
+func TestLeasesAreNeverShortenedForRedis(t *testing.T) {
+	ctx := context.Background()
+	c := teststores.RedisClient(t)
+	hook := &expiryHook{}
+	c.AddHook(hook)
+	prefix := "custody-test:" + storetest.Key(t) + ":"
+	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Del(ctx, prefix+"k") })
+	const lease = 10*time.Second + 999*time.Microsecond
+	_, tok, err := s.Claim(ctx, "k", "", lease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Extend(ctx, "k", tok, lease); err != nil {
+		t.Fatal(err)
+	}
+	hook.mu.Lock()
+	defer hook.mu.Unlock()
+	if len(hook.got) != 2 {
+		t.Fatalf("saw expiries %v, want the claim's and the extension's", hook.got)
+	}
+	for _, ms := range hook.got {
+		if time.Duration(ms)*time.Millisecond < lease {
+			t.Fatalf("Redis was told %dms for a lease of %v: the claim runs out before its holder thinks", ms, lease)
+		}
 	}
 }
 
