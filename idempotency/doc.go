@@ -73,10 +73,19 @@
 // effect is a write to PostgreSQL, the pgtx package commits the effect and
 // the dedup record in one transaction: exactly once for that write.
 //
-// A Complete that fails does not fail the message: the effect happened, and
-// failing would only make the runtime run it again. It is logged and
-// counted ([MetricStoreErrors], or [MetricClaimsLost] when the claim had
-// been taken over).
+// A Complete that fails is tried again, three tries in all within the store
+// timeout (a repeated Complete is harmless, so a first try that took effect
+// but lost its reply does no harm). If every try fails, the message is not
+// failed: the effect happened, and failing would only make the runtime run
+// it again. It is logged and counted ([MetricStoreErrors], or
+// [MetricClaimsLost] when the claim had been taken over).
+//
+// A handler that never returns keeps its claim for as long as it runs: the
+// claim is extended while the handler runs, whatever the broker does with
+// its lease, so the redeliveries of its message are deferred as overlapping
+// duplicates for that long. That is the price of never running one key
+// twice at once. Give handlers a bound (consumer.WithHandlerTimeout) and
+// make them return when their context is done.
 //
 // # Stores
 //

@@ -68,17 +68,19 @@ func (m meter) overlapping(t testing.TB) int64 {
 // faultyStore wraps a Store to count calls and inject failures.
 type faultyStore struct {
 	idempotency.Store
-	extends     atomic.Int64
-	extendErr   atomic.Pointer[error]
-	extendHangs atomic.Bool  // Extend blocks until its context ends
-	extending   atomic.Int64 // Extend calls running now
-	completeErr atomic.Pointer[error]
-	releases    atomic.Int64
-	claimed     atomic.Pointer[time.Time]         // when the last Claim returned: the claim runs out no later than this plus its lease
-	claimSent   atomic.Pointer[time.Time]         // when the last Claim was sent: the claim runs out no earlier than this plus its lease
-	claimDelay  atomic.Int64                      // nanoseconds the reply to a Claim is held back after the store made the claim
-	extendUntil atomic.Pointer[time.Time]         // the latest deadline an Extend was given
-	token       atomic.Pointer[idempotency.Token] // the token of the last claim acquired
+	extends         atomic.Int64
+	extendErr       atomic.Pointer[error]
+	extendHangs     atomic.Bool  // Extend blocks until its context ends
+	extending       atomic.Int64 // Extend calls running now
+	completeErr     atomic.Pointer[error]
+	completeErrOnce atomic.Pointer[error] // the next Complete fails with it; the later ones reach the store
+	completes       atomic.Int64
+	releases        atomic.Int64
+	claimed         atomic.Pointer[time.Time]         // when the last Claim returned: the claim runs out no later than this plus its lease
+	claimSent       atomic.Pointer[time.Time]         // when the last Claim was sent: the claim runs out no earlier than this plus its lease
+	claimDelay      atomic.Int64                      // nanoseconds the reply to a Claim is held back after the store made the claim
+	extendUntil     atomic.Pointer[time.Time]         // the latest deadline an Extend was given
+	token           atomic.Pointer[idempotency.Token] // the token of the last claim acquired
 }
 
 func (s *faultyStore) Claim(ctx context.Context, key, fp string, lease time.Duration) (idempotency.State, idempotency.Token, error) {
@@ -114,6 +116,10 @@ func (s *faultyStore) Extend(ctx context.Context, key string, tok idempotency.To
 }
 
 func (s *faultyStore) Complete(ctx context.Context, key string, tok idempotency.Token, retention time.Duration) error {
+	s.completes.Add(1)
+	if p := s.completeErrOnce.Swap(nil); p != nil {
+		return *p
+	}
 	if p := s.completeErr.Load(); p != nil {
 		return *p
 	}

@@ -146,10 +146,22 @@ func (g *guard) claim(ctx context.Context, key, fp string) (State, Token, error)
 // the effect again, which the logs and MetricClaimsLost report (once: not
 // again when the keeper already counted the loss, counted, and the handler
 // finished regardless).
+//
+// A failed Complete is tried again (completeTries in all, within the store
+// timeout) before that: one dropped connection would otherwise leave the key
+// in progress, and a duplicate delivered after the claim ran out would run
+// the effect again. A repeated Complete is harmless (see Store), so a first
+// try that took effect but lost its reply does no harm.
 func (g *guard) complete(ctx context.Context, key string, tok Token, counted bool) {
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
 	defer done()
-	err := g.store.Complete(sctx, key, tok, g.cfg.retention)
+	var err error
+	for try := 1; ; try++ {
+		err = g.store.Complete(sctx, key, tok, g.cfg.retention)
+		if err == nil || errors.Is(err, ErrStaleToken) || try == completeTries || !pause(sctx, completeRetryDelay*time.Duration(try)) {
+			break
+		}
+	}
 	if err == nil {
 		return
 	}
@@ -164,6 +176,25 @@ func (g *guard) complete(ctx context.Context, key string, tok Token, counted boo
 	g.m.StoreErrors.Add(ctx, 1, g.m.OpComplete)
 	g.cfg.logger.ErrorContext(ctx, "idempotency: could not record the completed effect; the message is acked, but a duplicate delivered after the lease runs out would run the effect again",
 		slog.String("key", key), slog.Any("error", err))
+}
+
+// completeTries bounds the tries of a failed Complete; completeRetryDelay
+// times the try number is the wait before the next.
+const (
+	completeTries      = 3
+	completeRetryDelay = 50 * time.Millisecond
+)
+
+// pause waits for d, and reports false if ctx ended first.
+func pause(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // release lets a retry claim the key at once. On failure the claim simply

@@ -375,6 +375,31 @@ func TestFailedCompleteStillAcks(t *testing.T) {
 	}
 }
 
+// A Complete that fails once (a dropped connection) is tried again, so the
+// key is recorded completed: a duplicate delivered later is a sequential
+// duplicate, skipped, rather than a second run of the effect once the claim
+// runs out.
+func TestFailedCompleteIsTriedAgain(t *testing.T) {
+	m := newMeter(t)
+	store := &faultyStore{Store: newMemory(t)}
+	dropped := errors.New("connection reset by peer")
+	store.completeErrOnce.Store(&dropped)
+	h := newGuard(t, store, func(context.Context, *consumer.Message) error { return nil },
+		idempotency.WithMeterProvider(m), idempotency.WithLogger(quiet))
+	if err := h.Handle(context.Background(), msg("m", "x")); err != nil {
+		t.Fatal(err)
+	}
+	if got := store.completes.Load(); got != 2 {
+		t.Errorf("%d Complete calls, want 2: the failed one tried once more", got)
+	}
+	if st, _, _ := store.Claim(context.Background(), "m", "", time.Minute); st != idempotency.Completed {
+		t.Fatalf("key = %v after a Complete failed once, want completed", st)
+	}
+	if got := m.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "complete"); got != 0 {
+		t.Errorf("complete errors counted %d, want 0: the retry recorded the effect", got)
+	}
+}
+
 func TestCompletionSurvivesCancelledHandlerContext(t *testing.T) {
 	store := newMemory(t)
 	ctx, cancel := context.WithCancel(context.Background())

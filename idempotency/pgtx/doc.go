@@ -65,6 +65,16 @@
 // message keeps its key), and keys deleted by Cleanup before their last
 // redelivery.
 //
+// # Connections that vanish
+//
+// A transaction whose client vanished without the server noticing (a
+// network partition, a dead client host) stays open and keeps its key's
+// lock until PostgreSQL ends the session; every redelivery of that key
+// meanwhile is deferred as an overlapping duplicate. Set
+// idle_in_transaction_session_timeout (and TCP keepalives) for the role or
+// database the consumers use, a little above the longest handler, so that
+// such a key frees itself in minutes rather than hours.
+//
 // # Retention
 //
 // Rows stay in the processed table until [Handler.Cleanup] deletes rows
