@@ -32,7 +32,11 @@
 //     every sixth of the lease by default (at half of what is left, when
 //     that is sooner), while the lease has more than a twelfth of its length
 //     left; past that the delivery is lost with a cause wrapping
-//     [adapters.ErrLeaseLost] and the last failure. A renewal cut short
+//     [adapters.ErrLeaseLost] and the last failure. A call not answered
+//     by then is cut short, however long Config.Timeout is, and counts as
+//     such a failure: the delivery is lost before its lease runs out at the
+//     broker, not when a call that outlived the lease gives up, while
+//     another consumer already runs the message. A renewal cut short
 //     because Run's context ended is not a failure: the keeper is stopping.
 //
 // # Cost

@@ -28,7 +28,11 @@ type Config struct {
 	MaxHold time.Duration
 	// Parallel bounds concurrent Extend calls. Default 4.
 	Parallel int
-	// Timeout bounds one Extend call. Default: the renewal interval.
+	// Timeout bounds one Extend call. Default: the renewal interval. A call
+	// also ends when the earliest lease it carries has no more than a
+	// quarter of the renewal interval left: a lease whose renewal is not
+	// answered by then is lost, before the broker can hand its message to
+	// another consumer.
 	Timeout time.Duration
 	// Renewed, when set, is called after each successful renewal batch with
 	// the number of leases renewed. Retrying is called when n renewals
@@ -390,6 +394,7 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 	// A lease stopped while its batch waited for a free slot is not sent:
 	// its handler finished, and the runtime is about to ack it.
 	ds := make([]*adapters.Delivery, 0, len(b.slots))
+	expires := int64(never) // the earliest lease of the batch runs out then
 	k.mu.Lock()
 	k.inFlight -= len(b.slots)
 	kept := b.slots[:0]
@@ -402,6 +407,7 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 		}
 		kept = append(kept, i)
 		ds = append(ds, s.d)
+		expires = min(expires, s.expires)
 	}
 	b.slots = kept
 	k.inFlight += len(kept)
@@ -410,7 +416,15 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 		return
 	}
 	sent := k.now()
-	cctx, cancel := context.WithTimeout(ctx, k.cfg.Timeout)
+	// The call ends by the time a failure would lose the lease (see below:
+	// with only the slack left), even before Timeout. A lease whose renewal
+	// has not been answered by then may run out at the broker, which then
+	// hands the message to another consumer: its handler must be stopped
+	// before that, not when a call that outlived the lease gives up. (A
+	// renewal retried after a failure, or one that waited for a free slot,
+	// is sent with little of its lease left.)
+	deadline := min(addTicks(sent, int64(k.cfg.Timeout)), expires-k.slack)
+	cctx, cancel := context.WithDeadline(ctx, k.epoch.Add(time.Duration(deadline)))
 	err := k.ext.Extend(cctx, ds, b.extendTo)
 	cancel()
 	now := k.now()

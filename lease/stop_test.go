@@ -269,14 +269,17 @@ func TestShutdownIsNotARenewalFailure(t *testing.T) {
 	bl := newBlockingLost()
 	ext := &ctxExtender{entered: make(chan *adapters.Delivery, 1)}
 	var retrying atomic.Int32
-	k, err := New(ext, Config{Lease: 300 * time.Millisecond, MaxHold: 400 * time.Millisecond, Timeout: time.Minute,
+	// The lease is long enough that the renewal on the wire is cut by the
+	// shutdown, not by the approaching end of its lease (which would rightly
+	// lose the delivery), however slowly the machine runs.
+	k, err := New(ext, Config{Lease: 3 * time.Second, MaxHold: 4 * time.Second, Timeout: time.Minute,
 		Lost: bl.lost, Retrying: func(n int, _ error) { retrying.Add(int32(n)) }})
 	if err != nil {
 		t.Fatal(err)
 	}
 	now := time.Now()
 	renewing := &adapters.Delivery{ID: "renewing", ReceivedAt: now}
-	capped := &adapters.Delivery{ID: "capped", ReceivedAt: now.Add(-350 * time.Millisecond)} // at its cap at +50ms
+	capped := &adapters.Delivery{ID: "capped", ReceivedAt: now.Add(-3950 * time.Millisecond)} // at its cap at +50ms
 	k.Track(renewing)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -361,5 +364,51 @@ func TestHungRenewalIsCutAtTheTimeoutAndTriedAgain(t *testing.T) {
 	eventually(t, "the cut call reported", func() bool { return retrying.Load() >= 1 })
 	if n := retrying.Load(); n != 1 {
 		t.Errorf("Retrying reported %d leases, want 1: the hung call", n)
+	}
+}
+
+// hangingExtender never answers: each call returns when its context ends,
+// and records the context's deadline.
+type hangingExtender struct {
+	mu        sync.Mutex
+	deadlines []time.Time
+}
+
+func (e *hangingExtender) Extend(ctx context.Context, _ []*adapters.Delivery, _ time.Duration) error {
+	dl, _ := ctx.Deadline()
+	e.mu.Lock()
+	e.deadlines = append(e.deadlines, dl)
+	e.mu.Unlock()
+	<-ctx.Done()
+	return fmt.Errorf("extend: %w", ctx.Err())
+}
+
+// TestHungRenewalEndsBeforeTheLeaseRunsOut: a renewal the broker never
+// answers is given up before the lease runs out, whatever Config.Timeout
+// says, so that the delivery is lost (its handler cancelled) before the
+// broker hands the message to another consumer. Bounded by the timeout
+// alone, a retry sent late in the lease kept the lease alive in the
+// keeper's eyes past its end, the handler running beside the redelivery.
+func TestHungRenewalEndsBeforeTheLeaseRunsOut(t *testing.T) {
+	ext := &hangingExtender{}
+	const leaseLen = 1200 * time.Millisecond
+	k := start(t, ext, Config{Lease: leaseLen, Timeout: time.Minute})
+	d := &adapters.Delivery{ID: "d", ReceivedAt: time.Now()}
+	k.Track(d)
+	select {
+	case <-d.Lost():
+	case <-time.After(20 * time.Second):
+		t.Fatal("a lease whose renewals never return was not lost")
+	}
+	if !errors.Is(d.LostCause(), adapters.ErrLeaseLost) {
+		t.Errorf("cause %v does not wrap ErrLeaseLost", d.LostCause())
+	}
+	ext.mu.Lock()
+	defer ext.mu.Unlock()
+	end := d.ReceivedAt.Add(leaseLen)
+	for i, dl := range ext.deadlines {
+		if dl.IsZero() || !dl.Before(end) {
+			t.Errorf("renewal %d could wait for its answer until %v, past the lease's end (%v after it)", i, dl, dl.Sub(end))
+		}
 	}
 }
