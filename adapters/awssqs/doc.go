@@ -61,11 +61,14 @@
 // request that fails whole). A message waiting in the Source whose renewals
 // fail until its visibility timeout runs out is marked lost as well: another
 // consumer may have it by then. A lost delivery's receipt handle is never
-// sent in a visibility change again, since it may be stale. Every delete and
-// visibility request times out after 30 s, so a request SQS never answers
-// holds neither the runtime nor its shutdown; it fails like any other. A
-// receive times out after its long poll's wait plus 30 s, so a hung poll
-// gives its poller back (a FIFO queue has only one).
+// sent in a visibility change again, since it may be stale. A running
+// message whose renewal SQS has not answered when a twelfth of the timeout
+// is left is marked lost by the runtime's lease keeper, so its handler's
+// context is cancelled before SQS can hand the message to another consumer.
+// Every delete and visibility request times out after 30 s, so a request SQS
+// never answers holds neither the runtime nor its shutdown; it fails like
+// any other. A receive times out after its long poll's wait plus 30 s, so a
+// hung poll gives its poller back (a FIFO queue has only one).
 //
 // # Acks, retries and shutdown
 //
