@@ -52,40 +52,11 @@ func TestBufferedMessageWhoseVisibilityRanOutIsLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	// Room for 30 starts three polls; the first one's messages are taken
-	// (and acked), the others' wait in the Source.
-	first, err := src.Receive(e.ctx(), 30)
-	if err != nil || len(first) == 0 {
-		t.Fatalf("Receive: %d, %v", len(first), err)
-	}
-	if err := src.Ack(e.ctx(), first); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "all polls back", func() bool {
-		src.mu.Lock()
-		defer src.mu.Unlock()
-		return src.inflight == 0
-	})
-	src.mu.Lock()
-	buffered := append([]*adapters.Delivery(nil), src.buf...)
-	src.mu.Unlock()
-	if len(buffered) == 0 {
-		t.Fatal("no message waits in the Source: the test did not set up the case")
-	}
+	buffered := fillBuffer(t, e, src, 30)
 
 	client.down.Store(true)
 	// Another consumer gets them once their visibility runs out.
-	taken := map[string]bool{}
-	waitFor(t, "another consumer to receive the waiting messages", func() bool {
-		out, err := e.client.ReceiveMessage(e.ctx(), &sqs.ReceiveMessageInput{QueueUrl: aws.String(url), MaxNumberOfMessages: 10, VisibilityTimeout: 60})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, m := range out.Messages {
-			taken[aws.ToString(m.MessageId)] = true
-		}
-		return len(taken) >= len(buffered)
-	})
+	taken := takeElsewhere(t, e, url, len(buffered))
 	// The Source has seen their visibility run out once it gave them up, or
 	// once a renewal it tried after they were taken has come back (the
 	// buffer renewal is over when bufRenewing is nil). Then SQS answers
@@ -130,4 +101,48 @@ func TestBufferedMessageWhoseVisibilityRanOutIsLost(t *testing.T) {
 	if got := e.drain(url, time.Second); len(got) != 0 {
 		t.Errorf("%d messages held by the other consumer became visible again", len(got))
 	}
+}
+
+// fillBuffer leaves messages waiting in src's buffer: room for max starts a
+// poll per ten; the first one's messages are taken (and acked), the others'
+// wait in the Source. It returns those.
+func fillBuffer(t *testing.T, e *env, src *Source, max int) []*adapters.Delivery {
+	t.Helper()
+	first, err := src.Receive(e.ctx(), max)
+	if err != nil || len(first) == 0 {
+		t.Fatalf("Receive: %d, %v", len(first), err)
+	}
+	if err := src.Ack(e.ctx(), first); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "all polls back", func() bool {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		return src.inflight == 0
+	})
+	src.mu.Lock()
+	buffered := append([]*adapters.Delivery(nil), src.buf...)
+	src.mu.Unlock()
+	if len(buffered) == 0 {
+		t.Fatal("no message waits in the Source: the test did not set up the case")
+	}
+	return buffered
+}
+
+// takeElsewhere receives, as another consumer holding them for a minute, n
+// messages of url as they become visible, and returns their ids.
+func takeElsewhere(t *testing.T, e *env, url string, n int) map[string]bool {
+	t.Helper()
+	taken := map[string]bool{}
+	waitFor(t, "another consumer to receive the waiting messages", func() bool {
+		out, err := e.client.ReceiveMessage(e.ctx(), &sqs.ReceiveMessageInput{QueueUrl: aws.String(url), MaxNumberOfMessages: 10, VisibilityTimeout: 60})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range out.Messages {
+			taken[aws.ToString(m.MessageId)] = true
+		}
+		return len(taken) >= n
+	})
+	return taken
 }

@@ -24,7 +24,11 @@
 // asks again only when a batch fits; the Source renews the visibility of
 // messages waiting for it at a third of the timeout (Stats.BufferRenewed),
 // so none runs out unseen, and hands none out while such a renewal is on the
-// wire, so that it cannot land after the runtime's ack or nack.
+// wire, so that it cannot land after the runtime's ack or nack. Such a
+// renewal not answered when a twelfth of a message's timeout is left is
+// given up, and the message handed out lost (adapters.ErrLeaseLost): SQS may
+// give it to another consumer once its visibility runs out, and may even
+// accept a renewal with the stale receipt handle after that.
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context

@@ -336,6 +336,11 @@ func (s *Source) keepBuffered() {
 	defer s.polls.Done()
 	renewAfter := s.visibility / 3
 	every := s.visibility / 6
+	// A renewal must be answered this long before the visibility runs out
+	// (by this Source's clock, which starts it when the poll's answer
+	// arrives, a little after SQS did), as the runtime's lease keeper
+	// requires: a twelfth of the timeout.
+	margin := s.visibility / 12
 	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
@@ -345,11 +350,15 @@ func (s *Source) keepBuffered() {
 			return
 		}
 		now := time.Now()
-		var due []*adapters.Delivery
+		var (
+			due     []*adapters.Delivery
+			expires []time.Time // when each of due is no longer safely this Source's
+		)
 		s.mu.Lock()
 		for i, d := range s.buf {
 			if now.Sub(s.bufSince[i]) >= renewAfter && d.LostCause() == nil {
 				due = append(due, d)
+				expires = append(expires, s.bufSince[i].Add(s.visibility-margin))
 			}
 		}
 		if len(due) > 0 {
@@ -362,8 +371,17 @@ func (s *Source) keepBuffered() {
 		// A failed entry whose receipt expired is marked lost by Extend, so
 		// the runtime will not run it; any other failure is tried again at
 		// the next tick, unless the visibility runs out first (see below).
-		// The call is bounded, since Receive waits for it.
-		ctx, cancel := context.WithTimeout(s.pollCtx, renewAfter)
+		// The call is bounded, since Receive waits for it, and it ends
+		// before the earliest visibility it carries runs out: answered
+		// later, even a success proves nothing, since SQS may have handed
+		// the message to another consumer meanwhile (and may accept the
+		// stale receipt handle). A renewal retried after one SQS did not
+		// answer goes out with little of the visibility left.
+		deadline := now.Add(renewAfter)
+		if first := slices.MinFunc(expires, time.Time.Compare); first.Before(deadline) {
+			deadline = first
+		}
+		ctx, cancel := context.WithDeadline(s.pollCtx, deadline)
 		err := s.Extend(ctx, due, s.visibility)
 		cancel()
 		// The next renewal waits a whole tick from here. A renewal that
@@ -385,6 +403,14 @@ func (s *Source) keepBuffered() {
 				// closes); its stale receipt handle is never sent again.
 				if j >= 0 && !ended.Add(every).Before(s.bufSince[j].Add(s.visibility)) {
 					d.Lose(fmt.Errorf("%w: renewing its visibility while it waited in the Source failed until the visibility timeout ran out: %w", adapters.ErrLeaseLost, e))
+				}
+				continue
+			}
+			if !ended.Before(expires[i]) {
+				// Answered too late to tell whether SQS renewed this
+				// receive or had already redelivered the message.
+				if j >= 0 {
+					d.Lose(fmt.Errorf("%w: the renewal of its visibility while it waited in the Source was answered only when the visibility timeout was running out", adapters.ErrLeaseLost))
 				}
 				continue
 			}
