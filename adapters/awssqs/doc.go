@@ -114,7 +114,10 @@
 //   - [Source.Redrive] leaves it to the queue's redrive policy: the message is
 //     made visible again and SQS moves it when its receive count passes
 //     maxReceiveCount. It checks at start-up that maxReceiveCount equals the
-//     consumer's MaxAttempts.
+//     consumer's MaxAttempts. A release not answered before the handler's
+//     context ends (at the shutdown deadline) marks the delivery lost: the
+//     message may be with another consumer already, so its receipt handle is
+//     not used again (the runtime does not nack it).
 //
 // # Cost
 //

@@ -128,7 +128,10 @@ func (r *Redrive) HandedOver() int64 { return r.handed.Load() }
 // Send gives d back to SQS (visibility 0) for its redrive policy to move, and
 // marks it settled. It returns an error, and leaves d unsettled, only when
 // the visibility change failed for a reason other than a lost lease (a lost
-// lease means SQS already has the message back, which is what Send wants).
+// lease means SQS already has the message back, which is what Send wants),
+// or was not answered before ctx ended. Once the change was sent, such an
+// error also marks d lost (adapters.ErrLeaseLost): the release may have
+// landed, so d's receipt handle is not used again.
 func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	if d.Queue != r.s.name {
 		return fmt.Errorf("awssqs: Redrive for queue %s cannot dead-letter a message from %q", r.s.name, d.Queue)
@@ -160,7 +163,18 @@ func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fai
 	}
 	err := adapters.EntryError(r.s.nacks.submit(ctx, []*adapters.Delivery{d}, 0), 0)
 	if err != nil && !errors.Is(err, adapters.ErrLeaseLost) {
-		return fmt.Errorf("awssqs: handing message %s back to the redrive policy: %w", d.ID, err)
+		err = fmt.Errorf("awssqs: handing message %s back to the redrive policy: %w", d.ID, err)
+		// The release went out (it is sent even when ctx ends first, as
+		// at the shutdown deadline) and may have landed: another consumer
+		// may hold the message by now, under a new receipt handle. This
+		// one is no longer to be used, nor the message run here: SQS
+		// accepts a stale handle at times (the emulator applies it to the
+		// new receive), so a nack or renewal sent with it could change the
+		// visibility of the other consumer's copy. Lost, the delivery is
+		// neither nacked nor renewed; its message comes back, released or
+		// when its visibility runs out, for the redrive policy.
+		d.Lose(fmt.Errorf("%w: %w", adapters.ErrLeaseLost, err))
+		return err
 	}
 	r.handed.Add(1)
 	d.MarkSettled()
