@@ -12,8 +12,9 @@ import (
 )
 
 // handshakeTimeout bounds TCP connect, TLS and AMQP handshakes when the
-// caller's context has no earlier deadline.
-const handshakeTimeout = 30 * time.Second
+// caller's context has no earlier deadline, and a reconnect's opening of its
+// channel and consumer. A variable so that tests can lengthen it.
+var handshakeTimeout = 30 * time.Second
 
 // dial opens a new connection as the settings say.
 func (s *settings) dial(ctx context.Context) (*amqp.Connection, error) {
@@ -43,6 +44,9 @@ func (s *settings) dial(ctx context.Context) (*amqp.Connection, error) {
 	// copies, or those writes race (a fatal concurrent map write).
 	cfg.Properties = maps.Clone(cfg.Properties)
 	cfg.TLSClientConfig = cfg.TLSClientConfig.Clone()
+	// stopWatch ends the watch that closes the socket when ctx ends during
+	// the handshakes; it reports false when ctx ended first.
+	var stopWatch func() bool
 	if cfg.Dial == nil {
 		deadline := time.Now().Add(handshakeTimeout)
 		if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
@@ -59,10 +63,21 @@ func (s *settings) dial(ctx context.Context) (*amqp.Connection, error) {
 				c.Close()
 				return nil, err
 			}
+			// The deadline does not see ctx end: Close, during a reconnect
+			// to a broker (or a proxy in front of one) that accepts the
+			// connection and never answers, would wait for it.
+			stopWatch = context.AfterFunc(ctx, func() { c.Close() })
 			return c, nil
 		}
 	}
 	conn, err := amqp.DialConfig(s.url, cfg)
+	if stopWatch != nil && !stopWatch() {
+		// ctx ended during the handshakes, and the socket was closed.
+		if err == nil {
+			conn.Close()
+		}
+		err = ctx.Err()
+	}
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: dial %s: %w", redact(s.url), err)
 	}

@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"os/exec"
@@ -382,5 +383,160 @@ func TestDeliveriesWaitingWhenTheChannelDiesAreNotHandedOut(t *testing.T) {
 	}
 	if n := a.ready(q); n != 0 {
 		t.Fatalf("%d messages left after the redelivered ones were acked", n)
+	}
+}
+
+// muteRelay stands between the adapter and the broker, on a port of its
+// own. Once muted, it stops passing anything on, either way, and accepts new
+// connections without ever answering them: a broker that hangs, or a load
+// balancer in front of one that is down.
+type muteRelay struct {
+	ln       net.Listener
+	muted    atomic.Bool
+	accepted chan struct{} // one for each handshake begun while muted
+	mu       sync.Mutex
+	conns    []net.Conn
+	wg       sync.WaitGroup
+}
+
+func startMuteRelay(t *testing.T) *muteRelay {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &muteRelay{ln: ln, accepted: make(chan struct{}, 64)}
+	r.wg.Add(1)
+	go r.serve()
+	t.Cleanup(func() {
+		ln.Close()
+		r.mu.Lock()
+		for _, c := range r.conns {
+			c.Close()
+		}
+		r.mu.Unlock()
+		r.wg.Wait()
+	})
+	return r
+}
+
+func (r *muteRelay) url() string { return "amqp://guest:guest@" + r.ln.Addr().String() + "/" }
+
+func (r *muteRelay) keep(c net.Conn) {
+	r.mu.Lock()
+	r.conns = append(r.conns, c)
+	r.mu.Unlock()
+}
+
+func (r *muteRelay) serve() {
+	defer r.wg.Done()
+	for {
+		c, err := r.ln.Accept()
+		if err != nil {
+			return
+		}
+		r.keep(c)
+		if r.muted.Load() {
+			r.wg.Add(1)
+			go func() {
+				defer r.wg.Done()
+				// The client's protocol header: it waits in the handshake.
+				if _, err := io.ReadFull(c, make([]byte, 8)); err == nil {
+					r.accepted <- struct{}{}
+				}
+			}()
+			continue
+		}
+		b, err := net.DialTimeout("tcp", brokerAddr, 10*time.Second)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		r.keep(b)
+		r.wg.Add(2)
+		go r.pass(b, c)
+		go r.pass(c, b)
+	}
+}
+
+// pass copies from src to dst until either closes, dropping what it reads
+// once muted.
+func (r *muteRelay) pass(dst, src net.Conn) {
+	defer r.wg.Done()
+	defer dst.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 && !r.muted.Load() {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// Close during a reconnect returns at once, even while the reconnect waits
+// for a broker that accepted the connection and does not answer: in the AMQP
+// handshake, or (the connection made) in opening the channel and the
+// consumer. Those waits have no context; Close waited for their timeouts
+// (the handshake's 30 s, three heartbeats), and so did Run's return.
+func TestCloseDuringAReconnectToABrokerThatDoesNotAnswer(t *testing.T) {
+	for _, hang := range []string{"handshake", "channel"} {
+		t.Run(hang, func(t *testing.T) {
+			a := newAdmin(t)
+			q := a.queue(ClassicQueue, nil)
+			was := handshakeTimeout
+			handshakeTimeout = time.Hour // so that only Close can end the wait
+			t.Cleanup(func() { handshakeTimeout = was })
+			r := startMuteRelay(t)
+			var muteOnDial atomic.Bool
+			conn := WithURL(r.url())
+			if hang == "channel" {
+				conn = WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
+					// Heartbeats an hour apart: amqp091 gives up on a
+					// silent broker only after three of them.
+					c, err := amqp.DialConfig(r.url(), amqp.Config{Heartbeat: time.Hour})
+					if err == nil && muteOnDial.Load() {
+						r.muted.Store(true)
+						r.accepted <- struct{}{} // connected; the channel is next
+					}
+					return c, err
+				})
+			}
+			s, err := New(context.Background(), q, conn, WithReconnectBackoff(10*time.Millisecond, 50*time.Millisecond))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { s.Close() })
+			if hang == "handshake" {
+				r.muted.Store(true)
+			} else {
+				muteOnDial.Store(true)
+			}
+			r.mu.Lock()
+			for _, c := range r.conns {
+				c.Close() // the connection dies; the adapter reconnects
+			}
+			r.conns = nil
+			r.mu.Unlock()
+			select {
+			case <-r.accepted:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the adapter did not reconnect")
+			}
+			closed := make(chan error, 1)
+			go func() { closed <- s.Close() }()
+			select {
+			case err := <-closed:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(60 * time.Second):
+				t.Fatal("Close waits for a reconnect the broker does not answer")
+			}
+		})
 	}
 }

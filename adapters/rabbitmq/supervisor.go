@@ -20,7 +20,14 @@ func (s *Source) connect(ctx context.Context) (*generation, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Opening the channel and the consumer waits for the broker's answers
+	// with no context of its own: ending ctx (Close during a reconnect, the
+	// handshake timeout) closes the connection, which ends those waits.
+	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
 	g, err := s.open(conn)
+	if !stop() && err == nil {
+		err = fmt.Errorf("rabbitmq: open a channel: %w", ctx.Err())
+	}
 	if err != nil {
 		_ = conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
 		return nil, err
