@@ -297,11 +297,14 @@ func (g *generation) die(flush bool) []*adapters.Delivery {
 	return held
 }
 
-// isDead reports whether the generation died.
-func (g *generation) isDead() bool {
+// unreachable reports whether the generation died, or amqp091 already saw
+// its channel or connection close (the supervisor is about to mark it dead):
+// either way its deliveries can no longer be settled, and the broker
+// redelivers them.
+func (g *generation) unreachable() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.dead
+	return g.dead || g.ch.IsClosed() || g.conn.IsClosed()
 }
 
 // pump moves deliveries from amqp091 to the Source's buffer, in tag order,

@@ -188,6 +188,32 @@ func TestReceiveReportsReconnectFailureAndResumes(t *testing.T) {
 	waitUnacked(t, q, 0)
 }
 
+// killConnectionAndHoldSupervisor kills s's connection and returns once
+// amqp091 saw it close, holding the supervisor before it marks the
+// generation dead, until release is called.
+func killConnectionAndHoldSupervisor(t *testing.T, s *Source) (release func()) {
+	t.Helper()
+	died, held := make(chan struct{}), make(chan struct{})
+	s.mu.Lock()
+	s.testHookChannelDied = func() {
+		close(died)
+		<-held
+	}
+	s.mu.Unlock()
+	killConnection(t, s)
+	select {
+	case <-died: // the connection is closed; the generation is not yet dead
+	case <-time.After(30 * time.Second):
+		t.Fatal("the supervisor did not see the connection close")
+	}
+	return func() {
+		s.mu.Lock()
+		s.testHookChannelDied = nil
+		s.mu.Unlock()
+		close(held)
+	}
+}
+
 // An Ack that arrives after amqp091 saw the connection close, but before
 // the adapter marked the generation dead, cannot reach the broker, which
 // redelivers the message: Ack must report the delivery lost, not settled,
@@ -197,25 +223,10 @@ func TestAckAfterTheConnectionClosedReportsTheLoss(t *testing.T) {
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
 	s := openSource(t, q, WithPrefetch(10), WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
-	died, release := make(chan struct{}), make(chan struct{})
-	s.mu.Lock()
-	s.testHookChannelDied = func() {
-		close(died)
-		<-release
-	}
-	s.mu.Unlock()
 	d := receiveN(t, s, 1)[0]
-	killConnection(t, s)
-	select {
-	case <-died: // the connection is closed; the generation is not yet dead
-	case <-time.After(30 * time.Second):
-		t.Fatal("the supervisor did not see the connection close")
-	}
+	release := killConnectionAndHoldSupervisor(t, s)
 	err := s.Ack(context.Background(), []*adapters.Delivery{d})
-	s.mu.Lock()
-	s.testHookChannelDied = nil
-	s.mu.Unlock()
-	close(release)
+	release()
 	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrConnectionLost) {
 		t.Errorf("Ack after the connection closed returned %v, want ErrConnectionLost: the broker redelivers the message", err)
 	}

@@ -206,7 +206,8 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	if !ok {
 		return errors.New("rabbitmq: the delivery has no AMQP message to republish")
 	}
-	if h.gen.isDead() {
+	if h.gen.unreachable() {
+		// The original comes back: a copy would deliver the message twice.
 		return h.gen.lostErr()
 	}
 	p := republishing(&m)

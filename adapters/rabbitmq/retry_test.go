@@ -675,3 +675,36 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 		t.Fatalf("stats %+v: want the first and third retries through the delay queue, the second failed there", st)
 	}
 }
+
+// A delayed retry of a delivery whose connection amqp091 already saw close,
+// before the adapter marked its generation dead, publishes no copy: the
+// original can no longer be acked and comes back, so a copy would be a
+// second delivery of the message. (A handler failing as the connection
+// drops gets there, and so does a native dead letter whose reject failed
+// on the closing channel: the runtime retries it through Nack at once.)
+func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0),
+		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+	// The delay queue exists whether or not a copy goes to it.
+	const delay = 30 * time.Second
+	a.declare(delayQueueName(q, delayStep(delay)), ClassicQueue, amqp.Table{
+		"x-message-ttl": delayStep(delay).Milliseconds(), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q,
+	})
+	d := receiveN(t, s, 1)[0]
+	release := killConnectionAndHoldSupervisor(t, s)
+	err := s.Nack(context.Background(), []*adapters.Delivery{d}, delay)
+	release()
+	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrConnectionLost) {
+		t.Errorf("Nack on the closed connection returned %v, want ErrConnectionLost", err)
+	}
+	if n := a.ready(delayQueueName(q, delayStep(delay))); n != 0 {
+		t.Fatalf("%d copies in the delay queue, beside the original the broker redelivers", n)
+	}
+	again := receiveN(t, s, 1)[0]
+	if err := s.Ack(context.Background(), []*adapters.Delivery{again}); err != nil {
+		t.Fatal(err)
+	}
+}
