@@ -189,9 +189,16 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Opening the channel waits for the broker with no context of its own:
+	// ending ctx closes the connection, which ends the wait, so that a
+	// broker that does not answer cannot hold a Nack or a Send past it.
+	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
 	ch, err := conn.Channel()
 	if err == nil {
 		err = ch.Confirm(false)
+	}
+	if !stop() && err == nil {
+		err = ctx.Err()
 	}
 	if err != nil {
 		conn.Close()

@@ -708,3 +708,46 @@ func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A delay-queue retry whose publishing connection is made but whose broker
+// then answers nothing (opening the publishing channel waits for ever, or
+// until three heartbeats pass) still returns from Nack in bounded time, the
+// retry waiting in place instead.
+func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	r := startMuteRelay(t)
+	var dials atomic.Int32
+	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueueThreshold(0),
+		WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
+			if dials.Add(1) == 1 {
+				return amqp.Dial(brokerURL) // the consumer's connection
+			}
+			// The publisher's, through the relay, muted once it is made.
+			// Heartbeats an hour apart: amqp091 gives up on a silent broker
+			// only after three of them.
+			c, err := amqp.DialConfig(r.url(), amqp.Config{Heartbeat: time.Hour})
+			r.muted.Store(true)
+			return c, err
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	s.publishTimeout = 300 * time.Millisecond
+	d := receiveN(t, s, 1)[0]
+	done := make(chan error, 1)
+	go func() { done <- s.Nack(context.Background(), []*adapters.Delivery{d}, 100*time.Millisecond) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("Nack still waits for a publishing channel the broker does not open")
+	}
+	if st := s.Stats(); st.RetryFailures != 1 {
+		t.Fatalf("stats %+v: want the delay-queue retry given up", st)
+	}
+}
