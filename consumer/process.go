@@ -395,9 +395,10 @@ func (r *run) nack(j *job, delay time.Duration, outcome string) {
 }
 
 // nackFailed logs a nack that did not reach the broker: nothing is lost, the
-// message only waits for its lease to run out.
+// message only waits for the broker to take it back by itself (when its
+// lease runs out, or when its channel closes, as on RabbitMQ).
 func (r *run) nackFailed(j *job, err error) {
-	r.cfg.logger.Warn("custody: nack failed; the message comes back when its lease runs out",
+	r.cfg.logger.Warn("custody: nack failed; the broker redelivers the message when its lease runs out or its connection closes",
 		"consumer", r.cfg.name, "id", j.d.ID, "error", err)
 }
 
