@@ -161,12 +161,17 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			return true
 		}
 		r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
-		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
 		if cause := j.d.LostCause(); cause != nil {
+			// Not kept: the delivery is gone (its lease, or a release the
+			// failed write had already sent, as SQS's Redrive does), and
+			// the broker brings the message back.
+			r.cfg.logger.Error("custody: dead-letter write failed and the delivery was lost; the broker redelivers the message",
+				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
 			r.lost(j, cause)
 			return true
 		}
+		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
+			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
 		if r.draining.Load() {
 			r.giveBack(j, delay)
 			return true
