@@ -36,8 +36,10 @@
 // has not moved for a while (100 ms) or when they fill three quarters of the
 // prefetch window, so one slow message does not stall the channel. Rejects
 // (requeues and native dead letters) go out at once, one by one. Close sends
-// every ack already decided before closing the channel. See
-// WithAckCoalescing.
+// every ack already decided before closing the channel; a broker that does
+// not answer the channel's close within 5 s has its connection closed
+// instead, and Close reports it (the broker redelivers what it did not get
+// the acks for). See WithAckCoalescing.
 //
 // Ack returns once the ack is recorded: AMQP acks are not confirmed by the
 // broker, so sending it a few milliseconds later changes no guarantee. If

@@ -201,7 +201,7 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 		err = ctx.Err()
 	}
 	if err != nil {
-		conn.Close()
+		_ = conn.CloseDeadline(time.Now().Add(p.s.closeTimeout))
 		return fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
 	}
 	p.conn, p.ch = conn, ch

@@ -551,3 +551,70 @@ func TestCloseDuringAReconnectToABrokerThatDoesNotAnswer(t *testing.T) {
 		})
 	}
 }
+
+// Close on a live connection to a broker that stops answering returns in
+// about the close timeout. amqp091 waits for the broker's answer to
+// channel.close with no limit of its own, only its heartbeat timeout (about
+// 30 s with the default heartbeat; an hour here), so Close, and the
+// runtime's shutdown with it, outlasted a deployment's grace period. The
+// dead-letter sink's Close is held to the same bound.
+func TestCloseOnALiveConnectionToABrokerThatStopsAnswering(t *testing.T) {
+	for _, closer := range []string{"source", "dead-letter sink"} {
+		t.Run(closer, func(t *testing.T) {
+			a := newAdmin(t)
+			q := a.queue(ClassicQueue, nil)
+			r := startMuteRelay(t)
+			// Heartbeats an hour apart: amqp091 gives up on a silent
+			// broker only after three of them.
+			dial := WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
+				return amqp.DialConfig(r.url(), amqp.Config{Heartbeat: time.Hour})
+			})
+			var c interface{ Close() error }
+			var closeTimeout time.Duration
+			if closer == "source" {
+				a.publish(q, "held", "acked")
+				s, err := New(context.Background(), q, dial)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { s.Close() })
+				var ds []*adapters.Delivery
+				for deadline := time.Now().Add(30 * time.Second); len(ds) < 2; {
+					if time.Now().After(deadline) {
+						t.Fatalf("received %d deliveries, want 2", len(ds))
+					}
+					got, err := s.Receive(context.Background(), 2)
+					if err != nil {
+						t.Fatal(err)
+					}
+					ds = append(ds, got...)
+				}
+				// One ack pending (Close sends it into the silence), one
+				// delivery still held.
+				if err := s.Ack(context.Background(), ds[1:]); err != nil {
+					t.Fatal(err)
+				}
+				c, closeTimeout = s, s.s.closeTimeout
+			} else {
+				x, err := NewDeadLetterExchange(context.Background(), "", q, dial)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { x.Close() })
+				c, closeTimeout = x, x.pub.s.closeTimeout
+			}
+			r.muted.Store(true)
+			closed := make(chan error, 1)
+			go func() { closed <- c.Close() }()
+			// Generous for a loaded machine, and far below the hour the
+			// unbounded wait lasts.
+			bound := 12 * closeTimeout
+			select {
+			case err := <-closed:
+				t.Logf("Close: %v", err)
+			case <-time.After(bound):
+				t.Fatalf("Close still waits after %v for a broker that does not answer (close timeout %v)", bound, closeTimeout)
+			}
+		})
+	}
+}

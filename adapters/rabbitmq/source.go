@@ -274,7 +274,16 @@ func (s *Source) Close() error {
 			d.Lose(adapters.ErrClosed)
 		}
 		s.stats.lost.Add(uint64(len(held)))
-		if cerr := g.ch.Close(); cerr != nil && !errors.Is(cerr, amqp.ErrClosed) {
+		// amqp091 waits for the broker's channel.close-ok with no limit of
+		// its own, only its heartbeat timeout (some 30 s): a broker that
+		// stopped answering would hold Close past a deployment's grace
+		// period. At the close timeout, closing the connection ends that
+		// wait (the acks flushed above are already written).
+		late := time.AfterFunc(s.s.closeTimeout, func() { _ = g.conn.CloseDeadline(time.Now()) })
+		cerr := g.ch.Close()
+		if !late.Stop() {
+			err = fmt.Errorf("rabbitmq: close channel: the broker did not answer within %v", s.s.closeTimeout)
+		} else if cerr != nil && !errors.Is(cerr, amqp.ErrClosed) {
 			err = fmt.Errorf("rabbitmq: close channel: %w", cerr)
 		}
 		if cerr := g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout)); cerr != nil && !errors.Is(cerr, amqp.ErrClosed) && err == nil {
