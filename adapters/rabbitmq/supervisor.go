@@ -133,6 +133,14 @@ func (s *Source) supervise(g *generation) {
 				return
 			}
 		}
+		// Close closes the channel and the connection after it closes
+		// closing, and select picks at random among ready cases: a death
+		// Close caused is no loss to report, nor a reason to reconnect.
+		select {
+		case <-s.closing:
+			return
+		default:
+		}
 		s.mu.Lock()
 		hook := s.testHookChannelDied
 		s.mu.Unlock()
