@@ -86,9 +86,15 @@
 // created on first use)
 // whose message TTL is the delay rounded up to a fixed ladder of steps and
 // which dead-letters back to the queue; the original is acked after the
-// confirm. So do short delays once half the prefetch window already waits
-// in place (with a prefetch of 1, every delay), so that waiting retries
-// never starve the channel. A delay-queue publish the broker does not
+// confirm. The broker moves an expired copy back without confirmation: if
+// the queue does not exist at that moment (deleted for a redeploy and not
+// yet declared again), RabbitMQ drops the retry without a trace, and its
+// at-least-once dead lettering exists only for quorum queues, not for these
+// classic delay queues; so do not delete a queue while its delay queues
+// hold messages (rabbitmqctl list_queues shows them). Short delays go to
+// the delay queue too once half the prefetch window already waits in place
+// (with a prefetch of 1, every delay), so that waiting retries never starve
+// the channel. A delay-queue publish the broker does not
 // confirm within 30 s (a resource alarm blocks publishers; the broker then
 // stops reading, so even the write of a large copy can block) is abandoned,
 // closing the publishing connection, so that Nack returns, and the retry
