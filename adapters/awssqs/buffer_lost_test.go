@@ -43,16 +43,13 @@ func TestBufferedMessageWhoseVisibilityRanOutIsLost(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	url, _ := e.queue(false, 3*time.Second, nil)
-	for i := range 30 {
-		e.send(url, fmt.Sprint("m", i), "", nil)
-	}
 	client := &renewOutageClient{Client: e.client}
 	src, err := New(e.ctx(), client, url, testOptions()...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	buffered := fillBuffer(t, e, src, 30)
+	buffered := fillBuffer(t, e, src, url, 30)
 
 	client.down.Store(true)
 	// Another consumer gets them once their visibility runs out.
@@ -103,30 +100,44 @@ func TestBufferedMessageWhoseVisibilityRanOutIsLost(t *testing.T) {
 	}
 }
 
-// fillBuffer leaves messages waiting in src's buffer: room for max starts a
-// poll per ten; the first one's messages are taken (and acked), the others'
-// wait in the Source. It returns those.
-func fillBuffer(t *testing.T, e *env, src *Source, max int) []*adapters.Delivery {
+// fillBuffer publishes n messages to url and leaves some waiting in src's
+// buffer: room for n starts a poll per ten; the first poll's messages are
+// taken (and acked), the later ones' wait in the Source. It returns those.
+// When every poll was back before Receive took its share (a loaded
+// machine), nothing waits: it acks them all and tries again with n new
+// messages, so that the queue never holds a visible message the test did not
+// mean to leave there.
+func fillBuffer(t *testing.T, e *env, src *Source, url string, n int) []*adapters.Delivery {
 	t.Helper()
-	first, err := src.Receive(e.ctx(), max)
-	if err != nil || len(first) == 0 {
-		t.Fatalf("Receive: %d, %v", len(first), err)
-	}
-	if err := src.Ack(e.ctx(), first); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "all polls back", func() bool {
+	for try := 1; ; try++ {
+		for i := range n {
+			e.send(url, fmt.Sprint("m", try, "-", i), "", nil)
+		}
+		first, err := src.Receive(e.ctx(), n)
+		if err != nil || len(first) == 0 {
+			t.Fatalf("Receive: %d, %v", len(first), err)
+		}
+		if err := src.Ack(e.ctx(), first); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "all polls back", func() bool {
+			src.mu.Lock()
+			defer src.mu.Unlock()
+			return src.inflight == 0
+		})
 		src.mu.Lock()
-		defer src.mu.Unlock()
-		return src.inflight == 0
-	})
-	src.mu.Lock()
-	buffered := append([]*adapters.Delivery(nil), src.buf...)
-	src.mu.Unlock()
-	if len(buffered) == 0 {
-		t.Fatal("no message waits in the Source: the test did not set up the case")
+		buffered := append([]*adapters.Delivery(nil), src.buf...)
+		src.mu.Unlock()
+		if len(buffered) > 0 {
+			return buffered
+		}
+		if len(first) < n {
+			t.Fatalf("Receive took %d of %d messages and none waits in the Source", len(first), n)
+		}
+		if try == 5 {
+			t.Fatal("no message waits in the Source after five tries: the test did not set up the case")
+		}
 	}
-	return buffered
 }
 
 // takeElsewhere receives, as another consumer holding them for a minute, n

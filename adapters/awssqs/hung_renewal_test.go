@@ -3,7 +3,6 @@ package awssqs
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -154,16 +153,13 @@ func TestBufferedRenewalAnsweredAfterTheVisibilityRanOutIsNotHandedOut(t *testin
 	t.Parallel()
 	e := newEnv(t)
 	url, _ := e.queue(false, 6*time.Second, nil)
-	for i := range 20 {
-		e.send(url, fmt.Sprint("m", i), "", nil)
-	}
 	client := &lateRenewalClient{Client: e.client, answer: make(chan struct{})}
 	src, err := New(e.ctx(), client, url, testOptions()...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	buffered := fillBuffer(t, e, src, 20)
+	buffered := fillBuffer(t, e, src, url, 20)
 	// Another consumer takes them once their visibility runs out; then the
 	// stalled renewal gets its answer.
 	taken := takeElsewhere(t, e, url, len(buffered))
