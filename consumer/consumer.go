@@ -284,7 +284,12 @@ func (r *run) run(ctx context.Context) error {
 	}
 
 	stopRecalls := r.startRecalls()
+	received, drained := make(chan struct{}), make(chan struct{})
+	var deadlineWG sync.WaitGroup
+	deadlineWG.Add(1)
+	go func() { defer deadlineWG.Done(); r.enforceShutdownDeadline(ctx, received, drained) }()
 	recvErr := r.receive(ctx)
+	close(received)
 	stopRecalls()
 
 	// Drain.
@@ -293,22 +298,9 @@ func (r *run) run(ctx context.Context) error {
 	if !r.cfg.atMostOnce {
 		r.releaseWaiting()
 	}
-	idle := make(chan struct{})
-	go func() { r.held.Wait(); close(idle) }()
-	timer := time.NewTimer(r.cfg.shutdownTimeout)
-	select {
-	case <-idle:
-		timer.Stop()
-	case <-timer.C:
-		r.cfg.logger.Warn("custody: shutdown timeout reached; cancelling running handlers", "consumer", r.cfg.name)
-		r.cancelHandlers(ErrShutdownTimeout)
-		<-idle
-	case <-r.c.cut.Done():
-		timer.Stop()
-		r.cfg.logger.Warn("custody: Shutdown's context ended; cancelling running handlers", "consumer", r.cfg.name)
-		r.cancelHandlers(ErrShutdownTimeout)
-		<-idle
-	}
+	r.held.Wait()
+	close(drained)
+	deadlineWG.Wait()
 	close(r.work)
 	workersWG.Wait()
 	r.stopLinger()
@@ -321,6 +313,32 @@ func (r *run) run(ctx context.Context) error {
 		return errors.Join(recvErr, fmt.Errorf("consumer: closing source: %w", err))
 	}
 	return recvErr
+}
+
+// enforceShutdownDeadline cancels the running handlers once the shutdown
+// timeout has passed since the shutdown began, or Shutdown's context ended,
+// unless drained is closed first. The shutdown begins when ctx ends, or when
+// received is closed (the receiver stopped by itself: the source closed),
+// not when the receiver returns: a Receive may not end at once when ctx
+// does (franz-go blocks a poll while a rebalance is under way, and a
+// revoke waits for the running handlers), and the deadline must not wait
+// for it.
+func (r *run) enforceShutdownDeadline(ctx context.Context, received, drained <-chan struct{}) {
+	select {
+	case <-ctx.Done():
+	case <-received:
+	}
+	timer := time.NewTimer(r.cfg.shutdownTimeout)
+	defer timer.Stop()
+	select {
+	case <-drained:
+	case <-timer.C:
+		r.cfg.logger.Warn("custody: shutdown timeout reached; cancelling running handlers", "consumer", r.cfg.name)
+		r.cancelHandlers(ErrShutdownTimeout)
+	case <-r.c.cut.Done():
+		r.cfg.logger.Warn("custody: Shutdown's context ended; cancelling running handlers", "consumer", r.cfg.name)
+		r.cancelHandlers(ErrShutdownTimeout)
+	}
 }
 
 // receive fills free slots from the source until ctx is done or the source

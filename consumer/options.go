@@ -192,7 +192,9 @@ func WithHandlerTimeout(d time.Duration) Option {
 // its context is cancelled or Shutdown is called. Their contexts stay alive
 // until then (or until Shutdown's context ends, if sooner); afterwards they
 // are cancelled with ErrShutdownTimeout and their messages are given back to
-// the broker. Default 30s.
+// the broker. The timeout counts from the cancellation, even when the
+// adapter's Receive under way cannot end at once (a Kafka poll during a
+// rebalance). Default 30s.
 func WithShutdownTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 0 {

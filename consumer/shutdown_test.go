@@ -357,3 +357,65 @@ func TestRetryWaitingInPlaceIsGivenBackAtShutdown(t *testing.T) {
 		t.Errorf("stats %+v, want the message given back for redelivery at once", s)
 	}
 }
+
+// stuckReceiveSource is a memory source whose Receive, once stuck is set,
+// blocks until unblock is closed, whatever its context says: franz-go's poll
+// while a rebalance is under way, whose revoke waits for the running
+// handlers.
+type stuckReceiveSource struct {
+	*memory.Source
+	stuck   atomic.Bool
+	entered chan struct{}
+	once    sync.Once
+	unblock chan struct{}
+}
+
+func (s *stuckReceiveSource) Receive(ctx context.Context, n int) ([]*adapters.Delivery, error) {
+	if s.stuck.Load() {
+		s.once.Do(func() { close(s.entered) })
+		<-s.unblock
+		return nil, ctx.Err()
+	}
+	return s.Source.Receive(ctx, n)
+}
+
+// The shutdown timeout runs from when the shutdown begins, even while the
+// runtime's Receive cannot end yet: the running handler is cut at the
+// timeout (its context's cause ErrShutdownTimeout), not left running until
+// the source lets the Receive go, which for a Kafka revoke can wait for that
+// very handler.
+func TestShutdownTimeoutDoesNotWaitForAStuckReceive(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("running")
+	src := &stuckReceiveSource{Source: e.source(), entered: make(chan struct{}), unblock: make(chan struct{})}
+	started := make(chan struct{})
+	cause := make(chan error, 1)
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		src.stuck.Store(true)
+		close(started)
+		<-ctx.Done()
+		cause <- context.Cause(ctx)
+		return ctx.Err()
+	}), consumer.WithLogger(testlog.New(t)), consumer.WithShutdownTimeout(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := startConsumer(t, c)
+	var unblockOnce sync.Once
+	unblock := func() { unblockOnce.Do(func() { close(src.unblock) }) }
+	t.Cleanup(unblock) // before startConsumer's Shutdown: a failed wait must not hang the run
+	await(t, "the handler to start", started)
+	await(t, "a Receive to get stuck", src.entered)
+	go func() { _ = c.Shutdown(context.Background()) }()
+	err = await(t, "the handler's context to be cancelled while Receive is stuck", cause)
+	unblock()
+	if !errors.Is(err, consumer.ErrShutdownTimeout) {
+		t.Errorf("handler's context cause = %v, want ErrShutdownTimeout", err)
+	}
+	if err := await(t, "Run to return", ran); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if s := e.stats("q"); s.Visible != 1 || s.Acked != 0 {
+		t.Fatalf("stats %+v: the unfinished message must be given back, not acked", s)
+	}
+}
