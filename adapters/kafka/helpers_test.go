@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime/pprof"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,6 +22,9 @@ type cluster struct {
 	addrs []string
 	prod  *kgo.Client
 	admin *kadm.Client
+
+	txnMu      sync.Mutex
+	txnClients map[string]*kgo.Client // see txnProducer
 }
 
 var groupSeq atomic.Int64

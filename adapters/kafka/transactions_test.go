@@ -15,22 +15,51 @@ import (
 	"github.com/custody-go/custody/consumer"
 )
 
-// transaction is a transactional producer writing to partition 0 of a
-// topic. Each transaction ends with a control record (the commit or abort
-// marker) that takes an offset of its own and that consumers never see.
+// transaction is a transaction of the cluster's transactional producer for
+// a topic, writing to its partition 0. Each transaction ends with a control
+// record (the commit or abort marker) that takes an offset of its own and
+// that consumers never see.
 type transaction struct {
-	t  *testing.T
-	cl *kgo.Client
+	t      *testing.T
+	c      *cluster
+	cl     *kgo.Client
+	topic  string
+	values []string
 }
 
-func (c *cluster) beginTransaction(t *testing.T, topic string, values ...string) *transaction {
+// txnProducer returns the cluster's transactional producer for topic, one
+// for all the transactions of a test, run one after the other. A client
+// per transaction made the flake of TestTransactionMarkersAreCommittedPast:
+// on a client's first produce to a topic, franz-go (v1.22.3) can lose track
+// of the partition it added to the transaction, and EndTransaction(TryCommit)
+// then aborts the transaction although its produce succeeded, logs "no
+// produce succeeded in this transaction but produces were attempted; issuing
+// an abort", and returns nil. Read committed, the Source then rightly never
+// ran the "committed" record. A client past its first transaction has the
+// topic's partitions loaded; end verifies the outcome all the same.
+func (c *cluster) txnProducer(t *testing.T, topic string) *kgo.Client {
 	t.Helper()
+	c.txnMu.Lock()
+	defer c.txnMu.Unlock()
+	if cl := c.txnClients[topic]; cl != nil {
+		return cl
+	}
 	cl, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(fmt.Sprintf("txn-%s-%d", topic, time.Now().UnixNano())),
 		kgo.RecordPartitioner(kgo.ManualPartitioner()), kgo.ProducerLinger(0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(cl.Close)
+	if c.txnClients == nil {
+		c.txnClients = map[string]*kgo.Client{}
+	}
+	c.txnClients[topic] = cl
+	return cl
+}
+
+func (c *cluster) beginTransaction(t *testing.T, topic string, values ...string) *transaction {
+	t.Helper()
+	cl := c.txnProducer(t, topic)
 	if err := cl.BeginTransaction(); err != nil {
 		t.Fatal(err)
 	}
@@ -41,7 +70,7 @@ func (c *cluster) beginTransaction(t *testing.T, topic string, values ...string)
 			t.Fatalf("producing in a transaction: %v", err)
 		}
 	}
-	return &transaction{t: t, cl: cl}
+	return &transaction{t: t, c: c, cl: cl, topic: topic, values: values}
 }
 
 func (x *transaction) end(commit bool) {
@@ -51,6 +80,35 @@ func (x *transaction) end(commit bool) {
 	if err := x.cl.EndTransaction(ctx, kgo.TransactionEndTry(commit)); err != nil {
 		x.t.Fatalf("ending the transaction: %v", err)
 	}
+	if commit {
+		x.c.requireReadable(x.t, x.topic, x.values)
+	}
+}
+
+// requireReadable fails the test unless a read-committed consumer reads
+// values (the last records readable of partition 0 of topic): a transaction
+// the producer was asked to commit was aborted, and the test's offsets and
+// expectations no longer hold.
+func (c *cluster) requireReadable(t *testing.T, topic string, values []string) {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: {0: kgo.NewOffset().AtStart()}}),
+		kgo.FetchMaxWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var read []string
+	for ctx.Err() == nil {
+		fs := cl.PollFetches(ctx)
+		fs.EachRecord(func(r *kgo.Record) { read = append(read, string(r.Value)) })
+		if len(read) >= len(values) && slices.Equal(read[len(read)-len(values):], values) {
+			return
+		}
+	}
+	t.Fatalf("the transaction of %v was committed, but a read-committed consumer reads %v: the producer aborted it", values, read)
 }
 
 // TestTransactionMarkersAreCommittedPast: a topic written by a transactional
