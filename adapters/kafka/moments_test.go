@@ -551,3 +551,59 @@ func TestRevokedLaneBehindAHandlerPastTheDrainHoldsNoCredit(t *testing.T) {
 		})
 	}
 }
+
+// Shutdown during a revoke's drain while a handler runs: Run's context is
+// cancelled, so the runtime should stop receiving, let the handler run until
+// the shutdown timeout (1s), cut it, give its record back, and return; the
+// revoke then commits the done prefix, before the record that did not
+// finish.
+//
+// KNOWN ISSUE (skipped until fixed): franz-go blocks every PollRecords while
+// a rebalance is under way (BlockRebalanceOnPoll; the wait ignores the
+// poll's context), and the revoke waits for the runtime's running handlers.
+// The runtime's receiver, inside Receive, does not see its context end, so
+// the runtime's drain, and with it the shutdown timeout, does not begin
+// until the revoke drain (20s here, 10s by default, up to the rebalance
+// timeout) gives the record up: shutdown takes the revoke drain, not the
+// shutdown timeout, and the handler's context stays alive meanwhile. A
+// rolling deploy is where both meet: members leave and join while others
+// are told to stop.
+func TestShutdownDuringARevokeDrain(t *testing.T) {
+	t.Skip("known issue: a shutdown during a revoke drain waits for the revoke drain, not the shutdown timeout")
+	const n = 10
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, n, n)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithCommitInterval(20*time.Millisecond), WithRevokeDrain(20*time.Second),
+		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
+	var log runLog
+	started := make(chan struct{})
+	stop := runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {
+		log.start("", m.Offset)
+		defer log.end("")
+		if m.Offset == 3 {
+			close(started)
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return nil
+	}, consumer.WithShutdownTimeout(time.Second), consumer.WithConcurrency(4))
+	await(t, "offset 3 to start", started)
+	eventually(t, "the commit to reach the running record", func() bool {
+		offs, _ := c.committed(t, group, "orders")
+		return offs[0] == 3
+	})
+	eagerRevoke(t, s, "orders", 0)
+	begin := time.Now()
+	stop()
+	if d := time.Since(begin); d > 10*time.Second {
+		t.Errorf("Run took %v to return after a shutdown during a revoke drain, with a 1s shutdown timeout", d)
+	}
+	if got := log.get(); !slices.Equal(got, seq(0, 3)) {
+		t.Errorf("ran %v, want 0..3", got)
+	}
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 3 {
+		t.Errorf("committed %d, want 3: the record cut at shutdown is not done", offs[0])
+	}
+}
