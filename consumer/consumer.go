@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -555,12 +554,16 @@ func (r *run) runLane(j *job) {
 // It takes up to laneRun queued jobs at once and links them through their
 // successor fields, so a busy lane costs one lock per run of jobs rather
 // than one per job; the lane stays busy until the last of them is done.
-// It takes only the next job of an OrderByKey lane when the source recalls
-// deliveries: such a lane may mix the source's ordered streams (one key in
-// several Kafka partitions), and a recalled job of one stream linked behind
-// a job of another, which is not recalled and may hold the lane for long
-// (a retry's backoff), would be out of reach of releaseRecalled until that
-// job ended, where the adapter waits for it.
+// It takes only the next job when the source recalls deliveries: a job
+// linked behind another is out of reach of releaseRecalled until the one
+// before it ends. Were that one a handler running on past a Kafka revoke's
+// drain (one that ignores its context), the recalled jobs linked behind it
+// would stay held, lost, and keep the runtime's in-flight credit until it
+// returned: with the partition's records fetched again piling up behind
+// them, the receiver would stop, and every lane of the member would wait.
+// (And an OrderByKey lane may mix streams, one key in several partitions:
+// a recalled job of one linked behind a job of another, which may hold the
+// lane for long, as a retry's backoff does, would be out of reach too.)
 func (r *run) next(j *job) {
 	if j.lane == "" || j.successor != nil {
 		return // no lane, or the job's successor was taken with it
@@ -573,7 +576,7 @@ func (r *run) next(j *job) {
 		return
 	}
 	n := min(len(q), laneRun)
-	if r.recalledOnArrival != nil && strings.HasPrefix(j.lane, keyLanePrefix) {
+	if r.recalledOnArrival != nil {
 		n = 1
 	}
 	for i := 0; i < n-1; i++ {

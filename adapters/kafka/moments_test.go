@@ -489,23 +489,18 @@ func TestMetadataAtItsBoundSkipsExactlyTheDoneRecords(t *testing.T) {
 // key's records received behind it wait in the runtime, the other keys go
 // on. Here the runtime's in-flight bound (20) is above what the slow key's
 // records take (9), so the other keys' records produced later run while the
-// slow handler runs on. Without a revoke that holds.
+// slow handler runs on, with or without a revoke in between.
 //
-// KNOWN ISSUE (the revoke case is skipped until fixed): after a revoke gives
-// up the slow record at the end of its drain, the records of its lane that a
-// worker had already linked behind it (run.next takes up to laneRun at once)
-// are out of reach of the recall (releaseRecalled sees only r.work and
-// r.lanes). Lost, they stay held by the runtime until the slow handler
-// returns, and the partition's records fetched again once it is assigned
-// back pile up behind them in the same lane. The runtime's credit runs out,
-// the receiver stops, and every key of the member, of every partition,
-// waits for the handler that ignores its context.
+// After a revoke gives up the slow record at the end of its drain, the
+// records of its lane queued behind it must be given back. Were they linked
+// behind it for the worker to run next (run.next took up to laneRun at
+// once), they were out of reach of the recall: lost, they stayed held until
+// the slow handler returned, the partition's records fetched again once it
+// was assigned back piled up behind them, the runtime's credit ran out and
+// every key of the member waited for the handler that ignores its context.
 func TestRevokedLaneBehindAHandlerPastTheDrainHoldsNoCredit(t *testing.T) {
 	for _, revoke := range []bool{false, true} {
 		t.Run(fmt.Sprintf("revoke=%v", revoke), func(t *testing.T) {
-			if revoke {
-				t.Skip("known issue: lost jobs linked behind a handler running past the revoke drain hold the runtime's credit until it returns")
-			}
 			const n, keys = 30, 3
 			c := newCluster(t)
 			c.createTopic(t, "orders", 1)
