@@ -136,7 +136,10 @@
 // The runtime drains, acks what finished and nacks the rest; a nacked record
 // is not marked done, so it stays uncommitted for the next owner (during a
 // run, a nacked record is handed out again). Close commits the done prefixes,
-// leaves the group and closes the client.
+// leaves the group and closes the client. A shutdown that begins during a
+// revoke's drain keeps the runtime's shutdown timeout: franz-go holds the
+// runtime's Receive until the revoke ends, but the runtime cuts its running
+// handlers at its own deadline, which ends the revoke's wait for them.
 //
 // # Telemetry
 //
