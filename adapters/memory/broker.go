@@ -28,6 +28,7 @@ type Broker struct {
 	queues  map[string]*queue
 	seq     uint64
 	receipt uint64
+	batch   uint64 // Receive calls that took messages, to tell them apart
 	// idPrefix starts the IDs Publish generates: random per broker, so that
 	// they never repeat across brokers or process restarts (see newIDPrefix).
 	idPrefix string
@@ -242,6 +243,7 @@ func sortBySeq(ms []*message) {
 func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*adapters.Delivery) ([]*adapters.Delivery, []*adapters.Delivery, time.Time) {
 	var lostHolders []*adapters.Delivery
 	next := q.promote(now)
+	b.batch++
 	var (
 		skipped []*message
 		taken   map[string]bool // FIFO groups this call already takes from
@@ -295,10 +297,11 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 		}
 		b.receipt++
 		m.receipt = b.receipt
+		m.batch = b.batch
 		m.visibleAt = now.Add(q.opts.Lease)
 		heap.Push(&q.waiting, m)
 		if q.opts.FIFO {
-			q.busy[m.key]++
+			q.hold(m)
 		}
 		d := &adapters.Delivery{
 			ID:              m.id,

@@ -699,16 +699,8 @@ func TestFIFOMessageExtendedAfterItsLeaseRanOutHoldsItsGroupAgain(t *testing.T) 
 // not release the group a second time while another of its messages is in
 // flight, or the next message would be delivered before that one is done.
 func TestFIFOAckAfterTheLeaseRanOutKeepsTheGroupBlocked(t *testing.T) {
-	b := newTestBroker(t, QueueOptions{Lease: time.Hour, FIFO: true})
+	b, holder, other, held := receiveGroupOfTwo(t)
 	ctx := context.Background()
-	if err := b.Publish(ctx, "q", Message{ID: "a1", Key: "g"}, Message{ID: "a2", Key: "g"}); err != nil {
-		t.Fatal(err)
-	}
-	holder, other := openSource(t, b), openSource(t, b, WithPollWait(10*time.Millisecond))
-	held := receive(t, holder, 10)
-	if got := ids(held); len(got) != 2 || got[0] != "a1" || got[1] != "a2" {
-		t.Fatalf("received %v, want a1 and a2 in one batch", got)
-	}
 	// a1's lease runs out (an extension to zero, so no clock is involved);
 	// a2 stays in flight.
 	if err := holder.Extend(ctx, held[:1], 0); err != nil {
@@ -833,4 +825,46 @@ func TestCapabilitiesDescribeTheQueue(t *testing.T) {
 			t.Errorf("FIFO %t: capabilities %+v, want memory:q, a 7s lease, Ordered %t, NackDelay and CountsDeliveries", fifo, c, fifo)
 		}
 	}
+}
+
+// Two messages of a FIFO group received together whose leases ran out: once
+// another receiver took the first, the old holder can no longer extend the
+// second. Its extension would put a second message of the group in flight,
+// with another consumer, while the first is not done: the group would be
+// handled out of order and side by side. (SQS fails such an extension: the
+// message is not in flight.)
+func TestFIFOExtensionCannotRetakeAGroupHeldByAnotherReceive(t *testing.T) {
+	b, old, other, held := receiveGroupOfTwo(t)
+	ctx := context.Background()
+	// Both leases run out (an extension to zero, so no clock is involved).
+	if err := old.Extend(ctx, held, 0); err != nil {
+		t.Fatal(err)
+	}
+	if ds := receive(t, other, 1); len(ds) != 1 || ds[0].ID != "a1" {
+		t.Fatalf("received %v, want a1", ids(ds))
+	}
+	err := old.Extend(ctx, held[1:], time.Hour)
+	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
+		t.Fatalf("extending a2 while a1 of its group is held by another receive: %v, want an error wrapping adapters.ErrLeaseLost", err)
+	}
+	if st, err := b.Stats("q"); err != nil || st.InFlight != 1 {
+		t.Fatalf("Stats = %+v, %v; want InFlight 1: only a1 of group g may be in flight", st, err)
+	}
+}
+
+// receiveGroupOfTwo publishes a1 and a2 of FIFO group g to a queue with an
+// hour's lease, and receives both in one batch with holder. The other source
+// polls briefly.
+func receiveGroupOfTwo(t *testing.T) (b *Broker, holder, other *Source, held []*adapters.Delivery) {
+	t.Helper()
+	b = newTestBroker(t, QueueOptions{Lease: time.Hour, FIFO: true})
+	if err := b.Publish(context.Background(), "q", Message{ID: "a1", Key: "g"}, Message{ID: "a2", Key: "g"}); err != nil {
+		t.Fatal(err)
+	}
+	holder, other = openSource(t, b), openSource(t, b, WithPollWait(10*time.Millisecond))
+	held = receive(t, holder, 10)
+	if got := ids(held); len(got) != 2 || got[0] != "a1" || got[1] != "a2" {
+		t.Fatalf("received %v, want a1 and a2 in one batch", got)
+	}
+	return b, holder, other, held
 }

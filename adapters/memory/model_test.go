@@ -126,7 +126,7 @@ func FuzzBrokerAgainstModel(f *testing.F) {
 					continue
 				}
 				delay := time.Duration(next()%2) * time.Hour
-				valid := mm.valid(d)
+				valid := mm.valid(d) && !(delay > 0 && m.heldByAnotherReceive(mm))
 				err := srcs[next()%2].Nack(ctx, []*adapters.Delivery{d}, delay)
 				checkEntry(t, step, "Nack", d, err, valid)
 				if valid {
@@ -138,7 +138,7 @@ func FuzzBrokerAgainstModel(f *testing.F) {
 					continue
 				}
 				dur := time.Duration(next()%2) * time.Hour
-				valid := mm.valid(d)
+				valid := mm.valid(d) && !(dur > 0 && m.heldByAnotherReceive(mm))
 				err := srcs[next()%2].Extend(ctx, []*adapters.Delivery{d}, dur)
 				checkEntry(t, step, "Extend", d, err, valid)
 				if valid {
@@ -168,6 +168,7 @@ type modelMsg struct {
 	visible  bool
 	deleted  bool
 	receives int
+	batch    int                // the receive that delivered it last
 	receipt  *adapters.Delivery // the latest delivery, whose receipt is valid
 	holder   *adapters.Delivery // the latest delivery, until acked or nacked
 }
@@ -183,6 +184,7 @@ type model struct {
 	received    int64
 	acked       int64
 	extended    int64
+	batches     int // receives so far
 }
 
 func (m *model) publish(key string) string {
@@ -207,10 +209,26 @@ func (m *model) busy(key string) bool {
 	return false
 }
 
+// heldByAnotherReceive reports whether mm, a FIFO message whose lease ran
+// out, has a group that a later receive holds: mm cannot be kept (extended or
+// delayed) then, or the group would be in flight with two receives.
+func (m *model) heldByAnotherReceive(mm *modelMsg) bool {
+	if !m.fifo || !mm.visible {
+		return false
+	}
+	for _, o := range m.msgs {
+		if o.key == mm.key && !o.visible && o.batch != mm.batch {
+			return true
+		}
+	}
+	return false
+}
+
 // receive returns the ids a receive of up to max must deliver and the
 // deliveries it must take the messages from.
 func (m *model) receive(max int) (got []string, lost []*adapters.Delivery) {
 	taken := map[string]bool{} // FIFO groups this receive takes from
+	m.batches++
 	for _, mm := range m.msgs {
 		if len(got) >= max {
 			break
@@ -233,7 +251,7 @@ func (m *model) receive(max int) (got []string, lost []*adapters.Delivery) {
 			m.dead = append(m.dead, mm.id)
 			continue
 		}
-		mm.visible = false
+		mm.visible, mm.batch = false, m.batches
 		m.received++
 		got = append(got, mm.id)
 	}

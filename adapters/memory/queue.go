@@ -20,6 +20,7 @@ type message struct {
 	firstReceived time.Time
 	visibleAt     time.Time
 	receipt       uint64 // the receipt of the latest receive; 0 before any
+	batch         uint64 // the Receive call of the latest receive
 	holder        *adapters.Delivery
 	deleted       bool
 	ready         bool // in the ready heap (else in the waiting heap)
@@ -34,13 +35,16 @@ type queue struct {
 	ready   readyHeap   // visible messages by publish order
 	waiting waitingHeap // received or delayed messages by visibleAt
 	busy    map[string]int
+	// holding is, for each busy FIFO group, the Receive call (batch) its
+	// messages in flight came from: one call at a time holds a group.
+	holding map[string]uint64
 	wake    chan struct{} // closed when something becomes visible or will sooner; nil when nobody waits
 
 	stats Stats
 }
 
 func newQueue(name string, opts QueueOptions) *queue {
-	return &queue{name: name, opts: opts, busy: make(map[string]int)}
+	return &queue{name: name, opts: opts, busy: make(map[string]int), holding: make(map[string]uint64)}
 }
 
 // signal wakes receivers waiting for a visible message.
@@ -86,6 +90,7 @@ func (q *queue) release(group string) {
 		q.busy[group] = n
 	} else {
 		delete(q.busy, group)
+		delete(q.holding, group)
 		// Messages of the group that were held back are receivable now: a
 		// receiver waiting for them must not sleep until its poll ends.
 		q.signal()
@@ -101,14 +106,26 @@ func (q *queue) remove(m *message) {
 	}
 }
 
-// setVisibleAt moves m (ready or waiting) to become visible at t.
-func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) {
+// hold marks m's FIFO group as held by m's Receive call.
+func (q *queue) hold(m *message) {
+	q.busy[m.key]++
+	q.holding[m.key] = m.batch
+}
+
+// setVisibleAt moves m (ready or waiting) to become visible at t. It fails
+// for a FIFO message whose lease ran out if another Receive call holds its
+// group now: keeping it would put two receives' messages of the group in
+// flight at once.
+func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) error {
 	if !t.After(now) {
 		if !m.ready {
 			heap.Remove(&q.waiting, m.index)
 			q.makeReady(m)
 		}
-		return
+		return nil
+	}
+	if m.ready && q.opts.FIFO && q.busy[m.key] > 0 && q.holding[m.key] != m.batch {
+		return errStaleReceipt
 	}
 	earlier := t.Before(m.visibleAt)
 	m.visibleAt = t
@@ -118,10 +135,10 @@ func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) {
 		heap.Remove(&q.ready, m.index)
 		m.ready = false
 		if q.opts.FIFO {
-			q.busy[m.key]++
+			q.hold(m)
 		}
 		heap.Push(&q.waiting, m)
-		return
+		return nil
 	}
 	heap.Fix(&q.waiting, m.index)
 	if earlier {
@@ -130,6 +147,7 @@ func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) {
 		// to wait for the new, earlier one.
 		q.signal()
 	}
+	return nil
 }
 
 type readyHeap []*message

@@ -186,7 +186,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 
 // settle applies op to each delivery whose receipt is still valid, after the
 // fault hook, and collects per-entry errors.
-func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) error, op func(q *queue, m *message, now time.Time)) error {
+func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) error, op func(q *queue, m *message, now time.Time) error) error {
 	if s.dead() {
 		return adapters.ErrClosed
 	}
@@ -224,7 +224,9 @@ func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) 
 			fail(i, errStaleReceipt)
 			continue
 		}
-		op(s.q, h.m, now)
+		if err := op(s.q, h.m, now); err != nil {
+			fail(i, err)
+		}
 	}
 	s.b.mu.Unlock()
 	if failed != nil {
@@ -235,7 +237,7 @@ func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) 
 
 // Ack implements adapters.Source: it deletes the messages.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	return s.settle(ds, s.getFaults().Ack, func(q *queue, m *message, now time.Time) {
+	return s.settle(ds, s.getFaults().Ack, func(q *queue, m *message, now time.Time) error {
 		q.remove(m)
 		m.deleted = true
 		m.holder = nil
@@ -243,24 +245,34 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			q.release(m.key)
 		}
 		q.stats.Acked++
+		return nil
 	})
 }
 
 // Nack implements adapters.Source: the messages become visible again after
 // redeliverAfter.
 func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
-	return s.settle(ds, s.getFaults().Nack, func(q *queue, m *message, now time.Time) {
+	return s.settle(ds, s.getFaults().Nack, func(q *queue, m *message, now time.Time) error {
+		if err := q.setVisibleAt(m, now.Add(redeliverAfter), now); err != nil {
+			return err
+		}
 		m.holder = nil
-		q.setVisibleAt(m, now.Add(redeliverAfter), now)
+		return nil
 	})
 }
 
 // Extend implements adapters.Extender: the messages stay invisible for d from
-// now.
+// now. A message whose lease ran out can still be extended by its holder
+// until someone receives it again, except on a FIFO queue once another
+// Receive holds its group: that entry fails with adapters.ErrLeaseLost, as
+// two receives may not hold one group (a Nack with a delay fails likewise).
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
-	return s.settle(ds, s.getFaults().Extend, func(q *queue, m *message, now time.Time) {
-		q.setVisibleAt(m, now.Add(d), now)
+	return s.settle(ds, s.getFaults().Extend, func(q *queue, m *message, now time.Time) error {
+		if err := q.setVisibleAt(m, now.Add(d), now); err != nil {
+			return err
+		}
 		q.stats.Extended++
+		return nil
 	})
 }
 
