@@ -868,3 +868,28 @@ func receiveGroupOfTwo(t *testing.T) (b *Broker, holder, other *Source, held []*
 	}
 	return b, holder, other, held
 }
+
+// A FIFO message whose lease ran out while its group stayed held (another
+// message of its batch is in flight), then extended by its holder for a
+// moment, becomes visible again when that moment ends. A receiver already
+// waiting for the group must get it then, not when its poll ends: the
+// extension moved the next visibility time earlier than it knew.
+func TestFIFOShortExtensionAfterTheLeaseRanOutWakesWaitingReceiver(t *testing.T) {
+	b, holder, _, held := receiveGroupOfTwo(t)
+	ctx := context.Background()
+	// a2's lease runs out (an extension to zero, so no clock is involved);
+	// a1 keeps the group.
+	if err := holder.Extend(ctx, held[1:], 0); err != nil {
+		t.Fatal(err)
+	}
+	got := receiveInBackground(t, b, openSource(t, b, WithPollWait(time.Hour)))
+	if err := holder.Extend(ctx, held[1:], 10*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Ack(ctx, held[:1]); err != nil {
+		t.Fatal(err)
+	}
+	if ds := <-got; !slices.Equal(ids(ds), []string{"a2"}) {
+		t.Fatalf("waiting receiver got %v once a2's short extension ended, want [a2]", ids(ds))
+	}
+}

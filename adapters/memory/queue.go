@@ -138,6 +138,9 @@ func (q *queue) setVisibleAt(m *message, t time.Time, now time.Time) error {
 			q.hold(m)
 		}
 		heap.Push(&q.waiting, m)
+		// Receivers waiting for its group computed their wait without it:
+		// wake them to wait for t too.
+		q.signal()
 		return nil
 	}
 	heap.Fix(&q.waiting, m.index)
