@@ -326,6 +326,31 @@ func TestErrorWhoseErrorMethodPanicsIsAFailureNotACrash(t *testing.T) {
 	}
 }
 
+// nilWrapError is returned as a typed nil pointer: its Error method does
+// not touch the receiver, its Unwrap method does.
+type nilWrapError struct{ inner error }
+
+func (*nilWrapError) Error() string   { return "wrapped" }
+func (e *nilWrapError) Unwrap() error { return e.inner }
+
+// So is a handler error whose Unwrap method panics: the runtime classifies
+// errors (Permanent, RetryAfter, Defer) outside the handler's recover too.
+// It used to crash the process.
+func TestErrorWhoseUnwrapMethodPanicsIsAFailureNotACrash(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
+	e.publish("p")
+	r := run(t, e.source(), func(ctx context.Context, m *consumer.Message) error {
+		var err *nilWrapError
+		return err
+	}, fastRetry(2), consumer.WithDeadLetter(e.dlq()))
+	waitFor(t, "dead letter", func() bool { return e.stats("dlq").Visible == 1 })
+	r.stop()
+	ms, _ := e.b.Messages("dlq")
+	if h := ms[0].Headers[adapters.HeaderError]; !strings.Contains(h, "nilWrapError") || !strings.Contains(h, "Unwrap") {
+		t.Fatalf("error header %q does not say which error panicked and how", h)
+	}
+}
+
 func TestShutdownFinishesInFlightAndAcksThem(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Second})
 	e.publish("1", "2", "3", "4", "5", "6")

@@ -18,12 +18,12 @@
 //     deliveries does: see Defer); a deferral never dead-letters.
 //
 // A panic in the handler is recovered and treated as an error, and so is a
-// returned error whose Error method panics (the attempt fails with a
-// [PanicError] saying so; both are counted as panics). A handler that
-// ends its goroutine with runtime.Goexit instead of returning (t.FailNow, or
-// testify's require, in a handler under test) fails its attempt with
-// [ErrHandlerExited]: the message is given back at once and the worker
-// replaced.
+// returned error whose Error, Unwrap or As method panics (a typed nil
+// pointer, say: the attempt fails with a [PanicError] saying so; both are
+// counted as panics). A handler that ends its goroutine with runtime.Goexit
+// instead of returning (t.FailNow, or testify's require, in a handler under
+// test) fails its attempt with [ErrHandlerExited]: the message is given
+// back at once and the worker replaced.
 //
 // # Retries
 //

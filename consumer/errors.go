@@ -101,8 +101,8 @@ func IsDeferred(err error) bool {
 }
 
 // PanicError is the error a recovered handler panic becomes, and the one
-// that replaces a returned error whose Error method panics. It is retried and
-// dead-lettered like any other error.
+// that replaces a returned error whose Error, Unwrap or As method panics. It
+// is retried and dead-lettered like any other error.
 type PanicError struct {
 	Value any
 	Stack []byte

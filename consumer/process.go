@@ -300,19 +300,27 @@ func (r *run) call(j *job, attempt int) (err error) {
 }
 
 // checkedError returns err, or a PanicError saying so when err's Error
-// method panics: the runtime formats handler errors for its logs, spans and
-// dead-letter diagnostics outside the handler's recover, where such a panic
-// would crash the process. Only failed attempts pay for the check.
+// method panics, or the Unwrap or As methods the runtime reaches when it
+// classifies err (IsPermanent, RetryDelay): it formats and classifies
+// handler errors for its logs, spans, retries and dead-letter diagnostics
+// outside the handler's recover, where such a panic would crash the
+// process. (A typed nil pointer returned as an error, whose methods
+// dereference it, is the usual culprit.) Only failed attempts pay for the
+// check.
 func checkedError(err error) (checked error, ok bool) {
+	method := "Error"
 	defer func() {
 		if p := recover(); p != nil {
 			checked, ok = &PanicError{
-				Value: fmt.Sprintf("the error it returned (%T) panicked in its Error method: %v", err, p),
+				Value: fmt.Sprintf("the error it returned (%T) panicked in its %s method: %v", err, method, p),
 				Stack: debug.Stack(),
 			}, false
 		}
 	}()
 	_ = err.Error()
+	method = "Unwrap or As"
+	_ = IsPermanent(err)
+	_, _ = RetryDelay(err) // IsDeferred walks the same way
 	return err, true
 }
 
