@@ -124,6 +124,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 // Shutdown may be called from any goroutine, more than once. Called before
 // Run, it makes Run return at once (after closing the source) and returns
 // nil; called after Run returned, it returns nil at once.
+//
+// A handler that calls Shutdown waits for Run, which waits for that
+// handler to return: Shutdown returns only when ctx ends (the handler's own
+// context ends at the shutdown timeout, so passing it bounds the wait).
+// To stop the consumer from a handler, call Shutdown in a new goroutine, or
+// cancel Run's context.
 func (c *Consumer) Shutdown(ctx context.Context) error {
 	c.stopRun()
 	if !c.started.Load() {
