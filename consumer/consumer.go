@@ -209,6 +209,9 @@ type job struct {
 	giveBack bool
 	// leaseLostCounted is set once the job's lost lease was counted.
 	leaseLostCounted bool
+	// exiting is set while the job's handler ends its worker with
+	// runtime.Goexit (see call).
+	exiting bool
 }
 
 func newRun(c *Consumer, ctx context.Context) *run {
@@ -539,6 +542,12 @@ const keyLanePrefix = "\x00key:"
 // runLane processes j and then, on the same worker, the jobs queued behind
 // it in its lane, up to laneRun of them.
 func (r *run) runLane(j *job) {
+	defer func() {
+		if j.exiting {
+			// j's handler called runtime.Goexit: this worker is ending.
+			r.handlerExited(j)
+		}
+	}()
 	for n := 1; ; n++ {
 		r.process(j)
 		s := j.successor

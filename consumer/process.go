@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"runtime/debug"
 	"time"
 
@@ -206,9 +207,26 @@ func (r *run) attempt(j *job) int {
 	return a + j.retries
 }
 
-// call runs one attempt of the handler with its own context, span and panic
-// recovery.
-func (r *run) call(j *job, attempt int) (err error) {
+// call runs one attempt of the handler (see callHandler). An attempt that
+// neither returned nor panicked marks j exiting: runtime.Goexit is ending
+// the worker, and runLane settles j as it unwinds. Should call return after
+// all, the handler's panic(nil) was recovered as nil (GODEBUG panicnil=1):
+// a panic like any other, which must not settle j as well.
+func (r *run) call(j *job, attempt int) error {
+	err := r.callHandler(j, attempt)
+	if j.exiting {
+		j.exiting = false
+		p := new(runtime.PanicNilError)
+		err = &PanicError{Value: p, Stack: debug.Stack()}
+		r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+		r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", j.d.ID, "panic", p)
+	}
+	return err
+}
+
+// callHandler runs one attempt of the handler with its own context, span
+// and panic recovery.
+func (r *run) callHandler(j *job, attempt int) (err error) {
 	d := j.d
 	var (
 		m  *Message
@@ -260,7 +278,8 @@ func (r *run) call(j *job, attempt int) (err error) {
 			}
 		}
 		// Neither returned nor panicked: runtime.Goexit is ending this
-		// goroutine, and nothing after this function will run on it.
+		// goroutine (or, with GODEBUG panicnil=1, a panic(nil) was
+		// recovered as nil: see call).
 		exited := p == nil && !returned
 		if exited {
 			err = ErrHandlerExited
@@ -290,9 +309,7 @@ func (r *run) call(j *job, attempt int) (err error) {
 			}
 			span.End()
 		}
-		if exited {
-			r.handlerExited(j)
-		}
+		j.exiting = exited
 	}()
 	err = r.c.handler.Handle(hctx, m)
 	returned = true
