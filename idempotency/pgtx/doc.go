@@ -65,6 +65,17 @@
 // message keeps its key), and keys deleted by Cleanup before their last
 // redelivery.
 //
+// # Conflicts
+//
+// Under REPEATABLE READ or SERIALIZABLE (see WithTxOptions), PostgreSQL
+// aborts a transaction that overlaps another one in a way it cannot
+// serialize, and at any level one caught in a deadlock. Either abort says
+// nothing about the message, so Handle runs the whole transaction again,
+// key claim included, after a short randomized pause, up to
+// WithConflictRetries times (3 by default), and only then returns the
+// error for the runtime to retry or dead-letter. Every run but the last
+// rolled back, so the function's writes through tx still commit once.
+//
 // # Connections that vanish
 //
 // A transaction whose client vanished without the server noticing (a

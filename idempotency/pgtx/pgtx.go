@@ -15,7 +15,13 @@ import (
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/dupmetrics"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
+	"github.com/custody-go/custody/internal/backoff"
 )
+
+// MetricConflictRetries counts transactions run again after a
+// serialization failure or a deadlock (see WithConflictRetries), with
+// custody.consumer when given WithName.
+const MetricConflictRetries = "custody.idempotency.conflict_retries"
 
 // DefaultTable is the processed-keys table unless WithTable says otherwise.
 const DefaultTable = "custody_processed"
@@ -34,10 +40,11 @@ type Func func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error
 // Handler is a consumer.Handler that runs a Func exactly once per key within
 // a PostgreSQL transaction.
 type Handler struct {
-	db  DB
-	fn  Func
-	cfg config
-	m   *dupmetrics.Set
+	db        DB
+	fn        Func
+	cfg       config
+	m         *dupmetrics.Set
+	conflicts metric.Int64Counter
 
 	claimSQL, fingerprintSQL, cleanupSQL string
 }
@@ -53,6 +60,7 @@ type config struct {
 	fingerprint  func(*consumer.Message) string
 	txOptions    pgx.TxOptions
 	overlapDelay time.Duration
+	conflictRuns int
 	meter        metric.MeterProvider
 	name         string
 }
@@ -98,8 +106,8 @@ func WithFingerprint(f func(*consumer.Message) string) Option {
 
 // WithTxOptions sets the transaction's isolation level and access mode.
 // Default: the database's default (READ COMMITTED unless configured).
-// Serialization failures under stricter levels are returned as ordinary
-// errors, which the runtime retries. IsoLevel, AccessMode and DeferrableMode
+// Serialization failures under stricter levels are run again at once (see
+// WithConflictRetries). IsoLevel, AccessMode and DeferrableMode
 // must be empty or one of pgx's constants, and AccessMode not pgx.ReadOnly.
 func WithTxOptions(o pgx.TxOptions) Option {
 	return func(c *config) error {
@@ -128,6 +136,36 @@ func WithTxOptions(o pgx.TxOptions) Option {
 	}
 }
 
+// WithConflictRetries sets how many times a transaction that PostgreSQL
+// aborted with a serialization failure (SQLSTATE 40001, which REPEATABLE
+// READ and SERIALIZABLE raise when transactions overlap) or a deadlock
+// (40P01) is run again, key claim and function both, in a new transaction,
+// after a short randomized pause, before Handle returns the error. Such an
+// abort says nothing about the message: returned at once, it would use up
+// one of the runtime's attempts and wait its backoff, and under contention
+// could send a good message to the dead-letter destination. Once the retries
+// are spent, the error goes to the runtime as any other, so a conflict that
+// never clears ends where a failing handler does. The function must
+// therefore be safe to run again, which it is if every change it makes goes
+// through tx. An error marked consumer.Permanent is never run again.
+// Default 3; 0 turns this off; at most 100.
+func WithConflictRetries(n int) Option {
+	return func(c *config) error {
+		if n < 0 || n > maxConflictRetries {
+			return fmt.Errorf("pgtx: WithConflictRetries(%d): must be between 0 and %d", n, maxConflictRetries)
+		}
+		c.conflictRuns = n
+		return nil
+	}
+}
+
+const maxConflictRetries = 100
+
+// conflictPause spaces the runs of a conflicting transaction: long enough
+// for the transaction it conflicted with to finish, short and randomized so
+// that two that keep colliding fall out of step.
+var conflictPause = backoff.Exponential{Initial: 5 * time.Millisecond, Max: 200 * time.Millisecond, Multiplier: 2, Jitter: 0.5}
+
 // WithOverlapRetryDelay sets how long an overlapping duplicate waits before
 // it is tried again. Default 1s. Must be positive.
 func WithOverlapRetryDelay(d time.Duration) Option {
@@ -153,7 +191,8 @@ func WithName(name string) Option {
 
 // WithMeterProvider sets where duplicates are counted (the same metric names
 // as the idempotency middleware; a failed BEGIN or claim statement counts as
-// a store error with op "claim"). Default otel.GetMeterProvider().
+// a store error with op "claim"), and transactions run again after a
+// conflict (MetricConflictRetries). Default otel.GetMeterProvider().
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
@@ -174,7 +213,7 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	if fn == nil {
 		return nil, errors.New("pgtx: New(nil func): pass the function that performs the effect")
 	}
-	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second}
+	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second, conflictRuns: 3}
 	c.table, _ = pgsql.ParseTable(DefaultTable)
 	for _, o := range opts {
 		if err := o(&c); err != nil {
@@ -184,11 +223,18 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	if c.meter == nil {
 		c.meter = otel.GetMeterProvider()
 	}
-	m, err := dupmetrics.New(c.meter, "github.com/custody-go/custody/idempotency/pgtx", c.name)
+	const scope = "github.com/custody-go/custody/idempotency/pgtx"
+	m, err := dupmetrics.New(c.meter, scope, c.name)
 	if err != nil {
 		return nil, fmt.Errorf("pgtx: creating metrics: %w", err)
 	}
-	h := &Handler{db: db, fn: fn, cfg: c, m: m}
+	conflicts, err := c.meter.Meter(scope).Int64Counter(MetricConflictRetries,
+		metric.WithDescription("Transactions run again after PostgreSQL aborted them with a serialization failure or a deadlock."),
+		metric.WithUnit("{transaction}"))
+	if err != nil {
+		return nil, fmt.Errorf("pgtx: creating metrics: %w", err)
+	}
+	h := &Handler{db: db, fn: fn, cfg: c, m: m, conflicts: conflicts}
 	h.prepareSQL()
 	return h, nil
 }
@@ -224,7 +270,7 @@ WHERE key IN (
 }
 
 // Handle implements consumer.Handler.
-func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
+func (h *Handler) Handle(ctx context.Context, m *consumer.Message) error {
 	key := h.cfg.keyFunc(m)
 	if key == "" {
 		h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
@@ -237,7 +283,31 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	if err := pgsql.CheckText(key, fp); err != nil {
 		return consumer.Permanent(fmt.Errorf("pgtx: %w", err))
 	}
+	for run := 1; ; run++ {
+		err := h.handleOnce(ctx, m, key, fp)
+		if run > h.cfg.conflictRuns || !isConflict(err) || consumer.IsPermanent(err) {
+			return err
+		}
+		h.conflicts.Add(ctx, 1, h.m.Plain)
+		t := time.NewTimer(conflictPause.Delay(run))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		}
+	}
+}
 
+// isConflict reports whether err is PostgreSQL aborting a transaction for
+// overlapping with another one, rather than for anything it did.
+func isConflict(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (pe.Code == "40001" || pe.Code == "40P01")
+}
+
+// handleOnce runs one transaction for m.
+func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp string) error {
 	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
 	if err != nil {
 		// BEGIN is where an unreachable database shows first.
@@ -255,7 +325,9 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 
 	var held, inserted, done bool
 	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.table.Quoted).Scan(&held, &inserted, &done); err != nil {
-		h.countStoreError(ctx)
+		if !isConflict(err) {
+			h.countStoreError(ctx)
+		}
 		return fmt.Errorf("pgtx: record key %q: %w", key, err)
 	}
 	if !held && !done {
