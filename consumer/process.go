@@ -374,7 +374,13 @@ func (r *run) wait(j *job, delay time.Duration) bool {
 	defer t.Stop()
 	select {
 	case <-t.C:
-		return true
+		if !r.draining.Load() {
+			return true
+		}
+		// The drain began as the timer fired, and the select, finding both
+		// ready, chose the timer: the retry would start after the drain
+		// began, which gives back what has not started.
+		r.release(j)
 	case <-j.d.RecallSignal():
 		r.releaseNow(j)
 	case <-j.d.Lost():
