@@ -114,7 +114,7 @@
 //
 // # Backpressure
 //
-// [WithMaxInFlightPerPartition] (512) bounds the records of one partition
+// [WithMaxInFlightPerPartition] (512, or WithMaxInFlight if lower) bounds the records of one partition
 // handed out and not acked: at the bound the partition's fetching is paused,
 // below it resumed (and resumed on revoke, since franz-go keeps pauses across
 // rebalances). [WithMaxInFlight] (4096) bounds them over all partitions: at

@@ -75,6 +75,7 @@ type config struct {
 	commitInterval time.Duration
 	commitTimeout  time.Duration
 	maxPerPart     int
+	maxPerPartSet  bool // maxPerPart given by WithMaxInFlightPerPartition
 	maxTotal       int
 	revokeDrain    time.Duration
 	pollWait       time.Duration
@@ -200,13 +201,15 @@ func WithCommitTimeout(d time.Duration) Option {
 
 // WithMaxInFlightPerPartition bounds the records of one partition handed to
 // the runtime and not yet acked. At the bound the partition's fetching is
-// paused; it resumes below it. Default 512.
+// paused; it resumes below it. Default 512, or WithMaxInFlight if that is
+// lower. Must not exceed WithMaxInFlight.
 func WithMaxInFlightPerPartition(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
 			return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d): must be at least 1", n)
 		}
 		c.maxPerPart = n
+		c.maxPerPartSet = true
 		return nil
 	}
 }
@@ -306,6 +309,9 @@ func (c *config) validate() error {
 	}
 	if len(c.topics) == 0 {
 		return errors.New("kafka: WithTopics is required: give the topics to consume")
+	}
+	if !c.maxPerPartSet {
+		c.maxPerPart = min(c.maxPerPart, c.maxTotal)
 	}
 	if c.maxPerPart > c.maxTotal {
 		return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d) exceeds WithMaxInFlight(%d)", c.maxPerPart, c.maxTotal)

@@ -55,7 +55,9 @@ func newIDPrefix() string {
 type QueueOptions struct {
 	// Lease is the visibility timeout: how long a received message stays
 	// invisible before it is delivered again. Default 30s. Any positive
-	// duration works; tests use milliseconds.
+	// duration works; tests use milliseconds. (consumer.New refuses a lease
+	// it would renew more often than every millisecond: below 3ms at the
+	// default renewal fraction of a third.)
 	Lease time.Duration
 	// FIFO delivers messages with the same Message.Key (the group) in
 	// publish order, one at a time: a group is blocked while one of its

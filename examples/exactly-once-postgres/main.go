@@ -2,7 +2,8 @@
 // balances in PostgreSQL exactly once, although the queue delivers some
 // payments twice and some acks are lost.
 //
-// It uses the embedded memory broker, so PostgreSQL is all it needs:
+// It uses the embedded memory broker, so PostgreSQL is all it needs; without
+// DATABASE_URL it connects to postgres://postgres@127.0.0.1:5432/test:
 //
 //	go run ./examples/exactly-once-postgres
 //	DATABASE_URL=postgres://user@host:5432/db go run ./examples/exactly-once-postgres

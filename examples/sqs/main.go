@@ -10,8 +10,10 @@
 //	# real SQS (creates two queues, deletes them afterwards)
 //	AWS_REGION=eu-west-1 go run ./examples/sqs -create
 //
-//	# the emulator the tests use
-//	node internal/sqsemu/server.js 4566 &
+//	# the emulator the tests use (it exits when its standard input closes,
+//	# so a plain "&" in a script stops it at once; keep a pipe open)
+//	(cd internal/sqsemu && npm ci)
+//	sleep infinity | node internal/sqsemu/server.js 4566 &
 //	AWS_ENDPOINT_URL_SQS=http://127.0.0.1:4566 AWS_REGION=us-east-1 \
 //	AWS_ACCESS_KEY_ID=fake AWS_SECRET_ACCESS_KEY=fake go run ./examples/sqs -create -wait 1s
 //

@@ -1,0 +1,22 @@
+package kafka
+
+import "testing"
+
+// WithMaxInFlight below the per-partition default is a valid setting by
+// itself: the per-partition bound the caller did not set follows it down
+// instead of failing NewSource under an option the caller never used.
+func TestMaxInFlightBelowThePerPartitionDefault(t *testing.T) {
+	s, err := NewSource(WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t"), WithMaxInFlight(100))
+	if err != nil {
+		t.Fatalf("NewSource with WithMaxInFlight(100) alone: %v", err)
+	}
+	defer s.Close()
+	if s.cfg.maxPerPart != 100 || s.cfg.maxTotal != 100 {
+		t.Fatalf("per partition %d, total %d; want 100 and 100", s.cfg.maxPerPart, s.cfg.maxTotal)
+	}
+	// Set explicitly, the per-partition bound still may not exceed the total.
+	if _, err := NewSource(WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t"),
+		WithMaxInFlight(100), WithMaxInFlightPerPartition(200)); err == nil {
+		t.Fatal("WithMaxInFlightPerPartition(200) above WithMaxInFlight(100) was accepted")
+	}
+}
