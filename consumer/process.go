@@ -150,7 +150,7 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			// receive is the best bound on the first failure we have.
 			f.FirstFailure = j.d.FirstReceivedAt
 		}
-		sendErr := dl.Send(r.handlerCtx, j.d, f)
+		sendErr := r.sendDeadLetter(dl, j, f)
 		if sendErr == nil {
 			if j.d.Settled() {
 				r.stopLease(j)
@@ -185,6 +185,22 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			return true
 		}
 	}
+}
+
+// sendDeadLetter writes j's dead-letter copy with a context that ends, with
+// the loss as its cause, if the delivery is lost meanwhile (a lease whose
+// renewals failed, a revoked Kafka partition, a dead channel), as a
+// handler's does: the broker hands the message out again, and a copy
+// written after that, by a write stuck behind a slow or unreachable
+// destination, would sit beside whatever the new holder does with it.
+func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure) error {
+	ctx, cancel := context.WithCancelCause(r.handlerCtx)
+	defer cancel(nil)
+	// The attempt's context, its registration's only other user, ended
+	// with the attempt.
+	j.d.OnLost(cancel) // at once if the delivery is lost already
+	defer j.d.OnLost(nil)
+	return dl.Send(ctx, j.d, f)
 }
 
 func (r *run) processAtMostOnce(j *job) {
