@@ -800,3 +800,34 @@ func TestTelemetryDeadLetterThatSettledTheOriginal(t *testing.T) {
 		t.Errorf("stats %+v, want the original gone", s)
 	}
 }
+
+// stallingDeadLetter is a dead-letter destination whose writes hang until
+// their context ends, as one whose broker stopped answering does.
+type stallingDeadLetter struct{ sending chan struct{} }
+
+func (d stallingDeadLetter) Send(ctx context.Context, _ *adapters.Delivery, _ adapters.Failure) error {
+	close(d.sending)
+	<-ctx.Done()
+	return context.Cause(ctx)
+}
+
+// TestTelemetryDeadLetterWriteCutByTheShutdownDeadline: a dead-letter write
+// still under way when the shutdown deadline cancels it failed because the
+// consumer stopped waiting, not because the destination refused it: the
+// delivery is given back, and no dead-letter failure is counted, which would page whoever watches the
+// destination on every such shutdown.
+func TestTelemetryDeadLetterWriteCutByTheShutdownDeadline(t *testing.T) {
+	reader, mp := newMeter()
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("x")
+	dl := stallingDeadLetter{sending: make(chan struct{})}
+	r := run(t, e.source(), unparsable, consumer.WithName("cut"), consumer.WithMeterProvider(mp),
+		consumer.WithDeadLetter(dl), consumer.WithShutdownTimeout(20*time.Millisecond))
+	await(t, "the dead-letter write", dl.sending)
+	c := stopAndCollect(t, r, reader, "cut")
+	c.want(map[string]int64{
+		"custody.messages.received":        1,
+		"custody.messages.settled/retried": 1, // given back with its backoff
+		"custody.deadletter.failures":      0,
+	})
+}
