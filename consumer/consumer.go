@@ -11,6 +11,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/internal/backoff"
 	"github.com/custody-go/custody/lease"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Consumer runs a Handler over a Source. Create it with New and start it with
@@ -216,7 +217,12 @@ type job struct {
 
 func newRun(c *Consumer, ctx context.Context) *run {
 	base := context.WithoutCancel(ctx)
-	hctx, cancel := context.WithCancelCause(base)
+	// Handlers start from Run's context without its span context: Run's
+	// context lives as long as the consumer, and a span in it, local or
+	// remote (a batch job continuing the trace it was started in), would
+	// otherwise parent every message that carries no trace context of its
+	// own. Such a message starts a trace of its own.
+	hctx, cancel := context.WithCancelCause(trace.ContextWithSpanContext(base, trace.SpanContext{}))
 	r := &run{
 		c:              c,
 		cfg:            &c.cfg,

@@ -127,12 +127,18 @@ func run(t *testing.T, src *memory.Source, h consumer.HandlerFunc, opts ...consu
 // runOn is run for any source, such as a memory source wrapped by a test.
 func runOn(t *testing.T, src adapters.Source, h consumer.HandlerFunc, opts ...consumer.Option) *running {
 	t.Helper()
+	return runIn(t, context.Background(), src, h, opts...)
+}
+
+// runIn is runOn with Run's context derived from parent.
+func runIn(t *testing.T, parent context.Context, src adapters.Source, h consumer.HandlerFunc, opts ...consumer.Option) *running {
+	t.Helper()
 	opts = append([]consumer.Option{consumer.WithLogger(testlog.New(t))}, opts...)
 	c, err := consumer.New(src, h, opts...)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(parent)
 	r := &running{cancel: cancel, done: make(chan error, 1), t: t}
 	go func() { r.done <- c.Run(ctx) }()
 	t.Cleanup(func() { r.stop() })

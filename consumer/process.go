@@ -161,7 +161,13 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			r.ack(j, outcomeDeadLettered)
 			return true
 		}
-		r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
+		// A write the shutdown deadline cut short says nothing about the
+		// destination: the consumer stopped waiting for it. Counted, it
+		// would report a dead-letter outage on every such shutdown.
+		cut := r.handlerCtx.Err() != nil
+		if !cut {
+			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
+		}
 		if cause := j.d.LostCause(); cause != nil {
 			// Not kept: the delivery is gone (its lease, or a release the
 			// failed write had already sent, as SQS's Redrive does), and
@@ -169,6 +175,12 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			r.cfg.logger.Error("custody: dead-letter write failed and the delivery was lost; the broker redelivers the message",
 				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
 			r.lost(j, cause)
+			return true
+		}
+		if cut {
+			r.cfg.logger.Warn("custody: dead-letter write cut short by the shutdown deadline; the message is given back",
+				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+			r.giveBack(j, delay)
 			return true
 		}
 		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",

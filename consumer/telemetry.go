@@ -40,7 +40,7 @@ var durationBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0
 // telemetry holds the instruments, created once in New, and pre-built
 // attribute options so the hot path allocates nothing for them.
 type telemetry struct {
-	tracer processTracer
+	tracer trace.Tracer
 	// spans says whether processing spans can reach anything; see
 	// newSpanSwitch.
 	spans func() bool
@@ -73,7 +73,7 @@ type telemetry struct {
 func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	m := c.meterProvider.Meter(instrumentationName)
 	t := &telemetry{
-		tracer: processTracer{c.tracerProvider.Tracer(instrumentationName)},
+		tracer: c.tracerProvider.Tracer(instrumentationName),
 		spans:  newSpanSwitch(c.tracerProvider),
 		timed:  newMetricSwitch(c.meterProvider),
 	}
@@ -94,7 +94,7 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	t.leasesLost = counter("custody.lease.lost", "Deliveries whose lease was lost while held (expect a duplicate).")
 	t.renewFails = counter("custody.lease.renewal_failures", "Lease renewals that failed (throttling, network errors) and are tried again while the lease lasts.")
 	t.ackFailures = counter("custody.ack.failures", "Acks that failed (expect a redelivery).")
-	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed; the original was not acked.")
+	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed (not those the shutdown deadline cut short); the original was not acked.")
 	if err != nil {
 		return nil, err
 	}
@@ -153,20 +153,6 @@ func (t *telemetry) spanStartOptions(d *adapters.Delivery, attempt int) []trace.
 		)
 	}
 	return []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
-}
-
-// processTracer starts the processing spans. A span continues the trace
-// context extracted from the message's headers; a message without one starts
-// a trace of its own. The context it starts from otherwise derives from
-// Run's, which lives as long as the consumer: a span in it (a start-up span,
-// say) would parent every message the consumer ever handles.
-type processTracer struct{ trace.Tracer }
-
-func (p processTracer) Start(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
-	if !trace.SpanContextFromContext(ctx).IsRemote() {
-		opts = append(opts[:len(opts):len(opts)], trace.WithNewRoot())
-	}
-	return p.Tracer.Start(ctx, name, opts...)
 }
 
 // newSpanSwitch returns a check, cheap enough for every message, of whether a

@@ -468,29 +468,14 @@ func TestSpanAttributesStatusAndParent(t *testing.T) {
 	// messages without trace context.
 	outer, outerSpan := tp.Tracer("test").Start(context.Background(), "main")
 	outerSpan.End()
-	ctx, cancel := context.WithCancel(outer)
-	c, err := consumer.New(e.source(), consumer.HandlerFunc(newPathsHandler().handle), consumer.WithLogger(testlog.New(t)),
+	r := runIn(t, outer, e.source(), newPathsHandler().handle,
 		consumer.WithName("spans"), consumer.WithTracerProvider(tp), consumer.WithPropagator(propagation.TraceContext{}),
 		consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(time.Millisecond)}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
 	waitFor(t, "acked", func() bool { return e.stats("q").Acked == 1 })
-	cancel()
-	if err := <-done; err != nil {
+	if err := r.stop(); err != nil {
 		t.Fatal(err)
 	}
-	var ended []sdktrace.ReadOnlySpan
-	for _, s := range spans.Ended() {
-		if s.Name() != "main" {
-			ended = append(ended, s)
-		}
-	}
-	if len(ended) != 2 {
-		t.Fatalf("%d spans, want 2 (a failed attempt and a successful one)", len(ended))
-	}
+	ended := messageSpans(t, spans, 2) // a failed attempt and a successful one
 	for i, s := range ended {
 		if s.SpanKind() != trace.SpanKindConsumer {
 			t.Errorf("span %d: kind %v, want consumer", i, s.SpanKind())
@@ -523,35 +508,72 @@ func TestSpanAttributesStatusAndParent(t *testing.T) {
 	}
 }
 
-// TestSpanWithoutTraceContextIsARoot: a message without trace context
-// starts its own trace. Run's context is the process's lifetime, and a span
-// it carries (a startup span) must not parent every message ever handled.
+// messageSpans returns the ended spans but the test's own "main" span, and
+// fails the test unless there are want of them.
+func messageSpans(t *testing.T, spans *tracetest.SpanRecorder, want int) []sdktrace.ReadOnlySpan {
+	t.Helper()
+	var ended []sdktrace.ReadOnlySpan
+	for _, s := range spans.Ended() {
+		if s.Name() != "main" {
+			ended = append(ended, s)
+		}
+	}
+	if len(ended) != want {
+		t.Fatalf("%d message spans, want %d", len(ended), want)
+	}
+	return ended
+}
+
+// TestSpanWithoutTraceContextIsARoot: a message without trace context (no
+// headers, or headers without a traceparent) starts its own trace. Run's
+// context is the process's lifetime, and a span context it carries must not
+// parent every message ever handled: a local span (a startup span), or a
+// remote one (a batch job continuing the trace it was started in, from a
+// TRACEPARENT environment variable, say).
 func TestSpanWithoutTraceContextIsARoot(t *testing.T) {
-	spans := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
-	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
-	e.publish("a")
-	outer, outerSpan := tp.Tracer("test").Start(context.Background(), "main")
-	defer outerSpan.End()
-	ctx, cancel := context.WithCancel(outer)
-	c, err := consumer.New(e.source(), consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }),
-		consumer.WithLogger(testlog.New(t)), consumer.WithTracerProvider(tp), consumer.WithPropagator(propagation.TraceContext{}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	waitFor(t, "acked", func() bool { return e.stats("q").Acked == 1 })
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
-	ended := spans.Ended()
-	if len(ended) != 1 {
-		t.Fatalf("%d spans, want 1", len(ended))
-	}
-	if p := ended[0].Parent(); p.IsValid() {
-		t.Errorf("message span's parent is %v (Run's context's span %v), want a root span", p.SpanID(), outerSpan.SpanContext().SpanID())
+	remote := trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID:    trace.TraceID{0x0a, 0xf7, 0x65, 0x19},
+		SpanID:     trace.SpanID{0xb7, 0xad, 0x6b, 0x71},
+		TraceFlags: trace.FlagsSampled,
+		Remote:     true,
+	})
+	for _, tc := range []struct {
+		name string
+		ctx  func(trace.TracerProvider) (context.Context, trace.SpanContext)
+	}{
+		{"local span", func(tp trace.TracerProvider) (context.Context, trace.SpanContext) {
+			ctx, span := tp.Tracer("test").Start(context.Background(), "main")
+			span.End()
+			return ctx, span.SpanContext()
+		}},
+		{"remote span context", func(trace.TracerProvider) (context.Context, trace.SpanContext) {
+			return trace.ContextWithRemoteSpanContext(context.Background(), remote), remote
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			spans := tracetest.NewSpanRecorder()
+			tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+			e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+			e.publish("bare")
+			if err := e.b.Publish(context.Background(), "q", memory.Message{Body: []byte("headers"),
+				Headers: map[string]string{"content-type": "text/plain"}}); err != nil {
+				t.Fatal(err)
+			}
+			outer, outerSC := tc.ctx(tp)
+			r := runIn(t, outer, e.source(), func(context.Context, *consumer.Message) error { return nil },
+				consumer.WithTracerProvider(tp), consumer.WithPropagator(propagation.TraceContext{}))
+			waitFor(t, "acked", func() bool { return e.stats("q").Acked == 2 })
+			if err := r.stop(); err != nil {
+				t.Fatal(err)
+			}
+			ended := messageSpans(t, spans, 2)
+			for _, s := range ended {
+				if p := s.Parent(); p.IsValid() || s.SpanContext().TraceID() == outerSC.TraceID() {
+					t.Errorf("message span's parent is %v in trace %v (Run's context carries %v), want a root span of a new trace",
+						p.SpanID(), s.SpanContext().TraceID(), outerSC.SpanID())
+				}
+			}
+		})
 	}
 }
 
@@ -777,4 +799,35 @@ func TestTelemetryDeadLetterThatSettledTheOriginal(t *testing.T) {
 	if s := e.stats("q"); s.Acked != 1 || s.Visible+s.InFlight != 0 {
 		t.Errorf("stats %+v, want the original gone", s)
 	}
+}
+
+// stallingDeadLetter is a dead-letter destination whose writes hang until
+// their context ends, as one whose broker stopped answering does.
+type stallingDeadLetter struct{ sending chan struct{} }
+
+func (d stallingDeadLetter) Send(ctx context.Context, _ *adapters.Delivery, _ adapters.Failure) error {
+	close(d.sending)
+	<-ctx.Done()
+	return context.Cause(ctx)
+}
+
+// TestTelemetryDeadLetterWriteCutByTheShutdownDeadline: a dead-letter write
+// still under way when the shutdown deadline cancels it failed because the
+// consumer stopped waiting, not because the destination refused it: the
+// delivery is given back, and no dead-letter failure is counted, which would page whoever watches the
+// destination on every such shutdown.
+func TestTelemetryDeadLetterWriteCutByTheShutdownDeadline(t *testing.T) {
+	reader, mp := newMeter()
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("x")
+	dl := stallingDeadLetter{sending: make(chan struct{})}
+	r := run(t, e.source(), unparsable, consumer.WithName("cut"), consumer.WithMeterProvider(mp),
+		consumer.WithDeadLetter(dl), consumer.WithShutdownTimeout(20*time.Millisecond))
+	await(t, "the dead-letter write", dl.sending)
+	c := stopAndCollect(t, r, reader, "cut")
+	c.want(map[string]int64{
+		"custody.messages.received":        1,
+		"custody.messages.settled/retried": 1, // given back with its backoff
+		"custody.deadletter.failures":      0,
+	})
 }

@@ -149,8 +149,9 @@
 // from the brokers, see [WithLagRefresh]), custody.kafka.commit.duration, custody.kafka.commit.failures,
 // custody.kafka.skipped (records skipped thanks to the commit metadata),
 // custody.kafka.rewinds (partitions rewound after data loss) and
-// custody.kafka.expired (records deleted by retention before the group read
-// them; Receive reports them with [ErrExpired]).
+// custody.kafka.expired (offsets deleted by retention before the group read
+// them, counted as offsets: on a compacted topic some held no record;
+// Receive reports them with [ErrExpired]).
 // Record headers become Delivery.Headers, so the runtime picks up W3C trace
 // context (traceparent, tracestate) from them
 // (once a propagator is set: OpenTelemetry's default global propagator is a
