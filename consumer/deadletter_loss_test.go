@@ -50,9 +50,10 @@ func TestDeadLetterWriteEndsWhenTheDeliveryIsLost(t *testing.T) {
 		return nil
 	}}))
 	dl := &stuckDeadLetter{DeadLetter: e.dlq(), cause: make(chan error, 1)}
-	run(t, src, func(context.Context, *consumer.Message) error {
+	reader, mp := newMeter()
+	r := run(t, src, func(context.Context, *consumer.Message) error {
 		return consumer.Permanent(errors.New("poison"))
-	}, consumer.WithDeadLetter(dl))
+	}, consumer.WithDeadLetter(dl), consumer.WithName("lost"), consumer.WithMeterProvider(mp))
 
 	if cause := await(t, "the first dead-letter write to end", dl.cause); !errors.Is(cause, adapters.ErrLeaseLost) {
 		t.Fatalf("the write's context ended with %v, want the lost lease", cause)
@@ -64,4 +65,11 @@ func TestDeadLetterWriteEndsWhenTheDeliveryIsLost(t *testing.T) {
 	if n := dl.calls.Load(); n != 2 {
 		t.Errorf("%d dead-letter writes, want 2 (the cut one, then the redelivery's)", n)
 	}
+	// The cut write is no dead-letter failure: the destination did not
+	// fail it, the consumer stopped waiting.
+	stopAndCollect(t, r, reader, "lost").want(map[string]int64{
+		"custody.messages.settled/lost":          1,
+		"custody.messages.settled/dead_lettered": 1,
+		"custody.deadletter.failures":            0,
+	})
 }

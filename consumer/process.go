@@ -150,7 +150,7 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			// receive is the best bound on the first failure we have.
 			f.FirstFailure = j.d.FirstReceivedAt
 		}
-		sendErr := r.sendDeadLetter(dl, j, f)
+		cut, sendErr := r.sendDeadLetter(dl, j, f)
 		if sendErr == nil {
 			if j.d.Settled() {
 				r.stopLease(j)
@@ -161,10 +161,10 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			r.ack(j, outcomeDeadLettered)
 			return true
 		}
-		// A write the shutdown deadline cut short says nothing about the
-		// destination: the consumer stopped waiting for it. Counted, it
-		// would report a dead-letter outage on every such shutdown.
-		cut := r.handlerCtx.Err() != nil
+		// A write the shutdown deadline or the delivery's loss cut short
+		// says nothing about the destination: the consumer stopped waiting
+		// for it. Counted, it would report a dead-letter outage on every
+		// such shutdown.
 		if !cut {
 			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
 		}
@@ -172,8 +172,11 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			// Not kept: the delivery is gone (its lease, or a release the
 			// failed write had already sent, as SQS's Redrive does), and
 			// the broker brings the message back.
-			r.cfg.logger.Error("custody: dead-letter write failed and the delivery was lost; the broker redelivers the message",
-				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+			msg := "custody: dead-letter write failed and the delivery was lost; the broker redelivers the message"
+			if cut {
+				msg = "custody: dead-letter write cut short: the delivery was lost; the broker redelivers the message"
+			}
+			r.cfg.logger.Error(msg, "consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
 			r.lost(j, cause)
 			return true
 		}
@@ -205,14 +208,21 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 // handler's does: the broker hands the message out again, and a copy
 // written after that, by a write stuck behind a slow or unreachable
 // destination, would sit beside whatever the new holder does with it.
-func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure) error {
+// It reports whether a failed write was cut short: it failed with its
+// context's error, the context having ended (the loss, or the shutdown
+// deadline), rather than for a reason of the destination's own.
+func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure) (cut bool, err error) {
 	ctx, cancel := context.WithCancelCause(r.handlerCtx)
 	defer cancel(nil)
 	// The attempt's context, its registration's only other user, ended
 	// with the attempt.
 	j.d.OnLost(cancel) // at once if the delivery is lost already
 	defer j.d.OnLost(nil)
-	return dl.Send(ctx, j.d, f)
+	err = dl.Send(ctx, j.d, f)
+	if err == nil || ctx.Err() == nil {
+		return false, err
+	}
+	return errors.Is(err, ctx.Err()) || errors.Is(err, context.Cause(ctx)), err
 }
 
 func (r *run) processAtMostOnce(j *job) {

@@ -94,7 +94,7 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	t.leasesLost = counter("custody.lease.lost", "Deliveries whose lease was lost while held (expect a duplicate).")
 	t.renewFails = counter("custody.lease.renewal_failures", "Lease renewals that failed (throttling, network errors) and are tried again while the lease lasts.")
 	t.ackFailures = counter("custody.ack.failures", "Acks that failed (expect a redelivery).")
-	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed (not those the shutdown deadline cut short); the original was not acked.")
+	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed (not those cut short by the shutdown deadline or by the loss of the delivery); the original was not acked.")
 	if err != nil {
 		return nil, err
 	}
