@@ -19,7 +19,9 @@ import (
 )
 
 // TestSoakKeepsTheInvariants runs the runtime on the memory broker through
-// rounds of random configurations, handler behaviours (failures, panics,
+// rounds of random configurations (queue type, ordering, concurrency,
+// in-flight bound, lease, attempts, handler timeout, leaving unfinished
+// messages at shutdown), handler behaviours (failures, panics,
 // permanent errors, deferrals, handlers outliving their lease), broker
 // faults (failed acks, failed lease renewals) and consumers that stop, crash
 // and overlap, and checks what a user relies on whatever happens:
@@ -60,6 +62,8 @@ type soakConfig struct {
 	maxAttempts int
 	ackFail     float64 // the chance that an ack of a delivery fails
 	extendFail  float64 // the chance that a renewal of a delivery fails
+	leave       bool    // WithLeaveUnfinishedOnShutdown
+	timeout     time.Duration
 	phases      int     // consumer generations before the last, which runs to the end
 }
 
@@ -87,6 +91,10 @@ func soakRound(t *testing.T, seed uint64) {
 	}
 	if chance(0.3) {
 		cfg.extendFail = 0.3
+	}
+	cfg.leave = chance(0.3)
+	if chance(0.3) {
+		cfg.timeout = cfg.lease // slow handlers run up to 1.5 leases
 	}
 	t.Logf("config %+v", cfg)
 
@@ -262,6 +270,12 @@ func (s *soak) consume(gen int, dlq adapters.DeadLetter, life time.Duration, cra
 	}
 	if s.cfg.byKey {
 		opts = append(opts, consumer.WithOrdering(consumer.OrderByKey))
+	}
+	if s.cfg.leave {
+		opts = append(opts, consumer.WithLeaveUnfinishedOnShutdown())
+	}
+	if s.cfg.timeout > 0 {
+		opts = append(opts, consumer.WithHandlerTimeout(s.cfg.timeout))
 	}
 	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		return s.handle(ctx, gen, m)
