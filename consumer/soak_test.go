@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -15,6 +14,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/soaktest"
 	"log/slog"
 )
 
@@ -40,17 +40,8 @@ import (
 // Each round logs its seed. CUSTODY_SOAK_SEED replays a round;
 // CUSTODY_SOAK_ROUNDS runs more of them (default 4).
 func TestSoakKeepsTheInvariants(t *testing.T) {
-	rounds := 4
-	if v, err := strconv.Atoi(os.Getenv("CUSTODY_SOAK_ROUNDS")); err == nil && v > 0 {
-		rounds = v
-	}
-	seed := uint64(time.Now().UnixNano())
-	if v, err := strconv.ParseUint(os.Getenv("CUSTODY_SOAK_SEED"), 10, 64); err == nil {
-		seed, rounds = v, 1
-	}
-	for i := range rounds {
-		s := seed + uint64(i)
-		t.Run(fmt.Sprintf("seed=%d", s), func(t *testing.T) { soakRound(t, s) })
+	for _, seed := range soaktest.Seeds("CUSTODY_SOAK", 4) {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { soakRound(t, seed) })
 	}
 }
 
@@ -64,7 +55,7 @@ type soakConfig struct {
 	extendFail  float64 // the chance that a renewal of a delivery fails
 	leave       bool    // WithLeaveUnfinishedOnShutdown
 	timeout     time.Duration
-	phases      int     // consumer generations before the last, which runs to the end
+	phases      int // consumer generations before the last, which runs to the end
 }
 
 const (
@@ -283,46 +274,21 @@ func (s *soak) consume(gen int, dlq adapters.DeadLetter, life time.Duration, cra
 	if err != nil {
 		s.t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	if life > 0 {
-		time.Sleep(life)
-		if crash {
+	var kill func()
+	if crash {
+		kill = func() {
 			s.mu.Lock()
 			s.crashes[gen] = true
 			s.mu.Unlock()
 			src.Crash()
-		} else {
-			cancel()
 		}
-	} else {
-		deadline := time.Now().Add(2 * time.Minute)
-		for {
-			st, err := s.br.Stats("q")
-			if err != nil {
-				s.t.Fatal(err)
-			}
-			if st.Visible == 0 && st.InFlight == 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				s.violate("the queue never emptied: %+v", st)
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-		cancel()
 	}
-	select {
-	case err := <-done:
-		if err != nil && !crash {
-			s.violate("consumer %d: Run = %v, want nil after a graceful stop", gen, err)
-		}
-	case <-time.After(time.Minute):
-		s.violate("consumer %d: Run did not return within a minute of its stop", gen)
-		return
+	problems, err := soaktest.Live(c, s.br, "q", life, kill)
+	for _, p := range problems {
+		s.violate("consumer %d: %s", gen, p)
+	}
+	if err != nil && !crash {
+		s.violate("consumer %d: Run = %v, want nil after a graceful stop", gen, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
