@@ -89,6 +89,17 @@
 // (a Kafka partition assigned back to the same consumer while the lost
 // record's handler still ran).
 //
+// Order has a price the in-flight bound makes visible. A key's failed
+// delivery is retried in place, its backoff waited out while the key's
+// later deliveries wait behind it, and each of those holds its place in the
+// in-flight window ([WithMaxInFlight]) all the while. A key whose head
+// keeps failing, or runs long, can so fill the window with its own
+// backlog; the consumer then receives nothing else, for any key, until the
+// head moves on (the Kafka adapter bounds this per partition too). Bound
+// the handlers ([WithHandlerTimeout]), keep the retry policy's attempts and
+// backoff to what the key can afford to wait, and size the window for the
+// backlog one slow key may gather.
+//
 // # Shutdown
 //
 // Cancelling Run's context, or calling [Consumer.Shutdown], stops receiving
