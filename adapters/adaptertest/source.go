@@ -2,8 +2,10 @@ package adaptertest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"reflect"
+	"sync"
 	"testing"
 	"time"
 
@@ -56,11 +58,7 @@ func expectFates(t *testing.T, q *Queue, fates map[string]bool) {
 	}))
 	defer s.stop()
 	marker := "marker-" + t.Name()
-	ctx, cancel := context.WithTimeout(context.Background(), patience)
-	defer cancel()
-	if err := q.Publish(ctx, Message{Key: marker, Body: []byte(marker)}); err != nil {
-		t.Fatalf("publish: %v", err)
-	}
+	publish(t, q, Message{Key: marker, Body: []byte(marker)})
 	waitFor(t, "the marker and every message not acked delivered", func() bool {
 		if rec.count(marker) == 0 {
 			return false
@@ -88,6 +86,16 @@ func expectFates(t *testing.T, q *Queue, fates map[string]bool) {
 	if len(again) > 0 {
 		t.Fatalf("acked messages were delivered again: %v", again)
 	}
+}
+
+// holding returns a fresh queue with n messages on it, and a source that
+// received them all. The test closes the source.
+func holding(t *testing.T, h Harness, n int) (*Queue, adapters.Source, []*adapters.Delivery) {
+	t.Helper()
+	q := h.NewQueue(t, QueueConfig{Lease: 2 * time.Second})
+	publishN(t, q, n, "")
+	src := q.Open(t)
+	return q, src, receiveDirect(t, src, n, n)
 }
 
 // testCapabilities checks that Capabilities agrees with the harness and does
@@ -122,5 +130,226 @@ func testCapabilities(t *testing.T, h Harness) {
 	}
 	if string(ds[0].Body) != bodies[0] {
 		t.Errorf("received %q, want %q", ds[0].Body, bodies[0])
+	}
+}
+
+// testReceiveBounds checks that Receive never returns more than max, that a
+// max far beyond what the broker hands out in one call is no error, and the
+// fields every delivery must fill.
+func testReceiveBounds(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: 2 * time.Second})
+	const n = 6
+	msgs := make([]Message, n)
+	want := map[string]bool{}
+	for i := range msgs {
+		b := fmt.Sprintf("%s-%d", t.Name(), i)
+		msgs[i] = Message{Body: []byte(b), Headers: map[string]string{"index": fmt.Sprint(i)}}
+		want[b] = true
+	}
+	publish(t, q, msgs...)
+	src := q.Open(t)
+	defer src.Close()
+	caps := src.Capabilities()
+	ds := receiveDirect(t, src, 2, 1)
+	ds = append(ds, receiveDirect(t, src, n-2, 100000)...)
+	if len(ds) != n {
+		t.Fatalf("received %d deliveries, want %d", len(ds), n)
+	}
+	for _, d := range ds {
+		b := string(d.Body)
+		if !want[b] {
+			t.Errorf("unexpected or repeated delivery %q", b)
+		}
+		delete(want, b)
+		if d.Headers["index"] == "" {
+			t.Errorf("delivery %q lost its header: %v", b, d.Headers)
+		}
+		switch {
+		case caps.CountsDeliveries && d.Attempt != 1:
+			t.Errorf("delivery %q has Attempt %d on its first delivery, want 1 (CountsDeliveries)", b, d.Attempt)
+		case !caps.CountsDeliveries && d.Attempt != 0:
+			t.Errorf("delivery %q has Attempt %d, want 0: the broker does not count deliveries", b, d.Attempt)
+		}
+		if (d.Partition < 0) != (d.Offset < 0) || (d.Partition < 0 && (d.Partition != -1 || d.Offset != -1)) {
+			t.Errorf("delivery %q has Partition %d, Offset %d: both -1 or both located", b, d.Partition, d.Offset)
+		}
+		if d.Queue == "" || d.ReceivedAt.IsZero() {
+			t.Errorf("delivery %q lacks its Queue (%q) or ReceivedAt (%v)", b, d.Queue, d.ReceivedAt)
+		}
+		if d.OrderingKey != "" && !caps.Ordered {
+			t.Errorf("delivery %q has OrderingKey %q from a source that does not report Ordered", b, d.OrderingKey)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	if err := src.Ack(ctx, ds); err != nil {
+		t.Fatalf("Ack: %v", err)
+	}
+}
+
+// testOrderingKeys checks that an ordered queue's deliveries name their
+// lanes: the runtime keeps order only among deliveries with one non-empty
+// OrderingKey, whatever Capabilities.Ordered says.
+func testOrderingKeys(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: 2 * time.Second, Ordered: true})
+	var msgs []Message
+	for i := range 3 {
+		for _, k := range []string{"k1", "k2"} {
+			msgs = append(msgs, Message{Key: k, Body: []byte(fmt.Sprintf("%s-%d", k, i))})
+		}
+	}
+	publish(t, q, msgs...)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	src := q.Open(t)
+	defer src.Close()
+	if !src.Capabilities().Ordered {
+		t.Errorf("the harness made an ordered queue, but Capabilities().Ordered is false")
+	}
+	lanes := map[string]string{} // message key -> ordering key
+	var got []*adapters.Delivery
+	for len(got) < len(msgs) {
+		ds := receiveDirect(t, src, 1, len(msgs))
+		got = append(got, ds...)
+		// Ack as we go: a FIFO queue hands out a group's next message only
+		// once the one before is settled.
+		if err := src.Ack(ctx, ds); err != nil {
+			t.Fatalf("Ack: %v", err)
+		}
+	}
+	for _, d := range got {
+		if d.OrderingKey == "" {
+			t.Errorf("delivery %q of key %q has no OrderingKey", d.Body, d.Key)
+			continue
+		}
+		key := string(d.Body[:2])
+		if l, ok := lanes[key]; ok && l != d.OrderingKey {
+			t.Errorf("deliveries of key %q have OrderingKeys %q and %q", key, l, d.OrderingKey)
+		}
+		lanes[key] = d.OrderingKey
+	}
+	if len(lanes) == 2 && lanes["k1"] == lanes["k2"] {
+		t.Logf("keys k1 and k2 share the lane %q (allowed, but slower)", lanes["k1"])
+	}
+}
+
+// testClose checks Close with a Receive waiting (both return), that a later
+// Receive fails with an error wrapping adapters.ErrClosed, and that settling
+// a delivery after Close is truthful: an Ack that returns nil has deleted
+// the message, one that fails leaves it to come back.
+func testClose(t *testing.T, h Harness) {
+	q, src, ds := holding(t, h, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	received := make(chan error, 1)
+	go func() {
+		_, err := src.Receive(ctx, 10) // the queue is empty: it waits
+		received <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // let it start waiting; passing without is no harm
+	closed := make(chan error, 1)
+	go func() { closed <- src.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(patience):
+		t.Fatalf("Close did not return within %v with a Receive waiting", patience)
+	}
+	select {
+	case err := <-received:
+		if err != nil && !errors.Is(err, adapters.ErrClosed) {
+			t.Errorf("the Receive waiting at Close returned %v, want nil or an error wrapping adapters.ErrClosed", err)
+		}
+	case <-time.After(patience):
+		t.Fatalf("a Receive waiting at Close did not return within %v", patience)
+	}
+	if ds, err := src.Receive(ctx, 10); len(ds) > 0 || !errors.Is(err, adapters.ErrClosed) {
+		t.Errorf("Receive after Close returned %d deliveries and %v, want an error wrapping adapters.ErrClosed", len(ds), err)
+	}
+	ackErr := src.Ack(ctx, ds[:1])
+	t.Logf("Ack after Close: %v", ackErr)
+	nackErr := src.Nack(ctx, ds[1:], 0)
+	t.Logf("Nack after Close: %v", nackErr)
+	expectFates(t, q, map[string]bool{string(ds[0].Body): adapters.EntryError(ackErr, 0) == nil, string(ds[1].Body): false})
+}
+
+// testAckTwice acks a delivery twice, as a runtime retrying an Ack whose
+// answer was lost does: the second Ack may fail its entry, but it must not
+// disturb any other delivery (an AMQP channel closes on an unknown delivery
+// tag, losing every delivery it carries) nor bring the message back.
+func testAckTwice(t *testing.T, h Harness) {
+	q, src, ds := holding(t, h, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	if err := src.Ack(ctx, ds[:1]); err != nil {
+		t.Fatalf("first Ack: %v", err)
+	}
+	err := src.Ack(ctx, ds[:1])
+	t.Logf("second Ack of the same delivery: %v", err)
+	var be *adapters.BatchError
+	if err != nil && !errors.As(err, &be) {
+		t.Errorf("second Ack of one delivery failed the whole call: %v; fail its entry, if anything", err)
+	}
+	if err := src.Ack(ctx, ds[1:]); err != nil {
+		t.Fatalf("Ack of another delivery after a repeated Ack: %v", err)
+	}
+	if err := src.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	expectFates(t, q, map[string]bool{string(ds[0].Body): true, string(ds[1].Body): true})
+}
+
+// testNackDelay checks, where the source reports NackDelay, that a nacked
+// message comes back no sooner than asked, and that a delay beyond what the
+// broker can hold (SQS: 12 hours) is still a delay, not an error or an
+// immediate redelivery. Only a lower bound is checked: a slow machine makes
+// the measured time longer, never shorter.
+func testNackDelay(t *testing.T, h Harness) {
+	q, src, ds := holding(t, h, 2)
+	if !src.Capabilities().NackDelay {
+		src.Close()
+		t.Skip("the source does not report NackDelay; the runtime retries in place")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	const delay = 1500 * time.Millisecond
+	nacked := time.Now()
+	if err := src.Nack(ctx, ds[:1], delay); err != nil {
+		t.Fatalf("Nack with a delay of %v: %v", delay, err)
+	}
+	if err := src.Nack(ctx, ds[1:], 10000*time.Hour); err != nil {
+		t.Fatalf("Nack with a delay beyond any broker's limit: %v; the runtime asks for what its retry policy says, so cap it", err)
+	}
+	var (
+		mu   sync.Mutex
+		back = map[string]time.Duration{}
+	)
+	s := start(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		if _, ok := back[string(m.Body)]; !ok {
+			back[string(m.Body)] = time.Since(nacked)
+		}
+		mu.Unlock()
+		return nil
+	}))
+	waitFor(t, "the message nacked with a short delay delivered again", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		_, ok := back[string(ds[0].Body)]
+		return ok
+	})
+	time.Sleep(quietPeriod(q))
+	if err := s.stop(); err != nil {
+		t.Errorf("Run: %v", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got := back[string(ds[0].Body)]; got < delay {
+		t.Errorf("a message nacked with a delay of %v came back after %v", delay, got)
+	}
+	if got, ok := back[string(ds[1].Body)]; ok {
+		t.Errorf("a message nacked with a delay of 10000h came back after %v", got)
 	}
 }

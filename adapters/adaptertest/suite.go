@@ -52,6 +52,11 @@ func Run(t *testing.T, h Harness) {
 		{"LeaseLostCancelsHandler", testLeaseLost},
 		{"StaleDeliveryReportsLeaseLost", testStaleDelivery},
 		{"CapabilitiesAgreeWithHarness", testCapabilities},
+		{"ReceiveBounds", testReceiveBounds},
+		{"OrderedDeliveriesNameTheirLanes", testOrderingKeys},
+		{"CloseWithReceiveWaiting", testClose},
+		{"AckTwice", testAckTwice},
+		{"NackDelay", testNackDelay},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })
@@ -83,12 +88,18 @@ func publishN(t *testing.T, q *Queue, n int, key string) []string {
 		bodies[i] = fmt.Sprintf("%s-%d", t.Name(), i)
 		msgs[i] = Message{Key: key, Body: []byte(bodies[i])}
 	}
+	publish(t, q, msgs...)
+	return bodies
+}
+
+// publish puts msgs on q, bounded by patience.
+func publish(t *testing.T, q *Queue, msgs ...Message) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
 	if err := q.Publish(ctx, msgs...); err != nil {
 		t.Fatalf("publish: %v", err)
 	}
-	return bodies
 }
 
 // started is a consumer running in the background.
