@@ -233,6 +233,35 @@ func testOrderingKeys(t *testing.T, h Harness) {
 	}
 }
 
+// testReceiveAfterContextDone checks "after ctx is done it returns ctx's
+// error": even with deliveries ready (fetched ahead by an earlier call), a
+// Receive with a done context hands nothing out. The runtime stops
+// receiving when shutdown begins; what a Receive hands out then would start
+// handlers after the drain began.
+func testReceiveAfterContextDone(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: 2 * time.Second})
+	const n = 6
+	publishN(t, q, n, "")
+	src := q.Open(t)
+	defer src.Close()
+	held := receiveDirect(t, src, 1, 1) // the source may fetch the rest ahead
+	done, cancel := context.WithCancel(context.Background())
+	cancel()
+	// Several calls: an adapter that picks at random between a ready
+	// delivery and the done context would pass one call by luck.
+	for range 20 {
+		ds, err := src.Receive(done, n)
+		if len(ds) > 0 || !errors.Is(err, context.Canceled) {
+			t.Fatalf("Receive with a done context returned %d deliveries and %v, want none and context.Canceled", len(ds), err)
+		}
+	}
+	ctx, stop := context.WithTimeout(context.Background(), patience)
+	defer stop()
+	if err := src.Ack(ctx, held); err != nil {
+		t.Fatalf("Ack: %v", err)
+	}
+}
+
 // testClose checks Close with a Receive waiting (both return), that a later
 // Receive fails with an error wrapping adapters.ErrClosed, and that settling
 // a delivery after Close is truthful: an Ack that returns nil has deleted

@@ -54,6 +54,7 @@ func Run(t *testing.T, h Harness) {
 		{"CapabilitiesAgreeWithHarness", testCapabilities},
 		{"ReceiveBounds", testReceiveBounds},
 		{"OrderedDeliveriesNameTheirLanes", testOrderingKeys},
+		{"ReceiveAfterContextDone", testReceiveAfterContextDone},
 		{"CloseWithReceiveWaiting", testClose},
 		{"AckTwice", testAckTwice},
 		{"NackDelay", testNackDelay},

@@ -180,6 +180,12 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 		s.mu.Unlock()
 		return nil, adapters.ErrClosed
 	}
+	if err := ctx.Err(); err != nil {
+		// Records fetched ahead wait in the backlogs, but handed out now
+		// they would start handlers after the runtime began to shut down.
+		s.mu.Unlock()
+		return nil, err
+	}
 	out := s.takeLocked(nil, want)
 	// Backlogs are not counted: each is bounded by its partition's pause.
 	room := s.cfg.maxTotal - s.totalHeld

@@ -177,6 +177,12 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		return nil, adapters.ErrClosed
 	default:
 	}
+	if err := ctx.Err(); err != nil {
+		// Deliveries may wait in the buffer, and select would pick one of
+		// them as readily as ctx.Done: handed out now, they would start
+		// handlers after the runtime began to shut down.
+		return nil, err
+	}
 	t := time.NewTimer(s.s.pollWait)
 	defer t.Stop()
 	var ds []*adapters.Delivery
