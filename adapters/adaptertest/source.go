@@ -330,6 +330,59 @@ func testAckTwice(t *testing.T, h Harness) {
 	expectFates(t, q, map[string]bool{string(ds[0].Body): true, string(ds[1].Body): true})
 }
 
+// testAckAfterNack settles one delivery both ways, as a runtime with a bug
+// might, or a user's own code calling the Source: Nack then Ack, Ack then
+// Nack, and both at once. Whatever the adapter answers, it must be true: an
+// Ack that returns nil for an entry means the message never comes back, and
+// a failed Ack means it does.
+func testAckAfterNack(t *testing.T, h Harness) {
+	orders := []struct {
+		name string
+		run  func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error
+	}{
+		{"NackThenAck", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
+			if err := src.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+				return fmt.Errorf("Nack: %w", err)
+			}
+			return src.Ack(ctx, []*adapters.Delivery{d})
+		}},
+		{"AckThenNack", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
+			err := src.Ack(ctx, []*adapters.Delivery{d})
+			_ = src.Nack(ctx, []*adapters.Delivery{d}, 0)
+			return err
+		}},
+		{"Concurrent", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
+			var wg sync.WaitGroup
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_ = src.Nack(ctx, []*adapters.Delivery{d}, 0)
+			}()
+			err := src.Ack(ctx, []*adapters.Delivery{d})
+			wg.Wait()
+			return err
+		}},
+	}
+	for _, o := range orders {
+		t.Run(o.name, func(t *testing.T) {
+			q, src, ds := holding(t, h, 1)
+			d := ds[0]
+			ctx, cancel := context.WithTimeout(context.Background(), patience)
+			defer cancel()
+			err := o.run(ctx, src, d)
+			t.Logf("Ack: %v", err)
+			var be *adapters.BatchError
+			if err != nil && !errors.As(err, &be) {
+				t.Fatalf("%v", err)
+			}
+			if err := src.Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+			expectFates(t, q, map[string]bool{string(d.Body): adapters.EntryError(err, 0) == nil})
+		})
+	}
+}
+
 // testNackDelay checks, where the source reports NackDelay, that a nacked
 // message comes back no sooner than asked, and that a delay beyond what the
 // broker can hold (SQS: 12 hours) is still a delay, not an error or an

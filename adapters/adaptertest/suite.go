@@ -57,6 +57,7 @@ func Run(t *testing.T, h Harness) {
 		{"ReceiveAfterContextDone", testReceiveAfterContextDone},
 		{"CloseWithReceiveWaiting", testClose},
 		{"AckTwice", testAckTwice},
+		{"AckAndNackOfOneDelivery", testAckAfterNack},
 		{"NackDelay", testNackDelay},
 	}
 	for _, tc := range tests {

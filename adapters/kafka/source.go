@@ -606,6 +606,8 @@ func (s *Source) updatePauseLocked(p *partition) {
 // Ack implements adapters.Source: it marks the records done. The commit
 // follows on the interval, on revoke or on Close. Records whose partition was
 // revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
+// A record nacked already fails too (it is handed out again); acking a
+// record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
 	s.mu.Lock()
@@ -620,8 +622,15 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			failed = addFailure(failed, i, adapters.ErrRevoked)
 			continue
 		}
+		if h.slot == slotNacked {
+			// Given back: the record is handed out again (or left to the
+			// partition's next owner), so an Ack returning nil would
+			// promise what does not happen.
+			failed = addFailure(failed, i, errNacked)
+			continue
+		}
 		if h.slot < 0 {
-			continue // acked twice, or nacked already
+			continue // acked twice
 		}
 		s.releaseLocked(p, h)
 		p.done(h.d.Offset)
@@ -647,6 +656,7 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Durat
 			continue
 		}
 		s.releaseLocked(h.p, h)
+		h.slot = slotNacked
 		if !s.closing {
 			h.p.requeue = append(h.p.requeue, h)
 		}
@@ -694,6 +704,9 @@ func (s *Source) settleLocked() {
 		s.pollCancel = nil
 	}
 }
+
+// errNacked fails an Ack of a record already nacked.
+var errNacked = errors.New("kafka: the record was nacked already; it is handed out again, not committed")
 
 func addFailure(m map[int]error, i int, err error) map[int]error {
 	if m == nil {
