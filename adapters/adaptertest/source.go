@@ -383,6 +383,40 @@ func testAckAfterNack(t *testing.T, h Harness) {
 	}
 }
 
+// testForeignDelivery passes a delivery the Source never handed out (as
+// another broker's adapter builds it) in a batch with one of its own: the
+// stranger's entry must fail, in a *adapters.BatchError, and the batch's
+// other entry must be settled as asked, for Ack, Nack and Extend alike.
+func testForeignDelivery(t *testing.T, h Harness) {
+	q, src, ds := holding(t, h, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	stranger := func() *adapters.Delivery {
+		return foreignDelivery([]byte("stranger"), nil)
+	}
+	check := func(op string, err error) {
+		t.Helper()
+		var be *adapters.BatchError
+		if !errors.As(err, &be) {
+			t.Errorf("%s of a batch holding a foreign delivery returned %v, want a *adapters.BatchError failing that entry alone", op, err)
+			return
+		}
+		if adapters.EntryError(err, 0) != nil || adapters.EntryError(err, 1) == nil {
+			t.Errorf("%s: entry errors %v, want the foreign entry (1) alone failed", op, be.Failed)
+		}
+	}
+	if ext, ok := src.(adapters.Extender); ok {
+		check("Extend", ext.Extend(ctx, []*adapters.Delivery{ds[0], stranger()}, q.Lease))
+	}
+	check("Nack", src.Nack(ctx, []*adapters.Delivery{ds[1], stranger()}, 0))
+	ackErr := src.Ack(ctx, []*adapters.Delivery{ds[0], stranger()})
+	check("Ack", ackErr)
+	if err := src.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	expectFates(t, q, map[string]bool{string(ds[0].Body): adapters.EntryError(ackErr, 0) == nil, string(ds[1].Body): false})
+}
+
 // testNackDelay checks, where the source reports NackDelay, that a nacked
 // message comes back no sooner than asked, and that a delay beyond what the
 // broker can hold (SQS: 12 hours) is still a delay, not an error or an

@@ -58,6 +58,7 @@ func Run(t *testing.T, h Harness) {
 		{"CloseWithReceiveWaiting", testClose},
 		{"AckTwice", testAckTwice},
 		{"AckAndNackOfOneDelivery", testAckAfterNack},
+		{"ForeignDelivery", testForeignDelivery},
 		{"NackDelay", testNackDelay},
 	}
 	for _, tc := range tests {

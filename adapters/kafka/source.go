@@ -648,11 +648,17 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 // out again by a later Receive. At shutdown this leaves it uncommitted for the
 // partition's next owner.
 func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+	var failed map[int]error
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, d := range ds {
+	for i, d := range ds {
 		h, ok := d.Handle.(*held)
-		if !ok || h.p.fenced || h.slot < 0 {
+		if !ok {
+			// Not ours: nothing here would hand it out again.
+			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
+			continue
+		}
+		if h.p.fenced || h.slot < 0 {
 			continue
 		}
 		s.releaseLocked(h.p, h)
@@ -662,6 +668,9 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Durat
 		}
 	}
 	s.settleLocked()
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
 	return nil
 }
 
