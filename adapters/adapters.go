@@ -11,14 +11,34 @@ import (
 // Ack, Nack and Extend must return in bounded time even when the broker does
 // not answer (network adapters set their own I/O timeouts): the runtime
 // waits for them.
+//
+// Ack, Nack and Extend take deliveries this Source's Receive returned (and,
+// where any consumer's receipt will do, as with SQS and the memory broker,
+// those of another Source on the same queue). An entry the Source cannot
+// settle (a delivery it did not hand out, one whose channel or partition is
+// gone) fails alone, in a [*BatchError]; the other entries of the call are
+// settled as asked. Whatever the order of calls, a nil result for an entry
+// must be true: an Ack that succeeded for a delivery means its message is
+// never delivered again, so an Ack of a delivery already nacked either still
+// deletes its message (where the broker allows, as SQS does with a receipt
+// handle not yet superseded) or fails. Acking a delivery twice is harmless:
+// the second Ack returns nil or fails that entry, and never disturbs other
+// deliveries. After Close these calls either still work (an SQS receipt
+// handle outlives the Source) or fail.
+//
+// Package adaptertest checks these rules against every adapter.
 type Source interface {
 	// Receive blocks until at least one delivery is available, ctx is done,
 	// or the adapter's poll wait elapses, and returns at most max
-	// deliveries. An empty result with a nil error is normal (a long poll
-	// that found nothing). After ctx is done it returns ctx's error.
+	// deliveries, however large max is. An empty result with a nil error
+	// is normal (a long poll that found nothing). After ctx is done it
+	// returns ctx's error and hands out nothing, not even deliveries it
+	// fetched ahead: the runtime stops receiving when shutdown begins.
 	// Deliveries returned with an error (a partial failure, such as one
 	// Kafka partition's fetch error among other partitions' records) are
 	// held like any others: the runtime handles them and logs the error.
+	// After Close, Receive returns an error wrapping [ErrClosed]; a Receive
+	// waiting when Close is called returns.
 	Receive(ctx context.Context, max int) ([]*Delivery, error)
 
 	// Ack settles deliveries whose effect is complete. The broker must not
@@ -26,11 +46,14 @@ type Source interface {
 	Ack(ctx context.Context, ds []*Delivery) error
 
 	// Nack gives deliveries back to be redelivered no sooner than
-	// redeliverAfter (zero: as soon as the broker may). Adapters whose
-	// broker has no delayed redelivery report NackDelay=false in their
-	// Capabilities; the runtime then waits in place and only calls Nack with
-	// zero delay, to give back deliveries it will not run (at shutdown,
-	// recalled, or behind a lost one of their lane).
+	// redeliverAfter (zero or less: as soon as the broker may). A delay
+	// longer than the broker can hold a message back is cut to the longest
+	// it can (SQS: what is left of 12 hours since the receive), never
+	// refused: the retry policy, not the adapter, picks delays. Adapters
+	// whose broker has no delayed redelivery report NackDelay=false in
+	// their Capabilities; the runtime then waits in place and only calls
+	// Nack with zero delay, to give back deliveries it will not run (at
+	// shutdown, recalled, or behind a lost one of their lane).
 	Nack(ctx context.Context, ds []*Delivery, redeliverAfter time.Duration) error
 
 	// Capabilities describes what the broker offers. It is read once, when
@@ -45,7 +68,9 @@ type Source interface {
 
 // Extender is implemented by sources whose deliveries are held on a lease
 // (SQS visibility timeout, JetStream AckWait, the memory broker). Extend
-// renews the lease of each delivery to d from now.
+// renews the lease of each delivery to d from now. An entry whose message
+// another consumer received since its lease ran out fails with an error
+// wrapping [ErrLeaseLost]: the runtime then cancels its handler.
 type Extender interface {
 	Extend(ctx context.Context, ds []*Delivery, d time.Duration) error
 }
@@ -116,7 +141,9 @@ type Capabilities struct {
 	// per receive). Zero means no cap.
 	MaxLeaseAge time.Duration
 
-	// NackDelay reports whether Nack honours redeliverAfter. When false,
+	// NackDelay reports whether Nack honours redeliverAfter: a nacked
+	// message comes back no sooner than asked. Reported wrongly, it makes
+	// the runtime's retries hot-loop through the broker. When false,
 	// or when CountsDeliveries is false (a redelivery would start counting
 	// attempts again, so MaxAttempts would never be reached), the runtime
 	// retries in place.
@@ -127,7 +154,9 @@ type Capabilities struct {
 	CountsDeliveries bool
 
 	// Ordered reports that the adapter sets Delivery.OrderingKey for
-	// deliveries that must be processed in order.
+	// deliveries that must be processed in order. The runtime orders by
+	// OrderingKey alone; an adapter that does not report Ordered leaves
+	// every OrderingKey empty.
 	Ordered bool
 
 	// MaxUnacked is how many deliveries the broker hands out before it
@@ -136,8 +165,10 @@ type Capabilities struct {
 	// more than it by default. Zero means no such bound.
 	MaxUnacked int
 
-	// MaxReceive, MaxAckBatch and MaxExtendBatch bound batch sizes. Zero
-	// means unbounded.
+	// MaxReceive, MaxAckBatch and MaxExtendBatch bound the batches the
+	// runtime asks for. Zero means unbounded. Receive still honours a
+	// larger max (returning no more than it can), so a caller other than
+	// the runtime need not know them.
 	MaxReceive     int
 	MaxAckBatch    int
 	MaxExtendBatch int

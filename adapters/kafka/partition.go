@@ -83,10 +83,14 @@ type partition struct {
 type held struct {
 	d adapters.Delivery
 	p *partition
-	// slot is the delivery's index in p.out while it is handed out, and -1
-	// otherwise (not yet handed out, acked, nacked, or its partition fenced).
+	// slot is the delivery's index in p.out while it is handed out,
+	// slotNacked once nacked (until handed out again), and -1 otherwise (not
+	// yet handed out, acked, or its partition fenced).
 	slot int
 }
+
+// slotNacked is held.slot of a nacked record: Ack tells it from one acked.
+const slotNacked = -2
 
 func newPartition(topic string, id int32, epoch uint64) *partition {
 	return &partition{

@@ -180,6 +180,12 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 		s.mu.Unlock()
 		return nil, adapters.ErrClosed
 	}
+	if err := ctx.Err(); err != nil {
+		// Records fetched ahead wait in the backlogs, but handed out now
+		// they would start handlers after the runtime began to shut down.
+		s.mu.Unlock()
+		return nil, err
+	}
 	out := s.takeLocked(nil, want)
 	// Backlogs are not counted: each is bounded by its partition's pause.
 	room := s.cfg.maxTotal - s.totalHeld
@@ -600,6 +606,8 @@ func (s *Source) updatePauseLocked(p *partition) {
 // Ack implements adapters.Source: it marks the records done. The commit
 // follows on the interval, on revoke or on Close. Records whose partition was
 // revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
+// A record nacked already fails too (it is handed out again); acking a
+// record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
 	s.mu.Lock()
@@ -614,8 +622,15 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			failed = addFailure(failed, i, adapters.ErrRevoked)
 			continue
 		}
+		if h.slot == slotNacked {
+			// Given back: the record is handed out again (or left to the
+			// partition's next owner), so an Ack returning nil would
+			// promise what does not happen.
+			failed = addFailure(failed, i, errNacked)
+			continue
+		}
 		if h.slot < 0 {
-			continue // acked twice, or nacked already
+			continue // acked twice
 		}
 		s.releaseLocked(p, h)
 		p.done(h.d.Offset)
@@ -633,19 +648,29 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 // out again by a later Receive. At shutdown this leaves it uncommitted for the
 // partition's next owner.
 func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+	var failed map[int]error
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, d := range ds {
+	for i, d := range ds {
 		h, ok := d.Handle.(*held)
-		if !ok || h.p.fenced || h.slot < 0 {
+		if !ok {
+			// Not ours: nothing here would hand it out again.
+			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
+			continue
+		}
+		if h.p.fenced || h.slot < 0 {
 			continue
 		}
 		s.releaseLocked(h.p, h)
+		h.slot = slotNacked
 		if !s.closing {
 			h.p.requeue = append(h.p.requeue, h)
 		}
 	}
 	s.settleLocked()
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
 	return nil
 }
 
@@ -688,6 +713,9 @@ func (s *Source) settleLocked() {
 		s.pollCancel = nil
 	}
 }
+
+// errNacked fails an Ack of a record already nacked.
+var errNacked = errors.New("kafka: the record was nacked already; it is handed out again, not committed")
 
 func addFailure(m map[int]error, i int, err error) map[int]error {
 	if m == nil {

@@ -560,8 +560,9 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 
 // Nacked records come again once each, in offset order; an ack of a
 // delivery already nacked, or acked, changes nothing: the nacked records
-// stay not done, and the commit stops before them.
-func TestAckAfterNackOrTwiceIsIgnored(t *testing.T) {
+// stay not done, and the commit stops before them. The ack of a nacked one
+// fails its entry, since the record comes back.
+func TestAckAfterNackFailsAndTwiceIsIgnored(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
@@ -571,7 +572,11 @@ func TestAckAfterNackOrTwiceIsIgnored(t *testing.T) {
 	if err := s.Nack(context.Background(), ds[:2], 0); err != nil {
 		t.Fatal(err)
 	}
-	ack(t, s, ds[0]) // late: the record was given back
+	// Late: the record was given back, and comes back whatever the Ack
+	// says, so the Ack must not report it settled.
+	if err := s.Ack(context.Background(), ds[:1]); adapters.EntryError(err, 0) == nil {
+		t.Fatalf("Ack of a nacked record returned %v, want its entry failed", err)
+	}
 	ack(t, s, ds[2])
 	ack(t, s, ds[2]) // twice
 	commitNow(t, s)

@@ -64,7 +64,14 @@ type handle struct {
 	gen   *generation
 	tag   uint64
 	state state // guarded by gen.mu
+	// gaveBack is set, under gen.mu, once a Nack or reject took the
+	// delivery: its message comes back (requeued, or republished as a
+	// copy), so an Ack of it must fail rather than report it settled.
+	gaveBack bool
 }
+
+// errGaveBack fails an Ack of a delivery already given back.
+var errGaveBack = errors.New("rabbitmq: the delivery was already given back (nacked); the broker delivers its message again")
 
 func handleOf(d *adapters.Delivery) *handle {
 	h, _ := d.Handle.(*handle)
@@ -151,6 +158,7 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 		g.waiting--
 	}
 	h.state = stateSettled
+	h.gaveBack = true
 	delete(g.held, h.tag)
 	g.src.stats.rejects.Add(1)
 	if g.tracker.Done(int64(h.tag)) {

@@ -69,12 +69,19 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAft
 func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
 	g := h.gen
 	g.mu.Lock()
-	dead, state := g.dead, h.state
+	dead, state, gaveBack := g.dead, h.state, h.gaveBack
+	if !dead && state == stateHeld && !gaveBack {
+		// Decided under the lock: from here the message comes back (as a
+		// copy, or requeued should the copy fail), so an Ack arriving
+		// while the copy is published must fail, and so must a second
+		// Nack, which would publish a second copy.
+		h.gaveBack = true
+	}
 	g.mu.Unlock()
 	switch {
 	case dead:
 		return g.lostErr()
-	case state != stateHeld:
+	case state != stateHeld || gaveBack:
 		return errors.New("rabbitmq: the delivery was already settled or is already waiting for a retry")
 	}
 	// Never hold a delivery until the broker's consumer timeout closes the

@@ -546,18 +546,25 @@ func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
 
 func (sr *stallingRelay) block() { sr.stalled.Store(true) }
 
+// holdOne publishes one message to a fresh classic queue and returns a
+// Source (prefetch 10) holding its delivery.
+func holdOne(t *testing.T) (*admin, string, *Source, *adapters.Delivery) {
+	t.Helper()
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "m1")
+	s := openSource(t, q, WithPrefetch(10))
+	return a, q, s, receiveN(t, s, 1)[0]
+}
+
 // A delivery waiting in place for its retry and then given back at once
 // (Nack without a delay) is requeued by the broker, and its wait publishes
 // no copy when it ends: the message would be handled twice. A second retry,
 // started after the first wait, is the mark: once its copy is back, the
 // first wait has long ended.
 func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10))
+	a, q, s, d := holdOne(t)
 	ctx := context.Background()
-	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(ctx, []*adapters.Delivery{d}, 100*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}
@@ -586,6 +593,32 @@ func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 	}
 	if st := s.Stats(); st.RetriedInPlace != 1 {
 		t.Fatalf("stats %+v: want one copy, the second retry's", st)
+	}
+}
+
+// An Ack of a delivery already nacked fails: the message comes back (as the
+// retry's copy, or requeued), so an Ack returning nil would report settled a
+// message that is delivered again. Through a delay queue the original is
+// acked on the wire with the copy's confirm, which once made the late Ack
+// look like a repeated one and return nil. A second Nack fails likewise,
+// rather than publish a second copy.
+func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
+	_, _, s, d := holdOne(t)
+	ctx := context.Background()
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DelayQueued != 1 {
+		t.Fatalf("stats %+v: want the retry through a delay queue", st)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); adapters.EntryError(err, 0) == nil {
+		t.Fatalf("Ack of a delivery nacked through a delay queue returned %v, want its entry failed", err)
+	}
+	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); adapters.EntryError(err, 0) == nil {
+		t.Fatalf("a second Nack returned %v, want its entry failed", err)
+	}
+	if st := s.Stats(); st.DelayQueued != 1 {
+		t.Fatalf("stats %+v: want one copy", st)
 	}
 }
 

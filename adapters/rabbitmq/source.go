@@ -177,6 +177,12 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		return nil, adapters.ErrClosed
 	default:
 	}
+	if err := ctx.Err(); err != nil {
+		// Deliveries may wait in the buffer, and select would pick one of
+		// them as readily as ctx.Done: handed out now, they would start
+		// handlers after the runtime began to shut down.
+		return nil, err
+	}
 	t := time.NewTimer(s.s.pollWait)
 	defer t.Stop()
 	var ds []*adapters.Delivery
@@ -225,7 +231,9 @@ func (s *Source) own(d *adapters.Delivery) (*handle, error) {
 // Ack implements adapters.Source. It records the deliveries as finished and
 // returns; their acks go out coalesced (see the package documentation).
 // Deliveries whose channel died are reported in a *adapters.BatchError with
-// ErrConnectionLost: the broker redelivers them.
+// ErrConnectionLost: the broker redelivers them. So are deliveries already
+// nacked, whose messages come back whatever the Ack says; acking a delivery
+// again is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
 	for i, d := range ds {
@@ -233,7 +241,11 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 		if err == nil {
 			g := h.gen
 			g.mu.Lock()
-			err = g.ackLocked(h)
+			if h.gaveBack {
+				err = errGaveBack
+			} else {
+				err = g.ackLocked(h)
+			}
 			g.mu.Unlock()
 		}
 		if err != nil {
