@@ -362,10 +362,11 @@ func (r *run) receive(ctx context.Context) error {
 	failures := 0
 	for {
 		if ctx.Err() != nil {
-			// Shutdown began: ask for nothing more. Waiting for Receive to
-			// return ctx's error is not enough: a source may still hand out
-			// what it holds (the Kafka adapter's records fetched ahead), and
-			// those would start new handlers after shutdown began.
+			// Shutdown began: ask for nothing more. The contract has
+			// Receive hand out nothing once its context is done, but a
+			// source that kept to it only loosely (one handing out what it
+			// had fetched ahead) would start new handlers after shutdown
+			// began: the check costs nothing.
 			return nil
 		}
 		n, ok := r.credit.acquire(ctx)
