@@ -18,10 +18,15 @@ import (
 // settle (a delivery it did not hand out, one whose channel or partition is
 // gone) fails alone, in a [*BatchError]; the other entries of the call are
 // settled as asked. Whatever the order of calls, a nil result for an entry
-// must be true: an Ack that succeeded for a delivery means its message is
-// never delivered again, so an Ack of a delivery already nacked either still
-// deletes its message (where the broker allows, as SQS does with a receipt
-// handle not yet superseded) or fails. Acking a delivery twice is harmless:
+// must be true as far as the adapter can know: an Ack that succeeded for a
+// delivery means the adapter neither hands its message out again nor gave
+// it back, so an Ack of a delivery already nacked either still deletes its
+// message (where the broker allows, as SQS does with a receipt handle not
+// yet superseded) or fails. (The broker may still deliver it again when the
+// ack never reaches it: a RabbitMQ ack is written after Ack returns and has
+// no reply, and a connection that dies first loses it; SQS delivers at
+// least once. Those are the broker's duplicates, which the idempotency
+// layer absorbs.) Acking a delivery twice is harmless:
 // the second Ack returns nil or fails that entry, and never disturbs other
 // deliveries. After Close these calls either still work (an SQS receipt
 // handle outlives the Source) or fail.
