@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -81,4 +83,59 @@ func ExampleQueueOptions_redrive() {
 	fmt.Printf("%s %q from %s after %s receives\n", dead[0].ID, dead[0].Body,
 		dead[0].Headers[adapters.HeaderOriginalQueue], dead[0].Headers[adapters.HeaderAttempts])
 	// Output: order-7 "poison" from orders after 2 receives
+}
+
+// Testing your own handler: publish the messages the test needs, run the
+// handler under a real consumer until the queue is empty, then check its
+// effects and the dead-letter queue. The broker runs in the process, so the
+// test needs no infrastructure; in a test, report with t.Errorf instead of
+// printing.
+func Example_handlerTest() {
+	ctx := context.Background()
+	b := memory.NewBroker()
+	_ = b.CreateQueue("signups", memory.QueueOptions{})
+	_ = b.CreateQueue("signups-dlq", memory.QueueOptions{})
+	_ = b.Publish(ctx, "signups",
+		memory.Message{Body: []byte("ada@example.com")},
+		memory.Message{Body: []byte("not an address")},
+	)
+	src, _ := b.Source("signups", memory.WithPollWait(10*time.Millisecond))
+	dlq, _ := b.DeadLetterQueue("signups-dlq")
+
+	// The handler under test, normally from your own package.
+	var mu sync.Mutex
+	var registered []string
+	signup := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		addr := string(m.Body)
+		if !strings.Contains(addr, "@") {
+			return consumer.Permanent(fmt.Errorf("%q is no email address", addr))
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		registered = append(registered, addr)
+		return nil
+	})
+
+	c, err := consumer.New(src, signup,
+		consumer.WithDeadLetter(dlq),
+		// A test need not wait out production backoffs.
+		consumer.WithRetry(consumer.Retry{Backoff: consumer.ConstantBackoff(time.Millisecond)}),
+	)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	go func() { _ = c.Run(ctx) }()
+	// Acked or dead-lettered, every message has then left the queue.
+	waitFor(func() bool { s, _ := b.Stats("signups"); return s.Visible+s.InFlight == 0 })
+	_ = c.Shutdown(ctx)
+
+	fmt.Println("registered:", registered)
+	dead, _ := b.Messages("signups-dlq")
+	for _, m := range dead {
+		fmt.Printf("dead-lettered %q: %s\n", m.Body, m.Headers[adapters.HeaderError])
+	}
+	// Output:
+	// registered: [ada@example.com]
+	// dead-lettered "not an address": permanent: "not an address" is no email address
 }
