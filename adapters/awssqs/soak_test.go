@@ -92,9 +92,9 @@ type sqsSoakConfig struct {
 	// The chance that a request of each kind fails (before it is sent, or
 	// with its answer lost after SQS acted on it).
 	deleteFail, visibilityFail, receiveFail, sendFail float64
-	// The chance that a visibility change is held up, by up to half the
-	// visibility timeout.
-	visibilityDelay float64
+	// The chance that a visibility change, or a delete, is held up, by up
+	// to half the visibility timeout.
+	visibilityDelay, deleteDelay float64
 
 	phases  int // consumer generations before the last, which runs to the end
 	crash   bool
@@ -139,6 +139,9 @@ func sqsSoakRound(t *testing.T, seed uint64) {
 	}
 	if chance(0.3) {
 		cfg.visibilityDelay = 0.1
+	}
+	if chance(0.3) {
+		cfg.deleteDelay = 0.1
 	}
 	if chance(0.4) {
 		cfg.receiveFail = 0.1
@@ -534,7 +537,7 @@ func (tr *soakTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 		}
 		r.Body = io.NopCloser(bytes.NewReader(body))
 		s.checkDeletes(body)
-		fail = s.cfg.deleteFail
+		fail, delay = s.cfg.deleteFail, s.cfg.deleteDelay
 	case "ChangeMessageVisibilityBatch":
 		s.visibilityCalls.Add(1)
 		fail, delay = s.cfg.visibilityFail, s.cfg.visibilityDelay
