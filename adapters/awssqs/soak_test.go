@@ -68,9 +68,10 @@ import (
 //
 // Each round logs its seed. CUSTODY_SQS_SOAK_SEED replays a round (the
 // choices it makes, not the schedule), CUSTODY_SQS_SOAK_ROUNDS runs more of
-// them (default 3), CUSTODY_SQS_SOAK_LOG=1 shows the runtime's log.
+// them (default 2, since a round takes 5 to 30 s), CUSTODY_SQS_SOAK_LOG=1
+// shows the runtime's log.
 func TestSoakSQSKeepsTheInvariants(t *testing.T) {
-	soaktest.Rounds(t, "CUSTODY_SQS_SOAK", 3, sqsSoakRound)
+	soaktest.Rounds(t, "CUSTODY_SQS_SOAK", 2, sqsSoakRound)
 }
 
 type sqsSoakConfig struct {
