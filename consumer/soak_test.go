@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
-	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -15,7 +15,6 @@ import (
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/soaktest"
-	"log/slog"
 )
 
 // TestSoakKeepsTheInvariants runs the runtime on the memory broker through
@@ -40,22 +39,16 @@ import (
 // Each round logs its seed. CUSTODY_SOAK_SEED replays a round;
 // CUSTODY_SOAK_ROUNDS runs more of them (default 4).
 func TestSoakKeepsTheInvariants(t *testing.T) {
-	for _, seed := range soaktest.Seeds("CUSTODY_SOAK", 4) {
-		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { soakRound(t, seed) })
-	}
+	soaktest.Rounds(t, "CUSTODY_SOAK", 4, soakRound)
 }
 
 type soakConfig struct {
-	fifo, byKey bool
-	concurrency int
-	inFlight    int
-	lease       time.Duration
-	maxAttempts int
-	ackFail     float64 // the chance that an ack of a delivery fails
-	extendFail  float64 // the chance that a renewal of a delivery fails
-	leave       bool    // WithLeaveUnfinishedOnShutdown
-	timeout     time.Duration
-	phases      int // consumer generations before the last, which runs to the end
+	soaktest.Knobs
+	fifo       bool
+	lease      time.Duration
+	ackFail    float64 // the chance that an ack of a delivery fails
+	extendFail float64 // the chance that a renewal of a delivery fails
+	phases     int     // consumer generations before the last, which runs to the end
 }
 
 const (
@@ -67,15 +60,17 @@ func soakRound(t *testing.T, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 1))
 	chance := func(p float64) bool { return rng.Float64() < p }
 	cfg := soakConfig{
-		fifo:        chance(0.4),
-		byKey:       chance(0.5),
-		concurrency: 1 + rng.IntN(8),
-		lease:       time.Duration(400+rng.IntN(400)) * time.Millisecond,
-		maxAttempts: 2 + rng.IntN(3),
-		phases:      rng.IntN(4),
+		fifo: chance(0.4),
+		Knobs: soaktest.Knobs{
+			ByKey:       chance(0.5),
+			Concurrency: 1 + rng.IntN(8),
+			MaxAttempts: 2 + rng.IntN(3),
+		},
+		lease:  time.Duration(400+rng.IntN(400)) * time.Millisecond,
+		phases: rng.IntN(4),
 	}
 	if chance(0.5) {
-		cfg.inFlight = cfg.concurrency + rng.IntN(40)
+		cfg.InFlight = cfg.Concurrency + rng.IntN(40)
 	}
 	if chance(0.5) {
 		cfg.ackFail = 0.05
@@ -83,9 +78,9 @@ func soakRound(t *testing.T, seed uint64) {
 	if chance(0.3) {
 		cfg.extendFail = 0.3
 	}
-	cfg.leave = chance(0.3)
+	cfg.Leave = chance(0.3)
 	if chance(0.3) {
-		cfg.timeout = cfg.lease // slow handlers run up to 1.5 leases
+		cfg.HandlerTimeout = cfg.lease // slow handlers run up to 1.5 leases
 	}
 	t.Logf("config %+v", cfg)
 
@@ -109,14 +104,13 @@ func soakRound(t *testing.T, seed uint64) {
 	}
 	s := &soak{
 		t: t, cfg: cfg, br: br,
+		// The margin absorbs a loaded machine's scheduling.
+		log:       soaktest.NewLog(2 * time.Second),
 		rng:       rand.New(rand.NewPCG(seed, 2)),
-		running:   make(map[string][]*soakCall),
 		succeeded: make(map[string]bool),
-		firsts:    make(map[string][]int),
 		crashes:   make(map[int]bool),
-		settled:   make(map[string]bool),
 	}
-	defer s.checks.Wait()
+	defer s.log.Wait()
 
 	// Earlier generations: one or two consumers at once, each stopped
 	// after a while, gracefully or by a crash.
@@ -133,10 +127,11 @@ func soakRound(t *testing.T, seed uint64) {
 	// The last one runs until every message is settled.
 	gen++
 	s.consume(gen, dlq, 0, false)
+	s.log.Wait()
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, v := range s.violations {
+	for _, v := range s.log.Violations() {
 		t.Error(v)
 	}
 	dead, err := br.Messages("dlq")
@@ -165,10 +160,8 @@ func soakRound(t *testing.T, seed uint64) {
 		}
 	}
 	if cfg.fifo {
-		for key, seqs := range s.firsts {
-			if !slices.IsSorted(seqs) {
-				t.Errorf("FIFO group %s first settled in the order %v, want publish order", key, seqs)
-			}
+		for key, seqs := range s.log.Unordered() {
+			t.Errorf("FIFO group %s first settled in the order %v, want publish order", key, seqs)
 		}
 	}
 	t.Logf("%d consumers; %d handled, %d dead-lettered", gen, len(s.succeeded), len(dead))
@@ -176,34 +169,19 @@ func soakRound(t *testing.T, seed uint64) {
 
 // soak is one round's shared state.
 type soak struct {
-	t      *testing.T
-	cfg    soakConfig
-	br     *memory.Broker
-	checks sync.WaitGroup // overlap checks still waiting
+	t   *testing.T
+	cfg soakConfig
+	br  *memory.Broker
+	log *soaktest.Log
 
-	mu         sync.Mutex
-	rng        *rand.Rand
-	running    map[string][]*soakCall // by message ID
-	succeeded  map[string]bool
-	settled    map[string]bool  // handled successfully or dead-lettered
-	firsts     map[string][]int // FIFO group → sequence numbers, in the order first settled
-	seqToID    [soakMessages]string
-	crashes    map[int]bool // consumers whose source crashed
-	violations []string
+	mu        sync.Mutex
+	rng       *rand.Rand
+	succeeded map[string]bool
+	seqToID   [soakMessages]string
+	crashes   map[int]bool // consumers whose source crashed
 }
 
-// soakCall is one running handler call.
-type soakCall struct {
-	gen int
-	ctx context.Context
-	key string
-}
-
-func (s *soak) violate(format string, args ...any) {
-	s.mu.Lock()
-	s.violations = append(s.violations, fmt.Sprintf(format, args...))
-	s.mu.Unlock()
-}
+func (s *soak) violate(format string, args ...any) { s.log.Violate(format, args...) }
 
 func (s *soak) crashed(gen int) bool {
 	s.mu.Lock()
@@ -249,56 +227,29 @@ func (s *soak) consume(gen int, dlq adapters.DeadLetter, life time.Duration, cra
 	if err != nil {
 		s.t.Fatal(err)
 	}
-	opts := []consumer.Option{
-		consumer.WithConcurrency(s.cfg.concurrency),
-		consumer.WithDeadLetter(soakDeadLetter{dlq, s}),
-		consumer.WithRetry(consumer.Retry{MaxAttempts: s.cfg.maxAttempts, Backoff: consumer.ConstantBackoff(2 * time.Millisecond)}),
-		consumer.WithShutdownTimeout(s.cfg.lease),
-		consumer.WithLogger(slog.New(slog.DiscardHandler)),
-	}
-	if s.cfg.inFlight > 0 {
-		opts = append(opts, consumer.WithMaxInFlight(s.cfg.inFlight))
-	}
-	if s.cfg.byKey {
-		opts = append(opts, consumer.WithOrdering(consumer.OrderByKey))
-	}
-	if s.cfg.leave {
-		opts = append(opts, consumer.WithLeaveUnfinishedOnShutdown())
-	}
-	if s.cfg.timeout > 0 {
-		opts = append(opts, consumer.WithHandlerTimeout(s.cfg.timeout))
-	}
+	opts := s.cfg.Options(soakDeadLetter{dlq, s}, s.cfg.lease, slog.New(slog.DiscardHandler))
 	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		return s.handle(ctx, gen, m)
 	}), opts...)
 	if err != nil {
 		s.t.Fatal(err)
 	}
-	var kill func()
-	if crash {
-		kill = func() {
-			s.mu.Lock()
-			s.crashes[gen] = true
-			s.mu.Unlock()
-			src.Crash()
-		}
-	}
-	problems, err := soaktest.Live(c, s.br, "q", life, kill)
-	for _, p := range problems {
-		s.violate("consumer %d: %s", gen, p)
-	}
-	if err != nil && !crash {
-		s.violate("consumer %d: Run = %v, want nil after a graceful stop", gen, err)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for id, calls := range s.running {
-		for _, c := range calls {
-			if c.gen == gen {
-				s.violations = append(s.violations, fmt.Sprintf("consumer %d: the handler of %s still runs after Run returned", gen, id))
+	s.log.Drive(gen, c, func(cancel context.CancelFunc) {
+		if life > 0 {
+			time.Sleep(life)
+			if crash {
+				s.mu.Lock()
+				s.crashes[gen] = true
+				s.mu.Unlock()
+				src.Crash()
+			} else {
+				cancel()
 			}
+			return
 		}
-	}
+		s.log.AwaitEmpty(s.br, "q", 2*time.Minute)
+		cancel()
+	}, func(error) bool { return crash })
 }
 
 func (s *soak) deadLettered(id string) bool {
@@ -322,100 +273,35 @@ func (s *soak) handle(ctx context.Context, gen int, m *consumer.Message) error {
 		s.violate("unexpected body %q", m.Body)
 		return consumer.Permanent(err)
 	}
-	call := &soakCall{gen: gen, ctx: ctx, key: m.Key}
 	s.mu.Lock()
 	s.seqToID[seq] = m.ID
-	// Every other running call that this one must not overlap: the same
-	// message anywhere, and the same key where the key orders (across
-	// consumers for a FIFO group, within one consumer for OrderByKey).
-	var older []*soakCall
-	for id, calls := range s.running {
-		for _, c := range calls {
-			sameKey := c.key == m.Key && (s.cfg.fifo || (s.cfg.byKey && c.gen == gen))
-			if c.ctx.Err() == nil && (id == m.ID || sameKey) {
-				older = append(older, c)
-			}
-		}
-	}
-	s.running[m.ID] = append(s.running[m.ID], call)
 	r := s.rng.Float64()
 	slow := time.Duration(float64(s.cfg.lease) * (0.5 + s.rng.Float64()))
 	s.mu.Unlock()
-	for _, o := range older {
-		// The older call may be a handler whose lease was lost: its
-		// context must end, and at the latest as its lease runs out,
-		// which is when the broker could hand the message out again.
-		// The margin absorbs a loaded machine's scheduling.
-		s.checks.Go(func() {
-			select {
-			case <-o.ctx.Done():
-			case <-time.After(2 * time.Second):
-				s.violate("message %s (key %s) ran in consumer %d while an earlier call in consumer %d still ran, its context alive",
-					m.ID, m.Key, gen, o.gen)
-			}
-		})
+	if r >= 0.25 {
+		slow = 0
 	}
-	defer func() {
-		s.mu.Lock()
-		calls := s.running[m.ID]
-		i := slices.Index(calls, call)
-		calls = slices.Delete(calls, i, i+1)
-		if len(calls) == 0 {
-			delete(s.running, m.ID)
-		} else {
-			s.running[m.ID] = calls
+	// The same key must not overlap where the key orders: across consumers
+	// for a FIFO group, within one consumer for OrderByKey.
+	end := s.log.Start(&soaktest.Call{Gen: gen, ID: m.ID, Key: m.Key, Ctx: ctx}, func(o *soaktest.Call) bool {
+		return o.Key == m.Key && (s.cfg.fifo || (s.cfg.ByKey && o.Gen == gen))
+	})
+	defer end()
+	err = soaktest.Behave(ctx, seq, m.Attempt, r, slow, func(cause error) {
+		if errors.Is(cause, adapters.ErrLeaseLost) && s.cfg.extendFail == 0 && !s.crashed(gen) {
+			// Nothing failed a renewal: the keeper should have kept the
+			// lease for as long as the handler ran.
+			s.violate("message %s: lease lost in consumer %d although no renewal failed", m.ID, gen)
 		}
-		s.mu.Unlock()
-	}()
-
-	failure := fmt.Errorf("soak: message %d failed", seq)
-	switch {
-	case r < 0.08:
-		return failure
-	case r < 0.11:
-		panic(failure)
-	case r < 0.13:
-		return consumer.Permanent(failure)
-	case r < 0.17:
-		return consumer.RetryAfter(failure, 3*time.Millisecond)
-	case r < 0.20 && m.Attempt < 3:
-		return consumer.Defer(failure, 3*time.Millisecond)
-	case r < 0.25:
-		t := time.NewTimer(slow)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			cause := context.Cause(ctx)
-			if errors.Is(cause, adapters.ErrLeaseLost) && s.cfg.extendFail == 0 && !s.crashed(gen) {
-				// Nothing failed a renewal: the keeper should have kept
-				// the lease for as long as the handler ran.
-				s.violate("message %s: lease lost in consumer %d although no renewal failed", m.ID, gen)
-			}
-			return cause
-		}
-	}
-	if ctx.Err() != nil {
-		return context.Cause(ctx)
+	})
+	if err != nil {
+		return err
 	}
 	s.mu.Lock()
 	s.succeeded[m.ID] = true
-	s.settledLocked(m.ID, m.Key, seq)
 	s.mu.Unlock()
+	s.log.Settled(m.ID, m.Key, seq)
 	return nil
-}
-
-// settledLocked notes that a handler succeeded for the message, or that it
-// was dead-lettered, whichever comes first: the order a FIFO group's
-// messages are first settled in is the order their effects are seen in.
-// (A message may be handled again later: an ack that failed brings back a
-// message already settled, after the group's later messages.)
-func (s *soak) settledLocked(id, key string, seq int) {
-	if s.settled[id] {
-		return
-	}
-	s.settled[id] = true
-	s.firsts[key] = append(s.firsts[key], seq)
 }
 
 // soakDeadLetter notes what it dead-letters.
@@ -428,9 +314,7 @@ func (dl soakDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapt
 	err := dl.DeadLetter.Send(ctx, d, f)
 	if err == nil {
 		seq, _ := strconv.Atoi(string(d.Body))
-		dl.s.mu.Lock()
-		dl.s.settledLocked(d.ID, d.Key, seq)
-		dl.s.mu.Unlock()
+		dl.s.log.Settled(d.ID, d.Key, seq)
 	}
 	return err
 }

@@ -41,13 +41,12 @@ import (
 // Each round logs its seed. CUSTODY_IDEMPOTENCY_SOAK_SEED replays a round,
 // CUSTODY_IDEMPOTENCY_SOAK_ROUNDS runs more (default 1 per store).
 func TestSoakNeverRunsOneKeyTwiceAtOnce(t *testing.T) {
-	seeds := soaktest.Seeds("CUSTODY_IDEMPOTENCY_SOAK", 1)
 	for _, st := range teststores.All() {
-		for _, seed := range seeds {
-			t.Run(fmt.Sprintf("%s/seed=%d", st.Name, seed), func(t *testing.T) {
+		t.Run(st.Name, func(t *testing.T) {
+			soaktest.Rounds(t, "CUSTODY_IDEMPOTENCY_SOAK", 1, func(t *testing.T, seed uint64) {
 				idemSoakRound(t, seed, st.New(t))
 			})
-		}
+		})
 	}
 }
 
@@ -63,6 +62,7 @@ type idemSoak struct {
 	lease      time.Duration
 	extendFail float64
 	checks     sync.WaitGroup
+	log        *soaktest.Log // the violations, and each consumer's run
 
 	mu         sync.Mutex
 	rng        *rand.Rand
@@ -70,7 +70,6 @@ type idemSoak struct {
 	effects    map[string]int
 	dead       map[int]bool // consumers that died
 	claimsLost bool
-	violations []string
 }
 
 type idemCall struct {
@@ -87,6 +86,7 @@ func idemSoakRound(t *testing.T, seed uint64, store idempotency.Store) {
 		running: make(map[string][]*idemCall),
 		effects: make(map[string]int),
 		dead:    make(map[int]bool),
+		log:     soaktest.NewLog(0), // its overlap checks are not used
 	}
 	if rng.IntN(3) == 0 {
 		s.extendFail = 0.3
@@ -128,11 +128,12 @@ func idemSoakRound(t *testing.T, seed uint64, store idempotency.Store) {
 	gen++
 	s.consume(gen, 0, false)
 
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, v := range s.violations {
+	s.checks.Wait()
+	for _, v := range s.log.Violations() {
 		t.Error(v)
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	dead, err := s.br.Messages("dlq")
 	if err != nil {
 		t.Fatal(err)
@@ -153,11 +154,7 @@ func idemSoakRound(t *testing.T, seed uint64, store idempotency.Store) {
 	t.Logf("%d consumers (%d died), claims lost: %v, %d dead-lettered", gen, len(s.dead), s.claimsLost, len(dead))
 }
 
-func (s *idemSoak) violate(format string, args ...any) {
-	s.mu.Lock()
-	s.violations = append(s.violations, fmt.Sprintf(format, args...))
-	s.mu.Unlock()
-}
+func (s *idemSoak) violate(format string, args ...any) { s.log.Violate(format, args...) }
 
 func (s *idemSoak) isDead(gen int) bool {
 	s.mu.Lock()
@@ -208,19 +205,21 @@ func (s *idemSoak) consume(gen int, life time.Duration, die bool) {
 	if err != nil {
 		s.t.Fatal(err)
 	}
-	var kill func()
-	if die {
-		kill = func() {
+	s.log.Drive(gen, c, func(cancel context.CancelFunc) {
+		if life == 0 {
+			s.log.AwaitEmpty(s.br, "q", 2*time.Minute)
+			cancel()
+			return
+		}
+		time.Sleep(life)
+		if die {
 			s.mu.Lock()
 			s.dead[gen] = true
 			s.mu.Unlock()
 			src.Crash()
 		}
-	}
-	problems, _ := soaktest.Live(c, s.br, "q", life, kill)
-	for _, p := range problems {
-		s.violate("consumer %d: %s", gen, p)
-	}
+		cancel()
+	}, func(error) bool { return die })
 }
 
 // effect is the handler behind the middleware.
