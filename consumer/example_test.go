@@ -134,10 +134,10 @@ func newOrders(msgs ...memory.Message) (*memory.Broker, *memory.Source, *memory.
 // message acked or dead-lettered), then shuts it down.
 func runUntilEmpty(b *memory.Broker, c *consumer.Consumer) {
 	go func() { _ = c.Run(context.Background()) }()
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		if s, _ := b.Stats("orders"); s.Visible+s.InFlight == 0 {
-			break
-		}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := b.WaitEmpty(ctx, "orders"); err != nil {
+		fmt.Println(err)
 	}
 	_ = c.Shutdown(context.Background())
 }

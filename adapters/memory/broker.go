@@ -211,6 +211,41 @@ func (b *Broker) Stats(queueName string) (Stats, error) {
 	return s, nil
 }
 
+// WaitEmpty waits until the named queue holds no message: none visible,
+// none received and not yet acked, none waiting out a delay. That is when
+// everything published to it has been acked (a dead-lettered message too:
+// the runtime acks the original once its copy is written) or moved to the
+// dead-letter queue by MaxReceiveCount. A handler test publishes, runs a
+// consumer, and waits for this before it checks the effects; give ctx a
+// deadline, so that a message that is never settled fails the test rather
+// than hanging it. It returns ctx's error if ctx ends first, and at once if
+// the queue is empty already.
+func (b *Broker) WaitEmpty(ctx context.Context, queueName string) error {
+	for {
+		b.mu.Lock()
+		q, ok := b.queues[queueName]
+		if !ok {
+			b.mu.Unlock()
+			return fmt.Errorf("memory: WaitEmpty(%q): %w", queueName, ErrNoQueue)
+		}
+		if q.empty() {
+			b.mu.Unlock()
+			return nil
+		}
+		if q.emptied == nil {
+			q.emptied = make(chan struct{})
+		}
+		emptied := q.emptied
+		b.mu.Unlock()
+		select {
+		case <-emptied:
+			// Checked again: a publish may have come since.
+		case <-ctx.Done():
+			return fmt.Errorf("memory: WaitEmpty(%q): %w", queueName, ctx.Err())
+		}
+	}
+}
+
 // Messages returns a copy of every message in a queue, visible or not, in
 // publish order. Use it to inspect a dead-letter queue. Headers are copied;
 // bodies are the broker's own and must not be modified.
@@ -333,6 +368,7 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 	if len(q.waiting) > 0 && (next.IsZero() || q.waiting[0].visibleAt.Before(next)) {
 		next = q.waiting[0].visibleAt
 	}
+	q.noteIfEmpty() // the messages redriven may have been its last
 	return out, lostHolders, next
 }
 

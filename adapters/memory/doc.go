@@ -28,10 +28,10 @@
 // [Broker.Stats] and [Broker.Messages] show what the broker holds.
 //
 // A handler test publishes its messages, runs a consumer on a Source, and
-// waits until Stats shows the queue empty (Visible and InFlight both zero:
-// every message acked, dead-lettered ones included, since the runtime acks
-// the original after the dead-letter write) before it checks the handler's
-// effects and the dead-letter queue. A retry policy with a short constant
+// waits with [Broker.WaitEmpty] until the queue is empty (every message
+// acked, dead-lettered ones included, since the runtime acks the original
+// after the dead-letter write) before it checks the handler's effects and
+// the dead-letter queue. A retry policy with a short constant
 // backoff keeps retries from slowing the test.
 //
 // Nothing is persisted: the broker lives as long as the process. The IDs it

@@ -126,8 +126,13 @@ func Example_handlerTest() {
 		return
 	}
 	go func() { _ = c.Run(ctx) }()
-	// Acked or dead-lettered, every message has then left the queue.
-	waitFor(func() bool { s, _ := b.Stats("signups"); return s.Visible+s.InFlight == 0 })
+	// Acked or dead-lettered, every message has then left the queue. The
+	// deadline fails a test whose message is never settled.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := b.WaitEmpty(wctx, "signups"); err != nil {
+		fmt.Println(err)
+	}
 	_ = c.Shutdown(ctx)
 
 	fmt.Println("registered:", registered)

@@ -39,6 +39,7 @@ type queue struct {
 	// messages in flight came from: one call at a time holds a group.
 	holding map[string]uint64
 	wake    chan struct{} // closed when something becomes visible or will sooner; nil when nobody waits
+	emptied chan struct{} // closed when the queue becomes empty; nil when nobody waits (see Broker.WaitEmpty)
 
 	stats Stats
 }
@@ -94,6 +95,19 @@ func (q *queue) release(group string) {
 		// Messages of the group that were held back are receivable now: a
 		// receiver waiting for them must not sleep until its poll ends.
 		q.signal()
+	}
+}
+
+// empty reports whether the queue holds no message, visible, received or
+// delayed.
+func (q *queue) empty() bool { return len(q.ready) == 0 && len(q.waiting) == 0 }
+
+// noteIfEmpty wakes those waiting for the queue to empty, if it has. Called
+// wherever messages leave the queue: an ack, a redrive.
+func (q *queue) noteIfEmpty() {
+	if q.emptied != nil && q.empty() {
+		close(q.emptied)
+		q.emptied = nil
 	}
 }
 

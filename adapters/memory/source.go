@@ -245,6 +245,7 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			q.release(m.key)
 		}
 		q.stats.Acked++
+		q.noteIfEmpty()
 		return nil
 	})
 }
