@@ -342,7 +342,7 @@ func testAckAfterNack(t *testing.T, h Harness) {
 	}{
 		{"NackThenAck", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
 			if err := src.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
-				return fmt.Errorf("Nack: %w", err)
+				return fmt.Errorf("the first call, Nack: %w", err)
 			}
 			return src.Ack(ctx, []*adapters.Delivery{d})
 		}},
