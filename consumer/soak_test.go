@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -15,6 +14,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testseed"
 	"log/slog"
 )
 
@@ -38,18 +38,7 @@ import (
 // Each round logs its seed. CUSTODY_SOAK_SEED replays a round;
 // CUSTODY_SOAK_ROUNDS runs more of them (default 4).
 func TestSoakKeepsTheInvariants(t *testing.T) {
-	rounds := 4
-	if v, err := strconv.Atoi(os.Getenv("CUSTODY_SOAK_ROUNDS")); err == nil && v > 0 {
-		rounds = v
-	}
-	seed := uint64(time.Now().UnixNano())
-	if v, err := strconv.ParseUint(os.Getenv("CUSTODY_SOAK_SEED"), 10, 64); err == nil {
-		seed, rounds = v, 1
-	}
-	for i := range rounds {
-		s := seed + uint64(i)
-		t.Run(fmt.Sprintf("seed=%d", s), func(t *testing.T) { soakRound(t, s) })
-	}
+	testseed.Rounds(t, 4, soakRound)
 }
 
 type soakConfig struct {
