@@ -1,0 +1,776 @@
+package rabbitmq
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testseed"
+)
+
+// TestSoakKeepsTheInvariants runs the runtime over this adapter, against
+// the real broker, through rounds of random configurations (classic or
+// quorum queue, prefetch and in-flight bounds, retries waiting in place or
+// through delay queues, a dead-letter exchange or the queue's own
+// dead-letter exchange), handler behaviours (failures, panics, permanent
+// errors, RetryAfter, Defer, slow handlers) and faults: TCP connections cut
+// under the consumer, its retry publisher and its dead-letter sink while
+// handlers run and acks wait to be sent, consumers stopped gracefully or
+// dropped (every connection cut and no reconnection allowed), two consumers
+// on the queue at once. Whatever happens it checks what a user relies on:
+//
+//   - nothing is lost: every message is handled successfully at least once
+//     or is in the dead-letter queue with its diagnostics, and the queue and
+//     its delay queues end empty;
+//   - effect, then ack: the runtime acks a delivery only after its handler
+//     returned nil or it was dead-lettered (a confirmed copy), and a message
+//     no handler succeeded with never disappears without reaching the
+//     dead-letter queue (the first check);
+//   - without injected faults no two handlers of one message run at once,
+//     and no channel is replaced (the broker closing it would mean a
+//     protocol error, an ack of an unknown tag say); with faults, a handler
+//     whose delivery was lost has its context cancelled;
+//   - no handler runs once its consumer's Run has returned, Run returns
+//     after its stop, and no goroutine outlives the round.
+//
+// Redeliveries are expected (at least once): duplicates are not flagged.
+//
+// Each round logs its seed and, when it fails, what the adapter and the
+// runtime logged. CUSTODY_SOAK_SEED replays a round; CUSTODY_SOAK_ROUNDS
+// runs more of them (default 2). The memory broker's soak in package
+// consumer reads the same variables.
+func TestSoakKeepsTheInvariants(t *testing.T) {
+	testseed.Rounds(t, 2, soakRound)
+}
+
+type soakConfig struct {
+	quorum        bool
+	native        bool // dead letters go through the queue's own dead-letter exchange
+	concurrency   int
+	prefetch      int
+	inFlight      int           // 0: the runtime's default
+	maxAttempts   int           //
+	backoff       time.Duration //
+	threshold     time.Duration // WithDelayQueueThreshold; below zero, the default
+	noDelayQueues bool
+	coalesce      bool          // acks in small batches with short waits
+	shutdown      time.Duration // WithShutdownTimeout
+	cutEvery      time.Duration // the mean time between cut connections; 0: none
+	phases        int           // consumer generations before the last, which runs to the end
+}
+
+// soakMessages are published in each round: the first soakUpFront before
+// any consumer starts, the rest one by one while the consumers run, so that
+// connections are cut in mid-stream.
+const (
+	soakMessages = 200
+	soakUpFront  = 80
+)
+
+// soakDelays are the delays handlers ask for with RetryAfter and Defer: one
+// waited out in place, the others through a delay queue under a low
+// threshold. delayQueues lists the delay queues they and the backoff can use.
+var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
+
+func (c soakConfig) String() string {
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t coalesce=%t shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.coalesce, c.shutdown, c.cutEvery, c.phases)
+}
+
+func soakRound(t *testing.T, seed uint64) {
+	// Registered first, so it runs last: after the admin connection and
+	// the queues' cleanup.
+	leaks := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, leaks) })
+
+	rng := rand.New(rand.NewPCG(seed, 1))
+	chance := func(p float64) bool { return rng.Float64() < p }
+	cfg := soakConfig{
+		quorum:      chance(0.4),
+		native:      chance(0.2),
+		concurrency: 1 + rng.IntN(8),
+		maxAttempts: 2 + rng.IntN(3),
+		backoff:     time.Duration(1+rng.IntN(50)) * time.Millisecond,
+		threshold:   -1,
+		shutdown:    time.Duration(rng.IntN(400)) * time.Millisecond,
+		phases:      rng.IntN(4),
+	}
+	if chance(0.1) {
+		cfg.concurrency, cfg.prefetch = 1, 1 // every delayed retry through a delay queue
+	} else {
+		cfg.prefetch = cfg.concurrency + rng.IntN(40)
+	}
+	if chance(0.5) {
+		cfg.inFlight = cfg.concurrency + rng.IntN(cfg.prefetch-cfg.concurrency+1)
+	}
+	switch r := rng.Float64(); {
+	case r < 0.2:
+		cfg.noDelayQueues = true
+	case r < 0.6:
+		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
+	}
+	cfg.coalesce = chance(0.3)
+	if chance(0.6) {
+		cfg.cutEvery = time.Duration(50+rng.IntN(400)) * time.Millisecond
+	}
+	t.Logf("config %s", cfg)
+
+	logs := &soakLog{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("logs of the round:\n%s", logs.String())
+		}
+	})
+	a := newAdmin(t)
+	dlq := a.queue(ClassicQueue, nil)
+	typ := ClassicQueue
+	if cfg.quorum {
+		typ = QuorumQueue
+	}
+	var args amqp.Table
+	if cfg.native {
+		args = amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq}
+	}
+	q := a.queue(typ, args)
+	for i := range soakUpFront {
+		a.publishMsg(q, soakMessage(i))
+	}
+	s := &soakRun{
+		t: t, cfg: cfg, a: a, q: q, dlq: dlq, typ: typ, args: args,
+		logger:       slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		rng:          rand.New(rand.NewPCG(seed, 2)),
+		running:      make(map[string][]*soakCall),
+		succeeded:    make(map[string]bool),
+		deadIDs:      make(map[string]bool),
+		okDeliveries: make(map[*adapters.Delivery]bool),
+		cuts:         make(map[int]bool),
+		dropped:      make(map[int]bool),
+	}
+	defer s.checks.Wait()
+
+	// The rest of the messages trickle in on a connection of their own.
+	pub := newAdmin(t)
+	var trickle sync.WaitGroup
+	defer trickle.Wait()
+	trickle.Go(func() {
+		for i := soakUpFront; i < soakMessages; i++ {
+			time.Sleep(time.Duration(s.float() * float64(20*time.Millisecond)))
+			dc, err := pub.ch.PublishWithDeferredConfirm("", q, true, false, soakMessage(i))
+			if err == nil && !dc.Wait() {
+				err = errors.New("not confirmed")
+			}
+			if err != nil {
+				s.violate("publish %s: %v", soakID(i), err)
+				return
+			}
+		}
+	})
+
+	// Earlier generations: one or two consumers at once, each stopped after
+	// a while, gracefully or dropped.
+	gen := 0
+	for range cfg.phases {
+		var wg sync.WaitGroup
+		for range 1 + rng.IntN(2) {
+			gen++
+			g, life, drop := gen, time.Duration(200+rng.IntN(1200))*time.Millisecond, chance(0.4)
+			wg.Go(func() { s.consume(g, life, drop) })
+		}
+		wg.Wait()
+	}
+	// The last one runs until every message is settled and nothing is left.
+	gen++
+	s.consume(gen, 0, false)
+	s.checks.Wait()
+
+	s.mu.Lock()
+	for _, v := range s.violations {
+		t.Error(v)
+	}
+	sends := s.deadSends
+	s.mu.Unlock()
+
+	// Every confirmed dead letter is in the queue (the native mode's move
+	// is the broker's, after the reject: wait for it).
+	deadline := time.Now().Add(30 * time.Second)
+	for s.depth(dlq) < sends && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	deadLettered := make(map[string]bool)
+	dead := a.drain(dlq)
+	if len(dead) < sends {
+		t.Errorf("the dead-letter queue holds %d copies; %d dead letters were confirmed", len(dead), sends)
+	}
+	for _, m := range dead {
+		h := stringHeaders(m.Headers)
+		id := m.MessageId
+		deadLettered[id] = true
+		if cfg.native {
+			if !bytes.Contains([]byte(h["x-death"]), []byte(`"reason":"rejected"`)) {
+				t.Errorf("dead-letter copy of %s lacks the broker's x-death: %v", id, h)
+			}
+			continue
+		}
+		if h[adapters.HeaderError] == "" || h[adapters.HeaderAttempts] == "" || h[adapters.HeaderOriginalID] != id || h[adapters.HeaderOriginalQueue] != q {
+			t.Errorf("dead-letter copy of %s (body %s) lacks its diagnostics: %v", id, m.Body, h)
+		}
+	}
+	for i := range soakMessages {
+		if id := soakID(i); !s.succeeded[id] && !deadLettered[id] {
+			t.Errorf("message %s was lost: never handled successfully, not dead-lettered", id)
+		}
+	}
+	for _, name := range append([]string{q}, soakDelayQueues(q)...) {
+		if n := s.depth(name); n > 0 {
+			t.Errorf("queue %s holds %d messages at the end", name, n)
+		}
+	}
+	t.Logf("%d consumers, %d faults; %d messages handled, %d dead-letter copies; stats %+v",
+		gen, s.faults, len(s.succeeded), len(dead), s.stats)
+}
+
+func soakID(i int) string { return "m" + strconv.Itoa(i) }
+
+func soakMessage(i int) amqp.Publishing {
+	return amqp.Publishing{MessageId: soakID(i), Body: []byte(strconv.Itoa(i)), DeliveryMode: amqp.Persistent}
+}
+
+// soakDelayQueues names the delay queues of q that the round's delays (the
+// backoff, soakDelays) can use.
+func soakDelayQueues(q string) []string {
+	var names []string
+	for _, step := range delayLadder {
+		names = append(names, delayQueueName(q, step))
+		if step >= delayStep(slices.Max(soakDelays)) {
+			return names
+		}
+	}
+	return names
+}
+
+// soakRun is one round's shared state.
+type soakRun struct {
+	t            *testing.T
+	cfg          soakConfig
+	a            *admin
+	q, dlq       string
+	typ          QueueType
+	args         amqp.Table
+	logger       *slog.Logger
+	checks       sync.WaitGroup // overlap checks still waiting
+	mu           sync.Mutex
+	rng          *rand.Rand
+	running      map[string][]*soakCall // by message ID
+	succeeded    map[string]bool        // message IDs a handler returned nil for
+	deadIDs      map[string]bool        // message IDs with a confirmed dead letter
+	deadSends    int                    // confirmed dead letters
+	okDeliveries map[*adapters.Delivery]bool
+	faults       int          // connections cut and consumers dropped so far
+	cuts         map[int]bool // consumers that had a connection cut
+	dropped      map[int]bool
+	violations   []string
+	stats        Stats // the consumers' stats, summed
+}
+
+// soakCall is one running handler call.
+type soakCall struct {
+	gen int
+	ctx context.Context
+	d   *adapters.Delivery
+}
+
+func (s *soakRun) violate(format string, args ...any) {
+	s.mu.Lock()
+	s.violations = append(s.violations, fmt.Sprintf(format, args...))
+	s.mu.Unlock()
+}
+
+func (s *soakRun) float() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rng.Float64()
+}
+
+// depth returns how many messages are ready in queue, 0 if it does not
+// exist. A passive declare of a missing queue closes its channel, so each
+// asks on a channel of its own. Only the test's goroutine calls it.
+func (s *soakRun) depth(queue string) int {
+	ch, err := s.a.conn.Channel()
+	if err != nil {
+		s.t.Fatalf("admin channel: %v", err)
+	}
+	defer ch.Close()
+	st, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		return 0
+	}
+	return st.Messages
+}
+
+// settled reports whether every message was handled successfully or
+// dead-lettered, and lists those that were not.
+func (s *soakRun) unsettled() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for i := range soakMessages {
+		if id := soakID(i); !s.succeeded[id] && !s.deadIDs[id] {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+func (s *soakRun) idle() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.running) == 0
+}
+
+// held returns how many deliveries src holds unsettled on the wire, or -1
+// while it has no channel.
+func held(src *Source) int {
+	src.mu.Lock()
+	g := src.gen
+	src.mu.Unlock()
+	if g == nil {
+		return -1
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.dead {
+		return -1
+	}
+	return len(g.held)
+}
+
+// consume runs consumer generation gen for life (when 0, until every
+// message is settled and nothing is left anywhere), then stops it: by a
+// drop if drop, gracefully otherwise.
+func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
+	cfg := s.cfg
+	logger := s.logger.With("consumer", gen)
+	srcDial, sinkDial := &soakDialer{}, &soakDialer{}
+	opts := []Option{
+		WithDialFunc(srcDial.dial),
+		WithLogger(logger),
+		WithPrefetch(cfg.prefetch),
+		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond),
+		WithPollWait(50 * time.Millisecond),
+	}
+	if cfg.native {
+		opts = append(opts, WithDeclare(s.typ, s.args))
+	}
+	if cfg.noDelayQueues {
+		opts = append(opts, WithoutDelayQueues())
+	} else if cfg.threshold >= 0 {
+		opts = append(opts, WithDelayQueueThreshold(cfg.threshold))
+	}
+	if cfg.coalesce {
+		opts = append(opts, WithAckCoalescing(1+cfg.prefetch/8, time.Millisecond, 10*time.Millisecond))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	src, err := New(ctx, s.q, opts...)
+	if err != nil {
+		s.violate("consumer %d: New: %v", gen, err)
+		return
+	}
+	var sink adapters.DeadLetter
+	if cfg.native {
+		sink, err = src.NativeDeadLetter()
+	} else {
+		var x *DeadLetterExchange
+		x, err = NewDeadLetterExchange(ctx, "", s.dlq, WithDialFunc(sinkDial.dial), WithLogger(logger))
+		if err == nil {
+			defer x.Close()
+			sink = x
+		}
+	}
+	if err != nil {
+		src.Close()
+		s.violate("consumer %d: dead-letter destination: %v", gen, err)
+		return
+	}
+	copts := []consumer.Option{
+		consumer.WithConcurrency(cfg.concurrency),
+		consumer.WithDeadLetter(soakDeadLetter{sink, s}),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: cfg.maxAttempts, Backoff: consumer.ConstantBackoff(cfg.backoff)}),
+		consumer.WithShutdownTimeout(cfg.shutdown),
+		consumer.WithLogger(logger),
+	}
+	if cfg.inFlight > 0 {
+		copts = append(copts, consumer.WithMaxInFlight(cfg.inFlight))
+	}
+	c, err := consumer.New(soakSource{src, s}, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		return s.handle(ctx, gen, m)
+	}), copts...)
+	if err != nil {
+		src.Close()
+		s.violate("consumer %d: consumer.New: %v", gen, err)
+		return
+	}
+	runCtx, stop := context.WithCancel(context.Background())
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx) }()
+
+	// Connections are cut at random while the consumer runs; the last
+	// consumer stops cutting after a while, so that the round can end.
+	chaosEnd := make(chan struct{})
+	var chaos sync.WaitGroup
+	if cfg.cutEvery > 0 {
+		chaosLife := life
+		if life == 0 {
+			chaosLife = time.Duration(s.float() * float64(1500*time.Millisecond))
+		}
+		chaos.Go(func() { s.cutConnections(gen, chaosLife, chaosEnd, srcDial, sinkDial) })
+	}
+	if life > 0 {
+		time.Sleep(life)
+	} else {
+		s.waitSettled(gen, src)
+	}
+	close(chaosEnd)
+	chaos.Wait()
+	if drop {
+		// As a process that dies: its connections go, and it never gets
+		// another one. The runtime still stops, but can settle nothing.
+		s.mu.Lock()
+		s.dropped[gen], s.cuts[gen] = true, true
+		s.faults++
+		s.mu.Unlock()
+		srcDial.refuse()
+		sinkDial.refuse()
+		srcDial.cutAll()
+		sinkDial.cutAll()
+	}
+	stop()
+	select {
+	case err := <-done:
+		s.mu.Lock()
+		cut := s.cuts[gen]
+		s.mu.Unlock()
+		if err != nil {
+			if cut {
+				logger.Info("soak: Run returned an error after connections were cut", "error", err)
+			} else {
+				s.violate("consumer %d: Run = %v, want nil after a graceful stop", gen, err)
+			}
+		}
+		if st := src.Stats(); st.Generations > 1 && !cut {
+			s.violate("consumer %d: the channel was replaced although no connection was cut (stats %+v)", gen, st)
+		}
+	case <-time.After(time.Minute):
+		s.violate("consumer %d: Run did not return within a minute of its stop", gen)
+		return
+	}
+	st := src.Stats()
+	logger.Info("soak: consumer stopped", "stats", fmt.Sprintf("%+v", st))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.stats.Generations += st.Generations
+	s.stats.Lost += st.Lost
+	s.stats.DroppedAcks += st.DroppedAcks
+	s.stats.AckErrors += st.AckErrors
+	s.stats.RetriedInPlace += st.RetriedInPlace
+	s.stats.DelayQueued += st.DelayQueued
+	s.stats.RetryFailures += st.RetryFailures
+	for id, calls := range s.running {
+		for _, c := range calls {
+			if c.gen == gen {
+				s.violations = append(s.violations, fmt.Sprintf("consumer %d: the handler of %s still runs after Run returned", gen, id))
+			}
+		}
+	}
+}
+
+// waitSettled returns once every message is settled and nothing is left:
+// no handler runs, src holds no delivery, and the queue and its delay
+// queues are empty, twice in a row; or, as a violation, after two minutes.
+func (s *soakRun) waitSettled(gen int, src *Source) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for quiet := 0; quiet < 2; {
+		time.Sleep(50 * time.Millisecond)
+		left := s.unsettled()
+		h := held(src)
+		depth := 0
+		for _, name := range append([]string{s.q}, soakDelayQueues(s.q)...) {
+			depth += s.depth(name)
+		}
+		if len(left) == 0 && h == 0 && depth == 0 && s.idle() {
+			quiet++
+			continue
+		}
+		quiet = 0
+		if time.Now().After(deadline) {
+			s.violate("consumer %d: still unsettled after two minutes: messages %v, %d deliveries held, %d messages queued, stats %+v",
+				gen, left, h, depth, src.Stats())
+			return
+		}
+	}
+}
+
+// cutConnections closes one of the consumer's connections (its channel's,
+// its retry publisher's, its dead-letter sink's) now and then, for life or
+// until end is closed.
+func (s *soakRun) cutConnections(gen int, life time.Duration, end <-chan struct{}, dialers ...*soakDialer) {
+	over := time.After(life)
+	for {
+		wait := time.Duration((0.5 + s.float()) * float64(s.cfg.cutEvery))
+		select {
+		case <-time.After(wait):
+		case <-over:
+			return
+		case <-end:
+			return
+		}
+		d := dialers[0]
+		if s.float() < 0.3 {
+			d = dialers[1]
+		}
+		// Noted before the cut: the handlers it cancels check for it.
+		s.mu.Lock()
+		s.cuts[gen] = true
+		s.faults++
+		s.mu.Unlock()
+		d.cutOne(s.float())
+	}
+}
+
+// handle is every consumer's handler: it checks for overlaps, then behaves
+// as chosen at random.
+func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) error {
+	seq, err := strconv.Atoi(string(m.Body))
+	if err != nil || m.ID != soakID(seq) {
+		s.violate("unexpected message %q, body %q", m.ID, m.Body)
+		return consumer.Permanent(fmt.Errorf("unexpected body %q", m.Body))
+	}
+	call := &soakCall{gen: gen, ctx: ctx, d: m.Delivery()}
+	s.mu.Lock()
+	var older []*soakCall
+	for _, c := range s.running[m.ID] {
+		if c.ctx.Err() == nil {
+			older = append(older, c)
+		}
+	}
+	s.running[m.ID] = append(s.running[m.ID], call)
+	r := s.rng.Float64()
+	delay := soakDelays[s.rng.IntN(len(soakDelays))]
+	slow := time.Duration(20+s.rng.IntN(300)) * time.Millisecond
+	s.mu.Unlock()
+	for _, o := range older {
+		s.checks.Go(func() { s.checkOverlap(m.ID, o, gen) })
+	}
+	defer func() {
+		s.mu.Lock()
+		calls := s.running[m.ID]
+		i := slices.Index(calls, call)
+		calls = slices.Delete(calls, i, i+1)
+		if len(calls) == 0 {
+			delete(s.running, m.ID)
+		} else {
+			s.running[m.ID] = calls
+		}
+		s.mu.Unlock()
+	}()
+
+	failure := fmt.Errorf("soak: message %d failed", seq)
+	switch {
+	case r < 0.08:
+		return failure
+	case r < 0.11:
+		panic(failure)
+	case r < 0.13:
+		return consumer.Permanent(failure)
+	case r < 0.17:
+		return consumer.RetryAfter(failure, delay)
+	case r < 0.20 && m.Attempt < 3:
+		return consumer.Defer(failure, delay)
+	case r < 0.30:
+		t := time.NewTimer(slow)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return s.cancelled(ctx, gen, m)
+		}
+	}
+	if ctx.Err() != nil {
+		return s.cancelled(ctx, gen, m)
+	}
+	s.mu.Lock()
+	s.succeeded[m.ID] = true
+	s.okDeliveries[m.Delivery()] = true
+	s.mu.Unlock()
+	return nil
+}
+
+// cancelled checks why a handler's context ended: a lost connection where
+// no connection was cut means the channel died of something else.
+func (s *soakRun) cancelled(ctx context.Context, gen int, m *consumer.Message) error {
+	cause := context.Cause(ctx)
+	s.mu.Lock()
+	cut := s.cuts[gen]
+	s.mu.Unlock()
+	if errors.Is(cause, adapters.ErrConnectionLost) && !cut {
+		s.violate("consumer %d: the handler of %s lost its connection although none was cut: %v", gen, m.ID, cause)
+	}
+	return cause
+}
+
+// checkOverlap checks a handler call of id that started in consumer gen
+// while the older call o still ran with its context alive. That older call
+// may have lost its delivery (its channel died): its context must then end.
+// Otherwise the two may both be live only after a fault: a copy of a retry
+// is published before its original is acked, and a connection cut between
+// the two (or an ack written and lost with the connection) brings the
+// original back beside the copy. The margin absorbs a loaded machine.
+func (s *soakRun) checkOverlap(id string, o *soakCall, gen int) {
+	select {
+	case <-o.ctx.Done():
+		return
+	case <-time.After(2 * time.Second):
+	}
+	if cause := o.d.LostCause(); cause != nil {
+		s.violate("message %s: the handler in consumer %d still had a live context two seconds after its delivery was lost (%v)", id, o.gen, cause)
+		return
+	}
+	s.mu.Lock()
+	faults := s.faults
+	s.mu.Unlock()
+	if faults == 0 {
+		s.violate("message %s ran in consumer %d while an earlier call in consumer %d still ran, its context alive, with no fault injected", id, gen, o.gen)
+	}
+}
+
+// soakSource wraps the adapter to check the runtime's acks: the one thing
+// the test cannot see on the broker.
+type soakSource struct {
+	*Source
+	s *soakRun
+}
+
+func (w soakSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	w.s.mu.Lock()
+	for _, d := range ds {
+		if !w.s.okDeliveries[d] {
+			w.s.violations = append(w.s.violations, fmt.Sprintf("delivery of %s (attempt %d) acked before its handler returned nil or it was dead-lettered", d.ID, d.Attempt))
+		}
+	}
+	w.s.mu.Unlock()
+	return w.Source.Ack(ctx, ds)
+}
+
+// soakDeadLetter notes what the destination confirmed.
+type soakDeadLetter struct {
+	adapters.DeadLetter
+	s *soakRun
+}
+
+func (dl soakDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	err := dl.DeadLetter.Send(ctx, d, f)
+	if err == nil {
+		dl.s.mu.Lock()
+		dl.s.deadIDs[d.ID] = true
+		dl.s.okDeliveries[d] = true
+		dl.s.deadSends++
+		dl.s.mu.Unlock()
+	}
+	return err
+}
+
+// soakDialer dials the broker for one consumer's source or sink, and keeps
+// the TCP connections so that the test can cut them, as a network failure
+// or a broker restart would.
+type soakDialer struct {
+	mu      sync.Mutex
+	conns   []net.Conn
+	refused bool
+}
+
+func (d *soakDialer) dial(ctx context.Context) (*amqp.Connection, error) {
+	d.mu.Lock()
+	refused := d.refused
+	d.mu.Unlock()
+	if refused {
+		return nil, errors.New("soak: the consumer is gone")
+	}
+	return amqp.DialConfig(brokerURL, amqp.Config{
+		Heartbeat: 10 * time.Second,
+		Locale:    "en_US",
+		Dial: func(network, addr string) (net.Conn, error) {
+			c, err := amqp.DefaultDial(30*time.Second)(network, addr)
+			if err != nil {
+				return nil, err
+			}
+			d.mu.Lock()
+			defer d.mu.Unlock()
+			if d.refused {
+				c.Close()
+				return nil, errors.New("soak: the consumer is gone")
+			}
+			d.conns = append(d.conns, c)
+			return c, nil
+		},
+	})
+}
+
+// cutOne closes the connection that r (in [0, 1)) picks.
+func (d *soakDialer) cutOne(r float64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.conns) == 0 {
+		return
+	}
+	i := int(r * float64(len(d.conns)))
+	d.conns[i].Close()
+	d.conns = slices.Delete(d.conns, i, i+1)
+}
+
+func (d *soakDialer) cutAll() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, c := range d.conns {
+		c.Close()
+	}
+	d.conns = nil
+}
+
+func (d *soakDialer) refuse() {
+	d.mu.Lock()
+	d.refused = true
+	d.mu.Unlock()
+}
+
+// soakLog keeps a round's log, to show when the round fails.
+type soakLog struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *soakLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *soakLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
