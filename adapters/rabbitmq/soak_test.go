@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -159,6 +160,7 @@ func soakRound(t *testing.T, seed uint64) {
 		okDeliveries: make(map[*adapters.Delivery]bool),
 		cuts:         make(map[int]bool),
 		dropped:      make(map[int]bool),
+		faulters:     make(map[int]*soakFaults),
 	}
 	defer s.checks.Wait()
 
@@ -282,6 +284,7 @@ type soakRun struct {
 	faults       int          // connections cut and consumers dropped so far
 	cuts         map[int]bool // consumers that had a connection cut
 	dropped      map[int]bool
+	faulters     map[int]*soakFaults // the consumers injecting faults now
 	violations   []string
 	stats        Stats // the consumers' stats, summed
 }
@@ -438,7 +441,11 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 		if life == 0 {
 			chaosLife = time.Duration(s.float() * float64(1500*time.Millisecond))
 		}
-		chaos.Go(func() { s.cutConnections(gen, chaosLife, chaosEnd, srcDial, sinkDial) })
+		f := &soakFaults{s: s, gen: gen, src: src, srcDial: srcDial, sinkDial: sinkDial}
+		s.mu.Lock()
+		s.faulters[gen] = f
+		s.mu.Unlock()
+		chaos.Go(func() { f.run(chaosLife, chaosEnd) })
 	}
 	if life > 0 {
 		time.Sleep(life)
@@ -447,6 +454,9 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	}
 	close(chaosEnd)
 	chaos.Wait()
+	s.mu.Lock()
+	delete(s.faulters, gen)
+	s.mu.Unlock()
 	if drop {
 		// As a process that dies: its connections go, and it never gets
 		// another one. The runtime still stops, but can settle nothing.
@@ -525,13 +535,19 @@ func (s *soakRun) waitSettled(gen int, src *Source) {
 	}
 }
 
-// cutConnections closes one of the consumer's connections (its channel's,
-// its retry publisher's, its dead-letter sink's) now and then, for life or
-// until end is closed.
-func (s *soakRun) cutConnections(gen int, life time.Duration, end <-chan struct{}, dialers ...*soakDialer) {
+// soakFaults injects one consumer's faults.
+type soakFaults struct {
+	s                 *soakRun
+	gen               int
+	src               *Source
+	srcDial, sinkDial *soakDialer
+}
+
+// run injects a fault now and then, for life or until end is closed.
+func (f *soakFaults) run(life time.Duration, end <-chan struct{}) {
 	over := time.After(life)
 	for {
-		wait := time.Duration((0.5 + s.float()) * float64(s.cfg.cutEvery))
+		wait := time.Duration((0.5 + f.s.float()) * float64(f.s.cfg.cutEvery))
 		select {
 		case <-time.After(wait):
 		case <-over:
@@ -539,16 +555,35 @@ func (s *soakRun) cutConnections(gen int, life time.Duration, end <-chan struct{
 		case <-end:
 			return
 		}
-		d := dialers[0]
-		if s.float() < 0.3 {
-			d = dialers[1]
-		}
-		// Noted before the cut: the handlers it cancels check for it.
-		s.mu.Lock()
-		s.cuts[gen] = true
-		s.faults++
-		s.mu.Unlock()
-		d.cutOne(s.float())
+		f.inject(f.s.float())
+	}
+}
+
+// inject cuts one of the consumer's connections, as r (in [0, 1)) picks:
+// mostly its channel's (the TCP connection closed under it, as by a network
+// failure; or its AMQP connection or channel closed by the client), else
+// its retry publisher's or its dead-letter sink's.
+func (f *soakFaults) inject(r float64) {
+	// Noted before the cut: the handlers it cancels check for it.
+	f.s.mu.Lock()
+	f.s.cuts[f.gen] = true
+	f.s.faults++
+	f.s.mu.Unlock()
+	f.src.mu.Lock()
+	g := f.src.gen
+	f.src.mu.Unlock()
+	switch {
+	case g == nil: // reconnecting
+	case r < 0.45:
+		f.srcDial.cut(func(c net.Conn) bool { return c.LocalAddr().String() == g.conn.LocalAddr().String() })
+	case r < 0.55:
+		_ = g.conn.Close()
+	case r < 0.65:
+		_ = g.ch.Close()
+	case r < 0.8:
+		f.srcDial.cut(func(c net.Conn) bool { return c.LocalAddr().String() != g.conn.LocalAddr().String() })
+	default:
+		f.sinkDial.cut(func(net.Conn) bool { return true })
 	}
 }
 
@@ -569,7 +604,8 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		}
 	}
 	s.running[m.ID] = append(s.running[m.ID], call)
-	r := s.rng.Float64()
+	r, cutBefore := s.rng.Float64(), s.rng.Float64() < 0.03
+	faults := s.faulters[gen]
 	delay := soakDelays[s.rng.IntN(len(soakDelays))]
 	slow := time.Duration(20+s.rng.IntN(300)) * time.Millisecond
 	s.mu.Unlock()
@@ -612,6 +648,10 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	}
 	if ctx.Err() != nil {
 		return s.cancelled(ctx, gen, m)
+	}
+	if cutBefore && faults != nil {
+		// The effect is done; the connection goes before the ack is sent.
+		faults.inject(0)
 	}
 	s.mu.Lock()
 	s.succeeded[m.ID] = true
@@ -699,8 +739,27 @@ func (dl soakDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapt
 // or a broker restart would.
 type soakDialer struct {
 	mu      sync.Mutex
-	conns   []net.Conn
+	conns   []*soakConn
 	refused bool
+}
+
+// soakConn is a TCP connection that knows when it ended.
+type soakConn struct {
+	net.Conn
+	ended atomic.Bool
+}
+
+func (c *soakConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if err != nil {
+		c.ended.Store(true)
+	}
+	return n, err
+}
+
+func (c *soakConn) Close() error {
+	c.ended.Store(true)
+	return c.Conn.Close()
 }
 
 func (d *soakDialer) dial(ctx context.Context) (*amqp.Connection, error) {
@@ -724,22 +783,24 @@ func (d *soakDialer) dial(ctx context.Context) (*amqp.Connection, error) {
 				c.Close()
 				return nil, errors.New("soak: the consumer is gone")
 			}
-			d.conns = append(d.conns, c)
-			return c, nil
+			sc := &soakConn{Conn: c}
+			d.conns = append(d.conns, sc)
+			return sc, nil
 		},
 	})
 }
 
-// cutOne closes the connection that r (in [0, 1)) picks.
-func (d *soakDialer) cutOne(r float64) {
+// cut closes the first live connection that pick accepts.
+func (d *soakDialer) cut(pick func(net.Conn) bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if len(d.conns) == 0 {
-		return
+	d.conns = slices.DeleteFunc(d.conns, func(c *soakConn) bool { return c.ended.Load() })
+	for _, c := range d.conns {
+		if pick(c) {
+			c.Close()
+			return
+		}
 	}
-	i := int(r * float64(len(d.conns)))
-	d.conns[i].Close()
-	d.conns = slices.Delete(d.conns, i, i+1)
 }
 
 func (d *soakDialer) cutAll() {
