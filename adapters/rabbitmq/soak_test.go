@@ -69,6 +69,8 @@ type soakConfig struct {
 	threshold     time.Duration // WithDelayQueueThreshold; below zero, the default
 	noDelayQueues bool
 	coalesce      bool          // acks in small batches with short waits
+	timeout       time.Duration // WithHandlerTimeout; 0: none
+	lag           time.Duration // the longest pause before each write to the broker
 	shutdown      time.Duration // WithShutdownTimeout
 	cutEvery      time.Duration // the mean time between cut connections; 0: none
 	phases        int           // consumer generations before the last, which runs to the end
@@ -88,8 +90,8 @@ const (
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t coalesce=%t shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.coalesce, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t coalesce=%t timeout=%v lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.coalesce, c.timeout, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -125,6 +127,14 @@ func soakRound(t *testing.T, seed uint64) {
 		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
 	}
 	cfg.coalesce = chance(0.3)
+	if chance(0.2) {
+		cfg.timeout = time.Duration(50+rng.IntN(200)) * time.Millisecond
+	}
+	if chance(0.3) {
+		// Slow writes widen the windows a cut can fall into: acks decided
+		// but not yet on the wire, publishes waiting for their confirm.
+		cfg.lag = time.Duration(1+rng.IntN(2000)) * time.Microsecond
+	}
 	if chance(0.6) {
 		cfg.cutEvery = time.Duration(50+rng.IntN(400)) * time.Millisecond
 	}
@@ -383,7 +393,7 @@ func held(src *Source) int {
 func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	cfg := s.cfg
 	logger := s.logger.With("consumer", gen)
-	srcDial, sinkDial := &soakDialer{}, &soakDialer{}
+	srcDial, sinkDial := &soakDialer{s: s}, &soakDialer{s: s}
 	opts := []Option{
 		WithDialFunc(srcDial.dial),
 		WithLogger(logger),
@@ -432,6 +442,9 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 		consumer.WithShutdownTimeout(cfg.shutdown),
 		consumer.WithLogger(logger),
 	}
+	if cfg.timeout > 0 {
+		copts = append(copts, consumer.WithHandlerTimeout(cfg.timeout))
+	}
 	if cfg.inFlight > 0 {
 		copts = append(copts, consumer.WithMaxInFlight(cfg.inFlight))
 	}
@@ -455,14 +468,26 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	done := make(chan error, 1)
 	go func() { done <- c.Run(runCtx) }()
 
-	// Connections are cut at random while the consumer runs; the last
-	// consumer stops cutting after a while, so that the round can end.
+	// Connections are cut at random while the consumer runs, and at times
+	// while it stops; the last consumer stops cutting after a while, so
+	// that the round can end.
 	chaosEnd := make(chan struct{})
 	var chaos sync.WaitGroup
+	throughStop := life > 0 && !drop && cfg.cutEvery > 0 && s.float() < 0.3
+	endChaos := sync.OnceFunc(func() {
+		close(chaosEnd)
+		chaos.Wait()
+		s.mu.Lock()
+		delete(s.faulters, gen)
+		s.mu.Unlock()
+	})
 	if cfg.cutEvery > 0 {
 		chaosLife := life
-		if life == 0 {
+		switch {
+		case life == 0:
 			chaosLife = time.Duration(s.float() * float64(1500*time.Millisecond))
+		case throughStop:
+			chaosLife = time.Hour // until endChaos
 		}
 		f := &soakFaults{s: s, gen: gen, src: src, srcDial: srcDial, sinkDial: sinkDial}
 		s.mu.Lock()
@@ -475,11 +500,9 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	} else {
 		s.waitSettled(gen, src)
 	}
-	close(chaosEnd)
-	chaos.Wait()
-	s.mu.Lock()
-	delete(s.faulters, gen)
-	s.mu.Unlock()
+	if !throughStop {
+		endChaos()
+	}
 	if drop {
 		// As a process that dies: its connections go, and it never gets
 		// another one. The runtime still stops, but can settle nothing.
@@ -493,8 +516,10 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 		sinkDial.cutAll()
 	}
 	stop()
+	defer endChaos()
 	select {
 	case err := <-done:
+		endChaos()
 		s.mu.Lock()
 		cut := s.cuts[gen]
 		s.mu.Unlock()
@@ -801,15 +826,25 @@ func (dl soakDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapt
 // the TCP connections so that the test can cut them, as a network failure
 // or a broker restart would.
 type soakDialer struct {
+	s       *soakRun
 	mu      sync.Mutex
 	conns   []*soakConn
 	refused bool
 }
 
-// soakConn is a TCP connection that knows when it ended.
+// soakConn is a TCP connection that knows when it ended, and pauses before
+// each write for up to lag.
 type soakConn struct {
 	net.Conn
+	s     *soakRun
 	ended atomic.Bool
+}
+
+func (c *soakConn) Write(p []byte) (int, error) {
+	if lag := c.s.cfg.lag; lag > 0 {
+		time.Sleep(time.Duration(c.s.float() * float64(lag)))
+	}
+	return c.Conn.Write(p)
 }
 
 func (c *soakConn) Read(p []byte) (int, error) {
@@ -846,7 +881,7 @@ func (d *soakDialer) dial(ctx context.Context) (*amqp.Connection, error) {
 				c.Close()
 				return nil, errors.New("soak: the consumer is gone")
 			}
-			sc := &soakConn{Conn: c}
+			sc := &soakConn{Conn: c, s: d.s}
 			d.conns = append(d.conns, sc)
 			return sc, nil
 		},
