@@ -256,6 +256,10 @@ func soakRound(t *testing.T, seed uint64) {
 		if h[adapters.HeaderError] == "" || h[adapters.HeaderAttempts] == "" || h[adapters.HeaderOriginalID] != id || h[adapters.HeaderOriginalQueue] != q {
 			t.Errorf("dead-letter copy of %s (body %s) lacks its diagnostics: %v", id, m.Body, h)
 		}
+		seq, _ := strconv.Atoi(string(m.Body))
+		if n, _ := strconv.Atoi(h[adapters.HeaderAttempts]); soakPoison(seq) && n < cfg.maxAttempts {
+			t.Errorf("poison message %s dead-lettered after %d attempts, before MaxAttempts=%d: %v", id, n, cfg.maxAttempts, h)
+		}
 	}
 	for i := range soakMessages {
 		if id := soakID(i); !s.succeeded[id] && !deadLettered[id] {
@@ -272,6 +276,10 @@ func soakRound(t *testing.T, seed uint64) {
 }
 
 func soakID(i int) string { return "m" + strconv.Itoa(i) }
+
+// soakPoison reports whether message seq is one no handler call succeeds
+// with.
+func soakPoison(seq int) bool { return seq%25 == 7 }
 
 func soakMessage(i int) amqp.Publishing {
 	return amqp.Publishing{MessageId: soakID(i), Body: []byte(strconv.Itoa(i)), DeliveryMode: amqp.Persistent}
@@ -604,7 +612,29 @@ func (f *soakFaults) run(life time.Duration, end <-chan struct{}) {
 		case <-end:
 			return
 		}
+		if f.s.float() < 0.03 {
+			f.closeFromBroker()
+			continue
+		}
 		f.inject(f.s.float())
+	}
+}
+
+// closeFromBroker makes the broker close the consumer's connection, as an
+// operator would. It takes a second or two (rabbitmqctl), so it is rare.
+func (f *soakFaults) closeFromBroker() {
+	f.s.mu.Lock()
+	f.s.cuts[f.gen] = true
+	f.s.faults++
+	f.s.mu.Unlock()
+	f.src.mu.Lock()
+	g := f.src.gen
+	f.src.mu.Unlock()
+	if g == nil {
+		return
+	}
+	if err := closeFromBroker(g.conn); err != nil {
+		f.s.logger.Info("soak: the broker did not close the connection", "consumer", f.gen, "error", err)
 	}
 }
 
@@ -699,6 +729,14 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	}()
 
 	failure := fmt.Errorf("soak: message %d failed", seq)
+	if soakPoison(seq) {
+		// Fails every time: it must leave the stream for the dead-letter
+		// queue, after MaxAttempts attempts.
+		if r < 0.5 {
+			panic(failure)
+		}
+		return failure
+	}
 	switch {
 	case r < 0.08:
 		return failure
