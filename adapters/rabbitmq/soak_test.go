@@ -623,19 +623,26 @@ func (f *soakFaults) run(life time.Duration, end <-chan struct{}) {
 // closeFromBroker makes the broker close the consumer's connection, as an
 // operator would. It takes a second or two (rabbitmqctl), so it is rare.
 func (f *soakFaults) closeFromBroker() {
-	f.s.mu.Lock()
-	f.s.cuts[f.gen] = true
-	f.s.faults++
-	f.s.mu.Unlock()
-	f.src.mu.Lock()
-	g := f.src.gen
-	f.src.mu.Unlock()
+	g := f.begin()
 	if g == nil {
 		return
 	}
 	if err := closeFromBroker(g.conn); err != nil {
 		f.s.logger.Info("soak: the broker did not close the connection", "consumer", f.gen, "error", err)
 	}
+}
+
+// begin notes a fault about to be injected (before it is: the handlers it
+// cancels check for it) and returns the consumer's current generation, nil
+// while it reconnects.
+func (f *soakFaults) begin() *generation {
+	f.s.mu.Lock()
+	f.s.cuts[f.gen] = true
+	f.s.faults++
+	f.s.mu.Unlock()
+	f.src.mu.Lock()
+	defer f.src.mu.Unlock()
+	return f.src.gen
 }
 
 // The faults inject picks for r.
@@ -668,14 +675,7 @@ func (f *soakFaults) soon(r float64) {
 // failure; or its AMQP connection or channel closed by the client), else
 // its retry publisher's or its dead-letter sink's.
 func (f *soakFaults) inject(r float64) {
-	// Noted before the cut: the handlers it cancels check for it.
-	f.s.mu.Lock()
-	f.s.cuts[f.gen] = true
-	f.s.faults++
-	f.s.mu.Unlock()
-	f.src.mu.Lock()
-	g := f.src.gen
-	f.src.mu.Unlock()
+	g := f.begin()
 	switch {
 	case g == nil: // reconnecting
 	case r < 0.45:
