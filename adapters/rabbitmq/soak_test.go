@@ -70,6 +70,7 @@ type soakConfig struct {
 	noDelayQueues bool
 	coalesce      bool          // acks in small batches with short waits
 	timeout       time.Duration // WithHandlerTimeout; 0: none
+	leave         bool          // WithLeaveUnfinishedOnShutdown
 	lag           time.Duration // the longest pause before each write to the broker
 	shutdown      time.Duration // WithShutdownTimeout
 	cutEvery      time.Duration // the mean time between cut connections; 0: none
@@ -90,8 +91,8 @@ const (
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t coalesce=%t timeout=%v lag=%v shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.coalesce, c.timeout, c.lag, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t coalesce=%t timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.coalesce, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -127,6 +128,7 @@ func soakRound(t *testing.T, seed uint64) {
 		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
 	}
 	cfg.coalesce = chance(0.3)
+	cfg.leave = chance(0.2)
 	if chance(0.2) {
 		cfg.timeout = time.Duration(50+rng.IntN(200)) * time.Millisecond
 	}
@@ -171,6 +173,7 @@ func soakRound(t *testing.T, seed uint64) {
 		cuts:         make(map[int]bool),
 		dropped:      make(map[int]bool),
 		faulters:     make(map[int]*soakFaults),
+		faults:       make(map[string]int),
 	}
 	defer s.checks.Wait()
 
@@ -271,7 +274,7 @@ func soakRound(t *testing.T, seed uint64) {
 			t.Errorf("queue %s holds %d messages at the end", name, n)
 		}
 	}
-	t.Logf("%d consumers, %d faults; %d messages handled, %d dead-letter copies; stats %+v",
+	t.Logf("%d consumers, faults %v; %d messages handled, %d dead-letter copies; stats %+v",
 		gen, s.faults, len(s.succeeded), len(dead), s.stats)
 }
 
@@ -315,8 +318,8 @@ type soakRun struct {
 	deadIDs      map[string]bool        // message IDs with a confirmed dead letter
 	deadSends    int                    // confirmed dead letters
 	okDeliveries map[*adapters.Delivery]bool
-	faults       int          // connections cut and consumers dropped so far
-	cuts         map[int]bool // consumers that had a connection cut
+	faults       map[string]int // faults injected so far, by kind
+	cuts         map[int]bool   // consumers that had a connection cut
 	dropped      map[int]bool
 	faulters     map[int]*soakFaults // the consumers injecting faults now
 	violations   []string
@@ -453,6 +456,10 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.timeout > 0 {
 		copts = append(copts, consumer.WithHandlerTimeout(cfg.timeout))
 	}
+	if cfg.leave {
+		// The broker requeues what is left when the channel closes.
+		copts = append(copts, consumer.WithLeaveUnfinishedOnShutdown())
+	}
 	if cfg.inFlight > 0 {
 		copts = append(copts, consumer.WithMaxInFlight(cfg.inFlight))
 	}
@@ -516,7 +523,7 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 		// another one. The runtime still stops, but can settle nothing.
 		s.mu.Lock()
 		s.dropped[gen], s.cuts[gen] = true, true
-		s.faults++
+		s.faults["drop"]++
 		s.mu.Unlock()
 		srcDial.refuse()
 		sinkDial.refuse()
@@ -623,7 +630,7 @@ func (f *soakFaults) run(life time.Duration, end <-chan struct{}) {
 // closeFromBroker makes the broker close the consumer's connection, as an
 // operator would. It takes a second or two (rabbitmqctl), so it is rare.
 func (f *soakFaults) closeFromBroker() {
-	g := f.begin()
+	g := f.begin("broker close")
 	if g == nil {
 		return
 	}
@@ -635,10 +642,10 @@ func (f *soakFaults) closeFromBroker() {
 // begin notes a fault about to be injected (before it is: the handlers it
 // cancels check for it) and returns the consumer's current generation, nil
 // while it reconnects.
-func (f *soakFaults) begin() *generation {
+func (f *soakFaults) begin(kind string) *generation {
 	f.s.mu.Lock()
 	f.s.cuts[f.gen] = true
-	f.s.faults++
+	f.s.faults[kind]++
 	f.s.mu.Unlock()
 	f.src.mu.Lock()
 	defer f.src.mu.Unlock()
@@ -675,16 +682,23 @@ func (f *soakFaults) soon(r float64) {
 // failure; or its AMQP connection or channel closed by the client), else
 // its retry publisher's or its dead-letter sink's.
 func (f *soakFaults) inject(r float64) {
-	g := f.begin()
+	kinds := []string{"channel's TCP cut", "channel's AMQP connection closed", "channel closed", "publisher's TCP cut", "sink's TCP cut"}
+	k := 0
+	for _, bound := range []float64{0.45, 0.55, 0.65, 0.8} {
+		if r >= bound {
+			k++
+		}
+	}
+	g := f.begin(kinds[k])
 	switch {
 	case g == nil: // reconnecting
-	case r < 0.45:
+	case k == 0:
 		f.srcDial.cut(func(c net.Conn) bool { return c.LocalAddr().String() == g.conn.LocalAddr().String() })
-	case r < 0.55:
+	case k == 1:
 		_ = g.conn.Close()
-	case r < 0.65:
+	case k == 2:
 		_ = g.ch.Close()
-	case r < 0.8:
+	case k == 3:
 		f.srcDial.cut(func(c net.Conn) bool { return c.LocalAddr().String() != g.conn.LocalAddr().String() })
 	default:
 		f.sinkDial.cut(func(net.Conn) bool { return true })
@@ -802,7 +816,7 @@ func (s *soakRun) checkOverlap(id string, o *soakCall, gen int) {
 		return
 	}
 	s.mu.Lock()
-	faults := s.faults
+	faults := len(s.faults)
 	s.mu.Unlock()
 	if faults == 0 {
 		s.violate("message %s ran in consumer %d while an earlier call in consumer %d still ran, its context alive, with no fault injected", id, gen, o.gen)
