@@ -168,6 +168,7 @@ func soakRound(t *testing.T, seed uint64) {
 		rng:          rand.New(rand.NewPCG(seed, 2)),
 		running:      make(map[string][]*soakCall),
 		succeeded:    make(map[string]bool),
+		successes:    make(map[string]int),
 		deadIDs:      make(map[string]bool),
 		okDeliveries: make(map[*adapters.Delivery]bool),
 		cuts:         make(map[int]bool),
@@ -265,8 +266,14 @@ func soakRound(t *testing.T, seed uint64) {
 		}
 	}
 	for i := range soakMessages {
-		if id := soakID(i); !s.succeeded[id] && !deadLettered[id] {
+		id := soakID(i)
+		if !s.succeeded[id] && !deadLettered[id] {
 			t.Errorf("message %s was lost: never handled successfully, not dead-lettered", id)
+		}
+		// Only a fault can bring back a message once it was handled: a
+		// graceful stop sends every ack decided.
+		if n := s.successes[id]; n > 1 && len(s.faults) == 0 {
+			t.Errorf("message %s was handled successfully %d times, with no fault injected", id, n)
 		}
 	}
 	for _, name := range append([]string{q}, soakDelayQueues(q)...) {
@@ -315,6 +322,7 @@ type soakRun struct {
 	rng          *rand.Rand
 	running      map[string][]*soakCall // by message ID
 	succeeded    map[string]bool        // message IDs a handler returned nil for
+	successes    map[string]int         // how often, by message ID
 	deadIDs      map[string]bool        // message IDs with a confirmed dead letter
 	deadSends    int                    // confirmed dead letters
 	okDeliveries map[*adapters.Delivery]bool
@@ -546,8 +554,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 			// reconnected, and a stop is as graceful as any other.
 			s.violate("consumer %d: Run = %v, want nil after a graceful stop", gen, err)
 		}
-		if st := src.Stats(); st.Generations > 1 && !cut {
-			s.violate("consumer %d: the channel was replaced although no connection was cut (stats %+v)", gen, st)
+		if st := src.Stats(); !cut && (st.Generations > 1 || st.DroppedAcks > 0 || st.AckErrors > 0) {
+			s.violate("consumer %d: the channel was replaced, or acks were dropped, although no connection was cut (stats %+v)", gen, st)
 		}
 	case <-time.After(time.Minute):
 		s.violate("consumer %d: Run did not return within a minute of its stop", gen)
@@ -780,6 +788,7 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	}
 	s.mu.Lock()
 	s.succeeded[m.ID] = true
+	s.successes[m.ID]++
 	s.okDeliveries[m.Delivery()] = true
 	s.mu.Unlock()
 	return nil
