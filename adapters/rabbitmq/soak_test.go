@@ -27,12 +27,16 @@ import (
 // the real broker, through rounds of random configurations (classic or
 // quorum queue, prefetch and in-flight bounds, retries waiting in place or
 // through delay queues, a dead-letter exchange or the queue's own
-// dead-letter exchange), handler behaviours (failures, panics, permanent
-// errors, RetryAfter, Defer, slow handlers) and faults: TCP connections cut
-// under the consumer, its retry publisher and its dead-letter sink while
-// handlers run and acks wait to be sent, consumers stopped gracefully or
-// dropped (every connection cut and no reconnection allowed), two consumers
-// on the queue at once. Whatever happens it checks what a user relies on:
+// dead-letter exchange, ack coalescing, handler and shutdown timeouts),
+// handler behaviours (failures, panics, permanent errors, RetryAfter,
+// Defer, slow handlers, poison messages that always fail) and faults: TCP
+// connections cut under the consumer, its retry publisher and its
+// dead-letter sink while handlers run, acks wait to be sent and copies wait
+// for their confirm; the consumer's connection or channel closed by the
+// client or by the broker; consumers stopped gracefully (at times while
+// connections are being cut) or dropped (every connection cut and no
+// reconnection allowed); two consumers on the queue at once. Whatever
+// happens it checks what a user relies on:
 //
 //   - nothing is lost: every message is handled successfully at least once
 //     or is in the dead-letter queue with its diagnostics, and the queue and
@@ -41,19 +45,24 @@ import (
 //     returned nil or it was dead-lettered (a confirmed copy), and a message
 //     no handler succeeded with never disappears without reaching the
 //     dead-letter queue (the first check);
+//   - poison messages leave the stream, and not before MaxAttempts;
 //   - without injected faults no two handlers of one message run at once,
-//     and no channel is replaced (the broker closing it would mean a
-//     protocol error, an ack of an unknown tag say); with faults, a handler
-//     whose delivery was lost has its context cancelled;
+//     no message is handled successfully twice, no ack is dropped and no
+//     channel is replaced (the broker closing one would mean a protocol
+//     error, an ack of an unknown tag say); with faults, a handler whose
+//     delivery was lost has its context cancelled;
 //   - no handler runs once its consumer's Run has returned, Run returns
-//     after its stop, and no goroutine outlives the round.
+//     (nil after a graceful stop), and no goroutine outlives the round.
 //
-// Redeliveries are expected (at least once): duplicates are not flagged.
+// Redeliveries after a fault are expected (at least once), and not
+// flagged.
 //
-// Each round logs its seed and, when it fails, what the adapter and the
-// runtime logged. CUSTODY_SOAK_SEED replays a round; CUSTODY_SOAK_ROUNDS
-// runs more of them (default 2). The memory broker's soak in package
-// consumer reads the same variables.
+// Each round logs its seed, its configuration, the faults it injected and
+// the adapter's stats, and, when it fails, what the adapter and the runtime
+// logged. CUSTODY_SOAK_SEED replays a round's choices (the interleaving
+// still depends on the scheduler and the broker); CUSTODY_SOAK_ROUNDS runs
+// more of them (default 2). The memory broker's soak in package consumer
+// reads the same variables.
 func TestSoakKeepsTheInvariants(t *testing.T) {
 	testseed.Rounds(t, 2, soakRound)
 }
@@ -63,9 +72,9 @@ type soakConfig struct {
 	native        bool // dead letters go through the queue's own dead-letter exchange
 	concurrency   int
 	prefetch      int
-	inFlight      int           // 0: the runtime's default
-	maxAttempts   int           //
-	backoff       time.Duration //
+	inFlight      int // 0: the runtime's default
+	maxAttempts   int
+	backoff       time.Duration // the retry policy's, constant
 	threshold     time.Duration // WithDelayQueueThreshold; below zero, the default
 	noDelayQueues bool
 	linger        time.Duration // WithAckCoalescing's linger; 0: the default
@@ -87,7 +96,7 @@ const (
 
 // soakDelays are the delays handlers ask for with RetryAfter and Defer: one
 // waited out in place, the others through a delay queue under a low
-// threshold. delayQueues lists the delay queues they and the backoff can use.
+// threshold.
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
@@ -114,7 +123,8 @@ func soakRound(t *testing.T, seed uint64) {
 		phases:      rng.IntN(4),
 	}
 	if chance(0.1) {
-		cfg.concurrency, cfg.prefetch = 1, 1 // every delayed retry through a delay queue
+		// Every delayed retry through a delay queue, unless there are none.
+		cfg.concurrency, cfg.prefetch = 1, 1
 	} else {
 		cfg.prefetch = cfg.concurrency + rng.IntN(40)
 	}
