@@ -587,13 +587,14 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	logger.Info("soak: consumer stopped", "stats", fmt.Sprintf("%+v", st))
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.stats.Generations += st.Generations
-	s.stats.Lost += st.Lost
-	s.stats.DroppedAcks += st.DroppedAcks
-	s.stats.AckErrors += st.AckErrors
-	s.stats.RetriedInPlace += st.RetriedInPlace
-	s.stats.DelayQueued += st.DelayQueued
-	s.stats.RetryFailures += st.RetryFailures
+	s.stats = Stats{
+		Generations: s.stats.Generations + st.Generations, Delivered: s.stats.Delivered + st.Delivered,
+		AckFrames: s.stats.AckFrames + st.AckFrames, MultipleAcks: s.stats.MultipleAcks + st.MultipleAcks,
+		Acked: s.stats.Acked + st.Acked, AckErrors: s.stats.AckErrors + st.AckErrors, Rejects: s.stats.Rejects + st.Rejects,
+		DroppedAcks: s.stats.DroppedAcks + st.DroppedAcks, Lost: s.stats.Lost + st.Lost,
+		RetriedInPlace: s.stats.RetriedInPlace + st.RetriedInPlace, DelayQueued: s.stats.DelayQueued + st.DelayQueued,
+		RetryFailures: s.stats.RetryFailures + st.RetryFailures,
+	}
 	for id, calls := range s.running {
 		for _, c := range calls {
 			if c.gen == gen {
