@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -32,21 +33,33 @@ func killConnection(t *testing.T, s *Source) {
 	if g == nil {
 		t.Fatal("no live generation to kill")
 	}
-	port := strconv.Itoa(g.conn.LocalAddr().(*net.TCPAddr).Port)
+	if err := closeFromBroker(g.conn); errors.Is(err, errNoRabbitmqctl) {
+		testbroker.Unavailable(t, "rabbitmqctl (to inspect the broker)", err)
+	} else if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// errNoRabbitmqctl is wrapped when rabbitmqctl cannot list the connections.
+var errNoRabbitmqctl = errors.New("rabbitmqctl list_connections failed")
+
+// closeFromBroker makes the broker close conn (rabbitmqctl close_connection).
+func closeFromBroker(conn *amqp.Connection) error {
+	port := strconv.Itoa(conn.LocalAddr().(*net.TCPAddr).Port)
 	out, err := exec.Command("rabbitmqctl", "list_connections", "-q", "--no-table-headers", "pid", "peer_port").Output()
 	if err != nil {
-		testbroker.Unavailable(t, "rabbitmqctl (to inspect the broker)", err)
+		return fmt.Errorf("%w: %v", errNoRabbitmqctl, err)
 	}
 	for _, line := range strings.Split(string(out), "\n") {
 		f := strings.Fields(line)
 		if len(f) == 2 && f[1] == port {
 			if out, err := exec.Command("rabbitmqctl", "close_connection", f[0], "custody test: forced close").CombinedOutput(); err != nil {
-				t.Fatalf("rabbitmqctl close_connection: %v: %s", err, out)
+				return fmt.Errorf("rabbitmqctl close_connection: %v: %s", err, out)
 			}
-			return
+			return nil
 		}
 	}
-	t.Fatalf("rabbitmqctl does not list a connection from port %s:\n%s", port, out)
+	return fmt.Errorf("rabbitmqctl does not list a connection from port %s:\n%s", port, out)
 }
 
 func waitGenerations(t *testing.T, s *Source, n uint64) {
