@@ -125,5 +125,10 @@
 //
 // Metrics and spans go to the OpenTelemetry providers given by
 // [WithMeterProvider] and [WithTracerProvider] (the global ones by default);
-// see the custody package documentation for the instrument names.
+// see the custody package documentation for the instrument names. Only a
+// failed attempt counts as an error (custody.result "error" on its
+// duration, an error status on its span): a deferral ([Defer]) is recorded
+// as "deferred", and an attempt cut short by the shutdown deadline or by the
+// loss of its delivery as "cancelled", each with a span event of that name,
+// so that deploys and rebalances do not show as error rates.
 package consumer

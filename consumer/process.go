@@ -327,10 +327,17 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		// failure of the handler: it is counted and traced apart, so that
 		// error rates and error spans show failures only.
 		deferred := err != nil && IsDeferred(err)
+		// An attempt the shutdown deadline or its delivery's loss cut
+		// short is no failure either (process gives it back, or settles it
+		// as lost, without counting one): deploys and rebalances must not
+		// show as error rates.
+		cut := err != nil && !deferred && (d.LostCause() != nil || r.handlerCtx.Err() != nil)
 		res := r.tel.resultOK
 		switch {
 		case deferred:
 			res = r.tel.resultDeferred
+		case cut:
+			res = r.tel.resultCancelled
 		case err != nil:
 			res = r.tel.resultErr
 		}
@@ -341,6 +348,8 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 			switch {
 			case deferred:
 				span.AddEvent("deferred", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
+			case cut:
+				span.AddEvent("cancelled", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
 			case err != nil:
 				span.RecordError(err)
 				span.SetStatus(codes.Error, err.Error())

@@ -67,7 +67,10 @@ type telemetry struct {
 	resultOK       []metric.RecordOption
 	resultErr      []metric.RecordOption
 	resultDeferred []metric.RecordOption
-	spanAttrs      []attribute.KeyValue
+	// resultCancelled is an attempt cut short by the shutdown deadline or
+	// the loss of its delivery.
+	resultCancelled []metric.RecordOption
+	spanAttrs       []attribute.KeyValue
 }
 
 func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
@@ -117,6 +120,7 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
 	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
 	t.resultDeferred = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "deferred")))}
+	t.resultCancelled = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "cancelled")))}
 	// The consumer's name under the metrics' key, so that spans and metrics
 	// join. It is not messaging.consumer.group.name: the runtime does not
 	// know the broker's consumer group (a Kafka group is named apart from

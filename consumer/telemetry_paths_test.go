@@ -379,6 +379,11 @@ func TestTelemetryAtShutdownTimeout(t *testing.T) {
 				"custody.messages.settled/acked": 1,
 				gaveBack:                         5,
 				"custody.handler.duration":       2,
+				// The attempt cut short is no failure: no error rate
+				// on every deploy with a long handler.
+				"custody.handler.duration/cancelled": 1,
+				"custody.handler.duration/ok":        1,
+				"custody.handler.duration/error":     0,
 			})
 		})
 	}
@@ -724,14 +729,7 @@ func unparsable(context.Context, *consumer.Message) error {
 // redelivery is dead-lettered.
 func TestTelemetryDeadLetterFailureAfterTheLeaseWasLost(t *testing.T) {
 	reader, mp := newMeter()
-	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
-	e.publish("x")
-	src := e.source(memory.WithFaults(memory.Faults{Extend: func(d *adapters.Delivery) error {
-		if d.Attempt == 1 {
-			return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
-		}
-		return nil
-	}}))
+	e, src := firstLeaseRefused(t)
 	dlq := e.dlq()
 	dlq.SetFault(func(d *adapters.Delivery) error {
 		if d.Attempt > 1 {
@@ -830,4 +828,60 @@ func TestTelemetryDeadLetterWriteCutByTheShutdownDeadline(t *testing.T) {
 		"custody.messages.settled/retried": 1, // given back with its backoff
 		"custody.deadletter.failures":      0,
 	})
+}
+
+// TestTelemetryAttemptCutByALostLeaseIsNoError: an attempt whose delivery
+// was lost while it ran (its lease renewals refused) is settled as lost, not
+// failed, and its duration and span say cancelled, not error: a rebalance or
+// a broker hiccup must not show as the handler's error rate.
+func TestTelemetryAttemptCutByALostLeaseIsNoError(t *testing.T) {
+	reader, mp := newMeter()
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	e, src := firstLeaseRefused(t)
+	r := run(t, src, func(ctx context.Context, m *consumer.Message) error {
+		if m.Attempt == 1 {
+			<-ctx.Done() // until the lease is lost
+			return context.Cause(ctx)
+		}
+		return nil
+	}, consumer.WithName("cut"), consumer.WithMeterProvider(mp), consumer.WithTracerProvider(tp))
+	waitFor(t, "the redelivery acked", func() bool { return e.stats("q").Acked == 1 })
+	stopAndCollect(t, r, reader, "cut").want(map[string]int64{
+		"custody.messages.settled/lost":      1,
+		"custody.messages.settled/acked":     1,
+		"custody.handler.duration/cancelled": 1,
+		"custody.handler.duration/ok":        1,
+		"custody.handler.duration/error":     0,
+	})
+	for _, s := range messageSpans(t, spans, 2) {
+		if st := s.Status(); st.Code == codes.Error {
+			t.Errorf("span of an attempt: status %v, want no error", st)
+		}
+	}
+	cancelled := 0
+	for _, s := range spans.Ended() {
+		for _, ev := range s.Events() {
+			if ev.Name == "cancelled" {
+				cancelled++
+			}
+		}
+	}
+	if cancelled != 1 {
+		t.Errorf("%d spans with a cancelled event, want 1 (the attempt cut short)", cancelled)
+	}
+}
+
+// firstLeaseRefused returns a broker holding one message, "x", with a
+// 300 ms lease, and a source that refuses every renewal of its first
+// delivery, which is so lost, and renews its redelivery.
+func firstLeaseRefused(t *testing.T) (*env, *memory.Source) {
+	e := newEnv(t, memory.QueueOptions{Lease: 300 * time.Millisecond})
+	e.publish("x")
+	return e, e.source(memory.WithFaults(memory.Faults{Extend: func(d *adapters.Delivery) error {
+		if d.Attempt == 1 {
+			return fmt.Errorf("receipt expired: %w", adapters.ErrLeaseLost)
+		}
+		return nil
+	}}))
 }
