@@ -287,7 +287,7 @@ func (s *soak) handle(ctx context.Context, gen int, m *consumer.Message) error {
 		return o.Key == m.Key && (s.cfg.fifo || (s.cfg.ByKey && o.Gen == gen))
 	})
 	defer end()
-	err = soaktest.Behave(ctx, seq, m.Attempt, r, slow, func(cause error) {
+	err = soaktest.Behave(ctx, seq, m.Attempt, r, slow, 3*time.Millisecond, func(cause error) {
 		if errors.Is(cause, adapters.ErrLeaseLost) && s.cfg.extendFail == 0 && !s.crashed(gen) {
 			// Nothing failed a renewal: the keeper should have kept the
 			// lease for as long as the handler ran.

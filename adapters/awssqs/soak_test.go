@@ -468,7 +468,7 @@ func (s *sqsSoak) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		return o.Key == m.Key && (s.cfg.fifo || s.cfg.ByKey) && (o.Gen == gen || s.cfg.orderCheck)
 	})
 	defer end()
-	err = soaktest.Behave(ctx, seq, m.Attempt, r, slow, func(cause error) {
+	err = soaktest.Behave(ctx, seq, m.Attempt, r, slow, 3*time.Millisecond, func(cause error) {
 		s.mu.Lock()
 		crashed := s.crashed[gen]
 		s.mu.Unlock()

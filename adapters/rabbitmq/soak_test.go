@@ -795,28 +795,11 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		}
 		return failure
 	}
-	switch {
-	case r < 0.08:
-		return failure
-	case r < 0.11:
-		panic(failure)
-	case r < 0.13:
-		return consumer.Permanent(failure)
-	case r < 0.17:
-		return consumer.RetryAfter(failure, delay)
-	case r < 0.20 && m.Attempt < 3:
-		return consumer.Defer(failure, delay)
-	case r < 0.30:
-		t := time.NewTimer(slow)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			return s.cancelled(ctx, gen, m)
-		}
+	if r >= 0.30 {
+		slow = 0
 	}
-	if ctx.Err() != nil {
-		return s.cancelled(ctx, gen, m)
+	if err := soaktest.Behave(ctx, seq, m.Attempt, r, slow, delay, func(cause error) { s.cancelled(cause, gen, m) }); err != nil {
+		return err
 	}
 	if f := s.faulter(gen); cutBefore && f != nil {
 		// The effect is done; the connection goes before the ack is sent.
@@ -832,15 +815,13 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 
 // cancelled checks why a handler's context ended: a lost connection where
 // no connection was cut means the channel died of something else.
-func (s *soakRun) cancelled(ctx context.Context, gen int, m *consumer.Message) error {
-	cause := context.Cause(ctx)
+func (s *soakRun) cancelled(cause error, gen int, m *consumer.Message) {
 	s.mu.Lock()
 	cut := s.cuts[gen]
 	s.mu.Unlock()
 	if errors.Is(cause, adapters.ErrConnectionLost) && !cut {
 		s.violate("consumer %d: the handler of %s lost its connection although none was cut: %v", gen, m.ID, cause)
 	}
-	return cause
 }
 
 // checkOverlap checks a handler call of id that started in consumer gen

@@ -301,12 +301,12 @@ func (l *Log) Unordered() map[string][]int {
 
 // Behave acts out a handler call of message seq at attempt, as r (drawn
 // uniformly from [0, 1)) picks: it fails (8%), panics (3%), fails
-// permanently (2%), asks for a retry after a delay (4%), defers while
-// attempt < 3 (3%), or, when slow > 0, runs for slow unless ctx ends first,
-// then returns ctx's cause after calling cancelled with it. Otherwise, or
-// when the slow run ends, it returns nil, or ctx's cause if ctx has ended:
-// the caller notes a success only then.
-func Behave(ctx context.Context, seq, attempt int, r float64, slow time.Duration, cancelled func(cause error)) error {
+// permanently (2%), asks for a retry after delay (4%), defers for delay
+// while attempt < 3 (3%), or, when slow > 0, runs for slow unless ctx ends
+// first. Otherwise, or when the slow run ends, it returns nil; but once ctx
+// has ended it calls cancelled with ctx's cause and returns that: the caller
+// notes a success only on nil.
+func Behave(ctx context.Context, seq, attempt int, r float64, slow, delay time.Duration, cancelled func(cause error)) error {
 	failure := fmt.Errorf("soak: message %d failed", seq)
 	switch {
 	case r < 0.08:
@@ -316,22 +316,21 @@ func Behave(ctx context.Context, seq, attempt int, r float64, slow time.Duration
 	case r < 0.13:
 		return consumer.Permanent(failure)
 	case r < 0.17:
-		return consumer.RetryAfter(failure, 3*time.Millisecond)
+		return consumer.RetryAfter(failure, delay)
 	case r < 0.20 && attempt < 3:
-		return consumer.Defer(failure, 3*time.Millisecond)
+		return consumer.Defer(failure, delay)
 	case slow > 0:
 		t := time.NewTimer(slow)
 		defer t.Stop()
 		select {
 		case <-t.C:
 		case <-ctx.Done():
-			cause := context.Cause(ctx)
-			cancelled(cause)
-			return cause
 		}
 	}
 	if ctx.Err() != nil {
-		return context.Cause(ctx)
+		cause := context.Cause(ctx)
+		cancelled(cause)
+		return cause
 	}
 	return nil
 }
