@@ -202,6 +202,7 @@ type job struct {
 	successor    *job          // the lane's next job, once this one is done
 	accepted     time.Duration // when it was received, since run.started
 	retries      int           // in-place retries so far
+	unavailable  int           // consecutive attempts that found a dependency unavailable
 	firstFailure time.Time
 	deadLettered bool // the pending ack completes a dead-lettering
 	ackedEarly   bool // at-most-once mode

@@ -16,6 +16,13 @@
 //     original is still running elsewhere): try again no sooner than d,
 //     without counting the attempt (except as a broker that counts
 //     deliveries does: see Defer); a deferral never dead-letters.
+//   - [Unavailable](err): a dependency is down (a database, a downstream
+//     service, the idempotency store), which is not the message's fault:
+//     no attempt is used up, the message is never dead-lettered for it, and
+//     it waits in place, its lease kept alive, with a backoff that grows
+//     while the outage lasts. Waiting messages hold their place in the
+//     in-flight window, so intake stops during an outage rather than
+//     running the queue into it.
 //
 // A panic in the handler is recovered and treated as an error, and so is a
 // returned error whose Error, Unwrap or As method panics (a typed nil
@@ -44,7 +51,9 @@
 // written to the dead-letter destination with diagnostic headers (error,
 // attempts, first and last failure time, original queue, partition and
 // offset). The original is acked only after the write is confirmed; a failed
-// write keeps the original and is tried again after a backoff. The two steps
+// write keeps the original, which waits in place (its lease kept alive, the
+// handler not run again, the broker's delivery count not raised) and the
+// write is tried again after a backoff. The two steps
 // are not atomic: if the original's ack fails or the process stops between
 // them, the original comes back and is dead-lettered again, so the
 // destination can hold two copies of one message (same

@@ -100,6 +100,49 @@ func IsDeferred(err error) bool {
 	return errors.As(err, &r) && r.deferred
 }
 
+// Unavailable marks err as the failure of something the message depends
+// on rather than of the message: a database or downstream service that is
+// down, an idempotency store that does not answer. A message is
+// dead-lettered for its own failures only, so an unavailable attempt uses up
+// no attempt and never sends the message to the dead-letter destination,
+// however long the outage lasts.
+//
+// The message waits in place, its lease kept alive, and its handler is
+// tried again after the retry policy's backoff, which grows with each
+// consecutive unavailable attempt of the message (or after the delay asked
+// for with RetryAfter or Defer around it). It waits in place even where the
+// broker could hold it back for the delay: a redelivery would raise the
+// broker's delivery count, which MaxAttempts and a broker's own redrive
+// policy (an SQS maxReceiveCount) read. Waiting messages keep their place in
+// the in-flight window ([WithMaxInFlight]), so while a dependency is down
+// the consumer stops taking new messages instead of running them into the
+// outage. At shutdown a waiting message is given back, as one waiting for
+// a retry is. The wait ends when the maximum processing time
+// ([WithMaxProcessingTime]) is reached; the broker then delivers the
+// message again.
+//
+// An error marked both Unavailable and [Permanent] is treated as
+// Unavailable. Such attempts are counted (custody.handler.unavailable) and
+// logged. Unavailable(nil) is nil.
+func Unavailable(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &unavailableError{err}
+}
+
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string { return "dependency unavailable: " + e.err.Error() }
+func (e *unavailableError) Unwrap() error { return e.err }
+
+// IsUnavailable reports whether err, or an error it wraps, was marked
+// Unavailable.
+func IsUnavailable(err error) bool {
+	var u *unavailableError
+	return errors.As(err, &u)
+}
+
 // PanicError is the error a recovered handler panic becomes, and the one
 // that replaces a returned error whose Error, Unwrap or As method panics. It
 // is retried and dead-lettered like any other error.

@@ -72,6 +72,29 @@ func (r *run) process(j *job) {
 			r.release(j)
 			return
 		}
+		if IsUnavailable(err) {
+			// A dependency's fault, not the message's: no attempt is used
+			// up, and the message waits here rather than at the broker,
+			// whose delivery count a redelivery would raise.
+			j.unavailable++
+			delay, ok := RetryDelay(err)
+			if !ok || delay <= 0 {
+				delay = backoffDelay(r.cfg.retry.Backoff, j.unavailable)
+			}
+			delay = max(delay, minBackoff)
+			r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
+			r.cfg.logger.Warn("custody: a dependency is unavailable; the message waits in place without using up an attempt",
+				"consumer", r.cfg.name, "id", j.d.ID, "waits", j.unavailable, "retry_in", delay, "error", err)
+			if r.draining.Load() {
+				r.giveBack(j, delay)
+				return
+			}
+			if !r.wait(j, delay) {
+				return
+			}
+			continue
+		}
+		j.unavailable = 0
 		now := time.Now()
 		deferred := IsDeferred(err)
 		if j.firstFailure.IsZero() && !deferred {
@@ -186,16 +209,18 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			r.giveBack(j, delay)
 			return true
 		}
-		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and will be tried again",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and the write tried again",
+			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr, "retry_in", delay)
 		if r.draining.Load() {
 			r.giveBack(j, delay)
 			return true
 		}
-		if r.retriesByNack(j) {
-			r.nack(j, delay, outcomeRetried)
-			return true
-		}
+		// The write is tried again in place, the lease kept alive, even
+		// where the broker could hold the message back: a redelivery would
+		// run the handler again for a message that is done with it, and
+		// raise the broker's delivery count. Waiting, the message keeps its
+		// place in the in-flight window, so an outage of the destination
+		// slows intake instead of cycling messages through the broker.
 		if !r.wait(j, delay) {
 			return true
 		}
@@ -327,6 +352,7 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		// failure of the handler: it is counted and traced apart, so that
 		// error rates and error spans show failures only.
 		deferred := err != nil && IsDeferred(err)
+		unavailable := err != nil && IsUnavailable(err)
 		// An attempt the shutdown deadline or its delivery's loss cut
 		// short is no failure either (process gives it back, or settles it
 		// as lost, without counting one): deploys and rebalances must not
@@ -334,6 +360,8 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		cut := err != nil && !deferred && (d.LostCause() != nil || r.handlerCtx.Err() != nil)
 		res := r.tel.resultOK
 		switch {
+		case unavailable && !cut:
+			res = r.tel.resultUnavailable
 		case deferred:
 			res = r.tel.resultDeferred
 		case cut:
@@ -346,6 +374,8 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		}
 		if span != nil {
 			switch {
+			case unavailable && !cut:
+				span.AddEvent("unavailable", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
 			case deferred:
 				span.AddEvent("deferred", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
 			case cut:
@@ -384,6 +414,7 @@ func checkedError(err error) (checked error, ok bool) {
 	_ = err.Error()
 	method = "Unwrap or As"
 	_ = IsPermanent(err)
+	_ = IsUnavailable(err)
 	_, _ = RetryDelay(err) // IsDeferred walks the same way
 	return err, true
 }

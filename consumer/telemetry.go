@@ -58,6 +58,7 @@ type telemetry struct {
 	renewFails  metric.Int64Counter
 	ackFailures metric.Int64Counter
 	dlqFailures metric.Int64Counter
+	unavailable metric.Int64Counter
 	inFlight    metric.Int64UpDownCounter
 
 	// Options are kept as ready slices: passing a slice to a variadic
@@ -70,7 +71,10 @@ type telemetry struct {
 	// resultCancelled is an attempt cut short by the shutdown deadline or
 	// the loss of its delivery.
 	resultCancelled []metric.RecordOption
-	spanAttrs       []attribute.KeyValue
+	// resultUnavailable is an attempt that reported a dependency outage
+	// (Unavailable).
+	resultUnavailable []metric.RecordOption
+	spanAttrs         []attribute.KeyValue
 }
 
 func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
@@ -98,11 +102,12 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	t.renewFails = counter("custody.lease.renewal_failures", "Lease renewals that failed (throttling, network errors) and are tried again while the lease lasts.")
 	t.ackFailures = counter("custody.ack.failures", "Acks that failed (expect a redelivery).")
 	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed (not those cut short by the shutdown deadline or by the loss of the delivery); the original was not acked.")
+	t.unavailable = counter("custody.handler.unavailable", "Handler attempts that reported a dependency outage (consumer.Unavailable): no attempt used up, the message waits in place.")
 	if err != nil {
 		return nil, err
 	}
 	if t.duration, err = m.Float64Histogram("custody.handler.duration",
-		metric.WithDescription("Time one handler attempt took, by result: ok, error, or deferred (consumer.Defer)."), metric.WithUnit("s"),
+		metric.WithDescription("Time one handler attempt took, by result: ok, error, deferred (consumer.Defer), unavailable (consumer.Unavailable) or cancelled (cut short by the shutdown deadline or the loss of the delivery)."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(durationBounds...)); err != nil {
 		return nil, err
 	}
@@ -121,6 +126,7 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
 	t.resultDeferred = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "deferred")))}
 	t.resultCancelled = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "cancelled")))}
+	t.resultUnavailable = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "unavailable")))}
 	// The consumer's name under the metrics' key, so that spans and metrics
 	// join. It is not messaging.consumer.group.name: the runtime does not
 	// know the broker's consumer group (a Kafka group is named apart from
