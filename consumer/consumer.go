@@ -40,12 +40,19 @@ type Consumer struct {
 // New returns a Consumer that feeds src's deliveries to h. It checks every
 // option and the source's capabilities, and fails with an error naming the
 // option or capability at fault.
+//
+// It refuses a nil src or h, and so a typed nil one: the nil pointer a
+// constructor returns beside its error (src, _ := rabbitmq.New(...)), a nil
+// HandlerFunc, or a [Chain] given a nil Middleware. A Handler that is a nil
+// pointer is refused even if its methods would not dereference it: make
+// such a handler a struct value. Nil options are skipped, so that an
+// option can be chosen conditionally.
 func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
-	if src == nil {
-		return nil, errors.New("consumer.New: nil Source; pass an adapter such as memory.Broker.Source")
+	if err := checkSource(src); err != nil {
+		return nil, err
 	}
-	if h == nil {
-		return nil, errors.New("consumer.New: nil Handler")
+	if err := checkHandler(h); err != nil {
+		return nil, err
 	}
 	cfg := defaultConfig()
 	for _, o := range opts {
