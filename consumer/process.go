@@ -86,7 +86,12 @@ func (r *run) process(j *job) {
 			r.cfg.logger.Warn("custody: a dependency is unavailable; the message waits in place without using up an attempt",
 				"consumer", r.cfg.name, "id", j.d.ID, "waits", j.unavailable, "retry_in", delay, "error", err)
 			if r.draining.Load() {
-				r.giveBack(j, delay)
+				// Given back at once, as a message already waiting out the
+				// outage is when the drain begins (see wait): whether the
+				// handler returned just before the drain or just after must
+				// not decide whether the broker hides the message for the
+				// wait's delay, which can be longer than its lease.
+				r.release(j)
 				return
 			}
 			if !r.wait(j, delay) {
