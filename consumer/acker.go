@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"errors"
+	"log/slog"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
@@ -203,7 +204,7 @@ func (r *run) sendAcks(batch []*job, ds []*adapters.Delivery) {
 		}
 		if e := adapters.EntryError(err, i); e != nil {
 			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source...)
-			r.cfg.logger.Warn("custody: ack failed; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "error", e)
+			r.logs.log(logAckFailed, slog.String("id", j.d.ID), slog.Any("error", e))
 			if cause := j.d.LostCause(); errors.Is(e, adapters.ErrLeaseLost) || errors.Is(cause, adapters.ErrLeaseLost) {
 				// The lease ran out after the handler finished (unless
 				// run.ack counted it already).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -161,9 +162,10 @@ func (c *Consumer) Shutdown(ctx context.Context) error {
 
 // run is the state of one Run call.
 type run struct {
-	c   *Consumer
-	cfg *config
-	tel *telemetry
+	c    *Consumer
+	cfg  *config
+	tel  *telemetry
+	logs *logLimiter
 
 	handlerCtx     context.Context // lives until the shutdown deadline
 	cancelHandlers context.CancelCauseFunc
@@ -235,6 +237,7 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		c:              c,
 		cfg:            &c.cfg,
 		tel:            c.tel,
+		logs:           newLogLimiter(base, c.cfg.logger, c.cfg.name),
 		handlerCtx:     hctx,
 		cancelHandlers: cancel,
 		settleCtx:      base,
@@ -277,8 +280,7 @@ func (r *run) run(ctx context.Context) error {
 			Renewed:  func(n int) { r.tel.extensions.Add(r.settleCtx, int64(n), r.tel.source...) },
 			Retrying: func(n int, err error) {
 				r.tel.renewFails.Add(r.settleCtx, int64(n), r.tel.source...)
-				r.cfg.logger.Warn("custody: lease renewal failed; trying again before the lease runs out",
-					"consumer", r.cfg.name, "leases", n, "error", err)
+				r.logs.log(logRenewalFailed, slog.Int("leases", n), slog.Any("error", err))
 			},
 			// Lost leases are counted and logged by run.lost, which sees them
 			// all: the keeper does not report a lease the adapter lost by
@@ -330,6 +332,7 @@ func (r *run) run(ctx context.Context) error {
 	ackersWG.Wait()
 	stopKeeper()
 	keeperWG.Wait()
+	r.logs.flush() // nothing of the run logs any more
 	r.cancelHandlers(context.Canceled)
 	if err := r.c.src.Close(); err != nil {
 		return errors.Join(recvErr, fmt.Errorf("consumer: closing source: %w", err))
@@ -355,10 +358,11 @@ func (r *run) enforceShutdownDeadline(ctx context.Context, received, drained <-c
 	select {
 	case <-drained:
 	case <-timer.C:
-		r.cfg.logger.Warn("custody: shutdown timeout reached; cancelling running handlers", "consumer", r.cfg.name)
+		r.logs.logger.Warn("custody: shutdown timeout reached; cancelling the handlers still running, whose messages are given back",
+			"timeout", r.cfg.shutdownTimeout)
 		r.cancelHandlers(ErrShutdownTimeout)
 	case <-r.c.cut.Done():
-		r.cfg.logger.Warn("custody: Shutdown's context ended; cancelling running handlers", "consumer", r.cfg.name)
+		r.logs.logger.Warn("custody: Shutdown's context ended; cancelling the handlers still running, whose messages are given back")
 		r.cancelHandlers(ErrShutdownTimeout)
 	}
 }
@@ -398,13 +402,14 @@ func (r *run) receive(ctx context.Context) error {
 			if len(ds) > 0 {
 				// A partial failure (one partition's error among others'
 				// records): say so, but do not slow the rest down.
-				r.cfg.logger.Warn("custody: receive reported an error with its deliveries", "consumer", r.cfg.name, "error", err, "deliveries", len(ds))
+				r.logs.log(logReceivePartial, slog.Any("error", err), slog.Int("deliveries", len(ds)))
 				failures = 0
 				continue
 			}
 			failures++
-			r.cfg.logger.Warn("custody: receive failed; retrying", "consumer", r.cfg.name, "error", err, "failures", failures)
-			t := time.NewTimer(bo.Delay(failures))
+			delay := bo.Delay(failures)
+			r.logs.log(logReceiveFailed, slog.Any("error", err), slog.Int("failures", failures), slog.Duration("retry_in", delay))
+			t := time.NewTimer(delay)
 			select {
 			case <-t.C:
 			case <-ctx.Done():
@@ -428,8 +433,9 @@ func (r *run) accept(ds []*adapters.Delivery) {
 			// be at-least-once, which this mode promised not to be.
 			kept := ds[:0:0]
 			for i, d := range ds {
-				if adapters.EntryError(err, i) != nil {
+				if e := adapters.EntryError(err, i); e != nil {
 					r.tel.ackFailures.Add(ctx, 1, r.tel.source...)
+					r.logs.log(logEarlyAckFailed, slog.String("id", d.ID), slog.Any("error", e))
 					r.settle(&job{d: d}, outcomeLeft) // not nacked: its lease brings it back
 					continue
 				}

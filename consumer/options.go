@@ -235,7 +235,9 @@ func WithLeaseRenewal(fraction float64) Option {
 	})
 }
 
-// WithLogger sets the logger. Default slog.Default().
+// WithLogger sets the logger. Default slog.Default(). What is logged at
+// which level, and how lines are rate-limited: see Logs in the package
+// documentation.
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc(func(c *config) error {
 		if l == nil {

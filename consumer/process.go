@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"runtime/debug"
 	"time"
@@ -27,11 +28,11 @@ func (r *run) process(j *job) {
 		// The adapter wants it back before it starts (its Kafka partition
 		// is being revoked): given back at once, even at shutdown with
 		// WithLeaveUnfinishedOnShutdown, since the adapter waits for it.
-		r.releaseNow(j)
+		r.releaseNow(j, whyRecalled)
 		return
 	}
 	if r.draining.Load() {
-		r.release(j) // not started before shutdown: give it back at once
+		r.release(j, whyShutdown) // not started before shutdown: give it back at once
 		return
 	}
 	if j.giveBack {
@@ -39,7 +40,7 @@ func (r *run) process(j *job) {
 		// even with WithLeaveUnfinishedOnShutdown, which is about shutdown.
 		// Left to its lease it would hold up the lost message's group (an
 		// SQS FIFO group) until that lease ran out.
-		r.releaseNow(j)
+		r.releaseNow(j, whyBehindLost)
 		return
 	}
 	maxAttempts := r.cfg.retry.MaxAttempts
@@ -53,7 +54,7 @@ func (r *run) process(j *job) {
 		if j.d.Recalled() {
 			// Recalled while a retry waited: no handler runs, so it goes
 			// back now (see Delivery.Recall).
-			r.releaseNow(j)
+			r.releaseNow(j, whyRecalled)
 			return
 		}
 		attempt := r.attempt(j)
@@ -69,7 +70,7 @@ func (r *run) process(j *job) {
 		if r.handlerCtx.Err() != nil {
 			// The shutdown deadline cut the handler short: not the message's
 			// fault, so it neither counts as a failure nor waits a backoff.
-			r.release(j)
+			r.release(j, whyDeadline)
 			return
 		}
 		if IsUnavailable(err) {
@@ -83,15 +84,15 @@ func (r *run) process(j *job) {
 			}
 			delay = max(delay, minBackoff)
 			r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
-			r.cfg.logger.Warn("custody: a dependency is unavailable; the message waits in place without using up an attempt",
-				"consumer", r.cfg.name, "id", j.d.ID, "waits", j.unavailable, "retry_in", delay, "error", err)
+			r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", j.unavailable),
+				slog.Duration("retry_in", delay), slog.Any("error", err))
 			if r.draining.Load() {
 				// Given back at once, as a message already waiting out the
 				// outage is when the drain begins (see wait): whether the
 				// handler returned just before the drain or just after must
 				// not decide whether the broker hides the message for the
 				// wait's delay, which can be longer than its lease.
-				r.release(j)
+				r.release(j, whyShutdown)
 				return
 			}
 			if !r.wait(j, delay) {
@@ -128,7 +129,9 @@ func (r *run) process(j *job) {
 			r.giveBack(j, delay)
 			return
 		}
-		if r.retriesByNack(j) {
+		byNack := r.retriesByNack(j)
+		r.logRetry(j, err, attempt, delay, deferred, byNack)
+		if byNack {
 			// The broker holds the message for the delay; no worker waits.
 			r.nack(j, delay, outcomeRetried)
 			return
@@ -155,8 +158,8 @@ func (r *run) process(j *job) {
 func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry time.Duration) bool {
 	dl := r.cfg.deadLetter
 	if dl == nil {
-		r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination (WithDeadLetter)",
-			"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
+		r.logs.log(logNoDeadLetter, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
+			slog.Int("attempts", attempt), slog.Duration("retry_in", retry), slog.Any("error", err))
 		if r.c.caps.NackDelay && j.lane == "" {
 			r.nack(j, retry, outcomeExhausted)
 			return true
@@ -180,6 +183,8 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 		}
 		cut, sendErr := r.sendDeadLetter(dl, j, f)
 		if sendErr == nil {
+			r.logs.log(logDeadLettered, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
+				slog.Int("attempts", attempt), slog.Any("error", err))
 			if j.d.Settled() {
 				r.stopLease(j)
 				r.settle(j, outcomeDeadLettered)
@@ -200,22 +205,20 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 			// Not kept: the delivery is gone (its lease, or a release the
 			// failed write had already sent, as SQS's Redrive does), and
 			// the broker brings the message back.
-			msg := "custody: dead-letter write failed and the delivery was lost; the broker redelivers the message"
+			kind := logDeadLetterLost
 			if cut {
-				msg = "custody: dead-letter write cut short: the delivery was lost; the broker redelivers the message"
+				kind = logDeadLetterCutLost
 			}
-			r.cfg.logger.Error(msg, "consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+			r.logs.log(kind, slog.String("id", j.d.ID), slog.Any("error", sendErr))
 			r.lost(j, cause)
 			return true
 		}
 		if cut {
-			r.cfg.logger.Warn("custody: dead-letter write cut short by the shutdown deadline; the message is given back",
-				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
+			r.logs.log(logDeadLetterCut, slog.String("id", j.d.ID), slog.Any("error", sendErr))
 			r.giveBack(j, delay)
 			return true
 		}
-		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and the write tried again",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr, "retry_in", delay)
+		r.logs.log(logDeadLetterFailed, slog.String("id", j.d.ID), slog.Any("error", sendErr), slog.Duration("retry_in", delay))
 		if r.draining.Load() {
 			r.giveBack(j, delay)
 			return true
@@ -260,8 +263,7 @@ func (r *run) processAtMostOnce(j *job) {
 	outcome := outcomeAcked
 	if err != nil {
 		outcome = outcomeFailed
-		r.cfg.logger.Warn("custody: handler failed in at-most-once mode; the message is gone",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+		r.logs.log(logAtMostOnceFailed, slog.String("id", j.d.ID), slog.Any("error", err))
 	}
 	r.settle(j, outcome)
 	r.next(j)
@@ -284,10 +286,10 @@ func (r *run) call(j *job, attempt int) error {
 	err := r.callHandler(j, attempt)
 	if j.exiting {
 		j.exiting = false
-		p := new(runtime.PanicNilError)
-		err = &PanicError{Value: p, Stack: debug.Stack()}
+		pe := &PanicError{Value: new(runtime.PanicNilError), Stack: debug.Stack()}
+		err = pe
 		r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-		r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", j.d.ID, "panic", p)
+		r.logPanic(j.d, attempt, pe)
 	}
 	return err
 }
@@ -334,15 +336,16 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 	defer func() {
 		p := recover()
 		if p != nil {
-			err = &PanicError{Value: p, Stack: debug.Stack()}
+			pe := &PanicError{Value: p, Stack: debug.Stack()}
+			err = pe
 			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-			r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", d.ID, "panic", p)
+			r.logPanic(d, attempt, pe)
 		}
 		if p == nil && err != nil {
 			var ok bool
 			if err, ok = checkedError(err); !ok {
 				r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-				r.cfg.logger.Error("custody: handler returned an error whose Error method panicked", "consumer", r.cfg.name, "id", d.ID, "error", err)
+				r.logs.log(logErrorPanicked, slog.String("id", d.ID), slog.Int("attempt", attempt), slog.Any("error", err))
 			}
 		}
 		// Neither returned nor panicked: runtime.Goexit is ending this
@@ -430,8 +433,7 @@ func checkedError(err error) (checked error, ok bool) {
 // given back too, so that the lane keeps its order. The jobs of its lane this
 // worker had taken go to another worker; the run replaces the worker itself.
 func (r *run) handlerExited(j *job) {
-	r.cfg.logger.Error("custody: handler exited without returning; the message is given back",
-		"consumer", r.cfg.name, "id", j.d.ID, "error", ErrHandlerExited)
+	r.logs.log(logExited, slog.String("id", j.d.ID), slog.Any("error", ErrHandlerExited))
 	if j.ackedEarly {
 		r.settle(j, outcomeFailed)
 		r.next(j)
@@ -439,7 +441,7 @@ func (r *run) handlerExited(j *job) {
 		if j.lane != "" {
 			r.giveBackBehind(j, func(*job) bool { return true })
 		}
-		r.releaseNow(j)
+		r.releaseNow(j, whyExited)
 	}
 	if s := j.successor; s != nil {
 		j.successor = nil
@@ -463,15 +465,15 @@ func (r *run) wait(j *job, delay time.Duration) bool {
 		// The drain began as the timer fired, and the select, finding both
 		// ready, chose the timer: the retry would start after the drain
 		// began, which gives back what has not started.
-		r.release(j)
+		r.release(j, whyShutdown)
 	case <-j.d.RecallSignal():
-		r.releaseNow(j)
+		r.releaseNow(j, whyRecalled)
 	case <-j.d.Lost():
 		r.lost(j, j.d.LostCause())
 	case <-r.drainCh:
-		r.release(j)
+		r.release(j, whyShutdown)
 	case <-r.handlerCtx.Done():
-		r.release(j)
+		r.release(j, whyDeadline)
 	}
 	return false
 }
@@ -517,8 +519,7 @@ func (r *run) nack(j *job, delay time.Duration, outcome string) {
 // message only waits for the broker to take it back by itself (when its
 // lease runs out, or when its channel closes, as on RabbitMQ).
 func (r *run) nackFailed(j *job, err error) {
-	r.cfg.logger.Warn("custody: nack failed; the broker redelivers the message when its lease runs out or its connection closes",
-		"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+	r.logs.log(logNackFailed, slog.String("id", j.d.ID), slog.Any("error", err))
 }
 
 // retriesByNack reports whether j's next attempt should wait at the broker
@@ -535,10 +536,13 @@ func (r *run) retriesByNack(j *job) bool {
 // where the broker can delay redelivery.
 func (r *run) giveBack(j *job, delay time.Duration) {
 	if r.c.caps.NackDelay && j.lane == "" {
+		if j.d.LostCause() == nil {
+			r.logs.log(logGivenBack, slog.String("id", j.d.ID), slog.String("reason", whyShutdown), slog.Duration("retry_in", delay))
+		}
 		r.nack(j, delay, outcomeRetried)
 		return
 	}
-	r.release(j)
+	r.release(j, whyShutdown)
 }
 
 // releaseWaiting gives back, at shutdown, the jobs that wait for a worker,
@@ -574,12 +578,15 @@ func (r *run) releaseWaiting() {
 			r.lost(j, j.d.LostCause())
 		case j.d.Recalled():
 			r.stopLease(j)
+			r.logGivenBack(j, whyRecalled)
 			give = append(give, j) // the adapter asked for it: never left
 		case r.cfg.leaveOnShutdown:
 			r.stopLease(j)
+			r.logs.log(logLeft, slog.String("id", j.d.ID))
 			r.settle(j, outcomeLeft)
 		default:
 			r.stopLease(j)
+			r.logGivenBack(j, whyShutdown)
 			give = append(give, j)
 		}
 	}
@@ -607,24 +614,31 @@ func (r *run) releaseAll(give []*job) {
 }
 
 // release gives j back for immediate redelivery (shutdown), or leaves it to
-// its lease with WithLeaveUnfinishedOnShutdown.
-func (r *run) release(j *job) {
+// its lease with WithLeaveUnfinishedOnShutdown. why says what gave it back,
+// for the log.
+func (r *run) release(j *job, why string) {
 	// A recalled delivery is never left: the adapter waits for it.
 	if r.cfg.leaveOnShutdown && j.d.LostCause() == nil && !j.d.Recalled() {
 		r.stopLease(j)
+		r.logs.log(logLeft, slog.String("id", j.d.ID))
 		r.settle(j, outcomeLeft)
 		r.next(j)
 		return
 	}
-	r.releaseNow(j)
+	if j.d.Recalled() {
+		why = whyRecalled
+	}
+	r.releaseNow(j, why)
 }
 
-// releaseNow gives j back for immediate redelivery.
-func (r *run) releaseNow(j *job) {
+// releaseNow gives j back for immediate redelivery. why says what gave it
+// back, for the log.
+func (r *run) releaseNow(j *job, why string) {
 	if cause := j.d.LostCause(); cause != nil {
 		r.lost(j, cause)
 		return
 	}
+	r.logGivenBack(j, why)
 	r.nack(j, 0, outcomeReleased)
 }
 
@@ -644,7 +658,7 @@ func (r *run) lost(j *job, cause error) {
 	if errors.Is(cause, adapters.ErrLeaseLost) {
 		r.leaseLost(j, cause)
 	} else {
-		r.cfg.logger.Info("custody: delivery lost", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
+		r.logs.log(logLost, slog.String("id", j.d.ID), slog.Any("cause", cause))
 	}
 	r.settle(j, outcomeLost)
 	if j.lane != "" {
@@ -689,5 +703,5 @@ func (r *run) leaseLost(j *job, cause error) {
 	}
 	j.leaseLostCounted = true
 	r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
-	r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
+	r.logs.log(logLeaseLost, slog.String("id", j.d.ID), slog.Any("cause", cause))
 }

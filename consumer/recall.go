@@ -80,6 +80,7 @@ func (r *run) releaseRecalled() {
 				keep = append(keep, j)
 			case j.lane == "":
 				r.stopLease(j)
+				r.logGivenBack(j, whyRecalled)
 				give = append(give, j)
 			default:
 				keep = r.releaseLaneHead(j, keep)
@@ -114,6 +115,7 @@ func (r *run) releaseRecalled() {
 	r.lanesMu.Unlock()
 	for _, j := range give[fromLanes:] {
 		r.stopLease(j)
+		r.logGivenBack(j, whyRecalled)
 	}
 	r.releaseAll(give)
 }
@@ -126,7 +128,7 @@ func (r *run) releaseLaneHead(j *job, keep []*job) []*job {
 		if !recalledWaiting(j) {
 			return append(keep, j)
 		}
-		r.releaseNow(j) // passes the lane on to j.successor
+		r.releaseNow(j, whyRecalled) // passes the lane on to j.successor
 		s := j.successor
 		j.successor = nil
 		j = s

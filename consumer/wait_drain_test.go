@@ -46,7 +46,7 @@ func TestRetryDueAsTheDrainBeginsIsGivenBack(t *testing.T) {
 		r.credit.held++ // as the receiver would have taken it
 		if r.wait(j, time.Nanosecond) {
 			started++
-			r.releaseNow(j)
+			r.releaseNow(j, whyShutdown)
 		}
 	}
 	if started > 0 {
