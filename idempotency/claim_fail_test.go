@@ -44,7 +44,7 @@ func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 		// Clients that can no longer reach their servers.
 		{"redis closed", func(t *testing.T) (idempotency.Store, func()) {
 			c := teststores.RedisClient(t)
-			s, err := redisstore.New(c)
+			s, err := redisstore.New(context.Background(), c)
 			if err != nil {
 				t.Fatal(err)
 			}

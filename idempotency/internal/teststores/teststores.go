@@ -57,7 +57,7 @@ func Redis(t testing.TB) idempotency.Store {
 	t.Helper()
 	c := RedisClient(t)
 	prefix := "custody-test:" + storetest.Key(t) + ":"
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	s, err := redisstore.New(context.Background(), c, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
