@@ -3,18 +3,14 @@ package idempotency_test
 import (
 	"context"
 	"errors"
-	"net"
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
 	"github.com/custody-go/custody/idempotency/internal/teststores"
-	"github.com/custody-go/custody/idempotency/pgstore"
 	"github.com/custody-go/custody/idempotency/redisstore"
 )
 
@@ -53,11 +49,9 @@ func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 		}},
 		{"postgres closed", func(t *testing.T) (idempotency.Store, func()) {
 			pool := pgsql.TestPool(t)
-			s, err := pgstore.New(pool)
-			if err != nil {
-				t.Fatal(err)
-			}
-			pool.Close()
+			closing := pgsql.TestPool(t) // the table is dropped through pool
+			s := teststores.PostgresOn(t, closing, pgsql.TestTable(t, pool, "custody_idem_test"))
+			closing.Close()
 			return s, nil
 		}},
 	}
@@ -121,35 +115,10 @@ func TestUnknownClaimStateFailsTheDelivery(t *testing.T) {
 // stays silent. The server here accepts PostgreSQL connections and never
 // says a word.
 func TestSilentStoreFailsTheClaimAfterTheStoreTimeout(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		var conns []net.Conn
-		defer func() {
-			for _, c := range conns {
-				_ = c.Close()
-			}
-		}()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			conns = append(conns, c) // held open, never answered
-		}
-	}()
-	pool, err := pgxpool.New(context.Background(), "postgres://postgres@"+ln.Addr().String()+"/test?sslmode=disable")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	store, err := pgstore.New(pool)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool, link := teststores.PostgresVia(t)
+	store := teststores.PostgresOn(t, pool, pgsql.TestTable(t, pgsql.TestPool(t), "custody_idem_test"))
+	link.Silence()
+	pool.Reset() // the pool's connections are gone; new ones reach a silent server
 	m := newMeter(t)
 	h := newGuard(t, store, func(context.Context, *consumer.Message) error {
 		t.Error("the handler ran without a claim")

@@ -11,7 +11,7 @@
 //
 // # Use
 //
-//	store, _ := pgstore.New(pool) // or redisstore.New(ctx, rdb), idempotency.NewMemoryStore()
+//	store, _ := pgstore.New(ctx, pool) // or redisstore.New(ctx, rdb), idempotency.NewMemoryStore()
 //	mw, err := idempotency.New(store,
 //		idempotency.WithKeyFunc(func(m *consumer.Message) string { return m.Headers["order-id"] }),
 //		idempotency.WithFingerprint(idempotency.FingerprintBody),
