@@ -267,6 +267,11 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 	if !errors.Is(err, context.Canceled) || !errors.Is(cause, idempotency.ErrClaimLost) {
 		t.Fatalf("handler returned %v with cause %v; want its context cancelled with ErrClaimLost", err, cause)
 	}
+	// The middleware stopped the handler, not the message's fault: the
+	// message waits and is tried again without using up an attempt.
+	if !consumer.IsUnavailable(err) || !errors.Is(err, idempotency.ErrClaimLost) {
+		t.Fatalf("Handle = %v, want an unavailable error wrapping ErrClaimLost", err)
+	}
 	if got := m.count(t, idempotency.MetricClaimsLost, "custody.idempotency.op", "extend"); got != 1 {
 		t.Fatalf("claims lost = %d, want 1", got)
 	}
@@ -276,6 +281,24 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 	}
 	if n := store.extends.Load(); n != 1 {
 		t.Fatalf("%d extension attempts, want 1: the claim is known lost after the first", n)
+	}
+}
+
+// A handler that gives a permanent verdict on its message keeps it, even
+// when its claim was lost meanwhile: a message that cannot be parsed is not
+// made to wait for ever.
+func TestPermanentErrorStandsWhenTheClaimWasLost(t *testing.T) {
+	store := &faultyStore{Store: newMemory(t)}
+	stale := error(idempotency.ErrStaleToken)
+	store.extendErr.Store(&stale)
+	bad := errors.New("cannot parse")
+	h := newGuard(t, store, func(ctx context.Context, _ *consumer.Message) error {
+		<-ctx.Done()
+		return consumer.Permanent(bad)
+	}, idempotency.WithLease(time.Hour), idempotency.WithExtendInterval(10*time.Millisecond))
+	err := h.Handle(context.Background(), msg("m", "x"))
+	if !consumer.IsPermanent(err) || consumer.IsUnavailable(err) || !errors.Is(err, bad) {
+		t.Fatalf("Handle = %v, want the handler's permanent error as it was", err)
 	}
 }
 

@@ -186,8 +186,10 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	}
 }
 
-// WithLogger sets where store failures that do not fail the message are
-// reported (a Complete or Release that failed). Default slog.Default().
+// WithLogger sets where store failures are reported: a Complete or Release
+// that failed (the message is not failed for it), and outages of the store
+// (claims that fail: a warning when they start, one every 30 seconds while
+// they go on, and a line when claims succeed again). Default slog.Default().
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
