@@ -26,7 +26,7 @@
 // middleware never guesses a key, because a guessed key either lets
 // duplicates through or swallows distinct messages. Then the key is claimed:
 //
-//   - Acquired: the handler runs. The claim is extended (every third of the
+//   - Acquired: the handler runs. The claim is extended (every fifth of the
 //     lease by default) while it runs, so no other delivery takes the key
 //     over mid-effect. If an extension is refused, or cannot be made before
 //     the claim would run out, the handler's context is cancelled with
