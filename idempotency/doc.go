@@ -70,9 +70,9 @@
 // kept alive, with a backoff that grows while the outage lasts, and runs
 // once the store claims keys again. Each such failure is counted
 // ([MetricStoreErrors], op "claim"); the log gets a warning when claims
-// start failing, one every 30 seconds while they go on, and a line when
-// the store claims keys again, not a line per message (the runtime logs
-// each unavailable attempt at its own level). Only a message's own faults
+// start failing, at most one every 30 seconds while they go on, and a line
+// when the store claims keys again, not a line per message (the runtime
+// logs each unavailable attempt at its own level). Only a message's own faults
 // are permanent: no key, a fingerprint mismatch, a key the store cannot
 // hold.
 //

@@ -207,8 +207,9 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 
 // WithLogger sets where store failures are reported: a Complete or Release
 // that failed (the message is not failed for it), and outages of the store
-// (claims that fail: a warning when they start, one every 30 seconds while
-// they go on, and a line when claims succeed again). Default slog.Default().
+// (claims that fail: a warning when they start, at most one every 30
+// seconds while they go on, and a line when claims succeed again). Default
+// slog.Default().
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {

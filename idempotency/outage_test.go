@@ -231,4 +231,13 @@ func TestStoreOutageIsLoggedWithoutALinePerMessage(t *testing.T) {
 	if len(lines) != 2 || !strings.Contains(lines[1], "level=INFO") || !strings.Contains(lines[1], fmt.Sprint("failed_claims=", n)) {
 		t.Fatalf("log once the store answers again:\n%s\nwant one more line, saying it recovered after %d failed claims", strings.Join(lines, "\n"), n)
 	}
+	// A store that flaps, failing every other claim, adds no line until
+	// the next report is due.
+	for i := range n {
+		store.down.Store(i%2 == 0)
+		_ = h.Handle(context.Background(), msg(fmt.Sprint("f-", i), "x"))
+	}
+	if lines := log.lines(); len(lines) != 2 {
+		t.Fatalf("log after a flapping store:\n%s\nwant no more lines within %v of the last warning", strings.Join(lines, "\n"), 30*time.Second)
+	}
 }
