@@ -49,21 +49,24 @@
 // can tell when the log was truncated under the commit (KIP-320).
 //
 // Done offsets beyond the committed one travel in the commit metadata,
-// compactly encoded (runs of offsets, base64) and bounded by
-// [WithMetadataLimit] (4096 bytes, Kafka's default offset.metadata.max.bytes).
-// After a rebalance the partition's next owner reads them back and skips
-// those records instead of running them again, unless fetching starts below
-// the committed offset (the log was truncated or recreated): the offsets
-// would then name other records, and the metadata is ignored. An owner that
-// loses the partition before it reaches the offsets it inherited writes them
-// into its own commit metadata, so they survive any number of rebalances (as
-// many of them as fit beside its own). A partition whose metadata
-// could outgrow the limit takes no new records until its prefix catches up.
-// The metadata names offsets, not records: if an unclean leader election
-// truncates the log above the committed offset while the partition is
-// between owners, and new records take the truncated offsets, the next owner
-// skips those that fall in the recorded runs. Keep
-// unclean.leader.election.enable=false (Kafka's default) where that matters.
+// compactly encoded (runs of offsets, base64) with the leader epoch their
+// records were written under, and bounded by [WithMetadataLimit] (4096
+// bytes, Kafka's default offset.metadata.max.bytes). After a rebalance the
+// partition's next owner reads them back and skips those records instead
+// of running them again, unless fetching starts below the committed offset
+// (the log was truncated or recreated): the offsets would then name other
+// records, and the metadata is ignored. An owner that loses the partition
+// before it reaches the offsets it inherited writes them into its own commit
+// metadata, so they survive any number of rebalances (as many of them as fit
+// beside its own). A partition whose metadata could outgrow the limit takes
+// no new records until its prefix catches up. A record is skipped only when
+// its offset and its leader epoch both match what was recorded: after an
+// unclean leader election rewrote the log above the committed offset while
+// the partition was between owners, the records now at the recorded offsets
+// are of a later epoch, and they are all handed out. Metadata of the
+// previous format, without epochs, is still read (its runs taken to be of
+// the committed leader epoch), so a group under a rolling deploy skips no
+// rewritten record either.
 //
 // A transactional producer ends each transaction with a marker that takes an
 // offset. Markers are never handed out, but they count as done, so the

@@ -364,7 +364,7 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 	group := newGroup()
 
 	// A previous owner committed 10, with 12 and 13 recorded done.
-	meta := encodeDone(10, func(fn func(int64)) { fn(12); fn(13) })
+	meta := encodeDone(10, func(fn func(int64, int32)) { fn(12, 0); fn(13, 0) })
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 10, LeaderEpoch: -1, Metadata: meta})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

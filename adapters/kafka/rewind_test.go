@@ -417,9 +417,9 @@ func TestDataLossRewindForgetsDoneOffsetsBeyondTheResetPoint(t *testing.T) {
 	// recorded done.
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: topic, Partition: 0, At: 0, LeaderEpoch: -1,
-		Metadata: encodeDone(0, func(fn func(int64)) {
+		Metadata: encodeDone(0, func(fn func(int64, int32)) {
 			for o := int64(5); o <= 9; o++ {
-				fn(o)
+				fn(o, 0) // the epoch of kfake's records
 			}
 		})})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

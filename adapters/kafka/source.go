@@ -463,7 +463,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 			break
 		}
 		r := p.backlog[p.backHead]
-		c := p.trackCost(r.Offset)
+		c := p.trackCost(r.Offset, r.LeaderEpoch)
 		if !p.fits(c, s.cfg.metadataLimit) {
 			break // the metadata could not record more: wait for the prefix
 		}
@@ -471,6 +471,9 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		p.backHead++
 		s.totalBack--
 		p.track(r.Offset, r.LeaderEpoch, c)
+		// Asked of markers too: a marker of a later epoch also tells that
+		// the inherited spans name records of another log.
+		skip := p.skipped(r.Offset, r.LeaderEpoch)
 		if r.Attrs.IsControl() {
 			// A transaction's commit or abort marker: nothing to run, but
 			// done, so that the commit passes it (see New).
@@ -478,7 +481,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 			p.skippedSome = true
 			continue
 		}
-		if p.skipped(r.Offset) {
+		if skip {
 			p.done(r.Offset)
 			p.skippedSome = true
 			s.tel.skipped.Add(context.Background(), 1, s.tel.partAttrs(p))

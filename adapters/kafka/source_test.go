@@ -97,7 +97,7 @@ func TestOutOfOrderCompletionCommitsOnlyTheDonePrefix(t *testing.T) {
 	eventually(t, "the prefix before the slow record to be committed, with offset 19 recorded done", func() bool {
 		offs, metas := c.committed(t, group, "orders")
 		lastMeta = metas[0]
-		spans := decodeDone(lastMeta, 3)
+		spans := decodeDone(lastMeta, 3, -1)
 		return offs[0] == 3 && len(spans) > 0 && spans[len(spans)-1].to == 19
 	})
 	for i := 0; i < 20; i++ {
@@ -107,7 +107,7 @@ func TestOutOfOrderCompletionCommitsOnlyTheDonePrefix(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if got := decodeDone(lastMeta, 3); !slices.Equal(got, []span{{4, 19}}) {
+	if got := decodeDone(lastMeta, 3, -1); !slices.Equal(got, []span{{4, 19, 0}}) {
 		t.Fatalf("metadata records done spans %v, want [{4 19}]", got)
 	}
 	ack(t, s, slow)
@@ -199,7 +199,7 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 	if offs[0] != 0 {
 		t.Fatalf("committed %d, want 0 (offset 0 never finished)", offs[0])
 	}
-	if got := decodeDone(metas[0], 0); !slices.Equal(got, []span{{1, 99}}) {
+	if got := decodeDone(metas[0], 0, -1); !slices.Equal(got, []span{{1, 99, 0}}) {
 		t.Fatalf("second owner's metadata records %v, want [{1 99}]", got)
 	}
 
@@ -526,9 +526,9 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 	// recorded done: far more than 64 bytes of metadata.
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 0, LeaderEpoch: -1,
-		Metadata: encodeDone(0, func(fn func(int64)) {
+		Metadata: encodeDone(0, func(fn func(int64, int32)) {
 			for o := int64(2); o <= 400; o += 2 {
-				fn(o)
+				fn(o, 0) // the epoch of kfake's records
 			}
 		})})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -552,8 +552,8 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 	if len(metas[0]) > limit {
 		t.Fatalf("commit metadata of %d bytes, over the limit of %d: %q", len(metas[0]), limit, metas[0])
 	}
-	spans := decodeDone(metas[0], 0)
-	if len(spans) == 0 || spans[0] != (span{1, 10}) {
+	spans := decodeDone(metas[0], 0, -1)
+	if len(spans) == 0 || spans[0] != (span{1, 10, 0}) {
 		t.Fatalf("commit metadata records %v, want it to start with [1 10] (this owner's and the first inherited)", spans)
 	}
 }
