@@ -42,9 +42,17 @@
 // offset up to which every polled record is done (handled, or written to the
 // dead-letter topic). One slow record holds its partition's commit back while
 // later records finish; when it finishes the commit jumps past all of them.
-// Commits are coalesced: every commit interval ([WithCommitInterval], 1s by
-// default), synchronously when a partition is revoked, and on Close; never
-// one per record. Each commit carries the leader epoch of the last record it
+// Commits are coalesced: a commit goes a linger ([WithCommitLinger], 5ms by
+// default) after a record is marked done, with the records of every
+// partition marked done meanwhile, and one commit request is in flight at a
+// time; a failed commit is tried again on the commit interval
+// ([WithCommitInterval], 1s by default); a partition is committed
+// synchronously when it is revoked, and all are on Close; never one request
+// per record. A crash makes the next owner run again what was done since
+// the last commit: with the linger, about the records running at the crash
+// plus a linger's worth, at the cost of up to one commit request per linger
+// plus round trip while records are being done (see WithCommitLinger for
+// the trade-off). Each commit carries the leader epoch of the last record it
 // covers, as franz-go's own commits do, so that the partition's next owner
 // can tell when the log was truncated under the commit (KIP-320).
 //

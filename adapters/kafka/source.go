@@ -66,6 +66,9 @@ type Source struct {
 	stopLag  context.CancelFunc
 	// commitSoon asks the commit loop to commit before its next tick.
 	commitSoon chan struct{}
+	// marked tells the commit loop that records were marked done: it
+	// commits them a linger later (see noteMarkedLocked).
+	marked chan struct{}
 	// recalls is signalled when a revoke recalled deliveries (see Recalls).
 	recalls  chan struct{}
 	closeErr error
@@ -108,6 +111,7 @@ func NewSource(opts ...Option) (*Source, error) {
 		loopDone:   make(chan struct{}),
 		lagDone:    make(chan struct{}),
 		commitSoon: make(chan struct{}, 1),
+		marked:     make(chan struct{}, 1),
 		recalls:    make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
 	}
@@ -607,12 +611,14 @@ func (s *Source) updatePauseLocked(p *partition) {
 }
 
 // Ack implements adapters.Source: it marks the records done. The commit
-// follows on the interval, on revoke or on Close. Records whose partition was
+// follows a linger later (see WithCommitLinger), with the records of every
+// partition marked done meanwhile, or on revoke or Close. Records whose partition was
 // revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
 // A record nacked already fails too (it is handed out again); acking a
 // record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
+	marked := false
 	s.mu.Lock()
 	for i, d := range ds {
 		h, ok := d.Handle.(*held)
@@ -637,6 +643,10 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 		}
 		s.releaseLocked(p, h)
 		p.done(h.d.Offset)
+		marked = true
+	}
+	if marked {
+		s.noteMarkedLocked()
 	}
 	s.settleLocked()
 	s.mu.Unlock()
