@@ -3,7 +3,7 @@
 // topics; a [DeadLetter] produces records that will not be processed to a
 // dead-letter topic.
 //
-//	src, err := kafka.NewSource(
+//	src, err := kafka.NewSource(ctx,
 //		kafka.WithBrokers("kafka-1:9092", "kafka-2:9092"),
 //		kafka.WithGroup("payments-service"),
 //		kafka.WithTopics("payments"),
@@ -16,6 +16,12 @@
 // A group with nothing committed starts at the earliest record (franz-go's
 // default); kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()) through
 // [WithClientOptions] starts it at the end.
+//
+// [NewSource] reaches the cluster within its context, and fails with the
+// cause when no broker answers. Later connection trouble does not end the
+// Source: franz-go connects again by itself, and the Source logs (see
+// [WithLogger]) a broker address it cannot connect to once, not once per
+// attempt, and the connection back.
 //
 // # Ordering
 //

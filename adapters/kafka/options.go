@@ -3,6 +3,7 @@ package kafka
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -85,6 +86,7 @@ type config struct {
 	metadataLimit  int
 	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
+	logger         *slog.Logger
 }
 
 func defaultConfig() config {
@@ -327,6 +329,20 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	}
 }
 
+// WithLogger sets where the Source logs connection trouble: a broker it
+// cannot connect to (once, with the address and the error, not once per
+// attempt, while franz-go keeps trying) and the connection back. Default:
+// slog.Default(), like the consumer's own.
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return errors.New("kafka: WithLogger: nil logger")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
 func (c *config) validate() error {
 	if len(c.brokers) == 0 {
 		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
@@ -351,6 +367,9 @@ func (c *config) validate() error {
 	}
 	if c.meterProvider == nil {
 		c.meterProvider = otel.GetMeterProvider()
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
 	}
 	return nil
 }

@@ -90,9 +90,14 @@ type tpKey struct {
 	part  int32
 }
 
-// NewSource creates a Source and its franz-go client. The client joins the
-// group when the Source is first polled.
-func NewSource(opts ...Option) (*Source, error) {
+// NewSource creates a Source and its franz-go client, and reaches the
+// cluster within ctx: it fails, with the cause, when none of the brokers
+// answers (not reachable, TLS or SASL refused) before ctx ends. The client
+// joins the group when the Source is first polled. Later connection trouble
+// does not fail the Source: franz-go connects again by itself, and the
+// Source logs a broker it cannot connect to and the connection back (see
+// WithLogger).
+func NewSource(ctx context.Context, opts ...Option) (*Source, error) {
 	cfg := defaultConfig()
 	for _, o := range opts {
 		if err := o(&cfg); err != nil {
@@ -122,6 +127,7 @@ func NewSource(opts ...Option) (*Source, error) {
 	s.tel = tel
 	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
 	kopts = append(kopts,
+		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group)),
 		kgo.SeedBrokers(cfg.brokers...),
 		kgo.ConsumerGroup(cfg.group),
 		kgo.ConsumeTopics(cfg.topics...),
@@ -141,6 +147,11 @@ func NewSource(opts ...Option) (*Source, error) {
 	if err != nil {
 		tel.close()
 		return nil, fmt.Errorf("kafka: creating the client: %w", err)
+	}
+	if err := cl.Ping(ctx); err != nil {
+		cl.Close()
+		tel.close()
+		return nil, fmt.Errorf("kafka: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
 	}
 	s.cl = cl
 	s.readCommitted = readsCommitted(cl)

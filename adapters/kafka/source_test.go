@@ -31,7 +31,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		"WithLagRefresh":               {WithLagRefresh(-time.Second)},
 	}
 	for name, opts := range cases {
-		_, err := NewSource(opts...)
+		_, err := NewSource(context.Background(), opts...)
 		if err == nil || !strings.Contains(err.Error(), name) {
 			t.Errorf("%s: got error %v, want one naming the option", name, err)
 		}
@@ -53,14 +53,14 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{"WithMaxInFlight(0)", WithMaxInFlight(0)},
 		{"WithMeterProvider: nil", WithMeterProvider(nil)},
 	} {
-		_, err := NewSource(append(slices.Clone(required), c.opt)...)
+		_, err := NewSource(context.Background(), append(slices.Clone(required), c.opt)...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("got error %v, want one saying %q", err, c.want)
 		}
 	}
 	// A client the factory cannot make fails NewSource with its reason.
 	refused := errors.New("no TLS configuration")
-	_, err := NewSource(append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
+	_, err := NewSource(context.Background(), append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
 	if !errors.Is(err, refused) {
 		t.Errorf("NewSource with a failing client factory = %v, want its error", err)
 	}
@@ -479,7 +479,8 @@ func TestNewGroupStartPosition(t *testing.T) {
 // valid is accepted (an off-by-one in a check refuses a configuration the
 // documentation promises).
 func TestOptionBoundsAreAccepted(t *testing.T) {
-	required := []Option{WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t")}
+	c := newCluster(t)
+	required := []Option{WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t")}
 	for name, opts := range map[string][]Option{
 		"WithCommitInterval(1ms)":                               {WithCommitInterval(time.Millisecond)},
 		"WithCommitLinger(0)":                                   {WithCommitLinger(0)},
@@ -490,7 +491,7 @@ func TestOptionBoundsAreAccepted(t *testing.T) {
 		"WithMaxInFlightPerPartition equal to WithMaxInFlight":  {WithMaxInFlight(8), WithMaxInFlightPerPartition(8)},
 		"WithMaxInFlight(1) and WithMaxInFlightPerPartition(1)": {WithMaxInFlight(1), WithMaxInFlightPerPartition(1)},
 	} {
-		s, err := NewSource(append(slices.Clone(required), opts...)...)
+		s, err := NewSource(context.Background(), append(slices.Clone(required), opts...)...)
 		if err != nil {
 			t.Errorf("%s: NewSource = %v, want it accepted", name, err)
 			continue
