@@ -21,13 +21,16 @@ type pendingCommit struct {
 // commitLoop commits the done records a linger after they are marked done
 // (see WithCommitLinger), on the commit interval, and when asked through
 // commitSoon, until Close. It sends one commit at a time: records marked
-// done while a commit is under way go in the next one.
+// done while a commit is under way go in the next one. After a failed
+// commit, marks wait for the next tick: a coordinator refusing commits
+// gets one a commit interval, not one per linger.
 func (s *Source) commitLoop() {
 	defer close(s.loopDone)
 	t := time.NewTicker(s.cfg.commitInterval)
 	defer t.Stop()
 	linger := time.NewTimer(s.cfg.commitLinger)
 	linger.Stop()
+	failed := false
 	for {
 		select {
 		case <-s.stopLoop:
@@ -35,6 +38,9 @@ func (s *Source) commitLoop() {
 		case <-t.C:
 		case <-s.commitSoon:
 		case <-s.marked:
+			if failed {
+				continue // the next tick commits these too
+			}
 			if s.cfg.commitLinger > 0 {
 				// Let more acks come, from every partition, so that one
 				// request carries them.
@@ -50,8 +56,9 @@ func (s *Source) commitLoop() {
 			}
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
-		_ = s.commit(ctx, nil) // failures are counted; the next tick retries
+		err := s.commit(ctx, nil) // failures are counted
 		cancel()
+		failed = err != nil
 	}
 }
 

@@ -3,9 +3,11 @@ package kafka
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
@@ -141,5 +143,33 @@ func TestCommitLingerBounds(t *testing.T) {
 		if cfg.commitLinger != tc.want {
 			t.Errorf("linger %v, want %v", cfg.commitLinger, tc.want)
 		}
+	}
+}
+
+// A coordinator that refuses commits gets one a commit interval, not one per
+// linger: after a failed commit, acks wait for the next tick (here an hour
+// away). The acks below come a few lingers apart; each committed at once,
+// they made a request each.
+func TestRefusedCommitIsNotRetriedPerAck(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 10, 10)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	ds := receiveN(t, s, 10)
+	var requests atomic.Int64
+	c.fake.ControlKey(int16(kmsg.OffsetCommit), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		c.fake.KeepControl()
+		requests.Add(1)
+		return offsetCommitResponse(kreq.(*kmsg.OffsetCommitRequest), kerr.GroupAuthorizationFailed.Code), nil, true
+	})
+	ack(t, s, ds[0])
+	eventually(t, "the first commit to be refused", func() bool { return requests.Load() == 1 })
+	for _, d := range ds[1:] {
+		ack(t, s, d)
+		time.Sleep(4 * DefaultCommitLinger)
+	}
+	if n := requests.Load(); n != 1 {
+		t.Fatalf("%d commit requests after the first was refused and 9 more acks; want only the first until the next tick", n)
 	}
 }
