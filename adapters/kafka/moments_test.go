@@ -274,7 +274,7 @@ func TestRevokeWhileACommitIsUnderWay(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, n)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(time.Hour),
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	ds := receiveN(t, s, n)
 	ack(t, s, ds[:3]...)
@@ -416,7 +416,7 @@ func TestMetadataAtItsBoundSkipsExactlyTheDoneRecords(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, 1)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(time.Hour),
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
 		WithMaxInFlightPerPartition(n), WithMaxInFlight(n),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	// Take what the bound lets the partition track.

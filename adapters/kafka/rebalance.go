@@ -34,7 +34,7 @@ func (s *Source) onAssigned(_ context.Context, _ *kgo.Client, assigned map[strin
 func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.OffsetFetchResponse) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	read := func(topic string, part int32, offset int64, meta *string) {
+	read := func(topic string, part int32, offset int64, leaderEpoch int32, meta *string) {
 		p := s.parts[tpKey{topic, part}]
 		if p == nil || p.hasTracked || p.lastPolled >= 0 {
 			return
@@ -43,13 +43,13 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 			p.committed = offset
 		}
 		if meta != nil {
-			p.skip = decodeDone(*meta, offset)
+			p.skip = decodeDone(*meta, offset, leaderEpoch)
 		}
 	}
 	for _, t := range resp.Topics {
 		for _, pt := range t.Partitions {
 			if pt.ErrorCode == 0 {
-				read(t.Topic, pt.Partition, pt.Offset, pt.Metadata)
+				read(t.Topic, pt.Partition, pt.Offset, pt.LeaderEpoch, pt.Metadata)
 			}
 		}
 	}
@@ -57,7 +57,7 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 		for _, t := range g.Topics {
 			for _, pt := range t.Partitions {
 				if pt.ErrorCode == 0 {
-					read(t.Topic, pt.Partition, pt.Offset, pt.Metadata)
+					read(t.Topic, pt.Partition, pt.Offset, pt.LeaderEpoch, pt.Metadata)
 				}
 			}
 		}

@@ -27,7 +27,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(200*time.Millisecond))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(200*time.Millisecond))
 
 	ds := receiveN(t, a, 20)
 	late := map[int32]*adapters.Delivery{}
@@ -39,7 +39,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 		ack(t, a, d)
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	// b must poll to join; what it receives is the revoked partition's
 	// unfinished record only (5..9 were recorded done in the metadata).
 	var got []*adapters.Delivery
@@ -199,7 +199,7 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 5)
 	ack(t, s, ds[:2]...)
 
@@ -232,7 +232,7 @@ func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMaxInFlightPerPartition(3))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMaxInFlightPerPartition(3))
 	ds := receiveN(t, s, 3)
 	ack(t, s, ds[:2]...)
 	ds = append(ds, receiveN(t, s, 2)...) // three running: the bound
@@ -307,7 +307,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(30*time.Second))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(30*time.Second))
 	ds := receiveN(t, a, 20)
 	late := map[int32]*adapters.Delivery{}
 	for _, d := range ds {
@@ -318,7 +318,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 		ack(t, a, d)
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	polled := make(chan struct{})
 	go func() { // b must poll to take part in the rebalance
 		defer close(polled)
@@ -364,7 +364,7 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 	group := newGroup()
 
 	// A previous owner committed 10, with 12 and 13 recorded done.
-	meta := encodeDone(10, func(fn func(int64)) { fn(12); fn(13) })
+	meta := encodeDone(10, func(fn func(int64, int32)) { fn(12, 0); fn(13, 0) })
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 10, LeaderEpoch: -1, Metadata: meta})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -373,7 +373,7 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
 
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	got := receiveN(t, s, 3) // offset 10 is out of range: reset to the log start
 	ack(t, s, got...)
 	c.produceN(t, "orders", 1, 15, 15) // offsets 3..17, new records
@@ -394,7 +394,7 @@ func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
 	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32), WithMaxInFlightPerPartition(3),
-		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour),
+		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	ds := receiveN(t, a, 3)
 	if paused := a.Client().PauseFetchPartitions(nil); len(paused) == 0 {
@@ -489,7 +489,7 @@ func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
 	c.produceN(t, "orders", 1, 5, 5) // 0..4
 	group := newGroup()
 	h := &holdPoll{holding: make(chan struct{}), release: make(chan struct{})}
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithRevokeDrain(100*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()), kgo.WithHooks(h))) // eager: a rejoin revokes everything
 	first := receiveN(t, a, 5) // 0..4 running, never finished
@@ -559,7 +559,7 @@ func TestRevokeDrainBoundsTheWaitForEveryPartition(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 2, 2)
-	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithRevokeDrain(100*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	first := receiveN(t, a, 4) // running, never finished
