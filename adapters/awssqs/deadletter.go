@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -124,7 +125,14 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 }
 
 // NewDeadLetterQueue returns a DeadLetter sending to the queue at queueURL.
-// A URL ending in .fifo is treated as a FIFO queue.
+// It reads the queue's attributes once (GetQueueAttributes, bounded by ctx),
+// so that a wrong URL, region, endpoint or credentials fail here, with what
+// to check, rather than at the first poison message, whose Send would then
+// fail on every attempt and leave the message retried for ever. Whether the
+// queue is FIFO comes from its FifoQueue attribute (or a name ending in
+// .fifo). The check proves that the queue exists and that the client may
+// read it, not that it may send to it: the sink needs sqs:GetQueueAttributes
+// and sqs:SendMessage on the queue.
 //
 // It also takes deliveries from other brokers. Their headers become String
 // attributes where SQS allows the name and the value; the others (names with
@@ -134,7 +142,31 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 // space; the diagnostics then say so in "custody-body-encoding" ("base64":
 // standard base64 of the original body; "empty": the original body was
 // empty).
-func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
+func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
+	q, err := newDeadLetterQueue(client, queueURL, opts)
+	if err != nil {
+		return nil, err
+	}
+	out, err := client.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{
+		QueueUrl:       aws.String(queueURL),
+		AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameFifoQueue},
+	})
+	if err != nil {
+		var missing *types.QueueDoesNotExist
+		if errors.As(err, &missing) {
+			return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: dead-letter queue %s does not exist where the client looks (check the queue name and account in the URL, and the client's region and endpoint; create the queue first): %w", queueURL, err)
+		}
+		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: cannot read the attributes of dead-letter queue %s (check the URL, the client's region, endpoint and credentials; the sink needs sqs:GetQueueAttributes and sqs:SendMessage on the queue): %w", queueURL, err)
+	}
+	if out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" {
+		q.fifo = true
+	}
+	return q, nil
+}
+
+// newDeadLetterQueue builds the sink from its arguments and options, without
+// a call to SQS: a FIFO queue is recognised by its name alone.
+func newDeadLetterQueue(client Sender, queueURL string, opts []DeadLetterOption) (*DeadLetterQueue, error) {
 	if client == nil {
 		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: nil client; pass an *sqs.Client")
 	}
@@ -153,6 +185,12 @@ func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption
 	}
 	return q, nil
 }
+
+// FIFO reports whether the dead-letter queue is a FIFO queue. A FIFO
+// source's copies keep their group order only in a FIFO dead-letter queue;
+// the sink cannot check the pairing itself, since it takes messages from
+// any source: compare with [Source.FIFO] where both are built.
+func (q *DeadLetterQueue) FIFO() bool { return q.fifo }
 
 // Send stores a copy of d with the failure's diagnostics in the dead-letter
 // queue and returns nil once SQS has accepted it.

@@ -19,6 +19,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/sqsemu"
 	"github.com/custody-go/custody/internal/testlog"
 )
 
@@ -104,9 +105,12 @@ func TestDeadLetterQueueSink(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+			dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if dlq.FIFO() != fifo {
+				t.Errorf("DeadLetterQueue.FIFO() = %v for a queue created with FifoQueue=%v", dlq.FIFO(), fifo)
 			}
 			h := &failing{poison: "poison body", err: errors.New("cannot parse order 7")}
 			var got []types.Message
@@ -185,7 +189,7 @@ func TestDeadLetterQueueTakesAnotherBrokersDelivery(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(false, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -252,9 +256,14 @@ func TestDeadLetterQueueSendFailureKeepsOriginal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A dead-letter queue URL that does not exist: SQS refuses the send.
-	dlq, err := NewDeadLetterQueue(e.client, strings.TrimSuffix(url, src.name)+"no-such-queue")
+	// A dead-letter queue deleted after the sink was made: SQS refuses the
+	// send.
+	dlqURL, _ := e.queue(false, 30*time.Second, nil)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.client.DeleteQueue(e.ctx(), &sqs.DeleteQueueInput{QueueUrl: aws.String(dlqURL)}); err != nil {
 		t.Fatal(err)
 	}
 	h := &failing{poison: "poison body", err: consumer.Permanent(errors.New("bad"))}
@@ -266,6 +275,46 @@ func TestDeadLetterQueueSendFailureKeepsOriginal(t *testing.T) {
 		got := e.drain(url, 0)
 		return len(got) == 1 && aws.ToString(got[0].Body) == "poison body"
 	})
+}
+
+// A wrong dead-letter queue URL (or region, endpoint, credentials) fails
+// NewDeadLetterQueue, saying what to check, instead of the first poison
+// message's Send, which would fail on every attempt.
+func TestNewDeadLetterQueueChecksTheQueue(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 5*time.Second, nil)
+	wrong := url + "-dlq" // never created
+	_, err := NewDeadLetterQueue(e.ctx(), e.client, wrong)
+	if err == nil {
+		t.Fatalf("NewDeadLetterQueue(%s) succeeded for a queue that does not exist", wrong)
+	}
+	for _, want := range []string{wrong, "does not exist", "region", "create the queue"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+
+	// Nothing answers at the endpoint: the error says what to check.
+	dead := sqsemu.NewClient("http://127.0.0.1:1", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	_, err = NewDeadLetterQueue(ctx, dead, url)
+	if err == nil {
+		t.Fatal("NewDeadLetterQueue succeeded with no SQS at the client's endpoint")
+	}
+	for _, want := range []string{url, "endpoint", "credentials", "sqs:SendMessage"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+
+	// A cancelled context ends the check.
+	cancelled, cancelNow := context.WithCancel(context.Background())
+	cancelNow()
+	if _, err := NewDeadLetterQueue(cancelled, e.client, url); !errors.Is(err, context.Canceled) {
+		t.Errorf("NewDeadLetterQueue with a cancelled context: %v, want context.Canceled", err)
+	}
 }
 
 func TestNativeRedrive(t *testing.T) {
@@ -363,7 +412,7 @@ func TestDeadLetterQueueFIFOKeepsLookAlikeDeliveries(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(true, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -398,7 +447,7 @@ func TestDeadLetterQueueFIFOGroupsForeignCopiesByLane(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(true, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -457,7 +506,7 @@ func TestDeadLetterQueueFIFOCopiesPerReceive(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -533,7 +582,7 @@ func TestDeadLetterQueueReplayedCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -588,7 +637,7 @@ func TestDeadLetterQueueDropsForeignStaleDiagnostics(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(false, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -664,7 +713,7 @@ func TestDeadLetterQueueKeepsTraceHeader(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+			dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -732,7 +781,7 @@ func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
 	f := adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}
 	// The emulator checks the dots only; SQS refuses all of these.
 	for _, name := range []string{".diagnostics", "diagnostics.", "custody..diagnostics", "custody diagnostics", "custody/diagnostics"} {
-		q, err := NewDeadLetterQueue(e.client, dlqURL, WithDiagnosticsAttribute(name))
+		q, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL, WithDiagnosticsAttribute(name))
 		if err == nil {
 			t.Errorf("WithDiagnosticsAttribute(%q) was accepted; a Send then returns %v", name, q.Send(e.ctx(), ds[0], f))
 			continue
@@ -743,7 +792,7 @@ func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
 	}
 	// Names SQS takes are still accepted, and the copy goes through.
 	for _, name := range []string{"custody.diagnostics", "Custody_diag-2"} {
-		q, err := NewDeadLetterQueue(e.client, dlqURL, WithDiagnosticsAttribute(name))
+		q, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL, WithDiagnosticsAttribute(name))
 		if err != nil {
 			t.Fatalf("WithDiagnosticsAttribute(%q): %v", name, err)
 		}
