@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -26,7 +27,8 @@ const (
 	// DefaultDiagnosticsAttribute names the message attribute that carries
 	// the diagnostics as one JSON object.
 	DefaultDiagnosticsAttribute = "custody-diagnostics"
-	// DefaultMaxMessageSize is SQS's default MaximumMessageSize, 256 KiB.
+	// DefaultMaxMessageSize, 256 KiB, is the largest copy sent to a queue
+	// that does not report its MaximumMessageSize.
 	DefaultMaxMessageSize = 256 << 10
 	// maxAttributes is SQS's limit on message attributes per message.
 	maxAttributes = 10
@@ -85,6 +87,7 @@ type DeadLetterQueue struct {
 	fifo    bool
 	attr    string
 	maxSize int
+	sizeSet bool // maxSize came from WithMaxMessageSize
 }
 
 var _ adapters.DeadLetter = (*DeadLetterQueue)(nil)
@@ -111,15 +114,19 @@ func WithDiagnosticsAttribute(name string) DeadLetterOption {
 
 // WithMaxMessageSize sets the largest copy Send will try, in bytes (body plus
 // attribute names, types and values, as SQS counts them), from 1 KiB to
-// 1 MiB. Default 256 KiB; set it to the dead-letter queue's
-// MaximumMessageSize. When a copy is larger, Send shortens the error text;
-// if it is still too large, Send fails and the original stays in its queue.
+// 1 MiB. Default: the dead-letter queue's MaximumMessageSize, which
+// NewDeadLetterQueue reads (DefaultMaxMessageSize if the queue reports
+// none); NewDeadLetterQueue refuses a larger value, since SQS would refuse
+// the copies in between. When a copy is larger, Send shortens the error
+// text; if it is still too large, Send fails and the original stays in its
+// queue.
 func WithMaxMessageSize(n int) DeadLetterOption {
 	return func(q *DeadLetterQueue) error {
 		if n < 1<<10 || n > 1<<20 {
 			return fmt.Errorf("awssqs.WithMaxMessageSize(%d): must be from 1024 to 1048576 bytes", n)
 		}
 		q.maxSize = n
+		q.sizeSet = true
 		return nil
 	}
 }
@@ -130,9 +137,10 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 // to check, rather than at the first poison message, whose Send would then
 // fail on every attempt and leave the message retried for ever. Whether the
 // queue is FIFO comes from its FifoQueue attribute (or a name ending in
-// .fifo). The check proves that the queue exists and that the client may
-// read it, not that it may send to it: the sink needs sqs:GetQueueAttributes
-// and sqs:SendMessage on the queue.
+// .fifo), and the largest copy from its MaximumMessageSize (see
+// WithMaxMessageSize). The check shows that the queue exists and that the
+// client may read it, not that it may send to it: the sink needs
+// sqs:GetQueueAttributes and sqs:SendMessage on the queue.
 //
 // It also takes deliveries from other brokers. Their headers become String
 // attributes where SQS allows the name and the value; the others (names with
@@ -149,7 +157,7 @@ func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opt
 	}
 	out, err := client.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{
 		QueueUrl:       aws.String(queueURL),
-		AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameFifoQueue},
+		AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameFifoQueue, types.QueueAttributeNameMaximumMessageSize},
 	})
 	if err != nil {
 		var missing *types.QueueDoesNotExist
@@ -160,6 +168,16 @@ func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opt
 	}
 	if out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" {
 		q.fifo = true
+	}
+	if n, err := strconv.Atoi(out.Attributes[string(types.QueueAttributeNameMaximumMessageSize)]); err == nil && n > 0 {
+		if q.sizeSet && q.maxSize > n {
+			// SQS would refuse every copy between the two sizes, and
+			// their originals would never leave their queues.
+			return nil, fmt.Errorf("awssqs.WithMaxMessageSize(%d): dead-letter queue %s takes messages of at most %d bytes (its MaximumMessageSize); lower the option or raise the queue's MaximumMessageSize", q.maxSize, queueURL, n)
+		}
+		if !q.sizeSet {
+			q.maxSize = min(max(n, 1<<10), 1<<20)
+		}
 	}
 	return q, nil
 }

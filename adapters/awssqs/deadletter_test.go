@@ -317,6 +317,48 @@ func TestNewDeadLetterQueueChecksTheQueue(t *testing.T) {
 	}
 }
 
+// The sink fits its copies to the dead-letter queue's own MaximumMessageSize:
+// with SQS's refusal of a larger copy, the poison message would never leave
+// its queue.
+func TestDeadLetterQueueFitsTheQueuesSizeLimit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 5*time.Second, nil)
+	dlqURL, _ := e.queue(false, 30*time.Second, map[string]string{"MaximumMessageSize": "2048"})
+	if _, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL, WithMaxMessageSize(4096)); err == nil || !strings.Contains(err.Error(), "WithMaxMessageSize") || !strings.Contains(err.Error(), "2048") {
+		t.Errorf("WithMaxMessageSize(4096) on a queue taking 2048 bytes: %v, want an error naming the option and the queue's limit", err)
+	}
+
+	body := strings.Repeat("b", 1500)
+	e.send(url, body, "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// With this error text the copy is over 2048 bytes until the text is
+	// shortened.
+	h := &failing{poison: body, err: consumer.Permanent(errors.New(strings.Repeat("e", 1000)))}
+	var got []types.Message
+	runUntil(t, src, h, "the poison message in the dead-letter queue", func() bool {
+		got = append(got, e.drain(dlqURL, 0)...)
+		return len(got) > 0
+	}, fastRetry(1), consumer.WithDeadLetter(dlq))
+	if len(got) != 1 || aws.ToString(got[0].Body) != body {
+		t.Fatalf("dead-letter queue holds %d messages, want the poison message", len(got))
+	}
+	diag, err := DecodeDiagnostics(got[0].MessageAttributes, DefaultDiagnosticsAttribute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(diag[adapters.HeaderError]); n >= 1000 || n < minErrorTextKept {
+		t.Errorf("error text of %d bytes in the copy, want it shortened from 1000", n)
+	}
+}
+
 func TestNativeRedrive(t *testing.T) {
 	t.Parallel()
 	for _, permanent := range []bool{false, true} {
