@@ -17,7 +17,14 @@ func TestCrashLosesNothing(t *testing.T) {
 	for _, b := range brokers {
 		t.Run(b.name, func(t *testing.T) {
 			const kills = 2
-			tl := run(t, b, "custody", scenario{messages: 1000, kills: kills, life: 100 * time.Millisecond, backlog: 1000})
+			life := 100 * time.Millisecond
+			if b.name == "kafka" {
+				// Past the commit interval, so that a kill can follow a
+				// commit: one that covered an unfinished record would lose
+				// it.
+				life = 2 * time.Second
+			}
+			tl := run(t, b, "custody", scenario{messages: 1000, kills: kills, life: life, backlog: 1000})
 			t.Logf("%v", tl)
 			if tl.lost() != 0 {
 				t.Errorf("%d of %d messages lost", tl.lost(), len(tl.counts))
