@@ -330,7 +330,7 @@ func (s *sqsSoak) consume(gen int, life time.Duration, crash bool) {
 			return
 		}
 	} else {
-		if dl, err = NewDeadLetterQueue(client, s.dlqURL); err != nil {
+		if dl, err = NewDeadLetterQueue(s.e.ctx(), client, s.dlqURL); err != nil {
 			s.violate("consumer %d: NewDeadLetterQueue: %v", gen, err)
 			return
 		}
