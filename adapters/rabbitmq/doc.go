@@ -73,42 +73,45 @@
 // Like the broker, the count includes deliveries that were prefetched but
 // never handled before a shutdown or a lost connection.
 //
-// # Retries: in place or through a delay queue
+// # Retries wait in place
 //
 // Capabilities report NackDelay, so the runtime hands a failed delivery back
-// with Nack(delay) and frees its worker at once. For a delay up to
-// WithDelayQueueThreshold (default 5 s) the adapter keeps the delivery
-// unacked (it holds a prefetch slot, no worker), then publishes its next
-// attempt to the queue and acks the original after the broker confirmed
-// the copy. Longer delays publish the copy at once to a delay queue
-// (named "<queue>.custody-delay.<ms>ms", or for a queue name too long for
-// that "<prefix of the queue name>~<hash>.custody-delay.<ms>ms", durable,
-// created on first use)
-// whose message TTL is the delay rounded up to a fixed ladder of steps and
-// which dead-letters back to the queue; the original is acked after the
-// confirm. The broker moves an expired copy back without confirmation: if
-// the queue does not exist at that moment (deleted for a redeploy and not
-// yet declared again), RabbitMQ drops the retry without a trace, and its
-// at-least-once dead lettering exists only for quorum queues, not for these
-// classic delay queues; so do not delete a queue while its delay queues
-// hold messages (rabbitmqctl list_queues shows them). Short delays go to
-// the delay queue too once half the prefetch window already waits in place
-// (with a prefetch of 1, every delay), so that waiting retries never starve
-// the channel. A delay-queue publish the broker does not
-// confirm within 30 s (a resource alarm blocks publishers; the broker then
-// stops reading, so even the write of a large copy can block) is abandoned,
-// closing the publishing connection, so that Nack returns, and the retry
-// waits in place instead; when the copy cannot be published after an
-// in-place wait, the original is requeued (basic.nack, requeue=true). A
-// delivery waiting in place also holds back the coalesced run behind it, so
+// with Nack(delay) and frees its worker at once. The adapter keeps the
+// delivery unacked for the delay (it holds a prefetch slot, no worker), then
+// publishes its next attempt to the queue and acks the original after the
+// broker confirmed the copy. When the queue refuses the copy (full, with
+// x-overflow reject-publish or reject-publish-dlx, whether an argument or a
+// policy says so) or does not confirm it within 30 s (a resource alarm
+// blocks publishers; the broker then stops reading, so even the write of a
+// large copy can block, and the adapter closes the publishing connection to
+// end it), the original is requeued instead (basic.nack, requeue=true). So
+// custody of the message never leaves the adapter before a confirmed copy
+// replaces it, whatever limits the queue has or is given later. A delivery
+// waiting in place also holds back the coalesced run behind it, so
 // deliveries finished after it are acked one by one after the straggler
-// wait. Nack with no delay requeues (basic.nack,
-// requeue=true). The adapter never holds a delivery past three quarters of
-// the consumer timeout
+// wait. Nack with no delay requeues (basic.nack, requeue=true). The adapter
+// never holds a delivery past three quarters of the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
-// close the channel: it uses the delay queue instead, or, under
-// WithoutDelayQueues, cuts the wait short and logs a warning. It also warns
-// when deliveries stay unacked for more than half the consumer timeout.
+// close the channel: it cuts such a wait short and logs a warning. It also
+// warns when deliveries stay unacked for more than half the consumer
+// timeout.
+//
+// Waiting retries hold prefetch slots: while many wait, the broker sends
+// fewer new messages, and with a prefetch of 1 none until the wait ends.
+// WithDelayQueues trades that for custody: delays longer than its threshold
+// publish the copy at once to a delay queue (named
+// "<queue>.custody-delay.<ms>ms", or for a queue name too long for that
+// "<prefix of the queue name>~<hash>.custody-delay.<ms>ms", durable, created
+// on first use) whose message TTL is the delay rounded up to a fixed ladder
+// of steps and which dead-letters back to the queue, and ack the original
+// after the confirm. Shorter delays go there too once half the prefetch
+// window already waits in place (with a prefetch of 1, every delay), and so
+// does a delay that would near the consumer timeout. When the delay queue
+// cannot be used the retry waits in place. The broker moves an expired copy
+// back without a confirm, and drops it when the queue refuses it (full,
+// with reject-publish) or does not exist at that moment; use delay queues
+// only for queues without a length limit that are never deleted while their
+// delay queues hold messages.
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers

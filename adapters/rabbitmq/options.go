@@ -78,8 +78,6 @@ func defaultSettings() *settings {
 		prefetch:        256,
 		ackLinger:       5 * time.Millisecond,
 		stragglerWait:   100 * time.Millisecond,
-		delayThreshold:  5 * time.Second,
-		delayQueues:     true,
 		consumerTimeout: 30 * time.Minute,
 		reconnectMin:    100 * time.Millisecond,
 		reconnectMax:    10 * time.Second,
@@ -290,32 +288,27 @@ func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 	}
 }
 
-// WithDelayQueueThreshold sets the longest retry delay the adapter waits out
-// in place, holding the unacked delivery (default 5 s). Longer delays are
-// republished to a delay queue that dead-letters back to the source queue, and
-// so are shorter ones once half the prefetch window already waits in place
-// (with a prefetch of 1, all of them: so that waiting retries never starve
-// the channel of deliveries) or when waiting would near the broker's
-// consumer timeout. A threshold of zero
-// sends every delayed retry to a delay queue.
-func WithDelayQueueThreshold(d time.Duration) Option {
+// WithDelayQueues lets retries whose delay is longer than threshold travel
+// through delay queues instead of waiting in place (default: off, every
+// retry waits in place). With it, a retry publishes a copy to a delay queue
+// whose message TTL is the delay (rounded up to a ladder step) and which
+// dead-letters it back to the source queue, then acks the original; shorter
+// delays go the same way once half the prefetch window already waits in
+// place (with a prefetch of 1, all of them, so that waiting retries never
+// starve the channel), and so does any delay that would bring an in-place
+// wait near the consumer timeout. A threshold of zero sends every delayed
+// retry through a delay queue.
+//
+// The broker moves the copy back without a confirm: a source queue that
+// refuses it (full, with x-overflow reject-publish) or that does not exist
+// at that moment drops it. See docs/rabbitmq.md.
+func WithDelayQueues(threshold time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithDelayQueueThreshold", s)
-		if d < 0 {
-			return fmt.Errorf("rabbitmq: WithDelayQueueThreshold(%v): the threshold must not be negative", d)
+		sourceOnly("WithDelayQueues", s)
+		if threshold < 0 {
+			return fmt.Errorf("rabbitmq: WithDelayQueues(%v): the threshold must not be negative", threshold)
 		}
-		s.delayThreshold = d
-		return nil
-	}
-}
-
-// WithoutDelayQueues makes every delayed retry wait in place, for users who
-// may not declare queues. Delays are then cut short, with a warning, so a
-// delivery is never held past three quarters of the consumer timeout.
-func WithoutDelayQueues() Option {
-	return func(s *settings) error {
-		sourceOnly("WithoutDelayQueues", s)
-		s.delayQueues = false
+		s.delayQueues, s.delayThreshold = true, threshold
 		return nil
 	}
 }

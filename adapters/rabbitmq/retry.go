@@ -18,16 +18,17 @@ import (
 //
 // With no delay the deliveries are requeued at once (basic.nack,
 // requeue=true): the runtime does this at shutdown. With a delay, each
-// delivery's next attempt is published as a copy carrying HeaderAttempt, and
-// the original is acked only after the broker confirmed the copy:
+// delivery is kept unacked for the delay (it holds a prefetch slot, not a
+// worker); then its next attempt is published to the queue as a copy
+// carrying HeaderAttempt, and the original is acked only after the broker
+// confirmed the copy. When the queue refuses the copy (full, with x-overflow
+// reject-publish), the original is requeued instead. Custody of the message
+// never leaves the adapter: the original stays unacked until a confirmed
+// copy replaces it.
 //
-//   - delays up to the threshold (WithDelayQueueThreshold, default 5 s) are
-//     waited out in place: the adapter keeps the delivery unacked (it holds
-//     a prefetch slot, not a worker) and republishes it to the queue when the
-//     delay is over;
-//   - longer delays republish at once to a delay queue whose TTL is the
-//     delay rounded up to a step of a fixed ladder, and which dead-letters
-//     back to the queue.
+// With WithDelayQueues, delays over its threshold publish the copy at once
+// to a delay queue that dead-letters it back to the queue after the delay,
+// and ack the original after the confirm.
 //
 // Republishing rather than requeueing keeps an exact attempt count on
 // classic queues, which only flag a redelivery.

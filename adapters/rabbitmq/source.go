@@ -97,7 +97,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		publishTimeout: republishTimeout,
 	}
 	s.republished.L = &s.mu
-	if st.delayThreshold >= st.consumerTimeout/2 {
+	if st.delayQueues && st.delayThreshold >= st.consumerTimeout/2 {
 		st.logger.Warn("rabbitmq: the in-place retry threshold is at least half the consumer timeout; the broker closes channels whose deliveries stay unacked that long",
 			"queue", queue, "threshold", st.delayThreshold, "consumer_timeout", st.consumerTimeout)
 	}
