@@ -98,20 +98,25 @@
 //
 // Waiting retries hold prefetch slots: while many wait, the broker sends
 // fewer new messages, and with a prefetch of 1 none until the wait ends.
-// WithDelayQueues trades that for custody: delays longer than its threshold
-// publish the copy at once to a delay queue (named
-// "<queue>.custody-delay.<ms>ms", or for a queue name too long for that
-// "<prefix of the queue name>~<hash>.custody-delay.<ms>ms", durable, created
-// on first use) whose message TTL is the delay rounded up to a fixed ladder
-// of steps and which dead-letters back to the queue, and ack the original
-// after the confirm. Shorter delays go there too once half the prefetch
-// window already waits in place (with a prefetch of 1, every delay), and so
-// does a delay that would near the consumer timeout. When the delay queue
-// cannot be used the retry waits in place. The broker moves an expired copy
-// back without a confirm, and drops it when the queue refuses it (full,
-// with reject-publish) or does not exist at that moment; use delay queues
-// only for queues without a length limit that are never deleted while their
-// delay queues hold messages.
+// WithDelayQueues frees those slots: delays longer than its threshold
+// publish the copy at once to a delay queue and ack the original after the
+// confirm; shorter delays go there too once half the prefetch window
+// already waits in place (with a prefetch of 1, every delay), and so does a
+// delay that would near the consumer timeout. A delay queue (named
+// "<queue>.custody-retry.<ms>ms", or for a queue name too long for that
+// "<prefix of the queue name>~<hash>.custody-retry.<ms>ms", created on first
+// use) is a durable quorum queue whose message TTL is the delay rounded up
+// to a fixed ladder of steps and which dead-letters expired copies back to
+// the queue at least once: the broker keeps a copy the queue refuses (full,
+// or missing) and offers it again every
+// dead_letter_worker_publisher_confirm_timeout (3 minutes by default). When
+// the delay queue cannot be declared (RabbitMQ before 3.10, a user who may
+// not declare queues) or does not confirm the copy, the retry waits in place.
+// Once confirmed into the delay queue the copy is out of the adapter's
+// hands: a policy that sets overflow on the delay queue (it overrides the
+// argument, and anything but reject-publish makes the dead-lettering
+// at-most-once), a deleted or expired delay queue, or a delay queue that
+// loses its quorum loses it. See docs/rabbitmq.md.
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers

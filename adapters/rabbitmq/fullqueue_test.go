@@ -3,6 +3,8 @@ package rabbitmq
 import (
 	"context"
 	"os/exec"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -163,4 +165,61 @@ func TestRetryIntoAFullQueueKeepsTheMessage(t *testing.T) {
 			}
 		})
 	}
+}
+
+// retryDeadLettersEvery makes the broker's at-least-once dead-lettering
+// publish again, every d, a message its target refused (its
+// dead_letter_worker_publisher_confirm_timeout, 3 minutes by default), for
+// the quorum queues declared until the test ends.
+func retryDeadLettersEvery(t *testing.T, d time.Duration) {
+	t.Helper()
+	const key = "dead_letter_worker_publisher_confirm_timeout"
+	out, err := exec.Command("rabbitmqctl", "eval", "application:get_env(rabbit, "+key+").").Output()
+	if err != nil {
+		testbroker.Unavailable(t, "rabbitmqctl eval (to shorten the broker's dead-letter retry)", err)
+	}
+	was, ok := strings.CutPrefix(strings.TrimSpace(string(out)), "{ok,")
+	was, ok2 := strings.CutSuffix(was, "}")
+	if !ok || !ok2 {
+		t.Fatalf("rabbitmqctl eval: %s = %q", key, out)
+	}
+	set := func(v string) error {
+		return exec.Command("rabbitmqctl", "eval", "application:set_env(rabbit, "+key+", "+v+").").Run()
+	}
+	if err := set(strconv.FormatInt(d.Milliseconds(), 10)); err != nil {
+		t.Fatalf("rabbitmqctl eval: set %s: %v", key, err)
+	}
+	t.Cleanup(func() { _ = set(was) })
+}
+
+// With delay queues, a retry's copy waits in a quorum queue that
+// dead-letters it back at least once: when the copy expires into a full
+// queue (issue 18's scenario, prefetch 1 sending every retry to the delay
+// queue), the broker keeps it and offers it again until the queue takes it.
+// Through a classic delay queue, the broker dropped it.
+func TestRetryThroughDelayQueueIntoAFullQueueComesBack(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, amqp.Table{"x-max-length": int64(2), "x-overflow": "reject-publish"})
+	retryDeadLettersEvery(t, time.Second)
+	a.publish(q, "A")
+	s := openSource(t, q, WithPrefetch(1), WithDelayQueues(10*time.Millisecond))
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 500*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DelayQueued != 1 {
+		t.Fatalf("stats %+v: want the retry through a delay queue", st)
+	}
+	took := a.offer(q, "B", "C", "D")
+	if len(took) < 2 {
+		t.Fatalf("the queue took %v of B, C, D; want it full", took)
+	}
+	// The copy expires into the full queue, which refuses it.
+	delayQueue := delayQueueName(q, delayStep(500*time.Millisecond))
+	waitUntil(t, "the copy to expire", func() bool { n, _ := a.length(delayQueue); return n == 0 })
+	back := receiveAll(t, s, append([]string{"A"}, took...)...)
+	if back[0].Attempt != 2 || !strings.Contains(back[0].Headers["x-death"], delayQueue) {
+		t.Fatalf("A came back with attempt %d and x-death %q; want attempt 2, through %s", back[0].Attempt, back[0].Headers["x-death"], delayQueue)
+	}
+	waitUnacked(t, q, 0)
 }

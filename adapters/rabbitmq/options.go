@@ -290,18 +290,21 @@ func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 
 // WithDelayQueues lets retries whose delay is longer than threshold travel
 // through delay queues instead of waiting in place (default: off, every
-// retry waits in place). With it, a retry publishes a copy to a delay queue
+// retry waits in place). With it, a retry publishes a copy to a quorum queue
 // whose message TTL is the delay (rounded up to a ladder step) and which
-// dead-letters it back to the source queue, then acks the original; shorter
-// delays go the same way once half the prefetch window already waits in
-// place (with a prefetch of 1, all of them, so that waiting retries never
-// starve the channel), and so does any delay that would bring an in-place
-// wait near the consumer timeout. A threshold of zero sends every delayed
-// retry through a delay queue.
+// dead-letters it back to the source queue at least once, then acks the
+// original; shorter delays go the same way once half the prefetch window
+// already waits in place (with a prefetch of 1, all of them, so that
+// waiting retries never starve the channel), and so does any delay that
+// would bring an in-place wait near the consumer timeout. A threshold of
+// zero sends every delayed retry through a delay queue. It needs RabbitMQ
+// 3.10 or later; where the delay queue cannot be declared, retries wait in
+// place.
 //
-// The broker moves the copy back without a confirm: a source queue that
-// refuses it (full, with x-overflow reject-publish) or that does not exist
-// at that moment drops it. See docs/rabbitmq.md.
+// Read what delay queues leave to the broker before turning them on
+// (docs/rabbitmq.md): once the copy is confirmed into the delay queue, a
+// policy that sets overflow on it, deleting or expiring it, or losing its
+// quorum loses the copy.
 func WithDelayQueues(threshold time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithDelayQueues", s)

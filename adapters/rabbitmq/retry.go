@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"log/slog"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -114,7 +115,11 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 			return err
 		}
 		s.stats.retryFailures.Add(1)
-		s.s.logger.Warn("rabbitmq: could not republish a retry to a delay queue; waiting in place instead",
+		level := slog.LevelWarn
+		if errors.Is(err, errDelayQueueRefused) {
+			level = slog.LevelDebug // warned about when the broker refused it
+		}
+		s.s.logger.Log(ctx, level, "rabbitmq: could not republish a retry to a delay queue; waiting in place instead",
 			"queue", s.queue, "id", d.ID, "delay", delay, "error", err)
 	}
 	if delay > maxHold {
@@ -267,8 +272,13 @@ func delayStep(d time.Duration) time.Duration {
 	return delayLadder[len(delayLadder)-1]
 }
 
+// delayQueueInfix separates a delay queue's name from its step. (Delay
+// queues were classic queues named with ".custody-delay." before they became
+// quorum queues; a new name keeps the two from clashing in a declare.)
+const delayQueueInfix = ".custody-retry."
+
 // delayQueueName names the delay queue of queue for one ladder step: the
-// queue's name, ".custody-delay." and the step in milliseconds. Where that
+// queue's name, delayQueueInfix and the step in milliseconds. Where that
 // would pass the 255 bytes of an AMQP short string (queue names of more
 // than about 230 bytes), it keeps as much of the queue's name as fits, cut
 // at a character boundary, then "~" and a hash of the whole name, so that
@@ -277,7 +287,7 @@ func delayStep(d time.Duration) time.Duration {
 // the broker, a longer name made every such retry wait in place, and cost
 // the channel each time.)
 func delayQueueName(queue string, step time.Duration) string {
-	suffix := ".custody-delay." + strconv.FormatInt(step.Milliseconds(), 10) + "ms"
+	suffix := delayQueueInfix + strconv.FormatInt(step.Milliseconds(), 10) + "ms"
 	if len(queue)+len(suffix) <= maxShortstr {
 		return queue + suffix
 	}

@@ -186,30 +186,46 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 }
 
 // When the delay queue cannot be declared (here: it exists with other
-// arguments), the retry waits in place instead of being lost.
+// arguments), the retry waits in place instead of being lost. The broker's
+// refusal is remembered: the next retry waits in place without declaring
+// it again, which would cost a failed declare and a new connection each
+// time.
 func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.declare(delayQueueName(q, 250*time.Millisecond), ClassicQueue, amqp.Table{"x-max-length": int64(5)})
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
+	var dials atomic.Int32
+	counted := func(network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return net.Dial(network, addr)
+	}
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
-	d = receiveN(t, s, 1)[0]
-	if d.Attempt != 2 {
-		t.Fatalf("Attempt %d, want 2", d.Attempt)
+	for attempt := 2; attempt <= 3; attempt++ {
+		if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		d = receiveN(t, s, 1)[0]
+		if d.Attempt != attempt {
+			t.Fatalf("Attempt %d, want %d", d.Attempt, attempt)
+		}
 	}
 	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
-	// The in-place retry is counted after its original's ack is sent.
-	waitUntil(t, "both tries counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 2 })
-	if st := s.Stats(); st.RetryFailures != 1 || st.RetriedInPlace != 1 {
-		t.Fatalf("stats %+v: want one failed delay-queue publish and one in-place retry", st)
+	// The in-place retries are counted after their originals' acks are sent.
+	waitUntil(t, "every try counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 4 })
+	if st := s.Stats(); st.RetryFailures != 2 || st.RetriedInPlace != 2 {
+		t.Fatalf("stats %+v: want two failed delay-queue publishes and two in-place retries", st)
+	}
+	// The consumer's connection, the publisher's for the refused declare
+	// (which the broker's channel error ends), and the publisher's again
+	// for the copies.
+	if n := dials.Load(); n != 3 {
+		t.Fatalf("%d connections dialed, want 3: the refused declare was tried again", n)
 	}
 }
 
@@ -723,9 +739,7 @@ func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	// The delay queue exists whether or not a copy goes to it.
 	const delay = 30 * time.Second
-	a.declare(delayQueueName(q, delayStep(delay)), ClassicQueue, amqp.Table{
-		"x-message-ttl": delayStep(delay).Milliseconds(), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q,
-	})
+	a.declare(delayQueueName(q, delayStep(delay)), QuorumQueue, delayQueueArgs(delayStep(delay), q))
 	d := receiveN(t, s, 1)[0]
 	release := killConnectionAndHoldSupervisor(t, s)
 	err := s.Nack(context.Background(), []*adapters.Delivery{d}, delay)
