@@ -7,7 +7,8 @@
 //		rabbitmq.WithURL("amqp://user:pass@rabbit:5672/"),
 //		rabbitmq.WithPrefetch(128),
 //		rabbitmq.WithDeclare(rabbitmq.QuorumQueue, nil))
-//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "", "orders.dlq", rabbitmq.WithURL(...))
+//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "orders.dlx", "orders", rabbitmq.WithURL(...),
+//		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(64), consumer.WithDeadLetter(dlq))
 //
 // # Connections and the queue
@@ -165,6 +166,12 @@
 // the attempt counter takes). For dead-letter copies see below.
 //
 // # Dead letters
+//
+// NewDeadLetterExchange checks its destination when it is made (the
+// exchange exists; through the default exchange, the queue the routing key
+// names), so that a wrong name fails there and not at the first poison
+// message. WithDeclareDeadLetter declares the exchange, the queue and their
+// binding instead, on every new connection and after an unroutable copy.
 //
 // A [DeadLetterExchange] publishes the original body and properties with
 // the shared diagnostic headers (adapters.Diagnostics: error, attempts,

@@ -18,8 +18,9 @@ const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
 // Option configures a Source (New) or a dead-letter exchange sink
 // (NewDeadLetterExchange). Connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc, WithLogger) apply to both; the others only to a Source, and
-// NewDeadLetterExchange rejects them by name.
+// WithDialFunc, WithLogger) apply to both; WithDeclareDeadLetter only to the
+// sink, the others only to a Source, and each constructor rejects the other's
+// by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -70,6 +71,9 @@ type settings struct {
 	closeTimeout    time.Duration
 
 	sourceOnly []string // names of Source-only options given, for the sink's error
+	sinkOnly   []string // names of sink-only options given, for New's error
+
+	deadLetterDeclare *deadLetterDeclare // WithDeclareDeadLetter
 }
 
 func defaultSettings() *settings {
@@ -227,30 +231,41 @@ func WithConsumerTag(tag string) Option {
 func WithDeclare(t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
 		sourceOnly("WithDeclare", s)
-		switch t {
-		case CheckQueue, ClassicQueue, QuorumQueue:
-		default:
-			return fmt.Errorf("rabbitmq: WithDeclare: unknown queue type %d", int(t))
+		all, err := declareArgs("WithDeclare", t, args)
+		if err != nil {
+			return err
 		}
-		if t == CheckQueue && len(args) > 0 {
-			return errors.New("rabbitmq: WithDeclare(CheckQueue, args): arguments only apply when the queue is declared; use ClassicQueue or QuorumQueue")
-		}
-		if qt, ok := args["x-queue-type"]; ok {
-			want := t.String()
-			if v, _ := qt.(string); v != want {
-				return fmt.Errorf("rabbitmq: WithDeclare(%s): argument x-queue-type=%v contradicts the queue type", want, qt)
-			}
-		}
-		s.queueType = t
-		s.queueArgs = amqp.Table{}
-		for k, v := range args {
-			s.queueArgs[k] = v
-		}
-		if t == QuorumQueue {
-			s.queueArgs["x-queue-type"] = "quorum"
-		}
+		s.queueType, s.queueArgs = t, all
 		return nil
 	}
+}
+
+// declareArgs checks a queue type and its arguments for the option named
+// opt, and returns a copy of the arguments with x-queue-type set for a
+// quorum queue.
+func declareArgs(opt string, t QueueType, args amqp.Table) (amqp.Table, error) {
+	switch t {
+	case CheckQueue, ClassicQueue, QuorumQueue:
+	default:
+		return nil, fmt.Errorf("rabbitmq: %s: unknown queue type %d", opt, int(t))
+	}
+	if t == CheckQueue && len(args) > 0 {
+		return nil, fmt.Errorf("rabbitmq: %s(CheckQueue, args): arguments only apply when the queue is declared; use ClassicQueue or QuorumQueue", opt)
+	}
+	if qt, ok := args["x-queue-type"]; ok {
+		want := t.String()
+		if v, _ := qt.(string); v != want {
+			return nil, fmt.Errorf("rabbitmq: %s(%s): argument x-queue-type=%v contradicts the queue type", opt, want, qt)
+		}
+	}
+	all := amqp.Table{}
+	for k, v := range args {
+		all[k] = v
+	}
+	if t == QuorumQueue {
+		all["x-queue-type"] = "quorum"
+	}
+	return all, nil
 }
 
 // WithDeadLetterByPolicy tells the Source that a broker policy (rather than

@@ -29,7 +29,10 @@ type publisher struct {
 	ch       *amqp.Channel
 	chClosed chan *amqp.Error
 	returns  chan amqp.Return
-	user     string             // the user the connection authenticated as, if known
+	user     string // the user the connection authenticated as, if known
+	// setup, when set, runs on every new connection before it is used
+	// (WithDeclareDeadLetter).
+	setup    func(conn *amqp.Connection) error
 	declared map[string]bool    // delay queues declared on this broker
 	refused  map[string]refusal // delay queues the broker refused to declare
 	shut     bool
@@ -107,6 +110,11 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	select {
 	case r, ok := <-p.returns:
 		if ok {
+			if p.setup != nil {
+				// Declared routes are declared again on the next
+				// connection: start one, so that a retry finds them.
+				p.resetLocked()
+			}
 			return fmt.Errorf("%w: exchange %q, routing key %q: %d %s", errUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
 		}
 		// Closed with the channel, which the broker closed on refusing
@@ -214,7 +222,7 @@ func (p *publisher) checkExchange(ctx context.Context, exchange string) error {
 	}
 	if err := p.ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
 		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it first)", exchange, err)
+		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it and bind the dead-letter queue to it, or let the sink declare both and the binding with WithDeclareDeadLetter)", exchange, err)
 	}
 	return nil
 }
@@ -235,16 +243,28 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	// ending ctx closes the connection, which ends the wait, so that a
 	// broker that does not answer cannot hold a Nack or a Send past it.
 	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
-	ch, err := conn.Channel()
-	if err == nil {
-		err = ch.Confirm(false)
+	var setupErr error
+	if p.setup != nil {
+		setupErr = p.setup(conn)
 	}
-	if !stop() && err == nil {
-		err = ctx.Err()
+	var ch *amqp.Channel
+	if setupErr == nil {
+		ch, err = conn.Channel()
+		if err == nil {
+			err = ch.Confirm(false)
+		}
+		if err != nil {
+			err = fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
+		}
+	}
+	if !stop() {
+		err = fmt.Errorf("rabbitmq: open a publishing channel: %w", ctx.Err())
+	} else if setupErr != nil {
+		err = setupErr
 	}
 	if err != nil {
 		_ = conn.CloseDeadline(time.Now().Add(p.s.closeTimeout))
-		return fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
+		return err
 	}
 	p.conn, p.ch = conn, ch
 	p.user = connUser(conn)

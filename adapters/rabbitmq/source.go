@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -68,6 +69,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	st, err := apply(opts)
 	if err != nil {
 		return nil, err
+	}
+	if len(st.sinkOnly) > 0 {
+		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetterExchange; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
 	}
 	tag := st.consumerTag
 	if tag == "" {

@@ -9,8 +9,9 @@
 //
 //	go run ./examples/rabbitmq -url amqp://guest:guest@127.0.0.1:5672/
 //
-// It declares its queues (custody-example-orders and its dead-letter queue),
-// and deletes them when it is done unless -keep is given.
+// The adapter declares the queue (custody-example-orders), and the
+// dead-letter sink its exchange, queue and binding; the program deletes them
+// when it is done unless -keep is given.
 package main
 
 import (
@@ -64,23 +65,28 @@ const (
 )
 
 func run(ctx context.Context, cfg config, out *os.File) error {
-	dlq := cfg.queue + ".dlq"
-	if err := setUp(cfg, dlq); err != nil {
+	dlx, dlq := cfg.queue+".dlx", cfg.queue+".dlq"
+	if err := emptyKept(cfg, dlq); err != nil {
 		return err
 	}
 	if !cfg.keep {
-		defer tearDown(cfg, dlq)
+		defer tearDown(cfg, dlx, dlq)
 	}
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
 	src, err := rabbitmq.New(ctx, cfg.queue,
 		rabbitmq.WithURL(cfg.url),
-		rabbitmq.WithPrefetch(64), // retries waiting their delay hold a slot each
+		rabbitmq.WithDeclare(rabbitmq.ClassicQueue, nil), // or QuorumQueue
+		rabbitmq.WithPrefetch(64),                        // retries waiting their delay hold a slot each
 		rabbitmq.WithLogger(logger))
 	if err != nil {
 		return err
 	}
-	sink, err := rabbitmq.NewDeadLetterExchange(ctx, "", dlq, rabbitmq.WithURL(cfg.url))
+	// Dead letters go to the exchange dlx with routing key "poison", and
+	// from there to the queue dlq: the sink declares all three.
+	sink, err := rabbitmq.NewDeadLetterExchange(ctx, dlx, "poison",
+		rabbitmq.WithURL(cfg.url),
+		rabbitmq.WithDeclareDeadLetter(dlq, rabbitmq.ClassicQueue, nil))
 	if err != nil {
 		src.Close()
 		return err
@@ -169,12 +175,13 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 	return nil
 }
 
-// setUp declares the queue and its dead-letter queue, empty.
-func setUp(cfg config, dlq string) error {
+// emptyKept empties the queues an earlier run with -keep left, if any, so
+// that the counts below are this run's.
+func emptyKept(cfg config, dlq string) error {
 	return withChannel(cfg, func(ch *amqp.Channel) error {
 		for _, q := range []string{cfg.queue, dlq} {
-			if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
-				return err
+			if _, err := ch.QueueDeclarePassive(q, true, false, false, false, nil); err != nil {
+				return nil // not there: this is the first run (the failure closed the channel)
 			}
 			if _, err := ch.QueuePurge(q, false); err != nil {
 				return err
@@ -184,12 +191,12 @@ func setUp(cfg config, dlq string) error {
 	})
 }
 
-func tearDown(cfg config, dlq string) {
+func tearDown(cfg config, dlx, dlq string) {
 	_ = withChannel(cfg, func(ch *amqp.Channel) error {
 		for _, q := range []string{cfg.queue, dlq} {
 			_, _ = ch.QueueDelete(q, false, false, false)
 		}
-		return nil
+		return ch.ExchangeDelete(dlx, false, false)
 	})
 }
 
