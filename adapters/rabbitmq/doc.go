@@ -59,7 +59,10 @@
 // broker redelivers the message), and an Ack or Nack that arrives later for
 // it is refused with ErrConnectionLost instead of being sent on the new
 // channel, where the same tag names a different message. The adapter then
-// redials with exponential backoff (WithReconnectBackoff) and resumes.
+// redials with exponential backoff (WithReconnectBackoff) and resumes. It
+// logs the lost channel and the reconnection, not each failed attempt:
+// Receive hands the runtime the reconnection error (the address tried and
+// the cause) once, and again only when the attempts fail another way.
 // Every amqp091 notification channel it registers is buffered for all the
 // library can send on it and read by the adapter, so the client never
 // blocks on them. Automatic recovery in amqp091 (Config.Recovery) is
