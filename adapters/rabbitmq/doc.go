@@ -33,9 +33,14 @@
 // enough (a quarter of the prefetch, at most 64) or a short linger passed
 // (5 ms), it sends one multiple=true ack naming the last tag of the run. A
 // tag whose handler has not finished stops the run, so no ack ever covers
-// it. Finished deliveries stuck behind it are acked one by one when the run
-// has not moved for a while (100 ms) or when they fill three quarters of the
-// prefetch window, so one slow message does not stall the channel. Rejects
+// it. A finished delivery stuck behind it is acked on its own once it has
+// waited as long (5 ms, counted from its own ack), and all of them at once
+// when they fill three quarters of the prefetch window: so one slow message
+// does not stall the channel, and every ack reaches the broker about 5 ms
+// after its handler succeeded, which bounds what a crash delivers again.
+// The next multiple ack then names the highest tag of its run still
+// outstanding, since the broker closes the channel on one naming a tag
+// already settled. Rejects
 // (requeues and native dead letters) go out at once, one by one. Close sends
 // every ack already decided before closing the channel; a broker that does
 // not answer the channel's close within 5 s has its connection closed
@@ -92,7 +97,7 @@
 // custody of the message never leaves the adapter before a confirmed copy
 // replaces it, whatever limits the queue has or is given later. A delivery
 // waiting in place also holds back the coalesced run behind it, so
-// deliveries finished after it are acked one by one after the straggler
+// deliveries finished after it are acked one by one after their straggler
 // wait. Nack with no delay requeues (basic.nack, requeue=true). The adapter
 // never holds a delivery past three quarters of the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would

@@ -81,7 +81,7 @@ func defaultSettings() *settings {
 		url:             DefaultURL,
 		prefetch:        256,
 		ackLinger:       5 * time.Millisecond,
-		stragglerWait:   100 * time.Millisecond,
+		stragglerWait:   5 * time.Millisecond,
 		consumerTimeout: 30 * time.Minute,
 		reconnectMin:    100 * time.Millisecond,
 		reconnectMax:    10 * time.Second,
@@ -282,10 +282,14 @@ func WithDeadLetterByPolicy() Option {
 // WithAckCoalescing tunes how acks are coalesced: a contiguous run of
 // finished deliveries is acked with one multiple=true ack once batch of them
 // are ready or linger has passed since the first (defaults: a quarter of the
-// prefetch, at most 64; 5 ms). Finished deliveries stuck behind an unfinished
-// one are acked one by one once the frontier has not moved for stragglerWait
-// (default 100 ms), or at once when they fill three quarters of the prefetch
-// window.
+// prefetch, at most 64; 5 ms). A finished delivery stuck behind an
+// unfinished one, which no multiple ack may cover, is acked on its own once
+// it has waited stragglerWait (default: 5 ms, the default linger) for the
+// run to reach it, or at once when such deliveries fill three quarters of
+// the prefetch window. Every ack thus reaches the broker within about
+// stragglerWait of the handler's success, which bounds what a crash makes
+// the broker deliver again; a longer wait sends fewer ack frames when
+// handlers finish out of order.
 func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithAckCoalescing", s)
