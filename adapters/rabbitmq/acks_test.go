@@ -102,6 +102,51 @@ func TestStragglersAckedIndividuallyWhileSlowOneRuns(t *testing.T) {
 	}
 }
 
+// A finished delivery behind an unfinished one goes out on its own once it
+// has waited its linger, even while the run before it keeps growing: with
+// the defaults the ack is on the wire in about 5 ms, not when the frontier
+// reaches it. (The straggler wait started again at every move of the
+// frontier, so an ack waited for as long as the deliveries before it kept
+// finishing, and a crash meanwhile repeated its effect.)
+func TestAckBehindAnUnfinishedDeliveryGoesOutAfterItsLinger(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 42)...)
+	s := openSource(t, q, WithPrefetch(64))
+	ds := receiveN(t, s, 42)
+	ctx := context.Background()
+	slow, behind := ds[40], ds[41]
+	if err := s.Ack(ctx, []*adapters.Delivery{behind}); err != nil {
+		t.Fatal(err)
+	}
+	// The deliveries before the slow one finish one by one, 20 ms apart:
+	// each moves the frontier, and none reaches the finished one behind.
+	settled := false
+	for _, d := range ds[:40] {
+		if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+		g := handleOf(behind).gen
+		g.mu.Lock()
+		settled = settled || handleOf(behind).state == stateSettled
+		g.mu.Unlock()
+	}
+	if !settled {
+		t.Fatalf("the finished delivery behind the slow one was not acked while 40 deliveries before it finished over 800 ms; stats %+v", s.Stats())
+	}
+	if st := s.Stats(); st.AckFrames == st.MultipleAcks {
+		t.Fatalf("stats %+v: want the delivery behind the slow one acked on its own", st)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{slow}); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.Generations != 1 || st.Acked != 42 {
+		t.Fatalf("stats %+v: want 42 acked on one channel (a multiple ack naming a tag acked on its own closes it)", st)
+	}
+}
+
 // Close sends acks still lingering, so nothing finished comes back.
 func TestCloseFlushesLingeringAcks(t *testing.T) {
 	a := newAdmin(t)

@@ -701,7 +701,7 @@ func TestDelayedRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	q := a.queue(ClassicQueue, nil)
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(10*time.Millisecond),
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(10*time.Millisecond),
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	ctx := context.Background()
 	// Measure what the delay queue's hop adds, with a small probe.
@@ -913,7 +913,7 @@ func TestDelayQueueCopyLeavesRoomForBothHops(t *testing.T) {
 	// source queue's headers and not beside both queues'.
 	padTo(t, &m, "big", budget-source-attempt-delay/2)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {

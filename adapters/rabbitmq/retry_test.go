@@ -125,7 +125,7 @@ func TestRetryThroughDelayQueueOfALongQueueName(t *testing.T) {
 	q += strings.Repeat("q", maxShortstr-len(q))
 	a.declare(q, ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
 		t.Fatal(err)
@@ -150,7 +150,7 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
@@ -186,30 +186,46 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 }
 
 // When the delay queue cannot be declared (here: it exists with other
-// arguments), the retry waits in place instead of being lost.
+// arguments), the retry waits in place instead of being lost. The broker's
+// refusal is remembered: the next retry waits in place without declaring
+// it again, which would cost a failed declare and a new connection each
+// time.
 func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.declare(delayQueueName(q, 250*time.Millisecond), ClassicQueue, amqp.Table{"x-max-length": int64(5)})
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	var dials atomic.Int32
+	counted := func(network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return net.Dial(network, addr)
+	}
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
-	d = receiveN(t, s, 1)[0]
-	if d.Attempt != 2 {
-		t.Fatalf("Attempt %d, want 2", d.Attempt)
+	for attempt := 2; attempt <= 3; attempt++ {
+		if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		d = receiveN(t, s, 1)[0]
+		if d.Attempt != attempt {
+			t.Fatalf("Attempt %d, want %d", d.Attempt, attempt)
+		}
 	}
 	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
-	// The in-place retry is counted after its original's ack is sent.
-	waitUntil(t, "both tries counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 2 })
-	if st := s.Stats(); st.RetryFailures != 1 || st.RetriedInPlace != 1 {
-		t.Fatalf("stats %+v: want one failed delay-queue publish and one in-place retry", st)
+	// The in-place retries are counted after their originals' acks are sent.
+	waitUntil(t, "every try counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 4 })
+	if st := s.Stats(); st.RetryFailures != 2 || st.RetriedInPlace != 2 {
+		t.Fatalf("stats %+v: want two failed delay-queue publishes and two in-place retries", st)
+	}
+	// The consumer's connection, the publisher's for the refused declare
+	// (which the broker's channel error ends), and the publisher's again
+	// for the copies.
+	if n := dials.Load(); n != 3 {
+		t.Fatalf("%d connections dialed, want 3: the refused declare was tried again", n)
 	}
 }
 
@@ -270,7 +286,7 @@ func (r *recordingHandler) contains(s string) bool {
 	return false
 }
 
-// Without delay queues, an in-place wait is cut short, with a warning, so the
+// Without delay queues (the default), an in-place wait is cut short, with a warning, so the
 // delivery is never held to the broker's consumer timeout (which would close
 // the channel and lose every delivery on it).
 func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
@@ -278,7 +294,7 @@ func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
 	logs := &recordingHandler{}
-	s := openSource(t, q, WithPrefetch(10), WithoutDelayQueues(), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
+	s := openSource(t, q, WithPrefetch(10), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
 	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, time.Hour); err != nil {
@@ -408,7 +424,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 		mu.Unlock()
 		return c, nil
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: counted}))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
 	// Runs before the Source's own cleanup: a publish stuck on a blocked
 	// connection must not also hang Close when this test fails.
 	t.Cleanup(func() {
@@ -547,13 +563,13 @@ func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
 func (sr *stallingRelay) block() { sr.stalled.Store(true) }
 
 // holdOne publishes one message to a fresh classic queue and returns a
-// Source (prefetch 10) holding its delivery.
-func holdOne(t *testing.T) (*admin, string, *Source, *adapters.Delivery) {
+// Source (prefetch 10, and opts) holding its delivery.
+func holdOne(t *testing.T, opts ...Option) (*admin, string, *Source, *adapters.Delivery) {
 	t.Helper()
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, append([]Option{WithPrefetch(10)}, opts...)...)
 	return a, q, s, receiveN(t, s, 1)[0]
 }
 
@@ -603,7 +619,7 @@ func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 // look like a repeated one and return nil. A second Nack fails likewise,
 // rather than publish a second copy.
 func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
-	_, _, s, d := holdOne(t)
+	_, _, s, d := holdOne(t, WithDelayQueues(5*time.Second))
 	ctx := context.Background()
 	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); err != nil {
 		t.Fatal(err)
@@ -636,7 +652,7 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 	if err != nil || !dc.Wait() {
 		t.Fatalf("publish through %s: %v", ex, err)
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(200*time.Millisecond))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(200*time.Millisecond))
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
@@ -679,7 +695,7 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	ctx := context.Background()
 	delayQueue := delayQueueName(q, 250*time.Millisecond)
 	d := receiveN(t, s, 1)[0]
@@ -719,13 +735,11 @@ func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0),
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0),
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	// The delay queue exists whether or not a copy goes to it.
 	const delay = 30 * time.Second
-	a.declare(delayQueueName(q, delayStep(delay)), ClassicQueue, amqp.Table{
-		"x-message-ttl": delayStep(delay).Milliseconds(), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q,
-	})
+	a.declare(delayQueueName(q, delayStep(delay)), QuorumQueue, delayQueueArgs(delayStep(delay), q))
 	d := receiveN(t, s, 1)[0]
 	release := killConnectionAndHoldSupervisor(t, s)
 	err := s.Nack(context.Background(), []*adapters.Delivery{d}, delay)
@@ -752,7 +766,7 @@ func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	a.publish(q, "m1")
 	r := startMuteRelay(t)
 	var dials atomic.Int32
-	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueueThreshold(0),
+	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueues(0),
 		WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
 			if dials.Add(1) == 1 {
 				return amqp.Dial(brokerURL) // the consumer's connection

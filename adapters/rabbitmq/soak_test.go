@@ -67,22 +67,21 @@ func TestSoakKeepsTheInvariants(t *testing.T) {
 }
 
 type soakConfig struct {
-	quorum        bool
-	native        bool // dead letters go through the queue's own dead-letter exchange
-	concurrency   int
-	prefetch      int
-	inFlight      int // 0: the runtime's default
-	maxAttempts   int
-	backoff       time.Duration // the retry policy's, constant
-	threshold     time.Duration // WithDelayQueueThreshold; below zero, the default
-	noDelayQueues bool
-	linger        time.Duration // WithAckCoalescing's linger; 0: the default
-	timeout       time.Duration // WithHandlerTimeout; 0: none
-	leave         bool          // WithLeaveUnfinishedOnShutdown
-	lag           time.Duration // the longest pause before each write to the broker
-	shutdown      time.Duration // WithShutdownTimeout
-	cutEvery      time.Duration // the mean time between cut connections; 0: none
-	phases        int           // consumer generations before the last, which runs to the end
+	quorum      bool
+	native      bool // dead letters go through the queue's own dead-letter exchange
+	concurrency int
+	prefetch    int
+	inFlight    int // 0: the runtime's default
+	maxAttempts int
+	backoff     time.Duration // the retry policy's, constant
+	threshold   time.Duration // WithDelayQueues; below zero, none (the default)
+	linger      time.Duration // WithAckCoalescing's linger; 0: the default
+	timeout     time.Duration // WithHandlerTimeout; 0: none
+	leave       bool          // WithLeaveUnfinishedOnShutdown
+	lag         time.Duration // the longest pause before each write to the broker
+	shutdown    time.Duration // WithShutdownTimeout
+	cutEvery    time.Duration // the mean time between cut connections; 0: none
+	phases      int           // consumer generations before the last, which runs to the end
 }
 
 // soakMessages are published in each round: the first soakUpFront before
@@ -99,8 +98,8 @@ const (
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t linger=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.linger, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v linger=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.linger, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -122,7 +121,7 @@ func soakRound(t *testing.T, seed uint64) {
 		phases:      rng.IntN(4),
 	}
 	if chance(0.1) {
-		// Every delayed retry through a delay queue, unless there are none.
+		// With delay queues, every delayed retry goes through one.
 		cfg.concurrency, cfg.prefetch = 1, 1
 	} else {
 		cfg.prefetch = cfg.concurrency + rng.IntN(40)
@@ -132,7 +131,7 @@ func soakRound(t *testing.T, seed uint64) {
 	}
 	switch r := rng.Float64(); {
 	case r < 0.2:
-		cfg.noDelayQueues = true
+		cfg.threshold = 5 * time.Second
 	case r < 0.6:
 		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
 	}
@@ -441,10 +440,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.native {
 		opts = append(opts, WithDeclare(s.typ, s.args))
 	}
-	if cfg.noDelayQueues {
-		opts = append(opts, WithoutDelayQueues())
-	} else if cfg.threshold >= 0 {
-		opts = append(opts, WithDelayQueueThreshold(cfg.threshold))
+	if cfg.threshold >= 0 {
+		opts = append(opts, WithDelayQueues(cfg.threshold))
 	}
 	switch {
 	case cfg.linger == time.Millisecond:
