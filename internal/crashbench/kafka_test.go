@@ -98,9 +98,9 @@ func kafkaLag(tb testing.TB, adm *kadm.Client, group, topic string) int {
 func kafkaMember(cfg childConfig) kgo.Opt { return kgo.InstanceID(cfg.group + "-member") }
 
 // kafkaCustody is custody's consumer with the adapter's defaults (one
-// record at a time per partition, commits every second).
+// record at a time per partition, commits a linger after records are done).
 func kafkaCustody(ctx context.Context, cfg childConfig, effect func(context.Context, []byte) error) error {
-	src, err := kafka.NewSource(
+	src, err := kafka.NewSource(ctx,
 		kafka.WithBrokers(strings.Split(cfg.addr, ",")...),
 		kafka.WithGroup(cfg.group),
 		kafka.WithTopics(cfg.queue),
