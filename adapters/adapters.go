@@ -246,3 +246,25 @@ func itoa(n int) string {
 	}
 	return string(b[i:])
 }
+
+// Batching describes how the runtime may batch one operation (Ack, Nack or
+// Extend) for a Source: the adapter declares what its broker rewards, the
+// runtime does the batching, lingering and retrying, and the adapter turns
+// each batch it is given into broker calls at once.
+type Batching struct {
+	// MaxEntries is the largest batch one call takes (SQS: 10). Zero means
+	// no limit of the broker's; the runtime then bounds batches itself.
+	MaxEntries int
+	// Linger is the longest a batch may wait to fill. Zero suits cheap,
+	// local calls (an in-process broker, an AMQP ack that has no reply):
+	// the runtime's workers make them, as soon as no worker is about to add
+	// to the batch, and within a millisecond. A broker that bills per
+	// request (SQS) asks for a linger; the runtime then makes the calls on
+	// goroutines of its own, so that no handler waits for one. The lease
+	// keeper never renews a lease late: for Extend, it gathers leases due
+	// within a quarter of the renewal interval instead.
+	Linger time.Duration
+	// MaxCalls is how many calls of the operation may be under way at once.
+	// Zero means one.
+	MaxCalls int
+}
