@@ -178,6 +178,15 @@ type Capabilities struct {
 	MaxAckBatch    int
 	MaxExtendBatch int
 
+	// Receivers is how many Receive calls the runtime may run at once,
+	// each for up to MaxReceive deliveries (SQS: several long polls). Zero
+	// means one.
+	Receivers int
+
+	// Ack, Nack and Extend say how the runtime batches each operation for
+	// this broker (see Batching).
+	Ack, Nack, Extend Batching
+
 	// AckLinger is how long the runtime may hold a ready ack to fill a batch
 	// (SQS bills per request, so filling batches of ten saves money); the
 	// runtime then sends acks from a few goroutines of its own, so a slow
@@ -267,4 +276,15 @@ type Batching struct {
 	// MaxCalls is how many calls of the operation may be under way at once.
 	// Zero means one.
 	MaxCalls int
+}
+
+// Retryable is implemented by sources that can tell an entry's transient
+// failure (throttling, a fault on the broker's side) from a final one. The
+// runtime tries again, a few times with a pause, the entries of an Ack or
+// Nack for which IsRetryable reports true. Without it, the runtime tries
+// again the entries of a call that failed whole (the network) and no
+// others. An entry lost to this consumer (ErrLeaseLost, ErrConnectionLost,
+// ErrRevoked, ErrClosed) is never tried again.
+type Retryable interface {
+	IsRetryable(err error) bool
 }

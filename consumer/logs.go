@@ -176,15 +176,6 @@ func (l *logLimiter) summary(k logKind, n int, over time.Duration) {
 		slog.Int("limit", logBurst), slog.Duration("window", logWindow))
 }
 
-// Why a message was given back, in the log's reason attribute.
-const (
-	whyShutdown   = "shutdown"                // not started, or failed, once the drain began
-	whyDeadline   = "shutdown deadline"       // its handler was cut short by the shutdown deadline
-	whyRecalled   = "recalled by the adapter" // a Kafka partition being revoked, say
-	whyBehindLost = "behind a lost message"   // queued behind a lost delivery of its ordering key
-	whyExited     = "handler called Goexit"   // see ErrHandlerExited
-)
-
 // failureReason says why a message leaves the stream: the reason attribute
 // of a dead letter.
 func failureReason(err error) string {
@@ -192,10 +183,6 @@ func failureReason(err error) string {
 		return "permanent"
 	}
 	return "exhausted"
-}
-
-func (r *run) logGivenBack(j *job, why string) {
-	r.logs.log(logGivenBack, slog.String("id", j.d.ID), slog.String("reason", why))
 }
 
 // logRetry logs a failed or deferred attempt whose message is tried again
