@@ -17,8 +17,10 @@ import (
 // adapter may embed it in its own per-delivery state and point
 // [Delivery.Signal] at it. An adapter whose deliveries are lost only through
 // the results of Ack, Nack and Extend (an entry failing with [ErrLeaseLost])
-// leaves Delivery.Signal nil; the runtime then keeps a Signal of its own for
-// the delivery. All methods are safe to call from any goroutine.
+// leaves Delivery.Signal nil; the runtime then gives the delivery a Signal
+// of its own. All methods are safe to call from any goroutine, and the
+// methods that read a Signal answer for a nil one as for a delivery that is
+// neither lost nor recalled.
 type Signal struct {
 	mu     sync.Mutex
 	lost   error
@@ -27,7 +29,7 @@ type Signal struct {
 	// chans holds the channels Lost and RecallSignal hand out, made on
 	// first request: most deliveries never need one. Guarded by mu.
 	chans *signalChans
-	// flags holds signalLost and signalRecalled: set under mu, read without it,
+	// flags holds flagLost and flagRecalled: set under mu, read without it,
 	// since the runtime asks per job, nearly always of a delivery that is
 	// neither.
 	flags atomic.Uint32
@@ -39,8 +41,8 @@ type signalChans struct {
 }
 
 const (
-	signalLost uint32 = 1 << iota
-	signalRecalled
+	flagLost uint32 = 1 << iota
+	flagRecalled
 )
 
 // Lose marks the delivery as no longer ackable by this consumer and says
@@ -55,7 +57,7 @@ func (s *Signal) Lose(cause error) {
 		cause = ErrLeaseLost
 	}
 	s.lost, s.lostAt = cause, time.Now()
-	s.flags.Or(signalLost)
+	s.flags.Or(flagLost)
 	fn := s.onLost
 	s.onLost = nil
 	if s.chans != nil && s.chans.lost != nil {
@@ -79,12 +81,12 @@ func (s *Signal) Lose(cause error) {
 // handed out after a recalled one too, the later ones first. A Source that
 // recalls deliveries also implements [Recaller].
 func (s *Signal) Recall() {
-	if s.flags.Load()&signalRecalled != 0 {
+	if s.flags.Load()&flagRecalled != 0 {
 		return
 	}
 	s.mu.Lock()
-	if s.flags.Load()&signalRecalled == 0 {
-		s.flags.Or(signalRecalled)
+	if s.flags.Load()&flagRecalled == 0 {
+		s.flags.Or(flagRecalled)
 		if s.chans != nil && s.chans.recall != nil {
 			close(s.chans.recall)
 		}
@@ -94,7 +96,7 @@ func (s *Signal) Recall() {
 
 // LostCause returns the cause given to Lose, or nil.
 func (s *Signal) LostCause() error {
-	if s.flags.Load()&signalLost == 0 {
+	if s == nil || s.flags.Load()&flagLost == 0 {
 		return nil
 	}
 	s.mu.Lock()
@@ -104,6 +106,9 @@ func (s *Signal) LostCause() error {
 
 // LostAt returns when Lose was first called, or the zero time.
 func (s *Signal) LostAt() time.Time {
+	if s == nil {
+		return time.Time{}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.lostAt
@@ -111,6 +116,9 @@ func (s *Signal) LostAt() time.Time {
 
 // Lost returns a channel closed once the delivery is lost.
 func (s *Signal) Lost() <-chan struct{} {
+	if s == nil {
+		return nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return made(&s.chansLocked().lost, s.lost != nil)
@@ -135,10 +143,13 @@ func (s *Signal) OnLost(fn func(error)) {
 }
 
 // Recalled reports whether Recall was called; one atomic load.
-func (s *Signal) Recalled() bool { return s.flags.Load()&signalRecalled != 0 }
+func (s *Signal) Recalled() bool { return s != nil && s.flags.Load()&flagRecalled != 0 }
 
 // RecallSignal returns a channel closed once Recall is called.
 func (s *Signal) RecallSignal() <-chan struct{} {
+	if s == nil {
+		return nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return made(&s.chansLocked().recall, s.Recalled())

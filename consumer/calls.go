@@ -87,35 +87,13 @@ func (r *run) nackCall(batch []*job) {
 	r.finishBatch(batch)
 }
 
-// nackJobs nacks js, each with its own delay, in one call per run of equal
-// delays.
+// nackJobs nacks js, each with its own delay.
 func (r *run) nackJobs(js []*job) error {
-	var failed map[int]error
-	for start := 0; start < len(js); {
-		after := js[start].settling.after
-		end := start + 1
-		for end < len(js) && js[end].settling.after == after {
-			end++
-		}
-		ds := make([]*adapters.Delivery, end-start)
-		for i, j := range js[start:end] {
-			ds[i] = j.d
-		}
-		err := r.c.src.Nack(r.settleCtx, ds, after)
-		for i := range ds {
-			if e := adapters.EntryError(err, i); e != nil {
-				if failed == nil {
-					failed = make(map[int]error)
-				}
-				failed[start+i] = e
-			}
-		}
-		start = end
+	ns := make([]adapters.Nack, len(js))
+	for i, j := range js {
+		ns[i] = adapters.Nack{Delivery: j.d, After: j.settling.after}
 	}
-	if failed != nil {
-		return &adapters.BatchError{Failed: failed}
-	}
-	return nil
+	return r.c.src.Nack(r.settleCtx, ns)
 }
 
 // finishBatch ends the runtime's custody of a settled batch.

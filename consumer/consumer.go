@@ -12,14 +12,14 @@ import (
 // Consumer runs a Handler over a Source. Create it with New and start it with
 // Run. A Consumer runs once.
 type Consumer struct {
-	src     adapters.Source
-	ext     adapters.Extender
-	caps    adapters.Capabilities
-	handler Handler
-	cfg     config
-	tel     *telemetry
-	batch   int // deliveries asked for per Receive
-	started atomic.Bool
+	src  adapters.Source
+	ext  adapters.Extender
+	caps adapters.Capabilities
+	handler         Handler
+	cfg             config
+	tel             *telemetry
+	batch           int // deliveries asked for per Receive
+	started         atomic.Bool
 
 	// stop is cancelled by Shutdown: Run stops receiving and drains.
 	stop    context.Context
@@ -58,7 +58,7 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 			return nil, err
 		}
 	}
-	caps := withBatching(src.Capabilities())
+	caps := src.Capabilities()
 	if err := cfg.fill(caps); err != nil {
 		return nil, err
 	}

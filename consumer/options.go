@@ -385,22 +385,3 @@ func receiveBatch(caps adapters.Capabilities, maxInFlight int) int {
 	}
 	return max(1, maxInFlight/2)
 }
-
-// withBatching fills caps' Batching from the fields that said the same
-// before them (MaxAckBatch, AckLinger, MaxExtendBatch), for adapters that
-// still set those.
-func withBatching(caps adapters.Capabilities) adapters.Capabilities {
-	if caps.Ack == (adapters.Batching{}) {
-		caps.Ack = adapters.Batching{MaxEntries: caps.MaxAckBatch, Linger: caps.AckLinger}
-		if caps.AckLinger > 0 {
-			caps.Ack.MaxCalls = 4
-		}
-	}
-	if caps.Extend == (adapters.Batching{}) {
-		caps.Extend = adapters.Batching{MaxEntries: caps.MaxExtendBatch, MaxCalls: 4}
-		if caps.MaxExtendBatch == 0 {
-			caps.Extend.MaxEntries = 10
-		}
-	}
-	return caps
-}

@@ -53,7 +53,7 @@ func (r *run) process(j *job) {
 		}
 		if j.recalled() {
 			// Recalled while a retry waited: no handler runs, so it goes
-			// back now (see Delivery.Recall).
+			// back now (see adapters.Signal.Recall).
 			r.settle(j, released(whyRecalled))
 			return
 		}
@@ -185,7 +185,7 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 		if sendErr == nil {
 			r.logs.log(logDeadLettered, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
 				slog.Int("attempts", attempt), slog.Any("error", err))
-			if j.d.Settled() {
+			if os, ok := dl.(adapters.OriginalSettler); ok && os.SettlesOriginal(j.d) {
 				r.settle(j, verdict{how: settleDisposed})
 				return true
 			}
@@ -247,8 +247,8 @@ func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure)
 	defer cancel(nil)
 	// The attempt's context, its registration's only other user, ended
 	// with the attempt.
-	j.d.OnLost(cancel) // at once if the delivery is lost already
-	defer j.d.OnLost(nil)
+	j.d.Signal.OnLost(cancel) // at once if the delivery is lost already
+	defer j.d.Signal.OnLost(nil)
 	err = dl.Send(ctx, j.d, f)
 	if err == nil || ctx.Err() == nil {
 		return false, err
@@ -362,7 +362,7 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		// short is no failure either (process gives it back, or settles it
 		// as lost, without counting one): deploys and rebalances must not
 		// show as error rates.
-		cut := err != nil && !deferred && (d.LostCause() != nil || r.handlerCtx.Err() != nil)
+		cut := err != nil && !deferred && (j.lostCause() != nil || r.handlerCtx.Err() != nil)
 		res := r.tel.resultOK
 		switch {
 		case unavailable && !cut:

@@ -2,7 +2,7 @@ package consumer
 
 import "github.com/custody-go/custody/adapters"
 
-// This file gives back recalled deliveries (adapters.Delivery.Recall) that
+// This file gives back recalled deliveries (adapters.Signal.Recall) that
 // wait, without waiting for a worker to reach them. process checks for a
 // recall before each attempt; this is for the jobs a worker would reach
 // only after the handlers before them ended: those queued behind a running
@@ -31,7 +31,7 @@ func (r *run) noteRecalledOnArrival(ds []*adapters.Delivery) {
 		return
 	}
 	for _, d := range ds {
-		if d.Recalled() {
+		if d.Signal.Recalled() {
 			select {
 			case r.recalledOnArrival <- struct{}{}:
 			default:
@@ -69,7 +69,7 @@ func recalledWaiting(j *job) bool {
 // they are unordered jobs and lane heads, one per lane, so that changes no
 // order that counts. Giving a job back never runs another, so no order can
 // break; and the adapter recalls a lane's later deliveries first (see
-// Delivery.Recall), so a job still to run is never behind one given back.
+// Signal.Recall), so a job still to run is never behind one given back.
 func (r *run) releaseRecalled() {
 	var keep, give []*job
 	for done := false; !done; {

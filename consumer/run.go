@@ -75,12 +75,13 @@ type job struct {
 	settling verdict
 }
 
-// The delivery's loss and recall, as its adapter reports them.
-func (j *job) lostCause() error            { return j.d.LostCause() }
-func (j *job) lostAt() time.Time           { return j.d.LostAt() }
-func (j *job) recalled() bool              { return j.d.Recalled() }
-func (j *job) lostChan() <-chan struct{}   { return j.d.Lost() }
-func (j *job) recallChan() <-chan struct{} { return j.d.RecallSignal() }
+// The delivery's loss and recall, as its adapter, or the runtime, reports
+// them (see giveSignals).
+func (j *job) lostCause() error            { return j.d.Signal.LostCause() }
+func (j *job) lostAt() time.Time           { return j.d.Signal.LostAt() }
+func (j *job) recalled() bool              { return j.d.Signal.Recalled() }
+func (j *job) lostChan() <-chan struct{}   { return j.d.Signal.Lost() }
+func (j *job) recallChan() <-chan struct{} { return j.d.Signal.RecallSignal() }
 
 func newRun(c *Consumer, ctx context.Context) *run {
 	base := context.WithoutCancel(ctx)
@@ -310,6 +311,7 @@ func (r *run) accept(ds []*adapters.Delivery, heads []*job) []*job {
 	r.held.Add(len(ds))
 	r.tel.received.Add(ctx, int64(len(ds)), r.tel.source...)
 	r.tel.inFlight.Add(ctx, int64(len(ds)), r.tel.source...)
+	r.giveSignals(ds)
 	if r.cfg.atMostOnce {
 		ds = r.ackOnReceipt(ds)
 	}
@@ -380,4 +382,27 @@ func (r *run) ackOnReceipt(ds []*adapters.Delivery) []*adapters.Delivery {
 		kept = append(kept, d)
 	}
 	return kept
+}
+
+// giveSignals gives the deliveries of ds that have no Signal one of the
+// runtime's own, allocated together: the lease keeper and the handler's
+// context need one for every delivery, and most adapters lose deliveries
+// only through results, so they leave it nil.
+func (r *run) giveSignals(ds []*adapters.Delivery) {
+	n := 0
+	for _, d := range ds {
+		if d.Signal == nil {
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	sigs := make([]adapters.Signal, n)
+	for _, d := range ds {
+		if d.Signal == nil {
+			d.Signal = &sigs[len(sigs)-n]
+			n--
+		}
+	}
 }

@@ -571,7 +571,7 @@ func TestDeadLetterQueueFIFOCopiesPerReceive(t *testing.T) {
 			t.Fatalf("Send: %v", err)
 		}
 	}
-	if err := src.Nack(e.ctx(), []*adapters.Delivery{d1}, 0); err != nil {
+	if err := src.Nack(e.ctx(), adapters.NackAll([]*adapters.Delivery{d1}, 0)); err != nil {
 		t.Fatalf("Nack: %v", err)
 	}
 	d2 := receive()
@@ -765,7 +765,7 @@ func TestDeadLetterQueueKeepsTraceHeader(t *testing.T) {
 				got  []types.Message
 			)
 			runUntil(t, src, consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
-				msg, _ := Message(m.Delivery())
+				msg, _ := Message(m)
 				mu.Lock()
 				seen = msg.Attributes["AWSTraceHeader"]
 				mu.Unlock()
@@ -819,7 +819,7 @@ func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
 	}
 	defer src.Close()
 	ds := receiveAtLeast(t, src, 1)
-	defer src.Nack(e.ctx(), ds, 0)
+	defer src.Nack(e.ctx(), adapters.NackAll(ds, 0))
 	f := adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}
 	// The emulator checks the dots only; SQS refuses all of these.
 	for _, name := range []string{".diagnostics", "diagnostics.", "custody..diagnostics", "custody diagnostics", "custody/diagnostics"} {
@@ -872,10 +872,10 @@ func TestRedriveSendOfALostLeaseSucceeds(t *testing.T) {
 	if err := redrive.Send(e.ctx(), d, adapters.Failure{Err: errors.New("cannot parse"), Attempts: 3}); err != nil {
 		t.Fatalf("Send of a delivery whose lease was lost: %v, want nil", err)
 	}
-	if !d.Settled() || redrive.HandedOver() != 1 {
-		t.Errorf("after Send: settled %v, handed over %d; want settled, 1", d.Settled(), redrive.HandedOver())
+	if redrive.HandedOver() != 1 {
+		t.Errorf("after Send: handed over %d; want 1", redrive.HandedOver())
 	}
-	if !errors.Is(d.LostCause(), adapters.ErrLeaseLost) || src.Stats().LeaseLost != 1 {
-		t.Errorf("lost cause %v, Stats.LeaseLost %d; want the lost lease recorded", d.LostCause(), src.Stats().LeaseLost)
+	if !errors.Is(d.Signal.LostCause(), adapters.ErrLeaseLost) || src.Stats().LeaseLost != 1 {
+		t.Errorf("lost cause %v, Stats.LeaseLost %d; want the lost lease recorded", d.Signal.LostCause(), src.Stats().LeaseLost)
 	}
 }

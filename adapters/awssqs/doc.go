@@ -38,7 +38,7 @@
 // other system attributes the Source uses, and AWSTraceHeader, the X-Ray
 // trace the message was sent in); Key is the FIFO MessageGroupId. [Message],
 // [GroupID] and [DeduplicationID] reach the received types.Message from a
-// delivery (consumer.Message.Delivery()).
+// handler's consumer.Message (m.As(&msg) does too).
 //
 // # Leases
 //

@@ -450,7 +450,7 @@ func (s *sqsSoak) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		s.violate("unexpected body %q", m.Body)
 		return consumer.Permanent(fmt.Errorf("bad body %q", m.Body))
 	}
-	native, _ := Message(m.Delivery())
+	native, _ := Message(m)
 	s.mu.Lock()
 	s.seqToID[seq] = m.ID
 	r := s.rng.Float64()

@@ -515,15 +515,15 @@ func (s *chaosSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	return err
 }
 
-func (s *chaosSource) Nack(ctx context.Context, ds []*adapters.Delivery, after time.Duration) error {
+func (s *chaosSource) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ch := s.ch
 	ch.mu.Lock()
-	for _, d := range ds {
-		h := d.Handle.(*held)
-		ch.nacks[[2]int64{int64(ch.assignID(h.p, s.m.idx)), d.Offset}]++
+	for _, n := range ns {
+		h := n.Delivery.Handle.(*held)
+		ch.nacks[[2]int64{int64(ch.assignID(h.p, s.m.idx)), n.Delivery.Offset}]++
 	}
 	ch.mu.Unlock()
-	return s.inner.Nack(ctx, ds, after)
+	return s.inner.Nack(ctx, ns)
 }
 
 // chaosDeadLetter records dead-letter writes; a crashed member writes none.

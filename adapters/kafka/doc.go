@@ -93,7 +93,7 @@
 // # Rebalances
 //
 // On revoke the Source stops handing out the partition's records and
-// recalls those already handed out ([adapters.Delivery.Recall], the latest
+// recalls those already handed out ([adapters.Signal.Recall], the latest
 // first; the Source is an [adapters.Recaller]): the runtime gives back at
 // once every one whose handler has not started (queued behind the running
 // record of its lane, waiting for a worker, or waiting in place for a

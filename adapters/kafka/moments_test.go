@@ -295,7 +295,7 @@ func TestRevokeWhileACommitIsUnderWay(t *testing.T) {
 	await(t, "the commit to reach the broker", held)
 	eagerRevoke(t, s, "orders", 0)
 	ack(t, s, ds[3:6]...) // done within the drain
-	if err := s.Nack(context.Background(), ds[6:], 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(ds[6:], 0)); err != nil {
 		t.Fatal(err)
 	}
 	close(release)
@@ -441,7 +441,7 @@ func TestMetadataAtItsBoundSkipsExactlyTheDoneRecords(t *testing.T) {
 	}
 	ack(t, s, done...)
 	eagerRevoke(t, s, "orders", 0)
-	if err := s.Nack(context.Background(), undone, 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(undone, 0)); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the revoke to commit", func() bool {

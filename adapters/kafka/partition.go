@@ -82,12 +82,12 @@ type partition struct {
 }
 
 // held is a delivery handed to the runtime, with what Ack needs to find its
-// place. Held values are allocated heldSlab at a time (see Source.newHeld):
-// at 336 bytes, a slab of 64 (21,504 bytes) nearly fills the 21,760-byte
-// size class; a change of size should keep a slab close below a class.
+// place, and the Signal through which a revoke recalls or loses it. Held
+// values are allocated heldSlab at a time (see Source.newHeld).
 type held struct {
-	d adapters.Delivery
-	p *partition
+	d   adapters.Delivery
+	sig adapters.Signal
+	p   *partition
 	// slot is the delivery's index in p.out while it is handed out,
 	// slotNacked once nacked (until handed out again), and -1 otherwise (not
 	// yet handed out, acked, or its partition fenced).
@@ -168,7 +168,7 @@ func (p *partition) recallHeld() bool {
 	found := false
 	for i := len(p.out) - 1; i >= p.outHead; i-- {
 		if h := p.out[i]; h != nil {
-			h.d.Recall()
+			h.sig.Recall()
 			found = true
 		}
 	}

@@ -119,7 +119,7 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 	lose := s.fenceLocked(ps)
 	s.mu.Unlock()
 	for _, h := range lose {
-		h.d.Lose(adapters.ErrRevoked)
+		h.sig.Lose(adapters.ErrRevoked)
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
 	defer cancel()
@@ -139,7 +139,7 @@ func (s *Source) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int
 	// Resumed once fenced, so that nothing pauses them again (see onRevoked).
 	cl.ResumeFetchPartitions(lost)
 	for _, h := range lose {
-		h.d.Lose(adapters.ErrRevoked)
+		h.sig.Lose(adapters.ErrRevoked)
 	}
 }
 

@@ -54,7 +54,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 	if o := offsets(got); !slices.Equal(o, []int64{4}) {
 		t.Fatalf("new owner received %v, want only [4]", o)
 	}
-	if cause := late[moved].LostCause(); !errors.Is(cause, adapters.ErrRevoked) {
+	if cause := late[moved].Signal.LostCause(); !errors.Is(cause, adapters.ErrRevoked) {
 		t.Fatalf("old owner's held record lost with %v, want ErrRevoked", cause)
 	}
 	if offs, _ := c.committed(t, group, "orders"); offs[moved] != 4 {
@@ -207,8 +207,8 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 	s.onLost(context.Background(), s.Client(), map[string][]int32{"orders": {0}})
 
 	for _, d := range ds[2:] {
-		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
-			t.Fatalf("held record not lost: %v", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("held record not lost: %v", d.Signal.LostCause())
 		}
 	}
 	if err := s.Ack(context.Background(), ds[2:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
@@ -269,10 +269,10 @@ func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	c.fake.ControlKey(int16(kmsg.Heartbeat), kick)
 	c.fake.ControlKey(int16(kmsg.ConsumerGroupHeartbeat), kick)
 
-	eventually(t, "the held records lost", func() bool { return ds[2].LostCause() != nil })
+	eventually(t, "the held records lost", func() bool { return ds[2].Signal.LostCause() != nil })
 	for _, d := range ds[2:] {
-		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
-			t.Fatalf("held record lost with %v, want ErrRevoked", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("held record lost with %v, want ErrRevoked", d.Signal.LostCause())
 		}
 	}
 	if err := s.Ack(context.Background(), ds[2:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
@@ -347,7 +347,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 		offs, _ := c.committed(t, group, "orders")
 		return offs[moved] == 10
 	})
-	if cause := late[moved].LostCause(); cause != nil {
+	if cause := late[moved].Signal.LostCause(); cause != nil {
 		t.Fatalf("record that finished in the drain was lost: %v", cause)
 	}
 	<-polled
@@ -412,7 +412,7 @@ func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
 	})
 	// One record is given back during the drain; the other two are still
 	// running when it ends.
-	if err := a.Nack(context.Background(), ds[2:], 0); err != nil {
+	if err := a.Nack(context.Background(), adapters.NackAll(ds[2:], 0)); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the partition to be assigned back", func() bool {
@@ -533,7 +533,7 @@ func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
 	got = append(got, receiveFor(t, a, 2*time.Second)...)
 	var done []int64
 	for _, d := range append(first, got...) {
-		if a.Ack(context.Background(), []*adapters.Delivery{d}) == nil && d.LostCause() == nil {
+		if a.Ack(context.Background(), []*adapters.Delivery{d}) == nil && d.Signal.LostCause() == nil {
 			done = append(done, d.Offset) // refused when lost in the revoke
 		}
 	}
@@ -578,8 +578,8 @@ func TestRevokeDrainBoundsTheWaitForEveryPartition(t *testing.T) {
 		return true
 	})
 	for _, d := range first {
-		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
-			t.Fatalf("%s lost with %v after the drain, want ErrRevoked", d.ID, d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("%s lost with %v after the drain, want ErrRevoked", d.ID, d.Signal.LostCause())
 		}
 	}
 	if again := receiveN(t, a, 4); len(again) != 4 {

@@ -146,8 +146,8 @@ func TestDataLossRewindHandsOutTheReplacedRecords(t *testing.T) {
 		t.Errorf("Receive reported %v; want the kgo.ErrDataLoss", sawLoss)
 	}
 	for _, d := range first[10:] {
-		if !errors.Is(d.LostCause(), ErrRewound) {
-			t.Fatalf("offset %d of the old log: lost with %v after the rewind; want ErrRewound", d.Offset, d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), ErrRewound) {
+			t.Fatalf("offset %d of the old log: lost with %v after the rewind; want ErrRewound", d.Offset, d.Signal.LostCause())
 		}
 	}
 	if err := s.Ack(context.Background(), first[10:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {

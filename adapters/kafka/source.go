@@ -270,7 +270,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	s.mu.Unlock()
 	cancel()
 	for _, h := range lose {
-		h.d.Lose(ErrRewound)
+		h.sig.Lose(ErrRewound)
 	}
 	if len(refetch) > 0 {
 		// Before AllowRebalance, as franz-go asks: no revoke runs meanwhile.
@@ -524,6 +524,7 @@ func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 	s.slab = s.slab[1:]
 	h.p, h.slot = p, -1
 	d := &h.d
+	d.Signal = &h.sig
 	// "topic/partition/offset"; the lane of a partition is its prefix.
 	var num [20]byte
 	off := strconv.AppendInt(num[:0], r.Offset, 10)
@@ -671,12 +672,12 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 // record is not marked done, so its offset is not committed, and it is handed
 // out again by a later Receive. At shutdown this leaves it uncommitted for the
 // partition's next owner.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed map[int]error
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i, d := range ds {
-		h, ok := d.Handle.(*held)
+	for i, n := range ns {
+		h, ok := n.Delivery.Handle.(*held)
 		if !ok {
 			// Not ours: nothing here would hand it out again.
 			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
@@ -768,7 +769,7 @@ func (s *Source) Close() error {
 		}
 		s.mu.Unlock()
 		for _, h := range lose {
-			h.d.Lose(adapters.ErrClosed)
+			h.sig.Lose(adapters.ErrClosed)
 		}
 		close(s.stopLoop)
 		s.stopLag()

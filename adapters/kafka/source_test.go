@@ -299,7 +299,7 @@ func TestClosedWithoutCommitResumesFromCommitted(t *testing.T) {
 	commitNow(t, a)
 	ack(t, a, ds[10:]...) // done beyond the prefix but never committed
 	var lost error
-	ds[7].OnLost(func(err error) { lost = err })
+	ds[7].Signal.OnLost(func(err error) { lost = err })
 	// Simulate the process dying: the interval commit never runs again and
 	// Close is the only thing that happens.
 	a.mu.Lock()
@@ -379,7 +379,7 @@ func TestNackRedeliversAndHoldsThePrefix(t *testing.T) {
 	group := newGroup()
 	s := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 3)
-	if err := s.Nack(context.Background(), ds[:1], 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(ds[:1], 0)); err != nil {
 		t.Fatal(err)
 	}
 	ack(t, s, ds[1:]...)
@@ -573,7 +573,7 @@ func TestAckAfterNackFailsAndTwiceIsIgnored(t *testing.T) {
 	group := newGroup()
 	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 3)
-	if err := s.Nack(context.Background(), ds[:2], 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(ds[:2], 0)); err != nil {
 		t.Fatal(err)
 	}
 	// Late: the record was given back, and comes back whatever the Ack

@@ -67,7 +67,7 @@ func FuzzAckOrder(f *testing.F) {
 				continue
 			case 2:
 				i := pick(b)
-				if err := s.Nack(ctx, ds[i:i+1], 0); err != nil {
+				if err := s.Nack(ctx, adapters.NackAll(ds[i:i+1], 0)); err != nil {
 					t.Fatal(err)
 				}
 				decided[i], left, requeues = true, left-1, requeues+1

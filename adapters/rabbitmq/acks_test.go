@@ -182,7 +182,7 @@ func TestDoubleSettleIsHarmless(t *testing.T) {
 	if err := s.Ack(ctx, ds[:1]); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, ds[:1], 0); err == nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[:1], 0)); err == nil {
 		t.Fatal("Nack after Ack succeeded")
 	}
 	if err := s.Ack(ctx, ds[1:]); err != nil {
@@ -206,13 +206,13 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	if err := s.Ack(ctx, ds[:1]); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, ds[:1], time.Hour); err == nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[:1], time.Hour)); err == nil {
 		t.Fatal("Nack with a delay after Ack succeeded")
 	}
-	if err := s.Nack(ctx, ds[1:], 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, ds[1:], 100*time.Millisecond); err == nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)); err == nil {
 		t.Fatal("second Nack of a waiting delivery succeeded")
 	}
 	again := receiveN(t, s, 1)
@@ -265,8 +265,8 @@ func TestCloseCountsHeldDeliveriesAsLost(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if !errors.Is(ds[1].LostCause(), adapters.ErrClosed) {
-		t.Fatalf("held delivery lost with %v, want ErrClosed", ds[1].LostCause())
+	if !errors.Is(ds[1].Signal.LostCause(), adapters.ErrClosed) {
+		t.Fatalf("held delivery lost with %v, want ErrClosed", ds[1].Signal.LostCause())
 	}
 	if st := s.Stats(); st.Lost != 1 {
 		t.Fatalf("Stats().Lost = %d after Close gave back one held delivery, want 1", st.Lost)
@@ -286,7 +286,7 @@ func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
 	s2 := openSource(t, q2, WithPrefetch(10))
 	ctx := context.Background()
 	d := receiveN(t, s2, 1)
-	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, d, 0), s1.Nack(ctx, d, time.Second)} {
+	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, adapters.NackAll(d, 0)), s1.Nack(ctx, adapters.NackAll(d, time.Second))} {
 		var be *adapters.BatchError
 		if !errors.As(err, &be) || be.Failed[0] == nil || !strings.Contains(be.Failed[0].Error(), "did not come from the Source") {
 			t.Fatalf("settling another Source's delivery: %v, want it refused", err)

@@ -275,6 +275,10 @@ func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
 
 type nativeDeadLetter struct{ s *Source }
 
+// SettlesOriginal reports that Send disposes of the original itself (the
+// reject is the move), so the runtime does not ack it.
+func (nativeDeadLetter) SettlesOriginal(*adapters.Delivery) bool { return true }
+
 func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	h, err := n.s.own(d)
 	if err != nil {
@@ -287,7 +291,6 @@ func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adap
 	if err != nil {
 		return fmt.Errorf("rabbitmq: reject message %q into the dead-letter exchange: %w", d.ID, err)
 	}
-	d.MarkSettled()
 	var cause string
 	if f.Err != nil {
 		cause = f.Err.Error()

@@ -246,8 +246,8 @@ func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 			if err := dl.Send(context.Background(), ds[0], adapters.Failure{Err: errors.New("bad"), Attempts: 5}); err != nil {
 				t.Fatal(err)
 			}
-			if !ds[0].Settled() {
-				t.Fatal("native dead letter did not mark the delivery settled")
+			if os, ok := dl.(adapters.OriginalSettler); !ok || !os.SettlesOriginal(ds[0]) {
+				t.Fatal("the native dead letter does not say it settles the original")
 			}
 			if err := s.Ack(context.Background(), ds[1:]); err != nil {
 				t.Fatal(err)
@@ -316,7 +316,7 @@ func TestCopiesDoNotRouteByCCAgain(t *testing.T) {
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -410,7 +410,7 @@ func TestCopiesOfAnotherUsersMessage(t *testing.T) {
 	x := openSink(t, "", dlq)               // as guest
 	ctx := context.Background()
 	ds := receiveN(t, s, 2)
-	if err := s.Nack(ctx, ds, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	again := receiveN(t, s, 2)

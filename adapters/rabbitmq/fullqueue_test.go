@@ -137,7 +137,7 @@ func TestRetryIntoAFullQueueKeepsTheMessage(t *testing.T) {
 				setPolicy(t, q, `{"max-length":2,"overflow":"reject-publish"}`)
 			}
 			d := receiveN(t, s, 1)[0]
-			if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 500*time.Millisecond); err != nil {
+			if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 500*time.Millisecond)); err != nil {
 				t.Fatal(err)
 			}
 			took := a.offer(q, "B", "C", "D")
@@ -204,7 +204,7 @@ func TestRetryThroughDelayQueueIntoAFullQueueComesBack(t *testing.T) {
 	a.publish(q, "A")
 	s := openSource(t, q, WithPrefetch(1), WithDelayQueues(10*time.Millisecond))
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 500*time.Millisecond); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 500*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 {

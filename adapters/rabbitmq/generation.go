@@ -60,9 +60,11 @@ const (
 
 // handle is the adapter-private part of a Delivery (Delivery.Handle).
 type handle struct {
-	gen   *generation
-	tag   uint64
-	state state // guarded by gen.mu
+	gen *generation
+	tag uint64
+	// signal loses the delivery when its channel dies.
+	signal adapters.Signal
+	state  state // guarded by gen.mu
 	// decided is when the delivery's ack was decided (stateAckPending),
 	// from which its wait for company is counted.
 	decided time.Time
@@ -96,7 +98,8 @@ func (g *generation) admit(d *adapters.Delivery, tag uint64) (bool, error) {
 	if !g.tracker.Track(int64(tag)) {
 		return false, errTagOrder
 	}
-	d.Handle = &handle{gen: g, tag: tag}
+	h := &handle{gen: g, tag: tag}
+	d.Handle, d.Signal = h, &h.signal
 	g.held[tag] = d
 	return true, nil
 }

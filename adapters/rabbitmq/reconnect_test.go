@@ -86,12 +86,12 @@ func TestReconnectNeverAcksAcrossGenerations(t *testing.T) {
 	killConnection(t, s)
 	for _, d := range old {
 		select {
-		case <-d.Lost():
+		case <-d.Signal.Lost():
 		case <-time.After(30 * time.Second):
 			t.Fatal("delivery of the dead channel was not lost")
 		}
-		if !errors.Is(d.LostCause(), adapters.ErrConnectionLost) {
-			t.Fatalf("lost cause %v, want ErrConnectionLost", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrConnectionLost) {
+			t.Fatalf("lost cause %v, want ErrConnectionLost", d.Signal.LostCause())
 		}
 	}
 	waitGenerations(t, s, 2)
@@ -433,12 +433,12 @@ func TestDeletedQueueLosesItsDeliveriesAndResumesOnceItIsBack(t *testing.T) {
 	}
 	for _, d := range old {
 		select {
-		case <-d.Lost():
+		case <-d.Signal.Lost():
 		case <-time.After(30 * time.Second):
 			t.Fatal("a delivery of the deleted queue was not lost")
 		}
-		if !errors.Is(d.LostCause(), adapters.ErrConnectionLost) || !strings.Contains(d.LostCause().Error(), "cancelled consumer") {
-			t.Fatalf("lost cause %v, want ErrConnectionLost saying the broker cancelled the consumer", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrConnectionLost) || !strings.Contains(d.Signal.LostCause().Error(), "cancelled consumer") {
+			t.Fatalf("lost cause %v, want ErrConnectionLost saying the broker cancelled the consumer", d.Signal.LostCause())
 		}
 	}
 	err := s.Ack(context.Background(), old)
@@ -487,7 +487,7 @@ func TestDeliveriesWaitingWhenTheChannelDiesAreNotHandedOut(t *testing.T) {
 
 	ds := receiveN(t, s, 3)
 	for _, d := range ds {
-		if cause := d.LostCause(); cause != nil {
+		if cause := d.Signal.LostCause(); cause != nil {
 			t.Fatalf("Receive handed out %s, lost with the dead channel: %v", d.Body, cause)
 		}
 		if g := handleOf(d).gen.id; g != 2 {

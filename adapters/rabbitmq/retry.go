@@ -33,7 +33,7 @@ import (
 //
 // Republishing rather than requeueing keeps an exact attempt count on
 // classic queues, which only flag a redelivery.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed map[int]error
 	fail := func(i int, err error) {
 		if failed == nil {
@@ -41,7 +41,8 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAft
 		}
 		failed[i] = err
 	}
-	for i, d := range ds {
+	for i, n := range ns {
+		d, redeliverAfter := n.Delivery, n.After
 		h, err := s.own(d)
 		if err != nil {
 			fail(i, err)

@@ -31,14 +31,14 @@ func TestNackWithoutDelayRequeuesAndCountsAttempts(t *testing.T) {
 			if d.Attempt != 1 {
 				t.Fatalf("first delivery has Attempt %d", d.Attempt)
 			}
-			if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+			if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 				t.Fatal(err)
 			}
 			d = receiveN(t, s, 1)[0]
 			if d.Attempt != 2 {
 				t.Fatalf("after one requeue Attempt is %d, want 2", d.Attempt)
 			}
-			if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+			if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 				t.Fatal(err)
 			}
 			d = receiveN(t, s, 1)[0]
@@ -81,7 +81,7 @@ func TestRetryInPlaceRepublishesNextAttempt(t *testing.T) {
 					break
 				}
 				nacked := time.Now()
-				if err := s.Nack(ctx, []*adapters.Delivery{d}, 150*time.Millisecond); err != nil {
+				if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 150*time.Millisecond)); err != nil {
 					t.Fatal(err)
 				}
 				d = receiveN(t, s, 1)[0]
@@ -127,7 +127,7 @@ func TestRetryThroughDelayQueueOfALongQueueName(t *testing.T) {
 	a.publish(q, "m1")
 	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -154,7 +154,7 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -170,7 +170,7 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 	}
 	// And again: the broker's x-death from the first trip must not make it
 	// drop the second one as a dead-letter cycle.
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -204,7 +204,7 @@ func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	for attempt := 2; attempt <= 3; attempt++ {
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 			t.Fatal(err)
 		}
 		d = receiveN(t, s, 1)[0]
@@ -297,7 +297,7 @@ func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
 	s := openSource(t, q, WithPrefetch(10), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, time.Hour); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -342,7 +342,7 @@ func TestCloseWaitsForAnInPlaceRetryBetweenCopyAndAck(t *testing.T) {
 		// Give Close every chance to close the channel under the retry.
 		time.Sleep(200 * time.Millisecond)
 	}
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if err := <-closed; err != nil {
@@ -439,7 +439,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 	ds := receiveN(t, s, 2)
 	// A first retry opens the publishing connection and declares the delay
 	// queue; then the broker blocks that connection.
-	if err := s.Nack(ctx, ds[:1], 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[:1], 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	mu.Lock()
@@ -450,7 +450,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 	conns[1].block()
 	mu.Unlock()
 	done := make(chan error, 1)
-	go func() { done <- s.Nack(ctx, ds[1:], 100*time.Millisecond) }()
+	go func() { done <- s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)) }()
 	select {
 	case err := <-done:
 		if err != nil {
@@ -581,17 +581,17 @@ func holdOne(t *testing.T, opts ...Option) (*admin, string, *Source, *adapters.D
 func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 	a, q, s, d := holdOne(t)
 	ctx := context.Background()
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 		t.Fatalf("requeue of a delivery waiting in place: %v", err)
 	}
 	again := receiveN(t, s, 1)[0]
 	if again.Attempt != 2 || again.Headers[HeaderAttempt] != "" {
 		t.Fatalf("after the requeue: attempt %d, %s %q; want the broker's redelivery, attempt 2", again.Attempt, HeaderAttempt, again.Headers[HeaderAttempt])
 	}
-	if err := s.Nack(ctx, []*adapters.Delivery{again}, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{again}, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	next := receiveN(t, s, 1)[0]
@@ -621,7 +621,7 @@ func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
 	_, _, s, d := holdOne(t, WithDelayQueues(5*time.Second))
 	ctx := context.Background()
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 {
@@ -630,7 +630,7 @@ func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
 	if err := s.Ack(ctx, []*adapters.Delivery{d}); adapters.EntryError(err, 0) == nil {
 		t.Fatalf("Ack of a delivery nacked through a delay queue returned %v, want its entry failed", err)
 	}
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); adapters.EntryError(err, 0) == nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, time.Minute)); adapters.EntryError(err, 0) == nil {
 		t.Fatalf("a second Nack returned %v, want its entry failed", err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 {
@@ -658,7 +658,7 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 	d := receiveN(t, s, 1)[0]
 	// Two in place, then two through a delay queue.
 	for _, delay := range []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond, 250 * time.Millisecond} {
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, delay); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, delay)); err != nil {
 			t.Fatal(err)
 		}
 		d = receiveN(t, s, 1)[0]
@@ -705,7 +705,7 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 			t.Fatal(err)
 		}
 		d = receiveN(t, s, 1)[0]
@@ -742,7 +742,7 @@ func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 	a.declare(delayQueueName(q, delayStep(delay)), QuorumQueue, delayQueueArgs(delayStep(delay), q))
 	d := receiveN(t, s, 1)[0]
 	release := killConnectionAndHoldSupervisor(t, s)
-	err := s.Nack(context.Background(), []*adapters.Delivery{d}, delay)
+	err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, delay))
 	release()
 	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrConnectionLost) {
 		t.Errorf("Nack on the closed connection returned %v, want ErrConnectionLost", err)
@@ -785,7 +785,9 @@ func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	s.publishTimeout = 300 * time.Millisecond
 	d := receiveN(t, s, 1)[0]
 	done := make(chan error, 1)
-	go func() { done <- s.Nack(context.Background(), []*adapters.Delivery{d}, 100*time.Millisecond) }()
+	go func() {
+		done <- s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond))
+	}()
 	select {
 	case err := <-done:
 		if err != nil {

@@ -185,6 +185,7 @@ func soakRound(t *testing.T, seed uint64) {
 		successes:    make(map[string]int),
 		deadIDs:      make(map[string]bool),
 		okDeliveries: make(map[*adapters.Delivery]bool),
+		delivered:    make(map[soakKey]*adapters.Delivery),
 		cuts:         make(map[int]bool),
 		dropped:      make(map[int]bool),
 		faulters:     make(map[int]*soakFaults),
@@ -342,8 +343,9 @@ type soakRun struct {
 	deadIDs      map[string]bool        // message IDs with a confirmed dead letter
 	deadSends    int                    // confirmed dead letters
 	okDeliveries map[*adapters.Delivery]bool
-	faults       map[string]int // faults injected so far, by kind
-	cuts         map[int]bool   // consumers that had a connection cut
+	delivered    map[soakKey]*adapters.Delivery // by what a handler sees (see deliveryOf)
+	faults       map[string]int                 // faults injected so far, by kind
+	cuts         map[int]bool                   // consumers that had a connection cut
 	dropped      map[int]bool
 	faulters     map[int]*soakFaults // the consumers injecting faults now
 	violations   []string
@@ -754,7 +756,7 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		s.violate("unexpected message %q, body %q", m.ID, m.Body)
 		return consumer.Permanent(fmt.Errorf("unexpected body %q", m.Body))
 	}
-	call := &soakCall{gen: gen, ctx: ctx, d: m.Delivery()}
+	call := &soakCall{gen: gen, ctx: ctx, d: s.deliveryOf(m)}
 	s.mu.Lock()
 	var older []*soakCall
 	for _, c := range s.running[m.ID] {
@@ -805,7 +807,7 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	s.mu.Lock()
 	s.succeeded[m.ID] = true
 	s.successes[m.ID]++
-	s.okDeliveries[m.Delivery()] = true
+	s.okDeliveries[call.d] = true
 	s.mu.Unlock()
 	return nil
 }
@@ -834,7 +836,7 @@ func (s *soakRun) checkOverlap(id string, o *soakCall, gen int) {
 		return
 	case <-time.After(2 * time.Second):
 	}
-	if cause := o.d.LostCause(); cause != nil {
+	if cause := o.d.Signal.LostCause(); cause != nil {
 		s.violate("message %s: the handler in consumer %d still had a live context two seconds after its delivery was lost (%v)", id, o.gen, cause)
 		return
 	}
@@ -854,13 +856,48 @@ type soakSource struct {
 	gen int
 }
 
+// soakKey names a delivery by what its handler can see of it: the channel
+// that delivered it (amqp091's Acknowledger) and its tag.
+type soakKey struct {
+	ch  amqp.Acknowledger
+	tag uint64
+}
+
+func soakKeyOf(native amqp.Delivery) soakKey { return soakKey{native.Acknowledger, native.DeliveryTag} }
+
+// Receive records each delivery, for the handler to find by its message.
+func (w soakSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	ds, err := w.Source.Receive(ctx, max)
+	w.s.mu.Lock()
+	for _, d := range ds {
+		w.s.delivered[soakKeyOf(d.Native.(amqp.Delivery))] = d
+	}
+	w.s.mu.Unlock()
+	return ds, err
+}
+
+// deliveryOf returns the delivery behind a handler's message.
+func (s *soakRun) deliveryOf(m *consumer.Message) *adapters.Delivery {
+	var native amqp.Delivery
+	if !m.As(&native) {
+		panic("soak: a message without its amqp091 delivery")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.delivered[soakKeyOf(native)]
+}
+
 // Nack cuts the retry publisher's connection now and then, while it
 // publishes a retry's copy to a delay queue.
-func (w soakSource) Nack(ctx context.Context, ds []*adapters.Delivery, delay time.Duration) error {
-	if f := w.s.faulter(w.gen); f != nil && delay > 0 && w.s.float() < 0.15 {
+func (w soakSource) Nack(ctx context.Context, ns []adapters.Nack) error {
+	delayed := false
+	for _, n := range ns {
+		delayed = delayed || n.After > 0
+	}
+	if f := w.s.faulter(w.gen); f != nil && delayed && w.s.float() < 0.15 {
 		f.soon(soakCutPublisher)
 	}
-	return w.Source.Nack(ctx, ds, delay)
+	return w.Source.Nack(ctx, ns)
 }
 
 func (w soakSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {

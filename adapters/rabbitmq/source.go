@@ -199,7 +199,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	for len(ds) == 0 {
 		select {
 		case d := <-s.out:
-			if d.LostCause() == nil {
+			if d.Signal.LostCause() == nil {
 				ds = append(ds, d)
 			}
 		case <-ctx.Done():
@@ -219,7 +219,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	for len(ds) < max {
 		select {
 		case d := <-s.out:
-			if d.LostCause() == nil {
+			if d.Signal.LostCause() == nil {
 				ds = append(ds, d)
 			}
 		default:
@@ -293,7 +293,7 @@ func (s *Source) Close() error {
 	if g != nil {
 		held := g.die(true)
 		for _, d := range held {
-			d.Lose(adapters.ErrClosed)
+			d.Signal.Lose(adapters.ErrClosed)
 		}
 		s.stats.lost.Add(uint64(len(held)))
 		// amqp091 waits for the broker's channel.close-ok with no limit of

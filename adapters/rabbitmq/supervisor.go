@@ -184,7 +184,7 @@ func (s *Source) kill(g *generation, cause error) {
 	}
 	lost := fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause)
 	for _, d := range held {
-		d.Lose(lost)
+		d.Signal.Lose(lost)
 	}
 	s.stats.lost.Add(uint64(len(held)))
 	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))

@@ -20,7 +20,7 @@ func TestInPlaceRetriesLeaveRoomInThePrefetchWindow(t *testing.T) {
 	ctx := context.Background()
 	bad := receiveN(t, s, 4)
 	for _, d := range bad {
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, 3*time.Second); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 3*time.Second)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -72,7 +72,7 @@ func TestPrefetchOneNeverWaitsInPlace(t *testing.T) {
 	s := openSource(t, q, WithPrefetch(1), WithDelayQueues(5*time.Second))
 	ctx := context.Background()
 	bad := receiveN(t, s, 1)
-	if err := s.Nack(ctx, bad, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(bad, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedInPlace != 0 {
