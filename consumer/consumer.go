@@ -12,14 +12,14 @@ import (
 // Consumer runs a Handler over a Source. Create it with New and start it with
 // Run. A Consumer runs once.
 type Consumer struct {
-	src  adapters.Source
-	ext  adapters.Extender
-	caps adapters.Capabilities
-	handler         Handler
-	cfg             config
-	tel             *telemetry
-	batch           int // deliveries asked for per Receive
-	started         atomic.Bool
+	src     adapters.Source
+	ext     adapters.Extender
+	caps    adapters.Capabilities
+	handler Handler
+	cfg     config
+	tel     *telemetry
+	batch   int // deliveries asked for per Receive
+	started atomic.Bool
 
 	// stop is cancelled by Shutdown: Run stops receiving and drains.
 	stop    context.Context
