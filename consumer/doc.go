@@ -41,9 +41,11 @@
 // waits. Where it cannot (Kafka), where the message belongs to an ordered
 // lane (whose order a redelivery could break), or where the broker counts no
 // deliveries (each redelivery would look like a first attempt, and
-// MaxAttempts would never be reached), the worker waits in place with the
-// lease kept alive. Attempts are counted by the broker where it counts
-// deliveries, otherwise by the runtime.
+// MaxAttempts would never be reached), the message waits in place: it stays
+// held, its lease kept alive and its lane (if any) waiting behind it, but
+// no worker waits with it, so other messages run meanwhile. Attempts are
+// counted by the broker where it counts deliveries, otherwise by the
+// runtime.
 //
 // # Dead letters
 //

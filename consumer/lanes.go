@@ -80,14 +80,17 @@ func (r *run) startWorker(wg *sync.WaitGroup) {
 // runLane processes j and then, on the same worker, the jobs queued behind
 // it in its lane, up to laneRun of them.
 func (r *run) runLane(j *job) {
+	parked := false
 	defer func() {
-		if j.exiting {
+		if !parked && j.exiting {
 			// j's handler called runtime.Goexit: this worker is ending.
 			r.handlerExited(j)
 		}
 	}()
 	for n := 1; ; n++ {
-		r.process(j)
+		if parked = r.process(j); parked {
+			return // parked: its lane, and the jobs linked behind it, wait with it
+		}
 		s := j.successor
 		if s == nil {
 			return

@@ -15,25 +15,38 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// process runs j's handler until it succeeds, runs out of attempts, or the
-// delivery leaves this consumer, and settles it.
-func (r *run) process(j *job) {
+// process runs one step of j's custody: a handler attempt, or a retry of
+// its dead-letter write, and what follows from it. A job that must wait
+// before its next step (a retry in place, a dependency outage, a failed
+// dead-letter write) is parked: it leaves the worker, and comes back to
+// process when its wait ends (see park). process reports whether it parked
+// j; the caller must then not touch j, which another worker may already
+// run.
+func (r *run) process(j *job) (parked bool) {
 	if j.ackedEarly {
 		// Acked on receipt: it can no longer be given back, even during
 		// shutdown, so handling it is its only chance.
 		r.processAtMostOnce(j)
-		return
+		return false
 	}
 	if j.recalled() {
-		// The adapter wants it back before it starts (its Kafka partition
-		// is being revoked): given back at once, even at shutdown with
-		// WithLeaveUnfinishedOnShutdown, since the adapter waits for it.
+		// The adapter wants it back before it runs again (its Kafka
+		// partition is being revoked): given back at once, even at
+		// shutdown with WithLeaveUnfinishedOnShutdown, since the adapter
+		// waits for it.
 		r.settle(j, released(whyRecalled))
-		return
+		return false
 	}
 	if r.draining.Load() {
-		r.settle(j, released(whyShutdown)) // not started before shutdown: give it back at once
-		return
+		// Not started, or waiting to run again, once shutdown began: give
+		// it back at once. A message waiting for a retry keeps its backoff
+		// where the broker can hold it back.
+		if j.failure != nil {
+			r.settle(j, r.givenBack(j, j.retryIn))
+			return false
+		}
+		r.settle(j, released(whyShutdown))
+		return false
 	}
 	if j.giveBack {
 		// Queued behind a lost message of its lane: give it back at once,
@@ -41,196 +54,193 @@ func (r *run) process(j *job) {
 		// Left to its lease it would hold up the lost message's group (an
 		// SQS FIFO group) until that lease ran out.
 		r.settle(j, released(whyBehindLost))
-		return
+		return false
 	}
-	maxAttempts := r.cfg.retry.MaxAttempts
-	for {
-		if cause := j.lostCause(); cause != nil {
-			// Lost while it waited (a revoked partition, a dead channel):
-			// running the handler now would only repeat the new owner's work.
-			r.settle(j, verdict{how: settleLost})
-			return
-		}
-		if j.recalled() {
-			// Recalled while a retry waited: no handler runs, so it goes
-			// back now (see adapters.Signal.Recall).
-			r.settle(j, released(whyRecalled))
-			return
-		}
-		attempt := r.attempt(j)
-		err := r.call(j, attempt)
-		if err == nil {
-			r.settle(j, verdict{how: settleAck})
-			return
-		}
-		if cause := j.lostCause(); cause != nil {
-			r.settle(j, verdict{how: settleLost})
-			return
-		}
-		if r.handlerCtx.Err() != nil {
-			// The shutdown deadline cut the handler short: not the message's
-			// fault, so it neither counts as a failure nor waits a backoff.
-			r.settle(j, released(whyDeadline))
-			return
-		}
-		if IsUnavailable(err) {
-			// A dependency's fault, not the message's: no attempt is used
-			// up, and the message waits here rather than at the broker,
-			// whose delivery count a redelivery would raise.
-			j.unavailable++
-			delay, ok := RetryDelay(err)
-			if !ok || delay <= 0 {
-				delay = backoffDelay(r.cfg.retry.Backoff, j.unavailable)
-			}
-			delay = max(delay, minBackoff)
-			r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
-			r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", j.unavailable),
-				slog.Duration("retry_in", delay), slog.Any("error", err))
-			if r.draining.Load() {
-				// Given back at once, as a message already waiting out the
-				// outage is when the drain begins (see wait): whether the
-				// handler returned just before the drain or just after must
-				// not decide whether the broker hides the message for the
-				// wait's delay, which can be longer than its lease.
-				r.settle(j, released(whyShutdown))
-				return
-			}
-			if !r.wait(j, delay) {
-				return
-			}
-			continue
-		}
-		j.unavailable = 0
-		now := time.Now()
-		deferred := IsDeferred(err)
-		if j.firstFailure.IsZero() && !deferred {
-			j.firstFailure = now
-		}
-		delay, ok := RetryDelay(err)
-		if !ok || delay <= 0 {
-			// No delay asked for, or none at all: the policy's backoff, so
-			// that nothing retries in a hot loop (a deferral never runs out
-			// of attempts to stop it).
-			delay = backoffDelay(r.cfg.retry.Backoff, attempt)
-		}
-		// A delay asked for is floored too: a deferral has no attempt limit,
-		// so Defer(err, time.Nanosecond) would otherwise come back at once,
-		// for ever.
-		delay = max(delay, minBackoff)
-		if IsPermanent(err) || (attempt >= maxAttempts && !deferred) {
-			if r.exhausted(j, err, attempt, now, delay) {
-				return
-			}
-			// No dead-letter destination and no way to give the message
-			// back: keep trying the handler in place, at the backoff's
-			// pace, rather than drop it.
-		}
-		if r.draining.Load() {
-			r.settle(j, r.givenBack(j, delay))
-			return
-		}
-		byNack := r.retriesByNack(j)
-		r.logRetry(j, err, attempt, delay, deferred, byNack)
-		if byNack {
-			// The broker holds the message for the delay; no worker waits.
-			r.settle(j, verdict{how: settleRetry, after: delay})
-			return
-		}
-		if !r.wait(j, delay) {
-			return
-		}
-		if !deferred {
-			j.retries++
-		}
+	if j.lostCause() != nil {
+		// Lost while it waited (a revoked partition, a dead channel):
+		// running the handler now would only repeat the new owner's work.
+		r.settle(j, verdict{how: settleLost})
+		return false
 	}
+	if j.deadLettering {
+		return r.deadLetter(j)
+	}
+	return r.attemptOnce(j)
 }
 
-// exhausted dead-letters j. Should the dead-letter write fail, it keeps the
-// original (never acking it) and tries again after a backoff. It reports
-// whether j was settled; false means there is no dead-letter destination and
-// the broker cannot take the message back with a delay, so the caller goes on
-// retrying the handler.
+// attemptOnce runs one attempt of j's handler and settles or parks j by its
+// outcome.
+func (r *run) attemptOnce(j *job) (parked bool) {
+	attempt := r.attempt(j)
+	err := r.call(j, attempt)
+	if err == nil {
+		r.settle(j, verdict{how: settleAck})
+		return false
+	}
+	if j.lostCause() != nil {
+		r.settle(j, verdict{how: settleLost})
+		return false
+	}
+	if r.handlerCtx.Err() != nil {
+		// The shutdown deadline cut the handler short: not the message's
+		// fault, so it neither counts as a failure nor waits a backoff.
+		r.settle(j, released(whyDeadline))
+		return false
+	}
+	if IsUnavailable(err) {
+		// A dependency's fault, not the message's: no attempt is used up,
+		// and the message waits here rather than at the broker, whose
+		// delivery count a redelivery would raise.
+		j.unavailable++
+		delay, ok := RetryDelay(err)
+		if !ok || delay <= 0 {
+			delay = backoffDelay(r.cfg.retry.Backoff, j.unavailable)
+		}
+		delay = max(delay, minBackoff)
+		r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
+		r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", j.unavailable),
+			slog.Duration("retry_in", delay), slog.Any("error", err))
+		// Not kept as a failure to give back with its delay at shutdown:
+		// the wait's delay can be longer than the lease, and whether the
+		// handler returned just before the drain or just after must not
+		// decide whether the broker hides the message for it.
+		j.failure = nil
+		r.park(j, delay)
+		return true
+	}
+	j.unavailable = 0
+	now := time.Now()
+	deferred := IsDeferred(err)
+	if j.firstFailure.IsZero() && !deferred {
+		j.firstFailure = now
+	}
+	delay, ok := RetryDelay(err)
+	if !ok || delay <= 0 {
+		// No delay asked for, or none at all: the policy's backoff, so
+		// that nothing retries in a hot loop (a deferral never runs out of
+		// attempts to stop it).
+		delay = backoffDelay(r.cfg.retry.Backoff, attempt)
+	}
+	// A delay asked for is floored too: a deferral has no attempt limit,
+	// so Defer(err, time.Nanosecond) would otherwise come back at once,
+	// for ever.
+	delay = max(delay, minBackoff)
+	if IsPermanent(err) || (attempt >= r.cfg.retry.MaxAttempts && !deferred) {
+		if done, parked := r.exhausted(j, err, attempt, now, delay); done {
+			return parked
+		}
+		// No dead-letter destination and no way to give the message back:
+		// keep trying the handler in place, at the backoff's pace, rather
+		// than drop it.
+	}
+	if r.draining.Load() {
+		r.settle(j, r.givenBack(j, delay))
+		return false
+	}
+	byNack := r.retriesByNack(j)
+	r.logRetry(j, err, attempt, delay, deferred, byNack)
+	if byNack {
+		// The broker holds the message for the delay; no worker waits.
+		r.settle(j, verdict{how: settleRetry, after: delay})
+		return false
+	}
+	if !deferred {
+		j.retries++
+	}
+	j.failure, j.retryIn = err, delay
+	r.park(j, delay)
+	return true
+}
+
+// exhausted dead-letters j, which failed for good with err on attempt
+// number attempt. It reports whether j was settled or parked (done), and
+// whether it was parked; not done means there is no dead-letter
+// destination and the broker cannot take the message back with a delay, so
+// the caller goes on retrying the handler.
 //
 // Without a dead-letter destination the message is given back after retry,
 // the delay the caller computed for the handler's next attempt: it is one
-// more retry, so a delay the handler asked for (RetryAfter) holds as for any
-// other.
-func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry time.Duration) bool {
-	dl := r.cfg.deadLetter
-	if dl == nil {
+// more retry, so a delay the handler asked for (RetryAfter) holds as for
+// any other.
+func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry time.Duration) (done, parked bool) {
+	if r.cfg.deadLetter == nil {
 		r.logs.log(logNoDeadLetter, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
 			slog.Int("attempts", attempt), slog.Duration("retry_in", retry), slog.Any("error", err))
 		if r.c.caps.NackDelay && j.lane == "" {
 			r.settle(j, verdict{how: settleExhausted, after: retry})
-			return true
+			return true, false
 		}
+		return false, false
+	}
+	j.deadLettering = true
+	j.failure, j.failedAttempt, j.lastFailure = err, attempt, now
+	return true, r.deadLetter(j)
+}
+
+// deadLetter writes j's dead-letter copy and acks the original once the
+// destination confirmed it. A failed write keeps the original, parked, and
+// is tried again after a backoff: in place, its lease kept alive, even
+// where the broker could hold the message back, since a redelivery would
+// run the handler again for a message that is done with it and raise the
+// broker's delivery count. Parked, the message keeps its place in the
+// in-flight window, so an outage of the destination slows intake instead
+// of cycling messages through the broker.
+func (r *run) deadLetter(j *job) (parked bool) {
+	dl := r.cfg.deadLetter
+	err, attempt := j.failure, j.failedAttempt
+	f := adapters.Failure{
+		Err:          err,
+		Permanent:    IsPermanent(err),
+		Attempts:     attempt,
+		FirstFailure: j.firstFailure,
+		LastFailure:  j.lastFailure,
+		Consumer:     r.cfg.name,
+	}
+	if attempt > j.retries+1 && !j.d.FirstReceivedAt.IsZero() {
+		// Earlier attempts ran before this delivery: the broker's first
+		// receive is the best bound on the first failure we have.
+		f.FirstFailure = j.d.FirstReceivedAt
+	}
+	cut, sendErr := r.sendDeadLetter(dl, j, f)
+	if sendErr == nil {
+		r.logs.log(logDeadLettered, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
+			slog.Int("attempts", attempt), slog.Any("error", err))
+		if os, ok := dl.(adapters.OriginalSettler); ok && os.SettlesOriginal(j.d) {
+			r.settle(j, verdict{how: settleDisposed})
+			return false
+		}
+		r.settle(j, verdict{how: settleDeadLettered})
 		return false
 	}
-	for try := 1; ; try++ {
-		delay := backoffDelay(r.cfg.retry.Backoff, attempt+try-1)
-		f := adapters.Failure{
-			Err:          err,
-			Permanent:    IsPermanent(err),
-			Attempts:     attempt,
-			FirstFailure: j.firstFailure,
-			LastFailure:  now,
-			Consumer:     r.cfg.name,
-		}
-		if attempt > j.retries+1 && !j.d.FirstReceivedAt.IsZero() {
-			// Earlier attempts ran before this delivery: the broker's first
-			// receive is the best bound on the first failure we have.
-			f.FirstFailure = j.d.FirstReceivedAt
-		}
-		cut, sendErr := r.sendDeadLetter(dl, j, f)
-		if sendErr == nil {
-			r.logs.log(logDeadLettered, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
-				slog.Int("attempts", attempt), slog.Any("error", err))
-			if os, ok := dl.(adapters.OriginalSettler); ok && os.SettlesOriginal(j.d) {
-				r.settle(j, verdict{how: settleDisposed})
-				return true
-			}
-			r.settle(j, verdict{how: settleDeadLettered})
-			return true
-		}
-		// A write the shutdown deadline or the delivery's loss cut short
-		// says nothing about the destination: the consumer stopped waiting
-		// for it. Counted, it would report a dead-letter outage on every
-		// such shutdown.
-		if !cut {
-			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
-		}
-		if cause := j.lostCause(); cause != nil {
-			// Not kept: the delivery is gone (its lease, or a release the
-			// failed write had already sent, as SQS's Redrive does), and
-			// the broker brings the message back.
-			kind := logDeadLetterLost
-			if cut {
-				kind = logDeadLetterCutLost
-			}
-			r.logs.log(kind, slog.String("id", j.d.ID), slog.Any("error", sendErr))
-			r.settle(j, verdict{how: settleLost})
-			return true
-		}
-		if cut {
-			r.logs.log(logDeadLetterCut, slog.String("id", j.d.ID), slog.Any("error", sendErr))
-			r.settle(j, r.givenBack(j, delay))
-			return true
-		}
-		r.logs.log(logDeadLetterFailed, slog.String("id", j.d.ID), slog.Any("error", sendErr), slog.Duration("retry_in", delay))
-		if r.draining.Load() {
-			r.settle(j, r.givenBack(j, delay))
-			return true
-		}
-		// The write is tried again in place, the lease kept alive, even
-		// where the broker could hold the message back: a redelivery would
-		// run the handler again for a message that is done with it, and
-		// raise the broker's delivery count. Waiting, the message keeps its
-		// place in the in-flight window, so an outage of the destination
-		// slows intake instead of cycling messages through the broker.
-		if !r.wait(j, delay) {
-			return true
-		}
+	j.deadLetterTries++
+	delay := backoffDelay(r.cfg.retry.Backoff, attempt+j.deadLetterTries-1)
+	// A write the shutdown deadline or the delivery's loss cut short says
+	// nothing about the destination: the consumer stopped waiting for it.
+	// Counted, it would report a dead-letter outage on every such shutdown.
+	if !cut {
+		r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
 	}
+	if j.lostCause() != nil {
+		// Not kept: the delivery is gone (its lease, or a release the
+		// failed write had already sent, as SQS's redrive does), and the
+		// broker brings the message back.
+		kind := logDeadLetterLost
+		if cut {
+			kind = logDeadLetterCutLost
+		}
+		r.logs.log(kind, slog.String("id", j.d.ID), slog.Any("error", sendErr))
+		r.settle(j, verdict{how: settleLost})
+		return false
+	}
+	if cut {
+		r.logs.log(logDeadLetterCut, slog.String("id", j.d.ID), slog.Any("error", sendErr))
+		r.settle(j, r.givenBack(j, delay))
+		return false
+	}
+	r.logs.log(logDeadLetterFailed, slog.String("id", j.d.ID), slog.Any("error", sendErr), slog.Duration("retry_in", delay))
+	j.retryIn = delay
+	r.park(j, delay)
+	return true
 }
 
 // sendDeadLetter writes j's dead-letter copy with a context that ends, with
@@ -443,35 +453,6 @@ func (r *run) handlerExited(j *job) {
 		j.successor = nil
 		r.work <- s // never blocks: see newRun
 	}
-}
-
-// wait holds j in place for delay, its lease kept alive. It reports false, and
-// settles j, when the wait was cut short by shutdown, a lost lease or a
-// recall. A recall ends the wait at once rather than after it: no handler
-// runs meanwhile, and the adapter may be waiting for the delivery (a Kafka
-// revoke), for as long as a backoff, which can be minutes.
-func (r *run) wait(j *job, delay time.Duration) bool {
-	t := time.NewTimer(delay)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		if !r.draining.Load() {
-			return true
-		}
-		// The drain began as the timer fired, and the select, finding both
-		// ready, chose the timer: the retry would start after the drain
-		// began, which gives back what has not started.
-		r.settle(j, released(whyShutdown))
-	case <-j.recallChan():
-		r.settle(j, released(whyRecalled))
-	case <-j.lostChan():
-		r.settle(j, verdict{how: settleLost})
-	case <-r.drainCh:
-		r.settle(j, released(whyShutdown))
-	case <-r.handlerCtx.Done():
-		r.settle(j, released(whyDeadline))
-	}
-	return false
 }
 
 // retriesByNack reports whether j's next attempt should wait at the broker

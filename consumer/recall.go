@@ -71,6 +71,7 @@ func recalledWaiting(j *job) bool {
 // break; and the adapter recalls a lane's later deliveries first (see
 // Signal.Recall), so a job still to run is never behind one given back.
 func (r *run) releaseRecalled() {
+	r.unparkAll(recalledWaiting) // into r.work, given back just below
 	var keep, give []*job
 	for done := false; !done; {
 		select {

@@ -33,10 +33,10 @@ type run struct {
 	acks     *batcher
 	nacks    *batcher
 	draining atomic.Bool
-	drainCh  chan struct{}
 
 	lanesMu sync.Mutex
 	lanes   map[string][]*job // queued behind the running job of each lane
+	parking parking           // jobs waiting, without a worker, to run again
 	started time.Time         // the origin of job.accepted
 
 	spanName string
@@ -58,7 +58,19 @@ type job struct {
 	retries      int           // in-place retries so far
 	unavailable  int           // consecutive attempts that found a dependency unavailable
 	firstFailure time.Time
-	ackedEarly   bool // at-most-once mode
+	// failure is the error of the failed attempt a parked job waits to
+	// retry (or to dead-letter), nil while it waits out an outage; retryIn
+	// is its backoff, kept if the drain gives it back.
+	failure error
+	retryIn time.Duration
+	// deadLettering is set once the job failed for good and its
+	// dead-letter write is due (again, after deadLetterTries failed ones);
+	// failedAttempt and lastFailure describe the failure for the copy.
+	deadLettering   bool
+	deadLetterTries int
+	failedAttempt   int
+	lastFailure     time.Time
+	ackedEarly      bool // at-most-once mode
 	// queued is set while the job waits in its lane's queue (run.lanes),
 	// behind the lane's running job; such a job does not hold its lane.
 	queued bool
@@ -104,7 +116,6 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		// absorbs an adapter that returns more deliveries than asked, so a
 		// worker handing on its lane's next job never blocks.
 		work:     make(chan *job, 2*c.cfg.maxInFlight),
-		drainCh:  make(chan struct{}),
 		lanes:    make(map[string][]*job),
 		started:  time.Now(),
 		spanName: "process " + c.cfg.name,
@@ -171,7 +182,7 @@ func (r *run) run(ctx context.Context) error {
 
 	// Drain.
 	r.draining.Store(true)
-	close(r.drainCh)
+	r.unparkAll(func(*job) bool { return true })
 	if !r.cfg.atMostOnce {
 		r.releaseWaiting()
 	}

@@ -1,0 +1,68 @@
+package consumer
+
+import (
+	"sync"
+	"time"
+)
+
+// Parking: a job that must wait before its next step (a retry in place, a
+// dependency outage, a failed dead-letter write) waits without a worker. It
+// stays held, its lease renewed and its lane kept, and comes back to a
+// worker (through r.work) when the first of these happens: its wait ends;
+// its delivery is lost; the adapter recalls it; the drain begins. process
+// then decides what it does: run again, or be settled.
+
+// parking is the run's set of parked jobs.
+type parking struct {
+	mu   sync.Mutex
+	jobs map[*job]*time.Timer
+}
+
+// park takes j off its worker for delay.
+func (r *run) park(j *job, delay time.Duration) {
+	p := &r.parking
+	p.mu.Lock()
+	if p.jobs == nil {
+		p.jobs = make(map[*job]*time.Timer)
+	}
+	p.jobs[j] = time.AfterFunc(delay, func() { r.unpark(j) })
+	p.mu.Unlock()
+	// A loss ends the wait at once (and at once if it happened already).
+	// The callback is removed when the job runs again, before an attempt
+	// registers its own.
+	j.d.Signal.OnLost(func(error) { r.unpark(j) })
+	if r.draining.Load() || j.recalled() {
+		r.unpark(j) // the drain or a recall came first and may have missed it
+	}
+}
+
+// unpark hands j back to a worker, once, if it is parked.
+func (r *run) unpark(j *job) {
+	p := &r.parking
+	p.mu.Lock()
+	t, ok := p.jobs[j]
+	delete(p.jobs, j)
+	p.mu.Unlock()
+	if !ok {
+		return
+	}
+	t.Stop()
+	j.d.Signal.OnLost(nil)
+	r.work <- j // never blocks: see newRun
+}
+
+// unparkAll hands every parked job for which pick holds back to a worker.
+func (r *run) unparkAll(pick func(*job) bool) {
+	p := &r.parking
+	p.mu.Lock()
+	var js []*job
+	for j := range p.jobs {
+		if pick(j) {
+			js = append(js, j)
+		}
+	}
+	p.mu.Unlock()
+	for _, j := range js {
+		r.unpark(j)
+	}
+}
