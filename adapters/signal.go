@@ -22,10 +22,11 @@ import (
 // methods that read a Signal answer for a nil one as for a delivery that is
 // neither lost nor recalled.
 type Signal struct {
-	mu     sync.Mutex
-	lost   error
-	lostAt time.Time
-	onLost func(error)
+	mu       sync.Mutex
+	lost     error
+	lostAt   time.Time
+	onLost   func(error)
+	onRecall func()
 	// chans holds the channels Lost and RecallSignal hand out, made on
 	// first request: most deliveries never need one. Guarded by mu.
 	chans *signalChans
@@ -85,13 +86,18 @@ func (s *Signal) Recall() {
 		return
 	}
 	s.mu.Lock()
+	var fn func()
 	if s.flags.Load()&flagRecalled == 0 {
 		s.flags.Or(flagRecalled)
 		if s.chans != nil && s.chans.recall != nil {
 			close(s.chans.recall)
 		}
+		fn, s.onRecall = s.onRecall, nil
 	}
 	s.mu.Unlock()
+	if fn != nil {
+		fn()
+	}
 }
 
 // LostCause returns the cause given to Lose, or nil.
@@ -139,6 +145,22 @@ func (s *Signal) OnLost(fn func(error)) {
 		return
 	}
 	s.onLost = fn
+	s.mu.Unlock()
+}
+
+// OnRecall registers fn to run once, on the goroutine that calls Recall,
+// when the delivery is recalled; at once if it is already. It replaces an
+// earlier registration; OnRecall(nil) removes it.
+func (s *Signal) OnRecall(fn func()) {
+	s.mu.Lock()
+	if s.flags.Load()&flagRecalled != 0 {
+		s.mu.Unlock()
+		if fn != nil {
+			fn()
+		}
+		return
+	}
+	s.onRecall = fn
 	s.mu.Unlock()
 }
 

@@ -94,11 +94,14 @@ func WithConcurrency(n int) Option {
 }
 
 // WithMaxInFlight bounds the deliveries held at once: running, waiting for a
-// worker or an ordering lane, or waiting for their ack. Held deliveries keep
-// their leases renewed. Default: twice the concurrency and at least 20, so
-// that one batch can be fetched while another is handled (and never more
-// than the adapter's MaxUnacked). Must be at least the concurrency, and at
-// most 1,048,576.
+// worker, an ordering lane or a retry, or waiting for their ack. Held
+// deliveries keep their leases renewed (not those waiting for their ack).
+// Default: twice the concurrency and at least 20, so that one batch can be
+// fetched while another is handled, plus room for the acks an adapter
+// keeps waiting to fill a batch (SQS: 4 calls of 10), and never more than
+// the adapter's MaxUnacked (a prefetch, a MaxAckPending). Must be at least
+// the concurrency, at most the adapter's MaxUnacked, and at most
+// 1,048,576.
 //
 // A deeper window keeps quick handlers fed: the receiver is woken to fetch
 // the next batch once it fits (when half the window is free, for brokers
@@ -336,17 +339,15 @@ func (c *config) fill(caps adapters.Capabilities) error {
 		c.retry.Backoff = defaultBackoff()
 	}
 	if caps.MaxUnacked > 0 && c.concurrency > caps.MaxUnacked {
-		return fmt.Errorf("consumer: WithConcurrency(%d) exceeds the %d unacked deliveries source %q hands out (its prefetch): raise the adapter's prefetch or lower the concurrency",
+		return fmt.Errorf("consumer: WithConcurrency(%d) exceeds the %d unacked deliveries source %q hands out (its prefetch, or its MaxAckPending): raise the adapter's limit or lower the concurrency",
 			c.concurrency, caps.MaxUnacked, caps.Name)
 	}
+	if caps.MaxUnacked > 0 && c.maxInFlight > caps.MaxUnacked {
+		return fmt.Errorf("consumer: WithMaxInFlight(%d) exceeds the %d unacked deliveries source %q hands out (its prefetch, or its MaxAckPending), so the window could never fill: raise the adapter's limit or lower WithMaxInFlight",
+			c.maxInFlight, caps.MaxUnacked, caps.Name)
+	}
 	if c.maxInFlight == 0 {
-		// Not scaled by the adapter's batch: a source that polls wide (SQS
-		// with several pollers) would otherwise hold, and keep renewing,
-		// far more than a small consumer can work through.
-		c.maxInFlight = max(2*c.concurrency, 20)
-		if caps.MaxUnacked > 0 && c.maxInFlight > caps.MaxUnacked {
-			c.maxInFlight = max(caps.MaxUnacked, c.concurrency)
-		}
+		c.maxInFlight = defaultMaxInFlight(c.concurrency, caps)
 	}
 	if c.maxInFlight < c.concurrency {
 		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)
@@ -384,4 +385,23 @@ func receiveBatch(caps adapters.Capabilities, maxInFlight int) int {
 		return min(caps.MaxReceive, maxInFlight)
 	}
 	return max(1, maxInFlight/2)
+}
+
+// defaultMaxInFlight is the in-flight window when WithMaxInFlight is not
+// given: twice the concurrency and at least 20, so that one batch can be
+// fetched while another is handled, plus, where the adapter's acks wait to
+// fill a batch (Capabilities.Ack.Linger), room for the acks that may wait,
+// so that they do not hold up receiving; and never more than the
+// adapter's MaxUnacked. It is not scaled by the adapter's receive batch: a
+// source that polls wide (SQS with several pollers) would otherwise hold,
+// and keep renewing, far more than a small consumer can work through.
+func defaultMaxInFlight(concurrency int, caps adapters.Capabilities) int {
+	n := max(2*concurrency, 20)
+	if a := caps.Ack; a.Linger > 0 && a.MaxEntries > 0 {
+		n += a.MaxEntries * max(a.MaxCalls, 1)
+	}
+	if caps.MaxUnacked > 0 && n > caps.MaxUnacked {
+		n = max(caps.MaxUnacked, concurrency)
+	}
+	return n
 }

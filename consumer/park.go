@@ -27,12 +27,13 @@ func (r *run) park(j *job, delay time.Duration) {
 	}
 	p.jobs[j] = time.AfterFunc(delay, func() { r.unpark(j) })
 	p.mu.Unlock()
-	// A loss ends the wait at once (and at once if it happened already).
-	// The callback is removed when the job runs again, before an attempt
-	// registers its own.
+	// A loss or a recall ends the wait at once (and at once if it happened
+	// already). The callbacks are removed when the job runs again, before
+	// an attempt registers its own.
 	j.d.Signal.OnLost(func(error) { r.unpark(j) })
-	if r.draining.Load() || j.recalled() {
-		r.unpark(j) // the drain or a recall came first and may have missed it
+	j.d.Signal.OnRecall(func() { r.unpark(j) })
+	if r.draining.Load() {
+		r.unpark(j) // the drain began meanwhile and may have missed it
 	}
 }
 
@@ -48,6 +49,7 @@ func (r *run) unpark(j *job) {
 	}
 	t.Stop()
 	j.d.Signal.OnLost(nil)
+	j.d.Signal.OnRecall(nil)
 	r.work <- j // never blocks: see newRun
 }
 
