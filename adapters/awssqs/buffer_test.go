@@ -56,7 +56,7 @@ func TestMessagesWaitingInTheSourceKeepTheirVisibility(t *testing.T) {
 		case <-ctx.Done():
 		}
 		return nil
-	}), consumer.WithConcurrency(1), consumer.WithLogger(testlog.New(t)))
+	}), consumer.WithConcurrency(1), consumer.WithMaxInFlight(20), consumer.WithLogger(testlog.New(t)))
 	if err != nil {
 		t.Fatal(err)
 	}
