@@ -179,3 +179,43 @@ func benchmarkConsumer(b *testing.B, concurrency, rounds int, opts ...consumer.O
 
 func BenchmarkConsumerConcurrency1(b *testing.B) { benchmarkConsumer(b, 1, 0) }
 func BenchmarkConsumerConcurrency8(b *testing.B) { benchmarkConsumer(b, 8, 0) }
+
+// benchmarkBatchConsumer is benchmarkConsumer with a batch handler marking
+// every message of its batch done.
+func benchmarkBatchConsumer(b *testing.B, concurrency, size int, opts ...consumer.Option) {
+	logger := testlog.New(b)
+	benchRounds(b, func(br *memory.Broker, n int, stop func()) {
+		src, _ := br.Source("q", memory.WithPollWait(time.Millisecond))
+		var handled atomic.Int64
+		finished := make(chan struct{})
+		target := int64(n)
+		c, err := consumer.NewBatch(src, consumer.BatchHandlerFunc(func(ctx context.Context, bt *consumer.Batch) error {
+			bt.DoneAll()
+			if handled.Add(int64(len(bt.Messages))) == target {
+				close(finished)
+			}
+			return nil
+		}), append([]consumer.Option{consumer.WithConcurrency(concurrency), consumer.WithLogger(logger),
+			consumer.WithBatchSize(size)}, opts...)...)
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error)
+		go func() { done <- c.Run(ctx) }()
+		<-finished
+		for {
+			if s, _ := br.Stats("q"); s.Acked == target {
+				break
+			}
+			time.Sleep(20 * time.Microsecond)
+		}
+		stop()
+		cancel()
+		if err := <-done; err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
+func BenchmarkBatchConsumer100(b *testing.B) { benchmarkBatchConsumer(b, 1, 100) }

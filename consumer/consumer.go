@@ -16,10 +16,12 @@ type Consumer struct {
 	ext     adapters.Extender
 	caps    adapters.Capabilities
 	handler Handler
-	cfg     config
-	tel     *telemetry
-	batch   int // deliveries asked for per Receive
-	started atomic.Bool
+	// batchHandler is set instead of handler by NewBatch.
+	batchHandler BatchHandler
+	cfg          config
+	tel          *telemetry
+	batch        int // deliveries asked for per Receive
+	started      atomic.Bool
 
 	// stop is cancelled by Shutdown: Run stops receiving and drains.
 	stop    context.Context
@@ -49,6 +51,23 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 	if err := checkHandler(h); err != nil {
 		return nil, err
 	}
+	return newConsumer("consumer.New", src, h, nil, opts)
+}
+
+// NewBatch returns a Consumer that feeds src's deliveries to h in batches
+// (see [BatchHandler], [WithBatchSize], [WithBatchBytes] and
+// [WithBatchLinger]). It checks its arguments as New does.
+func NewBatch(src adapters.Source, h BatchHandler, opts ...Option) (*Consumer, error) {
+	if err := checkBatchHandler(h); err != nil {
+		return nil, err
+	}
+	return newConsumer("consumer.NewBatch", src, nil, h, opts)
+}
+
+func newConsumer(fn string, src adapters.Source, h Handler, bh BatchHandler, opts []Option) (*Consumer, error) {
+	if err := checkSource(src); err != nil {
+		return nil, err
+	}
 	cfg := defaultConfig()
 	for _, o := range opts {
 		if o == nil {
@@ -58,23 +77,29 @@ func New(src adapters.Source, h Handler, opts ...Option) (*Consumer, error) {
 			return nil, err
 		}
 	}
+	if bh == nil && cfg.batching.set {
+		return nil, fmt.Errorf("%s: %s applies to batch handlers; use consumer.NewBatch, or leave the option out", fn, cfg.batching.option)
+	}
+	if bh != nil && cfg.atMostOnce {
+		return nil, fmt.Errorf("%s: WithAtMostOnceAckBeforeProcessingUnsafe is not offered for batch handlers", fn)
+	}
 	caps := src.Capabilities()
-	if err := cfg.fill(caps); err != nil {
+	if err := cfg.fill(caps, bh != nil); err != nil {
 		return nil, err
 	}
-	c := &Consumer{src: src, caps: caps, handler: h, cfg: cfg, done: make(chan struct{})}
+	c := &Consumer{src: src, caps: caps, handler: h, batchHandler: bh, cfg: cfg, done: make(chan struct{})}
 	c.stop, c.stopRun = context.WithCancel(context.Background())
 	c.cut, c.cutDrain = context.WithCancel(context.Background())
 	if caps.Lease > 0 {
 		ext, ok := src.(adapters.Extender)
 		if !ok {
-			return nil, fmt.Errorf("consumer.New: source %q declares a %v lease but does not implement adapters.Extender, so leases could not be kept alive", caps.Name, caps.Lease)
+			return nil, fmt.Errorf("%s: source %q declares a %v lease but does not implement adapters.Extender, so leases could not be kept alive", fn, caps.Name, caps.Lease)
 		}
 		c.ext = ext
 	}
 	tel, err := newTelemetry(&cfg, caps)
 	if err != nil {
-		return nil, fmt.Errorf("consumer.New: creating OpenTelemetry instruments: %w", err)
+		return nil, fmt.Errorf("%s: creating OpenTelemetry instruments: %w", fn, err)
 	}
 	c.tel = tel
 	c.batch = receiveBatch(caps, cfg.maxInFlight)

@@ -126,6 +126,17 @@ func (r *run) next(j *job) {
 		r.lanesMu.Unlock()
 		return
 	}
+	if r.c.batchHandler != nil {
+		// Batch workers follow no successor: the lane's next job waits
+		// for a worker, to be gathered with the lane's later ones.
+		s := q[0]
+		s.queued = false
+		q[0] = nil
+		r.lanes[j.lane] = q[1:]
+		r.lanesMu.Unlock()
+		r.work <- s // never blocks: see newRun
+		return
+	}
 	n := min(len(q), laneRun)
 	if r.recalledOnArrival != nil {
 		n = 1

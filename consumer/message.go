@@ -34,6 +34,10 @@ type Message struct {
 	ReceivedAt  time.Time
 
 	d *adapters.Delivery
+	// batch and batchPos place the message in the runtime's batch, if it
+	// is handled in one.
+	batch    *Batch
+	batchPos int
 }
 
 func newMessage(d *adapters.Delivery, attempt int) *Message {

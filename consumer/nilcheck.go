@@ -65,3 +65,21 @@ func checkHandler(h Handler) error {
 type brokenChain struct{ err error }
 
 func (b brokenChain) Handle(context.Context, *Message) error { return Unavailable(b.err) }
+
+// checkBatchHandler is checkHandler for NewBatch.
+func checkBatchHandler(h BatchHandler) error {
+	switch h := h.(type) {
+	case nil:
+		return errors.New("consumer.NewBatch: nil BatchHandler; pass the BatchHandler that performs the batches' effects (BatchHandlerFunc adapts a function)")
+	case BatchHandlerFunc:
+		if h == nil {
+			return errors.New("consumer.NewBatch: nil BatchHandlerFunc; pass the function that performs the batches' effects")
+		}
+	case brokenBatchChain:
+		return errors.New("consumer.NewBatch: ChainBatch was given a nil BatchMiddleware")
+	}
+	if isNil(h) {
+		return fmt.Errorf("consumer.NewBatch: the BatchHandler is a nil %T; check the error of the call that made it", h)
+	}
+	return nil
+}

@@ -54,10 +54,23 @@ type config struct {
 	propagator      propagation.TextMapPropagator
 	atMostOnce      bool
 	leaveOnShutdown bool
+	batching        batching
+}
+
+// batching is the configuration of a batch consumer.
+type batching struct {
+	size   int
+	bytes  int
+	linger time.Duration
+	// set names the first batch option given, for New's error when the
+	// handler is not a batch handler.
+	set    bool
+	option string
 }
 
 func defaultConfig() config {
 	return config{
+		batching:        batching{size: 100},
 		concurrency:     1,
 		retry:           Retry{MaxAttempts: 5},
 		shutdownTimeout: 30 * time.Second,
@@ -328,7 +341,7 @@ func WithLeaveUnfinishedOnShutdown() Option {
 // minRenewal is the shortest renewal interval New accepts.
 const minRenewal = time.Millisecond
 
-func (c *config) fill(caps adapters.Capabilities) error {
+func (c *config) fill(caps adapters.Capabilities, batch bool) error {
 	if c.name == "" {
 		c.name = caps.Name
 	}
@@ -348,6 +361,14 @@ func (c *config) fill(caps adapters.Capabilities) error {
 	}
 	if c.maxInFlight == 0 {
 		c.maxInFlight = defaultMaxInFlight(c.concurrency, caps)
+		if batch {
+			// Room for every worker's batch and the next ones to gather.
+			c.maxInFlight = max(c.maxInFlight, 2*c.concurrency*c.batching.size)
+			if caps.MaxUnacked > 0 && c.maxInFlight > caps.MaxUnacked {
+				c.maxInFlight = max(caps.MaxUnacked, c.concurrency)
+			}
+			c.maxInFlight = min(c.maxInFlight, maxInFlight)
+		}
 	}
 	if c.maxInFlight < c.concurrency {
 		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)
@@ -404,4 +425,57 @@ func defaultMaxInFlight(concurrency int, caps adapters.Capabilities) int {
 		n = max(caps.MaxUnacked, concurrency)
 	}
 	return n
+}
+
+// The upper bound of WithBatchSize.
+const maxBatchSize = 1 << 16
+
+// WithBatchSize bounds the messages of one batch (NewBatch). Default 100.
+// Must be between 1 and 65,536. The in-flight window's default grows to
+// hold two batches per worker; a smaller WithMaxInFlight makes smaller
+// batches.
+func WithBatchSize(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 1 || n > maxBatchSize {
+			return fmt.Errorf("consumer: WithBatchSize(%d): must be between 1 and %d", n, maxBatchSize)
+		}
+		c.batching.size = n
+		c.batching.note("WithBatchSize")
+		return nil
+	})
+}
+
+// WithBatchBytes bounds the bytes of message bodies in one batch
+// (NewBatch); a batch always takes its first message, however large.
+// Default 0: no bound.
+func WithBatchBytes(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 0 {
+			return fmt.Errorf("consumer: WithBatchBytes(%d): must not be negative", n)
+		}
+		c.batching.bytes = n
+		c.batching.note("WithBatchBytes")
+		return nil
+	})
+}
+
+// WithBatchLinger sets how long a batch (NewBatch) waits to fill once it
+// holds its first message. Default 0: a batch takes the messages ready for
+// a worker and goes, so a quiet stream is handled at once and a busy one
+// in full batches.
+func WithBatchLinger(d time.Duration) Option {
+	return optionFunc(func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("consumer: WithBatchLinger(%v): must not be negative", d)
+		}
+		c.batching.linger = d
+		c.batching.note("WithBatchLinger")
+		return nil
+	})
+}
+
+func (b *batching) note(option string) {
+	if !b.set {
+		b.set, b.option = true, option
+	}
 }

@@ -29,13 +29,23 @@ func (r *run) process(j *job) (parked bool) {
 		r.processAtMostOnce(j)
 		return false
 	}
+	if run, parked := r.prepare(j); !run {
+		return parked
+	}
+	return r.attemptOnce(j)
+}
+
+// prepare settles j, or runs its dead-letter write, when j is not to be
+// handled now; it reports whether j's handler should run, and, when not,
+// whether j was parked.
+func (r *run) prepare(j *job) (run, parked bool) {
 	if j.recalled() {
 		// The adapter wants it back before it runs again (its Kafka
 		// partition is being revoked): given back at once, even at
 		// shutdown with WithLeaveUnfinishedOnShutdown, since the adapter
 		// waits for it.
 		r.settle(j, released(whyRecalled))
-		return false
+		return false, false
 	}
 	if r.draining.Load() {
 		// Not started, or waiting to run again, once shutdown began: give
@@ -43,10 +53,10 @@ func (r *run) process(j *job) (parked bool) {
 		// where the broker can hold it back.
 		if j.failure != nil {
 			r.settle(j, r.givenBack(j, j.retryIn))
-			return false
+			return false, false
 		}
 		r.settle(j, released(whyShutdown))
-		return false
+		return false, false
 	}
 	if j.giveBack {
 		// Queued behind a lost message of its lane: give it back at once,
@@ -54,25 +64,30 @@ func (r *run) process(j *job) (parked bool) {
 		// Left to its lease it would hold up the lost message's group (an
 		// SQS FIFO group) until that lease ran out.
 		r.settle(j, released(whyBehindLost))
-		return false
+		return false, false
 	}
 	if j.lostCause() != nil {
 		// Lost while it waited (a revoked partition, a dead channel):
 		// running the handler now would only repeat the new owner's work.
 		r.settle(j, verdict{how: settleLost})
-		return false
+		return false, false
 	}
 	if j.deadLettering {
-		return r.deadLetter(j)
+		return false, r.deadLetter(j)
 	}
-	return r.attemptOnce(j)
+	return true, false
 }
 
 // attemptOnce runs one attempt of j's handler and settles or parks j by its
 // outcome.
 func (r *run) attemptOnce(j *job) (parked bool) {
 	attempt := r.attempt(j)
-	err := r.call(j, attempt)
+	return r.afterAttempt(j, attempt, r.call(j, attempt))
+}
+
+// afterAttempt settles or parks j, whose attempt number attempt ended with
+// err.
+func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
 	if err == nil {
 		r.settle(j, verdict{how: settleAck})
 		return false

@@ -39,7 +39,8 @@ type run struct {
 	parking parking           // jobs waiting, without a worker, to run again
 	started time.Time         // the origin of job.accepted
 
-	spanName string
+	spanName      string
+	batchSpanName string
 
 	// recalledOnArrival wakes the recall loop (see recall.go); nil when the
 	// source reports no recalls.
@@ -74,6 +75,9 @@ type job struct {
 	// queued is set while the job waits in its lane's queue (run.lanes),
 	// behind the lane's running job; such a job does not hold its lane.
 	queued bool
+	// batched is set while a batch settles the job: the batch, not the
+	// job's settlement, passes its lane on.
+	batched bool
 	// giveBack is set on the jobs queued behind a lost one in its lane:
 	// they are given back instead of run (see settle).
 	giveBack bool
@@ -115,10 +119,11 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		// Never full: at most maxInFlight jobs are held, and the slack
 		// absorbs an adapter that returns more deliveries than asked, so a
 		// worker handing on its lane's next job never blocks.
-		work:     make(chan *job, 2*c.cfg.maxInFlight),
-		lanes:    make(map[string][]*job),
-		started:  time.Now(),
-		spanName: "process " + c.cfg.name,
+		work:          make(chan *job, 2*c.cfg.maxInFlight),
+		lanes:         make(map[string][]*job),
+		started:       time.Now(),
+		spanName:      "process " + c.cfg.name,
+		batchSpanName: "process batch " + c.cfg.name,
 	}
 	// An ack batch is at most a receive batch: a full one frees room for
 	// the receiver's next Receive (see credit), so the two overlap.
@@ -168,7 +173,11 @@ func (r *run) run(ctx context.Context) error {
 		go func() { defer keeperWG.Done(); k.Run(keeperCtx) }()
 	}
 	for i := 0; i < r.cfg.concurrency; i++ {
-		r.startWorker(&workersWG)
+		if r.c.batchHandler != nil {
+			r.startBatchWorker(&workersWG)
+		} else {
+			r.startWorker(&workersWG)
+		}
 	}
 
 	stopRecalls := r.startRecalls()

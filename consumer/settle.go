@@ -138,7 +138,9 @@ func (r *run) settle(j *job, v verdict) {
 	case settleLeave:
 		r.logs.log(logLeft, slog.String("id", j.d.ID))
 	}
-	r.next(j)
+	if !j.batched {
+		r.next(j) // a batch passes a lane on once, for the lane's jobs it settled
+	}
 	j.settling = v
 	switch {
 	case v.how.acks():

@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	metricnoop "go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 )
@@ -60,10 +61,12 @@ type telemetry struct {
 	dlqFailures metric.Int64Counter
 	unavailable metric.Int64Counter
 	inFlight    metric.Int64UpDownCounter
+	batchSize   metric.Int64Histogram
 
 	// Options are kept as ready slices: passing a slice to a variadic
 	// parameter allocates nothing, building one per call would.
 	source         []metric.AddOption
+	sourceRecord   []metric.RecordOption
 	outcomes       map[string][]metric.AddOption
 	resultOK       []metric.RecordOption
 	resultErr      []metric.RecordOption
@@ -115,9 +118,15 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 		metric.WithDescription("Deliveries held: running, buffered or awaiting their ack."), metric.WithUnit("{message}")); err != nil {
 		return nil, err
 	}
+	if t.batchSize, err = m.Int64Histogram("custody.batch.size",
+		metric.WithDescription("Messages per call of a batch handler."), metric.WithUnit("{message}"),
+		metric.WithExplicitBucketBoundaries(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)); err != nil {
+		return nil, err
+	}
 	src := attribute.String("custody.consumer", c.name)
 	set := attribute.NewSet(src)
 	t.source = []metric.AddOption{metric.WithAttributeSet(set)}
+	t.sourceRecord = []metric.RecordOption{metric.WithAttributeSet(set)}
 	t.outcomes = map[string][]metric.AddOption{}
 	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed, outcomeLeft} {
 		t.outcomes[o] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))}
@@ -258,4 +267,28 @@ func equalFold(a, b string) bool {
 		}
 	}
 	return true
+}
+
+// batchSpanOptions describes a batch's processing span at its start: the
+// consumer, the operation, the broker, the batch's size, and a link to each
+// message's trace context (OpenTelemetry's messaging conventions for a
+// batch: the span is a trace of its own, linked to the messages').
+func (t *telemetry) batchSpanOptions(p propagation.TextMapPropagator, js []*job) []trace.SpanStartOption {
+	attrs := make([]attribute.KeyValue, len(t.spanAttrs), len(t.spanAttrs)+2)
+	copy(attrs, t.spanAttrs)
+	attrs = append(attrs, attribute.Int("messaging.batch.message_count", len(js)))
+	if len(js) > 0 {
+		attrs = append(attrs, attribute.String("messaging.destination.name", js[0].d.Queue))
+	}
+	links := make([]trace.Link, 0, len(js))
+	for _, j := range js {
+		if len(j.d.Headers) == 0 {
+			continue
+		}
+		sc := trace.SpanContextFromContext(p.Extract(context.Background(), headerCarrier(j.d.Headers)))
+		if sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("messaging.message.id", j.d.ID)}})
+		}
+	}
+	return []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...), trace.WithLinks(links...), trace.WithNewRoot()}
 }

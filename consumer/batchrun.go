@@ -1,0 +1,356 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// startBatchWorker starts a worker that gathers jobs into batches and runs
+// the batch handler on them, until r.work is closed. A batch handler that
+// ends its goroutine with runtime.Goexit gets its worker replaced.
+func (r *run) startBatchWorker(wg *sync.WaitGroup) {
+	wg.Add(1)
+	go func() {
+		closed := false
+		defer func() {
+			if !closed {
+				r.startBatchWorker(wg) // before Done: the count never touches zero
+			}
+			wg.Done()
+		}()
+		for {
+			js, open := r.gather()
+			if len(js) > 0 {
+				r.runBatch(js)
+			}
+			if !open {
+				closed = true
+				return
+			}
+		}
+	}()
+}
+
+// gatherer bounds the batch being gathered.
+type gatherer struct {
+	jobs  []*job
+	bytes int
+	size  int
+	limit int // bytes; 0: none
+}
+
+func (g *gatherer) full() bool {
+	return len(g.jobs) >= g.size || (g.limit > 0 && g.bytes >= g.limit)
+}
+
+// fits reports whether j may join the batch: it always takes its first job.
+func (g *gatherer) fits(j *job) bool {
+	return len(g.jobs) == 0 || g.limit <= 0 || g.bytes+len(j.d.Body) <= g.limit
+}
+
+func (g *gatherer) add(j *job) {
+	g.jobs = append(g.jobs, j)
+	g.bytes += len(j.d.Body)
+}
+
+// gather waits for a job and gathers a batch: the jobs ready for a worker,
+// each with the jobs queued behind it in its lane, up to the batch's size
+// and bytes, waiting up to WithBatchLinger for more once it has one. It
+// reports false once r.work is closed.
+func (r *run) gather() ([]*job, bool) {
+	var j *job
+	select {
+	case j = <-r.work:
+	default:
+		// Nothing to do right now: send the acks and nacks that wait for
+		// company before waiting for work.
+		r.acks.flush()
+		r.nacks.flush()
+		j = <-r.work
+	}
+	if j == nil {
+		return nil, false
+	}
+	g := gatherer{size: r.cfg.batching.size, limit: r.cfg.batching.bytes}
+	var pending *job // a job that did not fit, held for the next batch
+	pending = r.take(&g, j)
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	lingered := r.cfg.batching.linger <= 0
+	for pending == nil && !g.full() {
+		select {
+		case j = <-r.work:
+			if j == nil {
+				return g.jobs, false
+			}
+			pending = r.take(&g, j)
+			continue
+		default:
+		}
+		if lingered {
+			break
+		}
+		if timer == nil {
+			timer = time.NewTimer(r.cfg.batching.linger)
+		}
+		select {
+		case j = <-r.work:
+			if j == nil {
+				return g.jobs, false
+			}
+			pending = r.take(&g, j)
+		case <-timer.C:
+			lingered = true
+		}
+	}
+	if pending != nil {
+		r.work <- pending // never blocks: it was taken from it
+	}
+	return g.jobs, true
+}
+
+// take adds j to the batch, with the jobs queued behind it in its lane,
+// unless j is not to be handled now (prepare settles it). It returns j
+// when j does not fit: the caller gives it back to r.work.
+func (r *run) take(g *gatherer, j *job) (leftOver *job) {
+	if !g.fits(j) {
+		return j
+	}
+	if run, _ := r.prepare(j); !run {
+		return nil
+	}
+	g.add(j)
+	if j.lane == "" || g.full() {
+		return nil
+	}
+	// The lane's later jobs join in order, while they fit and may run:
+	// one that was recalled, is lost, or is to be given back stays queued
+	// for process to settle, and so does every one behind it.
+	r.lanesMu.Lock()
+	q := r.lanes[j.lane]
+	n := 0
+	for n < len(q) && !g.full() {
+		s := q[n]
+		if s.giveBack || s.recalled() || s.lostCause() != nil || s.deadLettering || !g.fits(s) {
+			break
+		}
+		s.queued = false
+		g.add(s)
+		n++
+	}
+	if n > 0 {
+		clear(q[:n])
+		r.lanes[j.lane] = q[n:]
+	}
+	r.lanesMu.Unlock()
+	return nil
+}
+
+// runBatch runs the batch handler on js and settles or parks each job by
+// its outcome.
+func (r *run) runBatch(js []*job) {
+	b := &Batch{Messages: make([]*Message, len(js)), results: make([]outcome, len(js))}
+	attempts := make([]int, len(js))
+	for i, j := range js {
+		attempts[i] = r.attempt(j)
+		m := &j.msg
+		if j.retries > 0 || j.msg.d != nil {
+			m = new(Message) // a handler may still hold the earlier attempt's
+		}
+		fillMessage(m, j.d, attempts[i])
+		m.batch, m.batchPos = b, i
+		b.Messages[i] = m
+	}
+	errs := r.callBatchHandler(js, b, attempts)
+	r.settleBatch(js, attempts, errs)
+}
+
+// callBatchHandler calls the batch handler with its own context, span and panic
+// recovery, and returns each job's error: the batch's, when the handler
+// failed as a whole (an error, a panic, runtime.Goexit), else the outcome
+// it recorded for each message.
+func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []error) {
+	ctx := r.handlerCtx
+	var span trace.Span
+	if r.tel.spans() {
+		ctx, span = r.tel.tracer.Start(ctx, r.batchSpanName, r.tel.batchSpanOptions(r.cfg.propagator, js)...)
+	}
+	if t := r.cfg.handlerTimeout; t > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, t, ErrHandlerTimeout)
+		defer cancel()
+	}
+	var start time.Time
+	timed := r.tel.timed()
+	if timed {
+		start = time.Now()
+	}
+	r.tel.batchSize.Record(r.settleCtx, int64(len(js)), r.tel.sourceRecord...)
+	returned := false
+	var err error
+	defer func() {
+		p := recover()
+		switch {
+		case p != nil:
+			pe := &PanicError{Value: p, Stack: debug.Stack()}
+			err = pe
+			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+			r.logPanic(js[0].d, attempts[0], pe)
+		case !returned:
+			// runtime.Goexit is ending this worker: the batch is settled as
+			// it unwinds, and the run replaces the worker.
+			err = ErrHandlerExited
+			r.logs.log(logExited, slog.String("id", js[0].d.ID), slog.Int("batch", len(js)), slog.Any("error", err))
+		case err != nil:
+			var ok bool
+			if err, ok = checkedError(err); !ok {
+				r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+			}
+		}
+		errs = make([]error, len(js))
+		for i := range js {
+			switch {
+			case err != nil:
+				errs[i] = err
+			case !b.results[i].set:
+				errs[i] = ErrNoOutcome
+			case b.results[i].err != nil:
+				e, ok := checkedError(b.results[i].err)
+				if !ok {
+					r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+				}
+				errs[i] = e
+			}
+		}
+		r.recordBatch(js, errs, start, timed, span)
+		if !returned && p == nil {
+			r.settleBatch(js, attempts, errs) // Goexit: nothing after this runs
+		}
+	}()
+	err = r.batchHandler().HandleBatch(ctx, b)
+	returned = true
+	return errs
+}
+
+func (r *run) batchHandler() BatchHandler { return r.c.batchHandler }
+
+// recordBatch records the batch's duration under each message's result,
+// and ends the batch's span.
+func (r *run) recordBatch(js []*job, errs []error, start time.Time, timed bool, span trace.Span) {
+	var took float64
+	if timed {
+		took = time.Since(start).Seconds()
+	}
+	failed := 0
+	for i, j := range js {
+		res := r.tel.resultOK
+		if e := errs[i]; e != nil {
+			cut := j.lostCause() != nil || r.handlerCtx.Err() != nil
+			switch {
+			case IsUnavailable(e) && !cut:
+				res = r.tel.resultUnavailable
+			case IsDeferred(e):
+				res = r.tel.resultDeferred
+			case cut:
+				res = r.tel.resultCancelled
+			default:
+				res = r.tel.resultErr
+				failed++
+			}
+		}
+		if timed {
+			r.tel.duration.Record(r.settleCtx, took, res...)
+		}
+	}
+	if span != nil {
+		span.SetAttributes(attribute.Int("custody.batch.failed", failed))
+		if failed > 0 {
+			span.SetStatus(codes.Error, "some messages of the batch failed")
+		}
+		span.End()
+	}
+}
+
+// settleBatch applies each job's outcome, lane by lane. A lane's jobs come
+// in order; when one of them fails (or is lost), the lane's later jobs of
+// the batch are neither acked nor given back: they go back to the front of
+// the lane's queue, behind the failed one, and run again after it, whatever
+// the handler recorded for them, so that no message of a lane is settled
+// ahead of an earlier one.
+func (r *run) settleBatch(js []*job, attempts []int, errs []error) {
+	for start := 0; start < len(js); {
+		end := start + 1
+		if lane := js[start].lane; lane != "" {
+			for end < len(js) && js[end].lane == lane {
+				end++
+			}
+		}
+		r.settleGroup(js[start:end], attempts[start:end], errs[start:end])
+		start = end
+	}
+}
+
+// settleGroup settles the jobs of one lane (or one unordered job).
+func (r *run) settleGroup(g []*job, attempts []int, errs []error) {
+	k := len(g) - 1
+	for i, j := range g {
+		if breaksLane(j, errs[i]) {
+			k = i
+			break
+		}
+	}
+	if k < len(g)-1 {
+		r.requeueFront(g[k+1:])
+	}
+	parked := false
+	for i := 0; i <= k; i++ {
+		j := g[i]
+		j.batched = true // the lane is passed on below, once
+		parked = r.afterAttempt(j, attempts[i], errs[i])
+		if !parked {
+			j.batched = false
+		}
+	}
+	if !parked && g[k].lane != "" {
+		r.next(g[k])
+	}
+}
+
+// breaksLane reports whether a lane's later jobs must not be settled ahead
+// of j: its attempt failed, or its delivery is gone (a lease that merely ran
+// out still takes the ack, as for a single message).
+func breaksLane(j *job, err error) bool {
+	if err != nil {
+		return true
+	}
+	cause := j.lostCause()
+	return cause != nil && !errors.Is(cause, adapters.ErrLeaseLost)
+}
+
+// requeueFront puts js, jobs of one lane in order, back at the front of
+// their lane's queue.
+func (r *run) requeueFront(js []*job) {
+	lane := js[0].lane
+	r.lanesMu.Lock()
+	q := r.lanes[lane]
+	nq := make([]*job, 0, len(js)+len(q))
+	for _, j := range js {
+		j.queued = true
+		nq = append(nq, j)
+	}
+	r.lanes[lane] = append(nq, q...)
+	r.lanesMu.Unlock()
+}
