@@ -87,6 +87,24 @@
 // way it is cancelled once the attempt ends: a goroutine the handler left
 // running sees that.
 //
+// # Batches
+//
+// [NewBatch] runs a [BatchHandler] instead: it gets up to [WithBatchSize]
+// messages at once (100 by default, bounded by [WithBatchBytes], gathered
+// for up to [WithBatchLinger]) and records an outcome per message with
+// [Batch.Done] or [Batch.Fail], the latter taking any error a Handler may
+// return. Each message is then settled on its own, as a Handler's attempt
+// would be: its own lease (renewed while the batch runs), attempt count,
+// backoff and dead-lettering. A message left without an outcome is not
+// acked ([ErrNoOutcome]), and an error from HandleBatch fails the whole
+// batch. A batch holds the messages of a lane (an ordering key, a Kafka
+// partition, a FIFO group) in order; when one of them fails, the lane's
+// later messages of the batch are not acked ahead of it: they run again
+// after it. A batch handler that stops handling a lane at its first failure
+// repeats no effect for them. [ChainBatch] wraps a BatchHandler in
+// [BatchMiddleware], as Chain does a Handler (the idempotency package has
+// one for batches).
+//
 // # Concurrency and order
 //
 // [WithConcurrency] handlers run at once. Deliveries the adapter marks with an
