@@ -188,43 +188,6 @@ func distinctBodies(ms []types.Message) int {
 	return len(seen)
 }
 
-func TestCloseReleasesBufferedDeliveries(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	url, _ := e.queue(false, 5*time.Minute, nil)
-	for i := range 30 {
-		e.send(url, fmt.Sprint(i), "", nil)
-	}
-	src, err := New(e.ctx(), e.client, url, testOptions()...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Room for 30 starts three polls; take what the first brings, let the
-	// others land in the buffer, then close.
-	ds, err := src.Receive(e.ctx(), 30)
-	if err != nil || len(ds) == 0 {
-		t.Fatalf("Receive: %d, %v", len(ds), err)
-	}
-	waitFor(t, "all polls back", func() bool {
-		src.mu.Lock()
-		defer src.mu.Unlock()
-		return src.inflight == 0
-	})
-	if err := src.Close(); err != nil {
-		t.Fatal(err)
-	}
-	held := len(ds)
-	if got := distinctBodies(e.drain(url, time.Second)); got != 30-held {
-		t.Errorf("after Close %d messages are visible; want the %d never handed out", got, 30-held)
-	}
-	if st := src.Stats(); int(st.Released) != 30-held {
-		t.Errorf("Stats.Released = %d, want %d", st.Released, 30-held)
-	}
-	if _, err := src.Receive(e.ctx(), 1); !errors.Is(err, adapters.ErrClosed) {
-		t.Errorf("Receive after Close: %v, want ErrClosed", err)
-	}
-}
-
 // TestStaleReceiptHandle: consumer a's visibility timeout runs out while it
 // holds two messages; consumer b receives and finishes them. a's next
 // heartbeat, batched with a third message a holds validly, must fail for the

@@ -27,7 +27,8 @@ func TestCapabilities(t *testing.T) {
 		MaxLeaseAge:      12*time.Hour - 5*time.Second, // less the long poll's wait (0 here) and a margin
 		NackDelay:        true,
 		CountsDeliveries: true,
-		MaxReceive:       DefaultPollers * 10,
+		MaxReceive:       10,
+		Receivers:        DefaultPollers,
 		Ack:              adapters.Batching{MaxEntries: 10, Linger: DefaultAckLinger, MaxCalls: 4},
 		Extend:           adapters.Batching{MaxEntries: 10, MaxCalls: 4},
 	}

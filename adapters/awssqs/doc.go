@@ -15,20 +15,18 @@
 //
 // # Receiving
 //
-// Each ReceiveMessage call long-polls (20 s by default) for up to ten
-// messages. Up to eight calls run at once on a standard queue, one on a FIFO
-// queue (WithPollers), one per ten messages
-// of room the runtime has, so receives stay full while earlier batches are
-// handled, and no call asks for more than there is room for. A poll may
-// still come back after the Receive that started it returned, and the runtime
-// asks again only when a batch fits; the Source renews the visibility of
-// messages waiting for it at a third of the timeout (Stats.BufferRenewed),
-// so none runs out unseen, and hands none out while such a renewal is on the
-// wire, so that it cannot land after the runtime's ack or nack. Such a
-// renewal not answered when a twelfth of a message's timeout is left is
-// given up, and the message handed out lost (adapters.ErrLeaseLost): SQS may
-// give it to another consumer once its visibility runs out, and may even
-// accept a renewal with the stale receipt handle after that.
+// Each Receive is one ReceiveMessage call, long-polling (20 s by default)
+// for up to ten messages, or fewer when the runtime has less room; it
+// returns what that call brought. The runtime runs up to eight Receive
+// calls at once on a standard queue, one on a FIFO queue (WithPollers), so
+// receives stay full while earlier batches are handled. The Source fetches
+// nothing ahead: every message it received is in the runtime's hands, its
+// lease kept by the runtime, or already visible again. A Receive whose
+// context ends (shutdown) while its call is in flight returns at once and
+// hands out nothing; the call's answer, when it comes, is made visible
+// again at once. Close cuts the calls still in flight: a message SQS had
+// picked for a call cut before its answer arrived stays invisible until its
+// visibility timeout runs out (SQS does not say which messages it picked).
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context
@@ -62,9 +60,7 @@
 // or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
 // counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
 // that fail on SQS's side are retried alone, a few times (so is a retry
-// request that fails whole). A message waiting in the Source whose renewals
-// fail until its visibility timeout runs out is marked lost as well: another
-// consumer may have it by then. A lost delivery's receipt handle is never
+// request that fails whole). A lost delivery's receipt handle is never
 // sent in a visibility change again, since it may be stale. A running
 // message whose renewal SQS has not answered when a twelfth of the timeout
 // is left is marked lost by the runtime's lease keeper, so its handler's
@@ -85,9 +81,8 @@
 // FIFO queues are retried in place by the runtime instead, to keep group
 // order.
 //
-// At shutdown the runtime nacks with no delay what did not finish, and Close
-// releases what was received but never handed out: other consumers get them
-// at once instead of after the visibility timeout.
+// At shutdown the runtime nacks with no delay what did not finish: other
+// consumers get it at once instead of after the visibility timeout.
 //
 // # FIFO queues
 //

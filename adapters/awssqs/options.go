@@ -13,8 +13,8 @@ const (
 	// DefaultMaxMessages is how many messages each ReceiveMessage call asks
 	// for, SQS's maximum.
 	DefaultMaxMessages = 10
-	// DefaultPollers is how many ReceiveMessage calls may be in flight at
-	// once when WithPollers is not given.
+	// DefaultPollers is how many ReceiveMessage calls the runtime may have
+	// in flight at once on a standard queue when WithPollers is not given.
 	DefaultPollers = 8
 	// DefaultAckLinger is how long the runtime may hold a finished message's
 	// delete to fill a batch of ten.
@@ -33,13 +33,12 @@ type Option func(*options) error
 type options struct {
 	waitTime          time.Duration
 	maxMessages       int
-	pollers           int // 0: derived from each Receive's max
+	pollers           int // 0: DefaultPollers, or 1 on a FIFO queue
 	visibility        time.Duration
 	attributeNames    []string
 	ackLinger         time.Duration
 	nackLinger        time.Duration
 	emptyPollBackoff  time.Duration
-	releaseOnClose    bool
 	entryRetries      int
 	entryRetryBackoff time.Duration
 	requestTimeout    time.Duration // bounds each delete and visibility request
@@ -53,7 +52,6 @@ func defaultOptions() options {
 		ackLinger:         DefaultAckLinger,
 		nackLinger:        DefaultNackLinger,
 		emptyPollBackoff:  time.Second,
-		releaseOnClose:    true,
 		entryRetries:      3,
 		entryRetryBackoff: 50 * time.Millisecond,
 		requestTimeout:    30 * time.Second,
@@ -76,11 +74,10 @@ func WithWaitTime(d time.Duration) Option {
 	}
 }
 
-// WithMaxMessages sets how many messages each ReceiveMessage call asks for,
-// from 1 to 10. Default 10. A receive never asks for more than the runtime
-// has room for; messages of a poll that comes back after the Receive that
-// started it returned wait in the Source, their visibility renewed, until
-// the runtime next asks for messages.
+// WithMaxMessages sets the most messages one ReceiveMessage call asks for,
+// from 1 to 10. Default 10. The Source reports it as
+// Capabilities.MaxReceive: the runtime asks each Receive for no more than
+// that, and fewer when it has less room.
 func WithMaxMessages(n int) Option {
 	return func(o *options) error {
 		if n < 1 || n > 10 {
@@ -91,25 +88,21 @@ func WithMaxMessages(n int) Option {
 	}
 }
 
-// WithPollers sets how many ReceiveMessage calls may be in flight at once,
-// at least 1. Default 8 (DefaultPollers) on a standard queue, 1 on a FIFO
-// queue: one poll at a time hands each group's messages out in order by
-// construction. More pollers on a FIFO queue rely on SQS's promise that it
-// returns no further message of a group while one is in flight (real SQS
-// keeps it; the test emulator does not). The Source reports
-// Capabilities.MaxReceive = pollers × MaxMessages, so the runtime may ask
-// for that many messages in one Receive; the Source then starts one poll per
-// MaxMessages of room, never more than the runtime has room for. How many
-// run is therefore derived from the consumer's room (WithConcurrency,
-// WithMaxInFlight), up to this cap.
+// WithPollers sets how many ReceiveMessage calls the runtime may have in
+// flight at once (Capabilities.Receivers), at least 1. Default 8
+// (DefaultPollers) on a standard queue, 1 on a FIFO queue: one poll at a
+// time hands each group's messages out in order by construction. More
+// pollers on a FIFO queue rely on SQS's promise that it returns no further
+// message of a group while one is in flight (real SQS keeps it; the test
+// emulator does not).
 //
-// Concurrent polls keep receives full while earlier batches are handled: on
-// the emulator each poll takes at least 10 ms, so one poller tops out near
-// 800 msg/s and eight reach about 4,000 (see the package benchmarks). Each
+// Each poll asks only for what the runtime has room for, so how many run at
+// once also depends on the consumer's room (WithConcurrency,
+// WithMaxInFlight). Concurrent polls keep receives full while earlier
+// batches are handled: on the emulator each poll takes at least 10 ms, so
+// one poller tops out near 800 msg/s (see the package benchmarks). Each
 // poll is one request whether it returns one message or ten, so on a queue
-// without a backlog more pollers cost more empty receives. The runtime's
-// WithMaxInFlight (default: twice the concurrency, at least 20) decides how
-// much room there is, so a small consumer runs few polls at once.
+// without a backlog more pollers cost more empty receives.
 func WithPollers(n int) Option {
 	return func(o *options) error {
 		if n < 1 {
@@ -172,17 +165,6 @@ func WithNackLinger(d time.Duration) Option {
 			return fmt.Errorf("awssqs.WithNackLinger(%v): must be from 0s to 1s", d)
 		}
 		o.nackLinger = d
-		return nil
-	}
-}
-
-// WithKeepOnClose makes Close leave messages that were received but never
-// handed to the runtime invisible until their visibility timeout runs out,
-// instead of releasing them (visibility 0) for other consumers at once.
-// Default off: they are released.
-func WithKeepOnClose() Option {
-	return func(o *options) error {
-		o.releaseOnClose = false
 		return nil
 	}
 }

@@ -87,7 +87,6 @@ type sqsSoakConfig struct {
 	maxMessages int
 	ackLinger   time.Duration
 	nackLinger  time.Duration
-	keepOnClose bool
 	sdkRetries  bool // the SDK's default retryer; otherwise one attempt per call
 
 	// The chance that a request of each kind fails (before it is sent, or
@@ -119,7 +118,6 @@ func sqsSoakRound(t *testing.T, seed uint64) {
 		maxMessages: 1 + rng.IntN(10),
 		ackLinger:   time.Duration(rng.IntN(40)) * time.Millisecond,
 		nackLinger:  time.Duration(rng.IntN(20)) * time.Millisecond,
-		keepOnClose: chance(0.3),
 		sdkRetries:  chance(0.5),
 		phases:      rng.IntN(4),
 		crash:       chance(0.6),
@@ -158,7 +156,7 @@ func sqsSoakRound(t *testing.T, seed uint64) {
 		// Each of these leaves a message invisible out of its group's
 		// turn, which the emulator, unlike SQS, lets the group's later
 		// messages overtake.
-		cfg.crash, cfg.overlap, cfg.keepOnClose = false, false, false
+		cfg.crash, cfg.overlap = false, false
 		cfg.visibilityFail, cfg.visibilityDelay, cfg.receiveFail = 0, 0, 0
 	}
 	t.Logf("config %+v", cfg)
@@ -314,9 +312,6 @@ func (s *sqsSoak) consume(gen int, life time.Duration, crash bool) {
 	opts := testOptions(WithMaxMessages(s.cfg.maxMessages), WithAckLinger(s.cfg.ackLinger), WithNackLinger(s.cfg.nackLinger))
 	if s.cfg.pollers > 0 {
 		opts = append(opts, WithPollers(s.cfg.pollers))
-	}
-	if s.cfg.keepOnClose {
-		opts = append(opts, WithKeepOnClose())
 	}
 	src, err := New(s.e.ctx(), client, s.url, opts...)
 	if err != nil {

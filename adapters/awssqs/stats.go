@@ -23,13 +23,10 @@ type Stats struct {
 	// EntryRetries counts batch entries sent again after a failure on SQS's
 	// side.
 	EntryRetries int64
-	// Released counts messages received but never handed to the runtime,
-	// made visible again by Close.
+	// Released counts messages received but not handed out, because the
+	// Receive that asked for them gave up or the Source was closed, and made
+	// visible again.
 	Released int64
-	// BufferRenewed counts visibility renewals of messages that waited in
-	// the Source for the runtime to take them (polls that came back after
-	// the Receive that started them returned).
-	BufferRenewed int64
 }
 
 type counters struct {
@@ -37,7 +34,6 @@ type counters struct {
 	deleteRequests, deleted                          atomic.Int64
 	visibilityRequests, visibilityChanged            atomic.Int64
 	leaseLost, entryRetries, released                atomic.Int64
-	bufferRenewed                                    atomic.Int64
 }
 
 // Stats returns the Source's counters.
@@ -55,6 +51,5 @@ func (s *Source) Stats() Stats {
 		LeaseLost:          c.leaseLost.Load(),
 		EntryRetries:       c.entryRetries.Load(),
 		Released:           c.released.Load(),
-		BufferRenewed:      c.bufferRenewed.Load(),
 	}
 }
