@@ -484,7 +484,9 @@ func (s *sqsSoak) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	return nil
 }
 
-// soakSink notes what it dead-letters.
+// soakSink notes what it dead-letters. It settles the original when the sink
+// it wraps does (the redrive policy's release): the runtime must then never
+// delete it, so its receipt handle is not ackable.
 type soakSink struct {
 	adapters.DeadLetter
 	s *sqsSoak
@@ -494,12 +496,19 @@ func (dl soakSink) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fa
 	err := dl.DeadLetter.Send(ctx, d, f)
 	if err == nil {
 		seq, _ := strconv.Atoi(string(d.Body))
-		dl.s.mu.Lock()
-		dl.s.ackable[receipt(d)] = true
-		dl.s.mu.Unlock()
+		if !dl.SettlesOriginal(d) {
+			dl.s.mu.Lock()
+			dl.s.ackable[receipt(d)] = true
+			dl.s.mu.Unlock()
+		}
 		dl.s.log.Settled(d.ID, d.Key, seq)
 	}
 	return err
+}
+
+func (dl soakSink) SettlesOriginal(d *adapters.Delivery) bool {
+	so, ok := dl.DeadLetter.(adapters.OriginalSettler)
+	return ok && so.SettlesOriginal(d)
 }
 
 // injected is in the text of every fault the soak injects.
