@@ -30,6 +30,7 @@ func TestCapabilities(t *testing.T) {
 		MaxReceive:       10,
 		Receivers:        DefaultPollers,
 		Ack:              adapters.Batching{MaxEntries: 10, Linger: DefaultAckLinger, MaxCalls: 4},
+		Nack:             adapters.Batching{MaxEntries: 10, Linger: DefaultNackLinger, MaxCalls: 4},
 		Extend:           adapters.Batching{MaxEntries: 10, MaxCalls: 4},
 	}
 	if got := src.Capabilities(); got != want {

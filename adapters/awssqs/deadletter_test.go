@@ -875,7 +875,7 @@ func TestRedriveSendOfALostLeaseSucceeds(t *testing.T) {
 	if redrive.HandedOver() != 1 {
 		t.Errorf("after Send: handed over %d; want 1", redrive.HandedOver())
 	}
-	if !errors.Is(d.Signal.LostCause(), adapters.ErrLeaseLost) || src.Stats().LeaseLost != 1 {
-		t.Errorf("lost cause %v, Stats.LeaseLost %d; want the lost lease recorded", d.Signal.LostCause(), src.Stats().LeaseLost)
+	if n := src.Stats().LeaseLost; n != 1 {
+		t.Errorf("Stats.LeaseLost = %d; want the lost lease counted", n)
 	}
 }

@@ -58,9 +58,12 @@
 // A batch entry SQS refuses because the receipt handle no longer names an
 // in-flight message (the timeout ran out and the message was received again
 // or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
-// counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
-// that fail on SQS's side are retried alone, a few times (so is a retry
-// request that fails whole). A lost delivery's receipt handle is never
+// counted in [Stats].LeaseLost; the other entries of the batch stand. An
+// entry SQS fails on its side fails alone too, and a request that fails for
+// a passing reason (the network, throttling, a server error) fails whole:
+// the Source tells the runtime that they are worth another try
+// ([Source.IsRetryable]), and the runtime sends them again. A lost
+// delivery's receipt handle is never
 // sent in a visibility change again, since it may be stale. A running
 // message whose renewal SQS has not answered when a twelfth of the timeout
 // is left is marked lost by the runtime's lease keeper, so its handler's
@@ -72,14 +75,16 @@
 //
 // # Acks, retries and shutdown
 //
-// Ack deletes with DeleteMessageBatch. The runtime gathers acks into batches
-// of ten, waiting at most WithAckLinger (20 ms) to fill one, so at steady
-// state a message costs one tenth of a receive and one tenth of a delete:
-// 0.2 requests. Nack makes a message visible again after the retry delay
-// (ChangeMessageVisibilityBatch), so a retry waits in SQS, not in the
-// process; nacks from concurrent workers share requests (WithNackLinger).
-// FIFO queues are retried in place by the runtime instead, to keep group
-// order.
+// The runtime batches: the Source declares batches of ten for Ack, Nack and
+// Extend, up to four calls of each at once, and the runtime waits at most
+// WithAckLinger (20 ms) to fill a batch of acks and WithNackLinger (10 ms)
+// one of nacks; Ack, Nack and Extend turn each batch into one request at
+// once. Ack deletes with DeleteMessageBatch, so at steady state a message
+// costs one tenth of a receive and one tenth of a delete: 0.2 requests.
+// Nack makes each message visible again after its retry delay
+// (ChangeMessageVisibilityBatch, a timeout per entry), so a retry waits in
+// SQS, not in the process. FIFO queues are retried in place by the runtime
+// instead, to keep group order.
 //
 // At shutdown the runtime nacks with no delay what did not finish: other
 // consumers get it at once instead of after the visibility timeout.

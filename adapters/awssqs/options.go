@@ -19,8 +19,8 @@ const (
 	// DefaultAckLinger is how long the runtime may hold a finished message's
 	// delete to fill a batch of ten.
 	DefaultAckLinger = 20 * time.Millisecond
-	// DefaultNackLinger is how long a nack waits for others to share its
-	// ChangeMessageVisibilityBatch call.
+	// DefaultNackLinger is how long the runtime may hold a nack to fill a
+	// ChangeMessageVisibilityBatch of ten.
 	DefaultNackLinger = 10 * time.Millisecond
 	// MaxLeaseAge is SQS's cap on how long a received message can be kept
 	// invisible: 12 hours.
@@ -31,30 +31,26 @@ const (
 type Option func(*options) error
 
 type options struct {
-	waitTime          time.Duration
-	maxMessages       int
-	pollers           int // 0: DefaultPollers, or 1 on a FIFO queue
-	visibility        time.Duration
-	attributeNames    []string
-	ackLinger         time.Duration
-	nackLinger        time.Duration
-	emptyPollBackoff  time.Duration
-	entryRetries      int
-	entryRetryBackoff time.Duration
-	requestTimeout    time.Duration // bounds each delete and visibility request
+	waitTime         time.Duration
+	maxMessages      int
+	pollers          int // 0: DefaultPollers, or 1 on a FIFO queue
+	visibility       time.Duration
+	attributeNames   []string
+	ackLinger        time.Duration
+	nackLinger       time.Duration
+	emptyPollBackoff time.Duration
+	requestTimeout   time.Duration // bounds each delete and visibility request
 }
 
 func defaultOptions() options {
 	return options{
-		waitTime:          DefaultWaitTime,
-		maxMessages:       DefaultMaxMessages,
-		attributeNames:    []string{"All"},
-		ackLinger:         DefaultAckLinger,
-		nackLinger:        DefaultNackLinger,
-		emptyPollBackoff:  time.Second,
-		entryRetries:      3,
-		entryRetryBackoff: 50 * time.Millisecond,
-		requestTimeout:    30 * time.Second,
+		waitTime:         DefaultWaitTime,
+		maxMessages:      DefaultMaxMessages,
+		attributeNames:   []string{"All"},
+		ackLinger:        DefaultAckLinger,
+		nackLinger:       DefaultNackLinger,
+		emptyPollBackoff: time.Second,
+		requestTimeout:   30 * time.Second,
 	}
 }
 
@@ -155,10 +151,11 @@ func WithAckLinger(d time.Duration) Option {
 	}
 }
 
-// WithNackLinger sets how long a Nack waits for other nacks to share its
-// ChangeMessageVisibilityBatch call, from 0 to 1 s. Default 10 ms. Nacks
-// arrive one message at a time from the runtime's workers; without the
-// linger every retry would cost a request of its own.
+// WithNackLinger sets how long the runtime may hold a nack to fill a
+// ChangeMessageVisibilityBatch of ten (Capabilities.Nack.Linger), from 0 to
+// 1 s. Default 10 ms: handlers fail one message at a time, and without the
+// linger every retry would cost a request of its own. Zero sends whatever
+// is ready at once.
 func WithNackLinger(d time.Duration) Option {
 	return func(o *options) error {
 		if d < 0 || d > time.Second {

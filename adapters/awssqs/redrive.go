@@ -160,18 +160,20 @@ func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fai
 			}
 		}
 	}
-	err := adapters.EntryError(r.s.nacks.submit(ctx, []adapters.Nack{{Delivery: d}}), 0)
+	// One call of its own, not the runtime's nack batches: Send returns nil
+	// only once SQS has the message back.
+	err := adapters.EntryError(r.s.changeVisibility(ctx, []*adapters.Delivery{d}, []int32{0}, nil), 0)
 	if err != nil && !errors.Is(err, adapters.ErrLeaseLost) {
 		err = fmt.Errorf("awssqs: handing message %s back to the redrive policy: %w", d.ID, err)
-		// The release went out (it is sent even when ctx ends first, as
-		// at the shutdown deadline) and may have landed: another consumer
-		// may hold the message by now, under a new receipt handle. This
-		// one is no longer to be used, nor the message run here: SQS
-		// accepts a stale handle at times (the emulator applies it to the
-		// new receive), so a nack or renewal sent with it could change the
-		// visibility of the other consumer's copy. Lost, the delivery is
-		// neither nacked nor renewed; its message comes back, released or
-		// when its visibility runs out, for the redrive policy.
+		// The release may have landed unanswered (its context ended, as at
+		// the shutdown deadline, or the answer was lost), and another
+		// consumer may hold the message by now under a new receipt handle.
+		// SQS accepts a stale handle at times (the emulator applies it to
+		// the new receive), so a nack or renewal sent with this one could
+		// change the visibility of the other consumer's copy: the delivery
+		// is lost, neither nacked nor renewed again, and its message comes
+		// back, released or when its visibility runs out, for the redrive
+		// policy.
 		d.Signal.Lose(fmt.Errorf("%w: %w", adapters.ErrLeaseLost, err))
 		return err
 	}

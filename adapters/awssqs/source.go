@@ -30,8 +30,6 @@ type Source struct {
 	caps       adapters.Capabilities
 	stats      counters
 
-	nacks *visibilityBatcher
-
 	// closing ends when Close is called: it cuts the ReceiveMessage calls
 	// in flight. calls counts those calls, each on a goroutine of its own
 	// until it has handed its messages out or released them.
@@ -45,8 +43,9 @@ type Source struct {
 }
 
 var (
-	_ adapters.Source   = (*Source)(nil)
-	_ adapters.Extender = (*Source)(nil)
+	_ adapters.Source    = (*Source)(nil)
+	_ adapters.Extender  = (*Source)(nil)
+	_ adapters.Retryable = (*Source)(nil)
 )
 
 // New returns a Source for the queue at queueURL. It reads the queue's
@@ -129,17 +128,22 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		Ordered:          s.fifo,
 		MaxReceive:       o.maxMessages,
 		Receivers:        pollers,
-		Ack:              adapters.Batching{MaxEntries: maxBatch, Linger: o.ackLinger, MaxCalls: 4},
-		Extend:           adapters.Batching{MaxEntries: maxBatch, MaxCalls: 4},
+		Ack:              adapters.Batching{MaxEntries: maxBatch, Linger: o.ackLinger, MaxCalls: maxCalls},
+		Nack:             adapters.Batching{MaxEntries: maxBatch, Linger: o.nackLinger, MaxCalls: maxCalls},
+		Extend:           adapters.Batching{MaxEntries: maxBatch, MaxCalls: maxCalls},
 	}
 	s.closing, s.stopClosing = context.WithCancel(context.Background())
-	s.nacks = newVisibilityBatcher(s, o.nackLinger)
 	return s, nil
 }
 
 // maxBatch is SQS's limit on entries in DeleteMessageBatch and
 // ChangeMessageVisibilityBatch, and on messages per ReceiveMessage.
 const maxBatch = 10
+
+// maxCalls is how many calls of each of Ack, Nack and Extend the runtime
+// may have in flight at once: a request is a round trip, and four keep
+// batches of ten flowing at several thousand messages a second.
+const maxCalls = 4
 
 func queueName(queueURL string) (string, error) {
 	u, err := url.Parse(queueURL)
@@ -172,8 +176,7 @@ func (s *Source) FIFO() bool { return s.fifo }
 // Close stops receiving and returns once no ReceiveMessage call of the
 // Source is in flight. It cuts the calls still waiting (a long poll); what
 // a call brought that was not handed out is made visible again at once (see
-// Receive). It sends the nacks still waiting for a batch. Close never closes
-// the client.
+// Receive). Close never closes the client.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -184,7 +187,6 @@ func (s *Source) Close() error {
 	s.mu.Unlock()
 	s.stopClosing()
 	s.calls.Wait()
-	s.nacks.close()
 	return nil
 }
 

@@ -20,9 +20,6 @@ type Stats struct {
 	// longer valid: the message's visibility timeout had run out (it was or
 	// will be redelivered) or it was already deleted.
 	LeaseLost int64
-	// EntryRetries counts batch entries sent again after a failure on SQS's
-	// side.
-	EntryRetries int64
 	// Released counts messages received but not handed out, because the
 	// Receive that asked for them gave up or the Source was closed, and made
 	// visible again.
@@ -33,7 +30,7 @@ type counters struct {
 	receives, emptyReceives, receiveErrors, received atomic.Int64
 	deleteRequests, deleted                          atomic.Int64
 	visibilityRequests, visibilityChanged            atomic.Int64
-	leaseLost, entryRetries, released                atomic.Int64
+	leaseLost, released                              atomic.Int64
 }
 
 // Stats returns the Source's counters.
@@ -49,7 +46,6 @@ func (s *Source) Stats() Stats {
 		VisibilityRequests: c.visibilityRequests.Load(),
 		VisibilityChanged:  c.visibilityChanged.Load(),
 		LeaseLost:          c.leaseLost.Load(),
-		EntryRetries:       c.entryRetries.Load(),
 		Released:           c.released.Load(),
 	}
 }
