@@ -7,7 +7,7 @@
 //
 //	client := sqs.NewFromConfig(awsCfg)
 //	src, err := awssqs.New(ctx, client, queueURL)
-//	dlq, err := awssqs.NewDeadLetterQueue(ctx, client, dlqURL)
+//	dlq, err := awssqs.NewDeadLetter(ctx, client, dlqURL)
 //	c, err := consumer.New(src, handler,
 //		consumer.WithConcurrency(32),
 //		consumer.WithDeadLetter(dlq))
@@ -104,16 +104,16 @@
 //
 // Two ways, pick one per consumer:
 //
-//   - [DeadLetterQueue] sends a copy (body, attributes, AWSTraceHeader, FIFO
+//   - [DeadLetter] sends a copy (body, attributes, AWSTraceHeader, FIFO
 //     group) to a queue you name, with the runtime's diagnostics in one JSON
 //     attribute (custody-diagnostics); the runtime deletes the original only
 //     after SQS accepted the copy. A message dead-lettered again after a
 //     replay gets fresh diagnostics, none of the earlier trip's. It also takes
 //     other brokers' deliveries, carrying in the diagnostics what SQS would
-//     refuse (see [NewDeadLetterQueue]). NewDeadLetterQueue checks that the
+//     refuse (see [NewDeadLetter]). NewDeadLetter checks that the
 //     queue exists and can be read, so a wrong URL fails at start-up rather
 //     than at the first poison message.
-//   - [Source.Redrive] leaves it to the queue's redrive policy: the message is
+//   - [Source.NativeDeadLetter] leaves it to the queue's redrive policy: the message is
 //     made visible again and SQS moves it when its receive count passes
 //     maxReceiveCount. It checks at start-up that maxReceiveCount equals the
 //     consumer's MaxAttempts. A release not answered before the handler's

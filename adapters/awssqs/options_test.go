@@ -50,14 +50,14 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 	if _, err := New(context.Background(), nil, "http://x/1/q"); err == nil {
 		t.Error("New with a nil client succeeded")
 	}
-	if _, err := NewDeadLetterQueue(context.Background(), nil, "http://x/1/q"); err == nil {
-		t.Error("NewDeadLetterQueue with a nil client succeeded")
+	if _, err := NewDeadLetter(context.Background(), nil, "http://x/1/q"); err == nil {
+		t.Error("NewDeadLetter with a nil client succeeded")
 	}
-	// NewDeadLetterQueue, too, reports the option error before touching the
+	// NewDeadLetter, too, reports the option error before touching the
 	// network.
 	for _, opt := range []DeadLetterOption{WithMaxMessageSize(10), WithMaxMessageSize(2 << 20), WithDiagnosticsAttribute("AWS.x")} {
-		if _, err := NewDeadLetterQueue(context.Background(), noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
-			t.Errorf("NewDeadLetterQueue with a bad option: %v", err)
+		if _, err := NewDeadLetter(context.Background(), noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
+			t.Errorf("NewDeadLetter with a bad option: %v", err)
 		}
 	}
 }
@@ -128,7 +128,7 @@ func TestVisibilityCappedAtTwelveHours(t *testing.T) {
 }
 
 func TestDeadLetterCopyFitsSizeLimit(t *testing.T) {
-	q, err := newDeadLetterQueue(noSender{}, "http://x/1/dlq", []DeadLetterOption{WithMaxMessageSize(2048)})
+	q, err := newDeadLetter(noSender{}, "http://x/1/dlq", []DeadLetterOption{WithMaxMessageSize(2048)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,7 +27,7 @@ var systemAttributes = []string{
 	string(types.MessageSystemAttributeNameMessageDeduplicationId),
 	string(types.MessageSystemAttributeNameSequenceNumber),
 	// The X-Ray trace header the message was sent with, which a
-	// DeadLetterQueue copy keeps.
+	// DeadLetter copy keeps.
 	string(types.MessageSystemAttributeNameAWSTraceHeader),
 }
 
@@ -285,7 +285,7 @@ type handle struct {
 	asked time.Time
 
 	// Under Source.mu: renewals of the message on the wire; whether
-	// Redrive.Send gave it back, after which it is not renewed; and, while
+	// NativeDeadLetter.Send gave it back, after which it is not renewed; and, while
 	// Send waits for those renewals, a channel closed when the last returns.
 	renewing   int
 	handedBack bool

@@ -36,7 +36,7 @@ func (c *heldRenewals) ChangeMessageVisibilityBatch(ctx context.Context, in *sqs
 	return c.Client.ChangeMessageVisibilityBatch(ctx, in, o...)
 }
 
-// Redrive.Send gives a message back (visibility 0) for the queue's redrive
+// NativeDeadLetter.Send gives a message back (visibility 0) for the queue's redrive
 // policy to move, while the runtime's lease keeper still renews it. A
 // renewal on the wire that landed after the release hid the message for a
 // whole timeout again, and one sent after Send returned (before the runtime
@@ -56,7 +56,7 @@ func TestRedriveSendIsNotUndoneByARenewal(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	redrive, err := src.Redrive(2)
+	redrive, err := src.NativeDeadLetter(2)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,7 +149,7 @@ func (h signalHandler) WithGroup(name string) slog.Handler {
 	return h
 }
 
-// TestRedriveSendCutAtShutdownNeverTouchesTheRedelivery: Redrive.Send has
+// TestRedriveSendCutAtShutdownNeverTouchesTheRedelivery: NativeDeadLetter.Send has
 // given a message back (visibility 0) and another consumer has received it,
 // but SQS's answer comes only after the shutdown deadline ended the
 // handler's context, so Send reports an error. The runtime must then leave
@@ -168,7 +168,7 @@ func TestRedriveSendCutAtShutdownNeverTouchesTheRedelivery(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	redrive, err := src.Redrive(3)
+	redrive, err := src.NativeDeadLetter(3)
 	if err != nil {
 		t.Fatal(err)
 	}

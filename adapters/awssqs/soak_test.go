@@ -33,7 +33,7 @@ import (
 
 // TestSoakSQSKeepsTheInvariants runs the runtime over the SQS adapter, on the
 // emulator, through rounds of random configurations (standard and FIFO
-// queues, the DeadLetterQueue sink or the queue's own redrive policy, pollers,
+// queues, the DeadLetter sink or the queue's own redrive policy, pollers,
 // batch sizes, lingers), handler behaviours (failures, panics, permanent
 // errors, RetryAfter, Defer, handlers outliving a third of the visibility
 // timeout or all of it), request faults injected under the real client (SQS
@@ -78,7 +78,7 @@ type sqsSoakConfig struct {
 	soaktest.Knobs
 	fifo        bool
 	orderCheck  bool // FIFO only: faults restricted so the emulator keeps group order
-	redrive     bool // the queue's redrive policy (Source.Redrive), not the DeadLetterQueue sink
+	redrive     bool // the queue's redrive policy (Source.NativeDeadLetter), not the DeadLetter sink
 	visibility  time.Duration
 	messages    int
 	keys        int
@@ -320,13 +320,13 @@ func (s *sqsSoak) consume(gen int, life time.Duration, crash bool) {
 	}
 	var dl adapters.DeadLetter
 	if s.cfg.redrive {
-		if dl, err = src.Redrive(s.cfg.MaxAttempts); err != nil {
-			s.violate("consumer %d: Redrive: %v", gen, err)
+		if dl, err = src.NativeDeadLetter(s.cfg.MaxAttempts); err != nil {
+			s.violate("consumer %d: NativeDeadLetter: %v", gen, err)
 			return
 		}
 	} else {
-		if dl, err = NewDeadLetterQueue(s.e.ctx(), client, s.dlqURL); err != nil {
-			s.violate("consumer %d: NewDeadLetterQueue: %v", gen, err)
+		if dl, err = NewDeadLetter(s.e.ctx(), client, s.dlqURL); err != nil {
+			s.violate("consumer %d: NewDeadLetter: %v", gen, err)
 			return
 		}
 	}
