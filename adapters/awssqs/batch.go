@@ -27,7 +27,7 @@ type batchCall func(ctx context.Context, idx []int) ([]types.BatchResultErrorEnt
 // failed entries. Entries whose skip error is set are not sent and fail with
 // that error. When every entry went in one request and that request failed
 // whole, it returns the request's error itself.
-func (s *Source) runBatches(ctx context.Context, ds []*adapters.Delivery, skip []error, call batchCall) error {
+func (s *Source) runBatches(ctx context.Context, op operation, ds []*adapters.Delivery, skip []error, call batchCall) error {
 	errs := make([]error, len(ds))
 	copy(errs, skip)
 	var idx []int
@@ -38,7 +38,7 @@ func (s *Source) runBatches(ctx context.Context, ds []*adapters.Delivery, skip [
 	}
 	if len(idx) <= maxBatch {
 		if len(idx) > 0 {
-			if err := s.runBatch(ctx, ds, idx, call, errs); err != nil && len(idx) == len(ds) {
+			if err := s.runBatch(ctx, op, ds, idx, call, errs); err != nil && len(idx) == len(ds) {
 				return err
 			}
 		}
@@ -49,7 +49,7 @@ func (s *Source) runBatches(ctx context.Context, ds []*adapters.Delivery, skip [
 		n := min(len(idx), maxBatch)
 		chunk := idx[:n:n]
 		idx = idx[n:]
-		wg.Go(func() { s.runBatch(ctx, ds, chunk, call, errs) })
+		wg.Go(func() { s.runBatch(ctx, op, ds, chunk, call, errs) })
 	}
 	wg.Wait()
 	return batchResult(errs)
@@ -75,26 +75,34 @@ func batchResult(errs []error) error {
 // returns. The request is bounded by the request timeout: the runtime
 // waits for Ack, Nack and Extend, with contexts that live as long as the
 // consumer.
-func (s *Source) runBatch(ctx context.Context, ds []*adapters.Delivery, idx []int, call batchCall, errs []error) error {
+func (s *Source) runBatch(ctx context.Context, op operation, ds []*adapters.Delivery, idx []int, call batchCall, errs []error) error {
 	cctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
 	failed, err := call(cctx, idx)
 	cancel()
 	if err != nil {
+		s.tel.request(op, resultError)
 		for _, i := range idx {
 			errs[i] = err
 		}
 		return err
 	}
+	s.tel.request(op, resultOK)
 	for _, f := range failed {
 		pos, err := strconv.Atoi(aws.ToString(f.Id))
 		if err != nil || pos < 0 || pos >= len(idx) {
 			continue // not an id we sent; SQS never does this
 		}
 		i := idx[pos]
-		if receiptInvalid(f) {
+		switch {
+		case receiptInvalid(f):
 			s.stats.leaseLost.Add(1)
+			s.tel.entryFailed(op, reasonLeaseLost)
 			errs[i] = fmt.Errorf("%w (SQS: %s: %s)", adapters.ErrLeaseLost, aws.ToString(f.Code), aws.ToString(f.Message))
 			continue
+		case f.SenderFault:
+			s.tel.entryFailed(op, reasonRefused)
+		default:
+			s.tel.entryFailed(op, reasonSQS)
 		}
 		errs[i] = &entryError{id: ds[i].ID, code: aws.ToString(f.Code), message: aws.ToString(f.Message), senderFault: f.SenderFault}
 	}

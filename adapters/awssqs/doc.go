@@ -121,8 +121,22 @@
 //     message may be with another consumer already, so its receipt handle is
 //     not used again (the runtime does not nack it).
 //
+// # Telemetry
+//
+// Through the MeterProvider of [WithMeterProvider] (the global one by
+// default), with messaging.destination.name set to the queue's name:
+// custody.sqs.requests (SQS requests, by operation: ReceiveMessage,
+// DeleteMessageBatch, ChangeMessageVisibilityBatch; and result: ok, empty
+// for a receive that brought nothing, error for a request that failed
+// whole), custody.sqs.entries.failed (batch entries SQS failed, by
+// operation and reason: lease_lost, sqs for a fault on SQS's side, refused),
+// custody.sqs.received and custody.sqs.released (messages received but not
+// handed out, made visible again). The runtime's own metrics (package
+// consumer) count what happened to each message.
+//
 // # Cost
 //
-// SQS bills per request. [Stats] counts them; see docs/sqs.md for measured
-// requests per message and throughput against raw loops.
+// SQS bills per request: custody.sqs.requests, or [Stats] in a test,
+// counts them; see docs/sqs.md for measured requests per message and
+// throughput against raw loops.
 package awssqs

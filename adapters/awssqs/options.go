@@ -3,6 +3,8 @@ package awssqs
 import (
 	"fmt"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Defaults for the Source's options.
@@ -39,7 +41,8 @@ type options struct {
 	ackLinger        time.Duration
 	nackLinger       time.Duration
 	emptyPollBackoff time.Duration
-	requestTimeout   time.Duration // bounds each delete and visibility request
+	requestTimeout   time.Duration // bounds each request but a receive's long poll
+	meterProvider    metric.MeterProvider
 }
 
 func defaultOptions() options {
@@ -162,6 +165,20 @@ func WithNackLinger(d time.Duration) Option {
 			return fmt.Errorf("awssqs.WithNackLinger(%v): must be from 0s to 1s", d)
 		}
 		o.nackLinger = d
+		return nil
+	}
+}
+
+// WithMeterProvider sets where the Source's metrics go (requests by
+// operation and result, batch entries SQS failed by reason, messages
+// received and released; see the package documentation). Default: the
+// global OpenTelemetry MeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(o *options) error {
+		if mp == nil {
+			return fmt.Errorf("awssqs.WithMeterProvider(nil): pass a MeterProvider, or leave the option out for the global one")
+		}
+		o.meterProvider = mp
 		return nil
 	}
 }

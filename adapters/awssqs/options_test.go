@@ -32,6 +32,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithAckLinger(-time.Millisecond), "WithAckLinger"},
 		{WithNackLinger(-time.Second), "WithNackLinger"},
 		{WithNackLinger(2 * time.Second), "WithNackLinger"},
+		{WithMeterProvider(nil), "WithMeterProvider"},
 	}
 	for _, c := range cases {
 		o := defaultOptions()

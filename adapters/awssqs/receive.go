@@ -156,15 +156,21 @@ func (s *Source) poll(ctx context.Context, n int, got chan<- polled, abandoned <
 			p.ds = append(p.ds, d)
 		}
 		s.stats.received.Add(int64(len(p.ds)))
+		s.tel.receivedN(len(p.ds))
 		if len(p.ds) == 0 {
 			p.empty = true
 			s.stats.emptyReceives.Add(1)
+			s.tel.request(opReceive, resultEmpty)
+		} else {
+			s.tel.request(opReceive, resultOK)
 		}
 		p.ds, poison = s.filterPoison(p.ds)
 	case s.closing.Err() != nil:
+		s.tel.request(opReceive, resultError)
 		p.err = adapters.ErrClosed
 	default:
 		s.stats.receiveErrors.Add(1)
+		s.tel.request(opReceive, resultError)
 		p.err = fmt.Errorf("awssqs: ReceiveMessage on %s: %w", s.url, err)
 	}
 	select {
@@ -195,6 +201,7 @@ func (s *Source) release(ds []*adapters.Delivery) {
 		}
 	}
 	s.stats.released.Add(int64(released))
+	s.tel.releasedN(released)
 }
 
 // delivery turns a received message into a Delivery.

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
@@ -92,7 +93,10 @@ func TestReceiveGivenUpHandsOutNothingAndHidesNothing(t *testing.T) {
 		e.send(url, fmt.Sprint(i), "", nil)
 	}
 	client := &answerInTransitClient{Client: e.client, entered: make(chan struct{}), deliver: make(chan struct{})}
-	src, err := New(e.ctx(), client, url, testOptions()...)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { mp.Shutdown(context.Background()) })
+	src, err := New(e.ctx(), client, url, testOptions(WithMeterProvider(mp))...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,6 +124,9 @@ func TestReceiveGivenUpHandsOutNothingAndHidesNothing(t *testing.T) {
 	waitFor(t, "the messages made visible again", func() bool { return src.Stats().Released == n })
 	if got := distinctBodies(e.drain(url, time.Second)); got != n {
 		t.Errorf("another consumer received %d of the %d messages the given-up receive took; want all, at once", got, n)
+	}
+	if got := sums(t, reader, "custody.sqs.released"); got[src.name] != n {
+		t.Errorf("custody.sqs.released = %v, want %d for %s", got, n, src.name)
 	}
 }
 

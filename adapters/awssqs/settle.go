@@ -23,7 +23,7 @@ import (
 // IsRetryable tells the runtime to send it again. A request that fails
 // whole returns its error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	return s.runBatches(ctx, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
+	return s.runBatches(ctx, opDelete, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.DeleteMessageBatchRequestEntry, len(idx))
 		for pos, i := range idx {
 			entries[pos] = types.DeleteMessageBatchRequestEntry{
@@ -140,7 +140,7 @@ func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, 
 			skip[i] = cause
 		}
 	}
-	return s.runBatches(ctx, ds, skip, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
+	return s.runBatches(ctx, opVisibility, ds, skip, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, len(idx))
 		for pos, i := range idx {
 			entries[pos] = types.ChangeMessageVisibilityBatchRequestEntry{

@@ -13,6 +13,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	"go.opentelemetry.io/otel"
 
 	"github.com/custody-go/custody/adapters"
 )
@@ -29,6 +30,7 @@ type Source struct {
 	opts       options
 	caps       adapters.Capabilities
 	stats      counters
+	tel        *telemetry
 
 	// closing ends when Close is called: it cuts the ReceiveMessage calls
 	// in flight. calls counts those calls, each on a goroutine of its own
@@ -69,6 +71,14 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 			return nil, err
 		}
 	}
+	mp := o.meterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	tel, err := newTelemetry(mp, name)
+	if err != nil {
+		return nil, fmt.Errorf("awssqs.New: creating the metrics: %w", err)
+	}
 	out, err := client.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{
 		QueueUrl: aws.String(queueURL),
 		AttributeNames: []types.QueueAttributeName{
@@ -86,6 +96,7 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		name:   name,
 		fifo:   out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" || strings.HasSuffix(name, ".fifo"),
 		opts:   o,
+		tel:    tel,
 	}
 	s.visibility = o.visibility
 	if s.visibility == 0 {

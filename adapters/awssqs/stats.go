@@ -2,8 +2,10 @@ package awssqs
 
 import "sync/atomic"
 
-// Stats are a Source's counters since it was created. SQS bills per request,
-// so the request counts are the cost: divide them by Received.
+// Stats are a Source's counters since it was created, for tests and quick
+// checks; the same figures go to OpenTelemetry (see WithMeterProvider). SQS
+// bills per request, so the request counts are the cost: divide them by
+// Received.
 type Stats struct {
 	// ReceiveRequests counts ReceiveMessage calls; EmptyReceives those that
 	// found nothing; ReceiveErrors those that failed.
