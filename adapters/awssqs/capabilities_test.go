@@ -40,9 +40,9 @@ func TestCapabilities(t *testing.T) {
 
 // TestRuntimeCapComesBeforeSQSs: SQS's 12 hours start when it picks a
 // message, up to a whole long poll before the answer sets ReceivedAt, from
-// which the runtime counts its cap (MaxLeaseAge). Announced as 12 hours, the
-// runtime kept the handler running for up to a poll's wait after SQS had
-// made the message visible to others.
+// which the runtime counts its cap (MaxLeaseAge). Announced as 12 hours, it
+// would let the handler run for up to a poll's wait after SQS had made the
+// message visible to others.
 func TestRuntimeCapComesBeforeSQSs(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)

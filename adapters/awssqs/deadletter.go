@@ -370,16 +370,6 @@ func decodeDiagnostics(raw string) map[string]string {
 	return diag
 }
 
-// deduplicationID returns the MessageDeduplicationId of d's copy in a FIFO
-// dead-letter queue: the same for every Send of one delivery, so that a Send
-// retried after an answer was lost stores one copy, and different for every
-// other delivery, so that SQS, which drops a message whose id it saw in the
-// last five minutes while reporting it sent, never drops a copy whose
-// original the runtime then deletes. An SQS message gets a new receipt
-// handle at every receive; a delivery from another broker is told apart by
-// everything it carries, down to the nanosecond it was received, since its
-// id alone may repeat (an AMQP message-id is the publisher's choice, and
-// often empty).
 // foreignGroup is the FIFO group of the copy of a delivery from another
 // broker: its ordering key, or a digest of it where SQS would refuse it (over
 // 128 characters, or characters other than ASCII letters, digits and
@@ -396,6 +386,16 @@ func foreignGroup(d *adapters.Delivery, dedup string) string {
 	return "custody-lane-" + hex.EncodeToString(sum[:20])
 }
 
+// deduplicationID returns the MessageDeduplicationId of d's copy in a FIFO
+// dead-letter queue: the same for every Send of one delivery, so that a Send
+// retried after an answer was lost stores one copy, and different for every
+// other delivery, so that SQS, which drops a message whose id it saw in the
+// last five minutes while reporting it sent, never drops a copy whose
+// original the runtime then deletes. An SQS message gets a new receipt
+// handle at every receive; a delivery from another broker is told apart by
+// everything it carries, down to the nanosecond it was received, since its
+// id alone may repeat (an AMQP message-id is the publisher's choice, and
+// often empty).
 func deduplicationID(d *adapters.Delivery) string {
 	h := sha256.New()
 	var n [8]byte

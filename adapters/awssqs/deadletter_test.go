@@ -483,8 +483,8 @@ func TestDeadLetterFIFOKeepsLookAlikeDeliveries(t *testing.T) {
 // (a Kafka partition or key), so the order the source kept is kept and
 // lanes do not wait on each other; a lane SQS would refuse as a group id
 // (characters it does not allow, or over 128 of them) is hashed; a message
-// without a lane gets a group of its own. (All copies
-// once shared one group: one stuck copy held every other behind it.)
+// without a lane gets a group of its own. (In one group for all, one stuck
+// copy would hold every other behind it.)
 func TestDeadLetterFIFOGroupsForeignCopiesByLane(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)

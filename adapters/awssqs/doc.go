@@ -57,21 +57,21 @@
 //
 // A batch entry SQS refuses because the receipt handle no longer names an
 // in-flight message (the timeout ran out and the message was received again
-// or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
-// counted in [Stats].LeaseLost; the other entries of the batch stand. An
+// or deleted) fails alone, with an error wrapping adapters.ErrLeaseLost: the
+// runtime loses that delivery, and the other entries of the batch stand. An
 // entry SQS fails on its side fails alone too, and a request that fails for
 // a passing reason (the network, throttling, a server error) fails whole:
-// the Source tells the runtime that they are worth another try
-// ([Source.IsRetryable]), and the runtime sends them again. A lost
-// delivery's receipt handle is never
-// sent in a visibility change again, since it may be stale. A running
-// message whose renewal SQS has not answered when a twelfth of the timeout
-// is left is marked lost by the runtime's lease keeper, so its handler's
-// context is cancelled before SQS can hand the message to another consumer.
-// Every delete and visibility request times out after 30 s, so a request SQS
-// never answers holds neither the runtime nor its shutdown; it fails like
-// any other. A receive times out after its long poll's wait plus 30 s, so a
-// hung poll gives its poller back (a FIFO queue has only one).
+// [Source.IsRetryable] reports both worth another try, and the runtime sends
+// them again; the Source itself never retries. A lost delivery's receipt
+// handle is never sent in a visibility change again, since it may be stale.
+// A running message whose renewal SQS has not answered when a twelfth of
+// the timeout is left is lost by the runtime's lease keeper, so its
+// handler's context is cancelled before SQS can hand the message to another
+// consumer. Every delete and visibility request times out after 30 s, so a
+// request SQS never answers holds neither the runtime nor its shutdown; it
+// fails like any other. A receive times out after its long poll's wait
+// plus 30 s, so a hung poll gives its poller back (a FIFO queue has only
+// one).
 //
 // # Acks, retries and shutdown
 //
@@ -104,22 +104,22 @@
 //
 // Two ways, pick one per consumer:
 //
-//   - [DeadLetter] sends a copy (body, attributes, AWSTraceHeader, FIFO
-//     group) to a queue you name, with the runtime's diagnostics in one JSON
-//     attribute (custody-diagnostics); the runtime deletes the original only
-//     after SQS accepted the copy. A message dead-lettered again after a
-//     replay gets fresh diagnostics, none of the earlier trip's. It also takes
-//     other brokers' deliveries, carrying in the diagnostics what SQS would
-//     refuse (see [NewDeadLetter]). NewDeadLetter checks that the
-//     queue exists and can be read, so a wrong URL fails at start-up rather
-//     than at the first poison message.
-//   - [Source.NativeDeadLetter] leaves it to the queue's redrive policy: the message is
-//     made visible again and SQS moves it when its receive count passes
-//     maxReceiveCount. It checks at start-up that maxReceiveCount equals the
-//     consumer's MaxAttempts. A release not answered before the handler's
-//     context ends (at the shutdown deadline) marks the delivery lost: the
-//     message may be with another consumer already, so its receipt handle is
-//     not used again (the runtime does not nack it).
+//   - [NewDeadLetter] returns a [DeadLetter] that sends a copy (body,
+//     attributes, AWSTraceHeader, FIFO group) to a queue you name, with the
+//     runtime's diagnostics in one JSON attribute (custody-diagnostics); the
+//     runtime deletes the original only after SQS accepted the copy. A
+//     message dead-lettered again after a replay gets fresh diagnostics,
+//     none of the earlier trip's. It also takes other brokers' deliveries,
+//     carrying in the diagnostics what SQS would refuse. NewDeadLetter
+//     checks that the queue exists and can be read, so a wrong URL fails at
+//     start-up rather than at the first poison message.
+//   - [Source.NativeDeadLetter] leaves it to the queue's redrive policy: the
+//     message is made visible again and SQS moves it when its receive count
+//     passes maxReceiveCount. It checks at start-up that maxReceiveCount
+//     equals the consumer's MaxAttempts. A release not answered before the
+//     handler's context ends (at the shutdown deadline) loses the delivery:
+//     the message may be with another consumer already, so its receipt
+//     handle is not used again (the runtime does not nack it).
 //
 // # Telemetry
 //

@@ -34,9 +34,8 @@ func (c *hungRenewalClient) ChangeMessageVisibilityBatch(ctx context.Context, in
 // consumer (or this one's next poll) receives it. By then the handler's
 // context must be cancelled: an effect still running here runs at the same
 // time as the redelivery's. A retried renewal still waiting for its answer
-// when the visibility ran out kept the lease alive in the runtime's eyes
-// until the call's own timeout (a third of the visibility timeout after it
-// was sent), a second past the visibility timeout here.
+// must not keep the lease alive in the runtime's eyes past the visibility
+// timeout.
 func TestHungRenewalsCancelTheHandlerBeforeAnotherConsumerGetsTheMessage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)

@@ -282,8 +282,9 @@ func DeduplicationID(m interface{ As(any) bool }) string {
 // handle is the Delivery.Handle of a delivery received by a Source.
 type handle struct {
 	receipt string
-	// signal is the delivery's Signal: NativeDeadLetter.Send loses a
-	// delivery whose release may have landed unanswered.
+	// signal is the delivery's Signal, through which the runtime loses it
+	// too: NativeDeadLetter.Send loses a delivery whose release may have
+	// landed unanswered.
 	signal adapters.Signal
 	// asked is when the ReceiveMessage call that brought the message was
 	// made. SQS received the message no earlier, so its 12 hours of
@@ -292,8 +293,9 @@ type handle struct {
 	asked time.Time
 
 	// Under Source.mu: renewals of the message on the wire; whether
-	// NativeDeadLetter.Send gave it back, after which it is not renewed; and, while
-	// Send waits for those renewals, a channel closed when the last returns.
+	// NativeDeadLetter.Send gave it back, after which it is not renewed;
+	// and, while Send waits for those renewals, a channel closed when the
+	// last returns.
 	renewing   int
 	handedBack bool
 	renewed    chan struct{}

@@ -170,8 +170,10 @@ func queueName(queueURL string) (string, error) {
 }
 
 // Capabilities reports a lease of the visibility timeout, SQS's 12-hour cap,
-// delayed redelivery, the broker's receive count, ordering for FIFO queues
-// and batches of ten.
+// delayed redelivery, the broker's receive count, ordering for FIFO queues,
+// receives of WithMaxMessages with WithPollers of them at once, and
+// batches of ten for Ack, Nack and Extend (acks and nacks with their
+// lingers).
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 
 // QueueURL returns the URL of the queue the Source reads.
