@@ -166,7 +166,7 @@ func TestShutdownReleasesUnfinished(t *testing.T) {
 		<-ctx.Done() // never finishes on its own
 		return context.Cause(ctx)
 	})
-	runUntil(t, src, h, "handlers running and messages buffered", func() bool {
+	runUntil(t, src, h, "handlers running and messages waiting for them", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		_, inFlight := e.counts(url)
