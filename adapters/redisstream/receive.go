@@ -303,6 +303,7 @@ func (s *Source) groupMissing(ctx context.Context, cause error) error {
 	s.tel.groupMissing.Add(context.Background(), 1, s.tel.base)
 	s.mu.Lock()
 	s.cursor = "0-0"
+	s.groupLost = time.Now()
 	s.mu.Unlock()
 	if s.opts.createStart == "" {
 		return fmt.Errorf("%w: stream %q, group %q (the stream was deleted, or the server restarted without persistence); create the group again, or use WithCreateGroup: %w",

@@ -226,7 +226,12 @@ func (s *Source) settled(ds []*adapters.Delivery, idx []int, res []any, failed m
 				}
 			default:
 				s.stats.leaseLost.Add(1)
-				failed[i] = fmt.Errorf("%w: entry %s is no longer pending in group %q of stream %q (another consumer claimed and acked it, or the group was recreated)",
+				if s.lostWithGroup(ds[i]) {
+					failed[i] = fmt.Errorf("%w: %w: entry %s of stream %q was pending in group %q before the group was lost and created again",
+						adapters.ErrLeaseLost, ErrGroupMissing, id, s.stream, s.group)
+					break
+				}
+				failed[i] = fmt.Errorf("%w: entry %s is no longer pending in group %q of stream %q (another consumer claimed and acked it, or the group was created again)",
 					adapters.ErrLeaseLost, id, s.group, s.stream)
 			}
 		case string:
@@ -237,6 +242,14 @@ func (s *Source) settled(ds []*adapters.Delivery, idx []int, res []any, failed m
 			failed[i] = fmt.Errorf("redisstream: unexpected %s result %v for entry %s", op, r, id)
 		}
 	}
+}
+
+// lostWithGroup reports whether d was received before this Source last found
+// the group missing.
+func (s *Source) lostWithGroup(d *adapters.Delivery) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return !s.groupLost.IsZero() && d.ReceivedAt.Before(s.groupLost)
 }
 
 // deletedWhileHeld records that a held entry was found deleted from the

@@ -45,6 +45,10 @@ type Source struct {
 	// nothing is left to renew or give back, and no one else can be handed
 	// them, so their handlers run on.
 	gone map[string]struct{}
+	// groupLost is when this Source last found the group missing: entries
+	// received before it are no longer pending in the group it created
+	// again.
+	groupLost time.Time
 }
 
 var (
