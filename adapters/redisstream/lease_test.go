@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
 )
@@ -144,4 +146,61 @@ func TestLongHandlerIsNotDeliveredTwice(t *testing.T) {
 	if st := srcB.Stats(); st.Reclaimed != 0 {
 		t.Errorf("the other consumer reclaimed %d entries", st.Reclaimed)
 	}
+}
+
+// holdHook holds every renewal script call until release is closed.
+type holdHook struct{ release chan struct{} }
+
+func (h holdHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h holdHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h holdHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if args := cmd.Args(); len(args) > 1 && args[1] == extendScript.Hash() {
+			<-h.release
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestRenewalReturnsAtItsDeadline holds a renewal on its way to the server:
+// Extend must return when its context ends, so that the runtime's lease
+// keeper can cancel the handler before the lease runs out (go-redis itself
+// waits for its ReadTimeout, not for the context), and Close must wait for
+// the renewal still under way.
+func TestRenewalReturnsAtItsDeadline(t *testing.T) {
+	e := newEnv(t)
+	e.publish("one")
+	c := redis.NewClient(&redis.Options{Addr: redisAddr()})
+	defer c.Close()
+	hook := holdHook{release: make(chan struct{})}
+	c.AddHook(hook)
+	src, err := New(e.ctx(), c, e.stream, e.group, WithCreateGroup("0"), WithLogger(quiet()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds := receiveN(t, src, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	returned := make(chan error, 1)
+	go func() { returned <- src.Extend(ctx, ds, time.Second) }()
+	select {
+	case err := <-returned:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Extend past its deadline: %v, want an error wrapping context.DeadlineExceeded", err)
+		}
+	case <-time.After(time.Minute):
+		close(hook.release)
+		t.Fatal("Extend did not return at its context's deadline while the server had not answered")
+	}
+	closed := make(chan struct{})
+	go func() { src.Close(); close(closed) }()
+	select {
+	case <-closed:
+		t.Error("Close returned while a renewal was still under way")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(hook.release)
+	<-closed
 }

@@ -157,6 +157,8 @@ func (s *Source) isGone(id string) bool {
 // with an error wrapping adapters.ErrLeaseLost. An entry deleted from the
 // stream while held succeeds: no one else can be handed it, so its handler
 // runs on; it is counted (Stats.DeletedWhileHeld) and not renewed again.
+// Extend returns when ctx ends, answered or not (the renewal may still reach
+// the server later, which its ownership check makes harmless).
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
 	idle := min(max(s.opts.lease-d, 0), s.opts.lease).Milliseconds()
 	args := make([]any, 0, 3+len(ds))
@@ -176,7 +178,7 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 	}
 	if len(idx) > 0 {
 		s.count(cmdExtend)
-		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		res, err := s.renew(ctx, args)
 		switch {
 		case err != nil && isNoGroup(err):
 			s.failed(cmdExtend)
@@ -201,6 +203,37 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 		return &adapters.BatchError{Failed: failed}
 	}
 	return nil
+}
+
+// renew runs the renewal script, returning when ctx ends even if the server
+// has not answered: go-redis bounds a call by its ReadTimeout, not by the
+// context's deadline (unless the client was made with
+// ContextTimeoutEnabled), and the runtime's lease keeper needs an answer
+// before the lease runs out, to cancel the handler in time. A renewal that
+// reaches the server later is harmless: it checks the owner first, so it
+// can only renew an entry this consumer still owns, never take back one
+// another consumer claimed. Close waits for such calls.
+func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
+	if ctx.Done() == nil {
+		return extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+	}
+	type result struct {
+		res []any
+		err error
+	}
+	done := make(chan result, 1)
+	s.calls.Add(1)
+	go func() {
+		defer s.calls.Done()
+		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		done <- result{res, err}
+	}()
+	select {
+	case r := <-done:
+		return r.res, r.err
+	case <-ctx.Done():
+		return nil, fmt.Errorf("no answer before the renewal's deadline: %w", ctx.Err())
+	}
 }
 
 // settled reads the per-entry results of extendScript or nackScript (1 done,

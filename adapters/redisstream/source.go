@@ -34,6 +34,7 @@ type Source struct {
 	logger   *slog.Logger
 	tel      *telemetry
 	stats    counters
+	calls    sync.WaitGroup // renewals whose caller stopped waiting for them
 
 	mu       sync.Mutex
 	closed   bool
@@ -226,7 +227,9 @@ func (s *Source) Consumer() string { return s.consumer }
 // acked, not given back) stay pending under its name until another
 // consumer's reclaim takes them once they have been idle for the lease. A
 // Receive waiting in XREADGROUP returns when the read does (WithBlock) and
-// gives back what it read. Close never closes the client.
+// gives back what it read. Close waits for renewals still on their way to
+// the server whose caller stopped waiting (see Extend), which the client's
+// ReadTimeout bounds. Close never closes the client.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -236,6 +239,7 @@ func (s *Source) Close() error {
 	s.closed = true
 	s.mu.Unlock()
 	s.tel.close()
+	s.calls.Wait()
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	s.cleanup(ctx, s.opts.cleanup)
