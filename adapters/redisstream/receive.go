@@ -27,8 +27,8 @@ var ErrGroupMissing = errors.New("redisstream: the consumer group does not exist
 // due, or the scan interval (WithReclaimInterval) passed since the last
 // scan. So reclaimed entries go ahead of new ones when both wait, and a
 // steady flow of new entries cannot starve them; but a scan takes at most
-// max entries, so a large backlog of reclaimable entries is taken batch by
-// batch, one scan per Receive while scans come back full.
+// max entries (and 256), so a large backlog of reclaimable entries is taken
+// batch by batch, one scan per Receive while scans come back full.
 //
 // It blocks for at most WithBlock (less when a reclaim falls due sooner)
 // and returns no entries and a nil error when nothing came. After ctx is
@@ -51,8 +51,8 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		out []*adapters.Delivery
 		err error
 	)
-	if job, ok := s.takeReclaim(time.Now(), max); ok {
-		out, err = s.reclaim(ctx, job, max)
+	if job, ok := s.takeReclaim(time.Now(), min(max, maxReclaim)); ok {
+		out, err = s.reclaim(ctx, job, min(max, maxReclaim))
 	}
 	if err == nil && len(out) < max {
 		block := time.Duration(-1) // none: there is something to hand out already
@@ -72,6 +72,11 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	}
 	return out, err
 }
+
+// maxReclaim bounds the entries one reclaim claims: each XAUTOCLAIM call of
+// the script scans up to ten times that many pending entries, and the
+// script holds the server while it runs.
+const maxReclaim = 256
 
 // reclaimJob is what one Receive reclaims: entries this Source gave back
 // that fell due, and whether it scans the pending list, from cursor.
