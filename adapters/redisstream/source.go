@@ -258,7 +258,7 @@ func (s *Source) cleanup(ctx context.Context, idle time.Duration) {
 	gone, err := cleanupScript.Run(ctx, s.client, []string{s.stream}, s.group, s.consumer, idle.Milliseconds()).StringSlice()
 	if err != nil {
 		s.failed(cmdCleanup)
-		if !isNoGroup(err) {
+		if !isNoGroup(err) && !isNoSuchKey(err) {
 			s.logger.Warn("redisstream: cleaning up idle consumer names failed", "stream", s.stream, "group", s.group, "error", err)
 		}
 		return
