@@ -27,15 +27,14 @@ import (
 // acked without its copy. That needs one server: the Source and the
 // DeadLetterStream must share their client, and on a Redis Cluster (or a
 // ring) both streams must share a hash tag, so that they are in one slot
-// (orders{o} and orders-dlq{o}, say). Otherwise Send appends the copy first
-// and then acknowledges the original: a crash between the two leaves the
-// copy and the original pending, which is then delivered and dead-lettered
-// again, so the dead-letter stream may hold two copies (tell them apart by
-// custody-original-id).
+// (orders{o} and orders-dlq{o}, say). SettlesOriginal reports which
+// deliveries Send acknowledges so. For the others Send only appends the
+// copy, and the runtime acknowledges the original through its source once
+// Send returned: a crash between the two leaves the original pending, which
+// is then delivered and dead-lettered again, so the dead-letter stream may
+// hold two copies (tell them apart by custody-original-id).
 //
-// Send returns nil only once the copy is stored. Deliveries of other
-// brokers are appended the same way; their originals are acknowledged by
-// the runtime through their own source.
+// Send returns nil only once the copy is stored.
 type DeadLetterStream struct {
 	client    redis.UniversalClient
 	stream    string
@@ -129,15 +128,18 @@ return {id, acked}
 
 // maxScriptFields bounds the fields a copy may have to go through the
 // script (Lua's unpack takes at most about 8,000 values); a copy with more
-// is appended and acknowledged in two steps.
+// is appended alone, and the runtime acknowledges its original.
 const maxScriptFields = 3000
 
+// maxDiagnostics bounds the fields adapters.Diagnostics adds to a copy.
+const maxDiagnostics = 32
+
 // Send stores a copy of d with the failure's diagnostics and, for an entry
-// of a Source, acknowledges the original (see DeadLetterStream).
+// of a Source on the same client and slot, acknowledges the original in the
+// same script (see DeadLetterStream and SettlesOriginal).
 func (q *DeadLetterStream) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	fields := q.fields(d, f)
-	src, own := d.Handle.(*Source)
-	if own && src.client == q.client && sameSlot(q.client, q.stream, src.stream) && len(fields) <= 2*maxScriptFields {
+	if src, ok := q.settles(d); ok {
 		args := make([]any, 0, 3+len(fields))
 		args = append(args, src.group, d.ID, q.maxLen)
 		for _, v := range fields {
@@ -146,9 +148,6 @@ func (q *DeadLetterStream) Send(ctx context.Context, d *adapters.Delivery, f ada
 		if err := deadLetterScript.Run(ctx, q.client, []string{q.stream, src.stream}, args...).Err(); err != nil {
 			return fmt.Errorf("redisstream: dead-lettering entry %s of stream %q into %q (the original stays pending): %w", d.ID, src.stream, q.stream, err)
 		}
-		// Acked with its copy, or no longer pending (acked by a consumer
-		// that reclaimed it, or deleted): either way nothing is left to ack.
-		d.MarkSettled()
 		return nil
 	}
 	xadd := &redis.XAddArgs{Stream: q.stream, Values: fields}
@@ -158,14 +157,28 @@ func (q *DeadLetterStream) Send(ctx context.Context, d *adapters.Delivery, f ada
 	if err := q.client.XAdd(ctx, xadd).Err(); err != nil {
 		return fmt.Errorf("redisstream: appending message %s to dead-letter stream %q (the original stays where it is): %w", d.ID, q.stream, err)
 	}
-	if own {
-		// The copy is stored: acknowledge the original now. Should that
-		// fail, the runtime acks it through the Source.
-		if err := src.xack(ctx, []string{d.ID}); err == nil {
-			d.MarkSettled()
-		}
-	}
 	return nil
+}
+
+// settles returns the Source of d when Send acknowledges d in the script
+// that appends its copy: d is an entry of a Source on the same client, in
+// the same slot, with few enough headers for the script.
+func (q *DeadLetterStream) settles(d *adapters.Delivery) (*Source, bool) {
+	src, ok := d.Handle.(*Source)
+	if !ok || src.client != q.client || !sameSlot(q.client, q.stream, src.stream) {
+		return nil, false
+	}
+	return src, 1+len(d.Headers)+maxDiagnostics <= maxScriptFields
+}
+
+// SettlesOriginal reports whether Send acknowledges d itself, in the script
+// that appends its copy (adapters.OriginalSettler): true for an entry of a
+// Source on the same client whose stream shares the dead-letter stream's
+// slot. The runtime acks every other delivery through its own source once
+// Send returned nil.
+func (q *DeadLetterStream) SettlesOriginal(d *adapters.Delivery) bool {
+	_, ok := q.settles(d)
+	return ok
 }
 
 // fields returns the copy's fields as name, value pairs: the body, the

@@ -102,9 +102,6 @@ func TestDeadLetterNeverAcksWithoutItsCopy(t *testing.T) {
 	if p := e.pending(); len(p) != 1 {
 		t.Fatalf("after a failed dead-letter write the original is not pending (%+v): it was acked without its copy", p)
 	}
-	if d.Settled() {
-		t.Error("the delivery is marked settled after a failed dead-letter write")
-	}
 	e.client.Del(e.ctx(), e.dlq)
 	if err := dlq.Send(e.ctx(), d, f); err != nil {
 		t.Fatalf("Send: %v", err)
@@ -112,8 +109,8 @@ func TestDeadLetterNeverAcksWithoutItsCopy(t *testing.T) {
 	if p := e.pending(); len(p) != 0 {
 		t.Errorf("after the dead-letter write the original is still pending: %+v", p)
 	}
-	if !d.Settled() {
-		t.Error("the delivery is not marked settled: the runtime would ack it again")
+	if !dlq.SettlesOriginal(d) {
+		t.Error("SettlesOriginal = false for an entry the dead letter acked itself: the runtime would ack it again")
 	}
 	if n, _ := e.client.XLen(e.ctx(), e.dlq).Result(); n != 1 {
 		t.Errorf("dead-letter stream holds %d entries, want 1", n)
@@ -122,27 +119,36 @@ func TestDeadLetterNeverAcksWithoutItsCopy(t *testing.T) {
 
 // TestDeadLetterInTwoSteps uses a DeadLetterStream on another client than
 // the Source's, as when the two streams cannot share a script (different
-// servers, or cluster slots): the copy is appended first, then the original
-// acked through the Source.
+// servers, or cluster slots): Send appends the copy and leaves the original
+// to the runtime, which acks it through the Source (SettlesOriginal is
+// false). Run through the consumer, the poison entry ends in the dead-letter
+// stream once and leaves the pending list.
 func TestDeadLetterInTwoSteps(t *testing.T) {
 	e := newEnv(t)
 	e.publish("poison")
-	src := e.open()
-	defer src.Close()
 	other := newClient(t, redisAddr())
 	dlq, err := NewDeadLetterStream(e.ctx(), other, e.dlq)
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := receiveN(t, src, 1)[0]
-	if err := dlq.Send(e.ctx(), d, adapters.Failure{Err: errors.New("bad"), Attempts: 1}); err != nil {
-		t.Fatalf("Send: %v", err)
+	src := e.open()
+	s := start(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		return consumer.Permanent(errors.New("bad"))
+	}), consumer.WithDeadLetter(dlq))
+	waitFor(t, "a dead letter", func() bool { n, _ := e.client.XLen(e.ctx(), e.dlq).Result(); return n > 0 })
+	waitFor(t, "the original acked", func() bool { return len(e.pending()) == 0 })
+	if err := s.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
 	}
 	if n, _ := e.client.XLen(e.ctx(), e.dlq).Result(); n != 1 {
 		t.Errorf("dead-letter stream holds %d entries, want 1", n)
 	}
-	if p := e.pending(); len(p) != 0 || !d.Settled() {
-		t.Errorf("pending %+v, settled %t: want the original acked by the dead letter", p, d.Settled())
+	if st := src.Stats(); st.Acked != 1 {
+		t.Errorf("the Source acked %d entries, want the original, acked by the runtime", st.Acked)
+	}
+	d := &adapters.Delivery{ID: "x", Handle: src}
+	if dlq.SettlesOriginal(d) {
+		t.Error("SettlesOriginal = true for an entry of a Source on another client")
 	}
 }
 

@@ -85,7 +85,7 @@ func TestDeletedRetryIsDropped(t *testing.T) {
 	src := e.open(WithLease(lease), WithReclaimInterval(lease))
 	defer src.Close()
 	d := receiveN(t, src, 1)[0]
-	if err := src.Nack(e.ctx(), []*adapters.Delivery{d}, 50*time.Millisecond); err != nil {
+	if err := src.Nack(e.ctx(), adapters.NackAll([]*adapters.Delivery{d}, 50*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.client.XDel(e.ctx(), e.stream, ids[0]).Err(); err != nil {

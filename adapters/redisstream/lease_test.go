@@ -56,7 +56,7 @@ func TestRenewalNeverTakesBackAClaimedEntry(t *testing.T) {
 		t.Fatalf("pending after the refused renewal: %+v, want the entry with %s", p, b.Consumer())
 	}
 	// Nor may a give-back take it: the other consumer runs it.
-	err = a.Nack(e.ctx(), []*adapters.Delivery{stale}, 0)
+	err = a.Nack(e.ctx(), adapters.NackAll([]*adapters.Delivery{stale}, 0))
 	if e := adapters.EntryError(err, 0); !errors.Is(e, adapters.ErrLeaseLost) {
 		t.Fatalf("giving back an entry another consumer claimed: %v, want an error wrapping adapters.ErrLeaseLost", err)
 	}

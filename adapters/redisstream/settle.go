@@ -306,19 +306,23 @@ func (s *Source) deletedWhileHeld(id string) {
 		"stream", s.stream, "group", s.group, "id", id)
 }
 
-// Nack gives the entries back, to be claimable by any consumer's reclaim no
-// sooner than redeliverAfter from now (zero or less: at once). An entry's
-// idle time is set to the lease minus the delay, so it falls due when the
-// delay has passed; a delay longer than the lease parks the entry (see the
-// package documentation). The delivery count is left as it is: the reclaim
-// that takes the entry counts the next delivery. This Source claims the
-// entries it gave back as soon as they fall due; other consumers find them
-// at their next scan, so a retry survives this process. One script call
-// for the batch; entries claimed by another consumer, or no longer pending,
-// fail with an error wrapping adapters.ErrLeaseLost, and entries deleted
-// from the stream with one wrapping ErrDeleted.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
-	return s.nack(ctx, ds, func(int) time.Duration { return redeliverAfter }, false)
+// Nack gives the entries back, each to be claimable by any consumer's
+// reclaim no sooner than its After from now (zero or less: at once). An
+// entry's idle time is set to the lease minus the delay, so it falls due
+// when the delay has passed; a delay longer than the lease parks the entry
+// (see the package documentation). The delivery count is left as it is: the
+// reclaim that takes the entry counts the next delivery. This Source claims
+// the entries it gave back as soon as they fall due; other consumers find
+// them at their next scan, so a retry survives this process. One script
+// call for the batch; entries claimed by another consumer, or no longer
+// pending, fail with an error wrapping adapters.ErrLeaseLost, and entries
+// deleted from the stream with one wrapping ErrDeleted.
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
+	ds := make([]*adapters.Delivery, len(ns))
+	for i, n := range ns {
+		ds[i] = n.Delivery
+	}
+	return s.nack(ctx, ds, func(i int) time.Duration { return ns[i].After }, false)
 }
 
 // maxDelay caps a Nack's delay, so that due times stay well within the

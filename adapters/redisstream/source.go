@@ -114,7 +114,7 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 		Lease:            o.lease,
 		NackDelay:        true,
 		CountsDeliveries: true,
-		MaxExtendBatch:   maxExtendBatch,
+		Extend:           adapters.Batching{MaxEntries: maxExtendBatch},
 	}
 	if err := checkVersion(ctx, client); err != nil {
 		return nil, err
