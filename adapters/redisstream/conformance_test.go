@@ -29,7 +29,7 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 	if cfg.Lease == 0 {
 		lease = time.Second
 	}
-	dlq, err := NewDeadLetterStream(e.ctx(), e.client, e.dlq)
+	dlq, err := NewDeadLetter(e.ctx(), e.client, e.dlq)
 	if err != nil {
 		t.Fatal(err)
 	}

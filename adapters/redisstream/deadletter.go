@@ -11,7 +11,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// DeadLetterStream is an adapters.DeadLetter that appends failed messages to
+// DeadLetter is an adapters.DeadLetter that appends failed messages to
 // a Redis stream. The copy holds the body in the body field (WithBodyField
 // of the dead-letter stream, default "body"), every header as a field of its
 // own, and the runtime's diagnostics as fields named like package adapters'
@@ -25,7 +25,7 @@ import (
 // original in one atomic step (a Lua script: XADD, then XACK): a crash or a
 // lost connection leaves either both done or neither, never an original
 // acked without its copy. That needs one server: the Source and the
-// DeadLetterStream must share their client, and on a Redis Cluster (or a
+// DeadLetter must share their client, and on a Redis Cluster (or a
 // ring) both streams must share a hash tag, so that they are in one slot
 // (orders{o} and orders-dlq{o}, say). SettlesOriginal reports which
 // deliveries Send acknowledges so. For the others Send only appends the
@@ -35,22 +35,25 @@ import (
 // hold two copies (tell them apart by custody-original-id).
 //
 // Send returns nil only once the copy is stored.
-type DeadLetterStream struct {
+type DeadLetter struct {
 	client    redis.UniversalClient
 	stream    string
 	bodyField string
 	maxLen    int64
 }
 
-var _ adapters.DeadLetter = (*DeadLetterStream)(nil)
+var (
+	_ adapters.DeadLetter      = (*DeadLetter)(nil)
+	_ adapters.OriginalSettler = (*DeadLetter)(nil)
+)
 
-// DeadLetterOption configures a [DeadLetterStream].
-type DeadLetterOption func(*DeadLetterStream) error
+// DeadLetterOption configures a [DeadLetter].
+type DeadLetterOption func(*DeadLetter) error
 
 // WithDeadLetterBodyField names the field that holds the body in the copies.
 // Default "body", the Source's default body field.
 func WithDeadLetterBodyField(name string) DeadLetterOption {
-	return func(q *DeadLetterStream) error {
+	return func(q *DeadLetter) error {
 		if name == "" {
 			return errors.New("redisstream.WithDeadLetterBodyField(\"\"): name a field")
 		}
@@ -63,7 +66,7 @@ func WithDeadLetterBodyField(name string) DeadLetterOption {
 // copies are appended (XADD MAXLEN ~ n), dropping the oldest. Default 0:
 // never trimmed.
 func WithDeadLetterMaxLen(n int64) DeadLetterOption {
-	return func(q *DeadLetterStream) error {
+	return func(q *DeadLetter) error {
 		if n < 0 {
 			return fmt.Errorf("redisstream.WithDeadLetterMaxLen(%d): must not be negative (0: never trim)", n)
 		}
@@ -72,17 +75,17 @@ func WithDeadLetterMaxLen(n int64) DeadLetterOption {
 	}
 }
 
-// NewDeadLetterStream returns a DeadLetter appending to stream (created by
+// NewDeadLetter returns a DeadLetter appending to stream (created by
 // the first copy). It checks that the server answers and that the key, if
 // it exists, is a stream; ctx bounds that call.
-func NewDeadLetterStream(ctx context.Context, client redis.UniversalClient, stream string, opts ...DeadLetterOption) (*DeadLetterStream, error) {
+func NewDeadLetter(ctx context.Context, client redis.UniversalClient, stream string, opts ...DeadLetterOption) (*DeadLetter, error) {
 	if client == nil {
-		return nil, errors.New("redisstream.NewDeadLetterStream: nil client; pass a go-redis client")
+		return nil, errors.New("redisstream.NewDeadLetter: nil client; pass a go-redis client")
 	}
 	if stream == "" {
-		return nil, errors.New("redisstream.NewDeadLetterStream: name the dead-letter stream")
+		return nil, errors.New("redisstream.NewDeadLetter: name the dead-letter stream")
 	}
-	q := &DeadLetterStream{client: client, stream: stream, bodyField: DefaultBodyField}
+	q := &DeadLetter{client: client, stream: stream, bodyField: DefaultBodyField}
 	for _, opt := range opts {
 		if opt == nil {
 			continue
@@ -93,16 +96,16 @@ func NewDeadLetterStream(ctx context.Context, client redis.UniversalClient, stre
 	}
 	typ, err := client.Type(ctx, stream).Result()
 	if err != nil {
-		return nil, fmt.Errorf("redisstream.NewDeadLetterStream: reaching the server (check the address and credentials): %w", err)
+		return nil, fmt.Errorf("redisstream.NewDeadLetter: reaching the server (check the address and credentials): %w", err)
 	}
 	if typ != "none" && typ != "stream" {
-		return nil, fmt.Errorf("redisstream.NewDeadLetterStream: key %q holds a %s, not a stream; name another key", stream, typ)
+		return nil, fmt.Errorf("redisstream.NewDeadLetter: key %q holds a %s, not a stream; name another key", stream, typ)
 	}
 	return q, nil
 }
 
 // Stream returns the name of the dead-letter stream.
-func (q *DeadLetterStream) Stream() string { return q.stream }
+func (q *DeadLetter) Stream() string { return q.stream }
 
 // deadLetterScript appends the copy and acknowledges the original, in that
 // order, atomically: a failing XADD (the key replaced by another type, say)
@@ -136,8 +139,8 @@ const maxDiagnostics = 32
 
 // Send stores a copy of d with the failure's diagnostics and, for an entry
 // of a Source on the same client and slot, acknowledges the original in the
-// same script (see DeadLetterStream and SettlesOriginal).
-func (q *DeadLetterStream) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+// same script (see DeadLetter and SettlesOriginal).
+func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	fields := q.fields(d, f)
 	if src, ok := q.settles(d); ok {
 		args := make([]any, 0, 3+len(fields))
@@ -163,7 +166,7 @@ func (q *DeadLetterStream) Send(ctx context.Context, d *adapters.Delivery, f ada
 // settles returns the Source of d when Send acknowledges d in the script
 // that appends its copy: d is an entry of a Source on the same client, in
 // the same slot, with few enough headers for the script.
-func (q *DeadLetterStream) settles(d *adapters.Delivery) (*Source, bool) {
+func (q *DeadLetter) settles(d *adapters.Delivery) (*Source, bool) {
 	src, ok := d.Handle.(*Source)
 	if !ok || src.client != q.client || !sameSlot(q.client, q.stream, src.stream) {
 		return nil, false
@@ -176,7 +179,7 @@ func (q *DeadLetterStream) settles(d *adapters.Delivery) (*Source, bool) {
 // Source on the same client whose stream shares the dead-letter stream's
 // slot. The runtime acks every other delivery through its own source once
 // Send returned nil.
-func (q *DeadLetterStream) SettlesOriginal(d *adapters.Delivery) bool {
+func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	_, ok := q.settles(d)
 	return ok
 }
@@ -184,7 +187,7 @@ func (q *DeadLetterStream) SettlesOriginal(d *adapters.Delivery) bool {
 // fields returns the copy's fields as name, value pairs: the body, the
 // headers (sorted, without an earlier trip's diagnostics), the diagnostics
 // (sorted).
-func (q *DeadLetterStream) fields(d *adapters.Delivery, f adapters.Failure) []string {
+func (q *DeadLetter) fields(d *adapters.Delivery, f adapters.Failure) []string {
 	diag := adapters.Diagnostics(d, f)
 	out := make([]string, 0, 2*(1+len(d.Headers)+len(diag)))
 	out = append(out, q.bodyField, string(d.Body))

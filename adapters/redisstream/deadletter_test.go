@@ -25,7 +25,7 @@ func TestPoisonEntryDeadLetteredWithItsAck(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.publish("good")
-	dlq, err := NewDeadLetterStream(e.ctx(), e.client, e.dlq)
+	dlq, err := NewDeadLetter(e.ctx(), e.client, e.dlq)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +78,7 @@ func TestPoisonEntryDeadLetteredWithItsAck(t *testing.T) {
 }
 
 // TestDeadLetterNeverAcksWithoutItsCopy makes the dead-letter key something
-// other than a stream after the DeadLetterStream was made, so that XADD
+// other than a stream after the DeadLetter was made, so that XADD
 // fails: the original must stay pending, since its copy was not stored.
 // (Under MULTI/EXEC the XACK would still run after the failed XADD.) Once
 // the key is a stream again, the same Send stores the copy and acks.
@@ -87,7 +87,7 @@ func TestDeadLetterNeverAcksWithoutItsCopy(t *testing.T) {
 	e.publish("poison")
 	src := e.open()
 	defer src.Close()
-	dlq, err := NewDeadLetterStream(e.ctx(), e.client, e.dlq)
+	dlq, err := NewDeadLetter(e.ctx(), e.client, e.dlq)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +117,7 @@ func TestDeadLetterNeverAcksWithoutItsCopy(t *testing.T) {
 	}
 }
 
-// TestDeadLetterInTwoSteps uses a DeadLetterStream on another client than
+// TestDeadLetterInTwoSteps uses a DeadLetter on another client than
 // the Source's, as when the two streams cannot share a script (different
 // servers, or cluster slots): Send appends the copy and leaves the original
 // to the runtime, which acks it through the Source (SettlesOriginal is
@@ -127,7 +127,7 @@ func TestDeadLetterInTwoSteps(t *testing.T) {
 	e := newEnv(t)
 	e.publish("poison")
 	other := newClient(t, redisAddr())
-	dlq, err := NewDeadLetterStream(e.ctx(), other, e.dlq)
+	dlq, err := NewDeadLetter(e.ctx(), other, e.dlq)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,7 +156,7 @@ func TestDeadLetterInTwoSteps(t *testing.T) {
 // body field does not overwrite the body in the copy.
 func TestDeadLetterHeaderNamedLikeTheBody(t *testing.T) {
 	e := newEnv(t)
-	dlq, err := NewDeadLetterStream(e.ctx(), e.client, e.dlq)
+	dlq, err := NewDeadLetter(e.ctx(), e.client, e.dlq)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -173,10 +173,10 @@ func TestDeadLetterHeaderNamedLikeTheBody(t *testing.T) {
 	}
 }
 
-func TestNewDeadLetterStreamChecksTheKey(t *testing.T) {
+func TestNewDeadLetterChecksTheKey(t *testing.T) {
 	e := newEnv(t)
 	e.client.Set(e.ctx(), e.dlq, "x", 0)
-	if _, err := NewDeadLetterStream(e.ctx(), e.client, e.dlq); err == nil {
-		t.Error("NewDeadLetterStream on a string key returned no error")
+	if _, err := NewDeadLetter(e.ctx(), e.client, e.dlq); err == nil {
+		t.Error("NewDeadLetter on a string key returned no error")
 	}
 }

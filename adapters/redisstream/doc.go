@@ -2,13 +2,13 @@
 // groups, over github.com/redis/go-redis/v9. It needs Redis 7.0 or later.
 //
 // A [Source] reads one stream as one consumer of a consumer group; a
-// [DeadLetterStream] appends messages that will not be processed to another
+// [DeadLetter] appends messages that will not be processed to another
 // stream:
 //
 //	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
 //	src, err := redisstream.New(ctx, rdb, "orders", "billing",
 //		redisstream.WithCreateGroup("$"))
-//	dlq, err := redisstream.NewDeadLetterStream(ctx, rdb, "orders-dlq")
+//	dlq, err := redisstream.NewDeadLetter(ctx, rdb, "orders-dlq")
 //	c, err := consumer.New(src, handler,
 //		consumer.WithConcurrency(32),
 //		consumer.WithDeadLetter(dlq))
@@ -87,9 +87,9 @@
 //
 // # Dead letters
 //
-// [DeadLetterStream] appends the original fields plus the diagnostics to
+// [DeadLetter] appends the original fields plus the diagnostics to
 // the dead-letter stream and acknowledges the original in one atomic step on
-// one server (see DeadLetterStream for what a cluster changes).
+// one server (see DeadLetter for what a cluster changes).
 //
 // # Consumer names
 //

@@ -21,7 +21,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := redisstream.NewDeadLetterStream(ctx, rdb, "orders-dlq")
+	dlq, err := redisstream.NewDeadLetter(ctx, rdb, "orders-dlq")
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -48,14 +48,14 @@ func Example() {
 // On a Redis Cluster, the stream and its dead-letter stream share a hash tag
 // so that a dead letter is appended and its original acknowledged in one
 // atomic step on one node.
-func ExampleNewDeadLetterStream_cluster() {
+func ExampleNewDeadLetter_cluster() {
 	ctx := context.Background()
 	rdb := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"redis-1:6379", "redis-2:6379"}})
 	src, err := redisstream.New(ctx, rdb, "{orders}", "billing")
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := redisstream.NewDeadLetterStream(ctx, rdb, "{orders}:dlq")
+	dlq, err := redisstream.NewDeadLetter(ctx, rdb, "{orders}:dlq")
 	if err != nil {
 		log.Fatal(err)
 	}

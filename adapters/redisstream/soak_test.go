@@ -278,9 +278,9 @@ func (s *soak) consume(gen int, life time.Duration, crash bool) {
 		s.log.Violate("consumer %d: New: %v", gen, err)
 		return
 	}
-	dl, err := NewDeadLetterStream(s.e.ctx(), client, s.e.dlq)
+	dl, err := NewDeadLetter(s.e.ctx(), client, s.e.dlq)
 	if err != nil {
-		s.log.Violate("consumer %d: NewDeadLetterStream: %v", gen, err)
+		s.log.Violate("consumer %d: NewDeadLetter: %v", gen, err)
 		src.Close()
 		return
 	}

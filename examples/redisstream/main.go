@@ -87,7 +87,7 @@ func run(ctx context.Context, rdb *redis.Client, cfg config, out io.Writer) erro
 	if err != nil {
 		return err
 	}
-	dlq, err := redisstream.NewDeadLetterStream(ctx, rdb, dlqName)
+	dlq, err := redisstream.NewDeadLetter(ctx, rdb, dlqName)
 	if err != nil {
 		src.Close()
 		return err
