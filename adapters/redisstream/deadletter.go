@@ -167,11 +167,11 @@ func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.
 // that appends its copy: d is an entry of a Source on the same client, in
 // the same slot, with few enough headers for the script.
 func (q *DeadLetter) settles(d *adapters.Delivery) (*Source, bool) {
-	src, ok := d.Handle.(*Source)
-	if !ok || src.client != q.client || !sameSlot(q.client, q.stream, src.stream) {
+	h := heldOf(d)
+	if h == nil || h.src.client != q.client || !sameSlot(q.client, q.stream, h.src.stream) {
 		return nil, false
 	}
-	return src, 1+len(d.Headers)+maxDiagnostics <= maxScriptFields
+	return h.src, 1+len(d.Headers)+maxDiagnostics <= maxScriptFields
 }
 
 // SettlesOriginal reports whether Send acknowledges d itself, in the script

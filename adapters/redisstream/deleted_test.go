@@ -218,6 +218,59 @@ func TestStreamDeletedAndRecreated(t *testing.T) {
 	}
 }
 
+// TestLostGroupCancelsHandlersAtOnce deletes the stream under a handler
+// holding an entry on a lease of a minute: the Source finds the group
+// missing at its next read and reports the held entry lost through its
+// Signal, so the handler is cancelled then, with a cause wrapping
+// adapters.ErrLeaseLost and ErrGroupMissing, and not at its first renewal,
+// twenty seconds on.
+func TestLostGroupCancelsHandlersAtOnce(t *testing.T) {
+	e := newEnv(t)
+	e.publish("held")
+	var (
+		mu       sync.Mutex
+		cause    error
+		renewals int64 = -1
+		after    int
+	)
+	var src *Source
+	src = e.open(WithLease(time.Minute))
+	s := start(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "after" {
+			mu.Lock()
+			after++
+			mu.Unlock()
+			return nil
+		}
+		<-ctx.Done()
+		mu.Lock()
+		cause, renewals = context.Cause(ctx), src.Stats().Renewals
+		mu.Unlock()
+		return cause
+	}), consumer.WithConcurrency(2))
+	waitFor(t, "the entry held", func() bool { return len(e.pending()) == 1 })
+	if err := e.client.Del(e.ctx(), e.stream).Err(); err != nil {
+		t.Fatal(err)
+	}
+	e.publish("after")
+	waitFor(t, "the held handler cancelled and the new entry handled", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return cause != nil && after == 1
+	})
+	if err := s.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !errors.Is(cause, adapters.ErrLeaseLost) || !errors.Is(cause, ErrGroupMissing) {
+		t.Errorf("the held handler ended with %v, want a cause wrapping adapters.ErrLeaseLost and ErrGroupMissing", cause)
+	}
+	if renewals != 0 {
+		t.Errorf("the handler was cancelled after %d renewals; want it cancelled when the Source found the group missing, before any", renewals)
+	}
+}
+
 // TestMissingGroupWithoutCreate checks that, without WithCreateGroup, a
 // Source whose group vanished says so, with an error wrapping
 // ErrGroupMissing, rather than creating it.

@@ -107,14 +107,18 @@
 // When the group vanishes (the stream was deleted, or the server restarted
 // without persistence), everything it held is gone: entries not yet read,
 // pending entries waiting to be reclaimed, and the group's position. The
-// Source reports it: renewals of held entries fail with adapters.ErrLeaseLost
-// wrapping [ErrGroupMissing] (their handlers are cancelled), and Receive
-// counts it (Stats.GroupMissing, custody.redis.group_missing), logs it, and
-// with WithCreateGroup creates the group again from the first entry of the
-// stream as it is then, so that nothing added since is skipped (on a stream
-// that survived, XGROUP DESTROY say, this delivers its entries again).
-// Without WithCreateGroup, Receive fails with an error wrapping
-// ErrGroupMissing until the group exists.
+// Source reports it. The Receive that finds the group missing reports every
+// entry this Source holds as lost, through its Delivery.Signal, with a
+// cause wrapping adapters.ErrLeaseLost and [ErrGroupMissing]: the runtime
+// cancels their handlers then, rather than at their next renewal (which
+// would fail alike). It counts the event (Stats.GroupMissing,
+// custody.redis.group_missing), logs it, and with WithCreateGroup creates
+// the group again from the first entry of the stream as it is then, so that
+// nothing added since is skipped (on a stream that survived, XGROUP DESTROY
+// say, this delivers its entries again). Without WithCreateGroup, Receive
+// fails with an error wrapping ErrGroupMissing until the group exists.
+// This is the only loss the Source reports through a Signal; every other
+// one is an entry error of the Ack, Nack or Extend that found it.
 //
 // # Metrics
 //

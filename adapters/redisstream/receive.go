@@ -50,9 +50,10 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	var (
 		out []*adapters.Delivery
 		err error
+		gen = s.generation()
 	)
 	if job, ok := s.takeReclaim(time.Now(), min(max, maxReclaim)); ok {
-		out, err = s.reclaim(ctx, job, min(max, maxReclaim))
+		out, err = s.reclaim(ctx, gen, job, min(max, maxReclaim))
 	}
 	if err == nil && len(out) < max {
 		block := time.Duration(-1) // none: there is something to hand out already
@@ -60,7 +61,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 			block = s.blockFor(time.Now())
 		}
 		var ds []*adapters.Delivery
-		ds, err = s.read(ctx, max-len(out), block)
+		ds, err = s.read(ctx, gen, max-len(out), block)
 		out = append(out, ds...)
 	}
 	if closed := s.isClosed(); closed || ctx.Err() != nil {
@@ -70,6 +71,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		}
 		return nil, ctx.Err()
 	}
+	s.hold(out)
 	return out, err
 }
 
@@ -127,7 +129,7 @@ func (s *Source) blockFor(now time.Time) time.Duration {
 
 // reclaim runs reclaimScript for job and turns what it claimed into
 // deliveries.
-func (s *Source) reclaim(ctx context.Context, job reclaimJob, max int) ([]*adapters.Delivery, error) {
+func (s *Source) reclaim(ctx context.Context, gen uint64, job reclaimJob, max int) ([]*adapters.Delivery, error) {
 	scan := "0"
 	if job.scan {
 		scan = "1"
@@ -148,7 +150,7 @@ func (s *Source) reclaim(ctx context.Context, job reclaimJob, max int) ([]*adapt
 		s.failed(cmdReclaim)
 		s.reclaimDone(job, "", false, nil, now, err)
 		if isNoGroup(err) {
-			return nil, s.groupMissing(ctx, err)
+			return nil, s.groupMissing(ctx, gen, err)
 		}
 		return nil, fmt.Errorf("redisstream: reclaiming idle entries of stream %q: %w", s.stream, err)
 	}
@@ -163,8 +165,9 @@ func (s *Source) reclaim(ctx context.Context, job reclaimJob, max int) ([]*adapt
 	}
 	s.stats.parked.Add(r.parked)
 	ds := make([]*adapters.Delivery, len(r.entries))
+	hs := make([]held, len(r.entries))
 	for i, e := range r.entries {
-		ds[i] = s.delivery(e.msg, e.count, now)
+		ds[i] = s.delivery(&hs[i], e.msg, e.count, now)
 	}
 	if n := len(ds); n > 0 {
 		s.stats.reclaimed.Add(int64(n))
@@ -266,7 +269,7 @@ func parseReclaim(res []any) (reclaimed, error) {
 }
 
 // read reads up to n new entries, blocking for block (-1: not at all).
-func (s *Source) read(ctx context.Context, n int, block time.Duration) ([]*adapters.Delivery, error) {
+func (s *Source) read(ctx context.Context, gen uint64, n int, block time.Duration) ([]*adapters.Delivery, error) {
 	s.count(cmdRead)
 	res, err := s.client.XReadGroup(ctx, &redis.XReadGroupArgs{
 		Group:    s.group,
@@ -281,35 +284,60 @@ func (s *Source) read(ctx context.Context, n int, block time.Duration) ([]*adapt
 	if err != nil {
 		s.failed(cmdRead)
 		if isNoGroup(err) {
-			return nil, s.groupMissing(ctx, err)
+			return nil, s.groupMissing(ctx, gen, err)
 		}
 		return nil, fmt.Errorf("redisstream: XREADGROUP on stream %q: %w", s.stream, err)
 	}
 	now := time.Now()
-	var ds []*adapters.Delivery
+	n = 0
 	for _, st := range res {
-		if ds == nil {
-			ds = make([]*adapters.Delivery, 0, len(st.Messages))
-		}
+		n += len(st.Messages)
+	}
+	ds := make([]*adapters.Delivery, 0, n)
+	hs := make([]held, n)
+	for _, st := range res {
 		for _, m := range st.Messages {
-			ds = append(ds, s.delivery(m, 1, now))
+			ds = append(ds, s.delivery(&hs[len(ds)], m, 1, now))
 		}
 	}
 	s.stats.received.Add(int64(len(ds)))
 	return ds, nil
 }
 
-// groupMissing handles a NOGROUP answer: it counts it and, with
-// WithCreateGroup, creates the group again from the start of the stream
-// (so that nothing added to a recreated stream is skipped), or returns an
-// error saying what to do.
-func (s *Source) groupMissing(ctx context.Context, cause error) error {
+// groupMissing handles a NOGROUP answer to a command sent in generation
+// gen of the group: it counts it, reports every entry held as lost (their
+// Signals: the runtime cancels their handlers at once rather than at their
+// next renewal) and, with WithCreateGroup, creates the group again from the
+// start of the stream (so that nothing added to a recreated stream is
+// skipped), or returns an error saying what to do. A Receive whose command
+// found the group missing after another one handled it does nothing more.
+func (s *Source) groupMissing(ctx context.Context, gen uint64, cause error) error {
+	s.groupMu.Lock()
+	defer s.groupMu.Unlock()
+	s.mu.Lock()
+	handled := s.gen != gen
+	var lost []*held
+	if !handled {
+		lost = s.takeHeldLocked()
+		s.cursor = "0-0"
+		s.groupLost = time.Now()
+	}
+	s.mu.Unlock()
+	if handled {
+		// Another Receive dealt with it since this one's command was sent.
+		if s.opts.createStart != "" {
+			return nil
+		}
+		return fmt.Errorf("%w: stream %q, group %q; create the group again, or use WithCreateGroup: %w", ErrGroupMissing, s.stream, s.group, cause)
+	}
 	s.stats.groupMissing.Add(1)
 	s.tel.groupMissing.Add(context.Background(), 1, s.tel.base)
-	s.mu.Lock()
-	s.cursor = "0-0"
-	s.groupLost = time.Now()
-	s.mu.Unlock()
+	lostErr := fmt.Errorf("%w: %w: stream %q, group %q", adapters.ErrLeaseLost, ErrGroupMissing, s.stream, s.group)
+	for _, h := range lost {
+		h.sig.Lose(lostErr)
+	}
+	s.stats.leaseLost.Add(int64(len(lost)))
+	defer s.nextGeneration()
 	if s.opts.createStart == "" {
 		return fmt.Errorf("%w: stream %q, group %q (the stream was deleted, or the server restarted without persistence); create the group again, or use WithCreateGroup: %w",
 			ErrGroupMissing, s.stream, s.group, cause)
@@ -317,9 +345,23 @@ func (s *Source) groupMissing(ctx context.Context, cause error) error {
 	if err := s.createGroup(ctx, "0"); err != nil {
 		return fmt.Errorf("%w: %w", ErrGroupMissing, err)
 	}
-	s.logger.Error("redisstream: the consumer group was missing (the stream was deleted, or the server restarted without persistence); it exists again, starting from the first entry of the stream. Entries pending in the old group are lost, those held by consumers can no longer be acked",
-		"stream", s.stream, "group", s.group, "consumer", s.consumer)
+	s.logger.Error("redisstream: the consumer group was missing (the stream was deleted, or the server restarted without persistence); it exists again, starting from the first entry of the stream. Entries pending in the old group are lost, and the handlers of those this consumer held were cancelled",
+		"stream", s.stream, "group", s.group, "consumer", s.consumer, "held", len(lost))
 	return nil
+}
+
+// generation returns the number of times this Source found the group
+// missing and dealt with it.
+func (s *Source) generation() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.gen
+}
+
+func (s *Source) nextGeneration() {
+	s.mu.Lock()
+	s.gen++
+	s.mu.Unlock()
 }
 
 // deletedWhilePending counts and logs entries a reclaim found deleted from
@@ -337,9 +379,10 @@ func (s *Source) deletedWhilePending(ids []string) {
 		"stream", s.stream, "group", s.group, "entries", n, "ids", strings.Join(shown, ","))
 }
 
-// delivery turns an entry into a Delivery.
-func (s *Source) delivery(m redis.XMessage, attempt int, now time.Time) *adapters.Delivery {
-	d := &adapters.Delivery{
+// delivery fills h from an entry and returns its Delivery.
+func (s *Source) delivery(h *held, m redis.XMessage, attempt int, now time.Time) *adapters.Delivery {
+	h.src = s
+	h.d = adapters.Delivery{
 		ID:          m.ID,
 		Attempt:     attempt,
 		Queue:       s.stream,
@@ -348,8 +391,10 @@ func (s *Source) delivery(m redis.XMessage, attempt int, now time.Time) *adapter
 		PublishedAt: idTime(m.ID),
 		ReceivedAt:  now,
 		Native:      m,
-		Handle:      s,
+		Handle:      h,
+		Signal:      &h.sig,
 	}
+	d := &h.d
 	n := len(m.Values)
 	if _, ok := m.Values[s.opts.bodyField]; ok {
 		n--

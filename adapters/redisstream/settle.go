@@ -23,8 +23,8 @@ var ErrDeleted = errors.New("redisstream: the entry was deleted from the stream 
 // same client, stream and group (any consumer of a group may XACK its
 // entries).
 func (s *Source) owns(d *adapters.Delivery) bool {
-	o, ok := d.Handle.(*Source)
-	return ok && (o == s || (o.client == s.client && o.stream == s.stream && o.group == s.group))
+	h := heldOf(d)
+	return h != nil && (h.src == s || (h.src.client == s.client && h.src.stream == s.stream && h.src.group == s.group))
 }
 
 func (s *Source) foreign(d *adapters.Delivery) error {
@@ -40,6 +40,7 @@ func (s *Source) foreign(d *adapters.Delivery) error {
 // server succeeds. Only deliveries from another stream, group or client
 // fail, alone.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	s.unhold(ds)
 	var failed map[int]error
 	ids := make([]string, 0, len(ds))
 	for i, d := range ds {
@@ -200,6 +201,13 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 		}
 	}
 	if len(failed) > 0 {
+		var lost []*adapters.Delivery
+		for i, err := range failed {
+			if errors.Is(err, adapters.ErrLeaseLost) {
+				lost = append(lost, ds[i])
+			}
+		}
+		s.unhold(lost)
 		return &adapters.BatchError{Failed: failed}
 	}
 	return nil
@@ -322,6 +330,7 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	for i, n := range ns {
 		ds[i] = n.Delivery
 	}
+	s.unhold(ds)
 	return s.nack(ctx, ds, func(i int) time.Duration { return ns[i].After }, false)
 }
 

@@ -50,6 +50,16 @@ type Source struct {
 	// received before it are no longer pending in the group it created
 	// again.
 	groupLost time.Time
+	// gen counts the times this Source found the group missing and dealt
+	// with it, so that two Receives finding it missing deal with it once.
+	gen uint64
+	// held is what the runtime holds of what this Source handed out: the
+	// entries whose Signals a missing group loses. sweepAt is the size at
+	// which hold next drops those the runtime lost by itself.
+	held    map[*held]struct{}
+	sweepAt int
+
+	groupMu sync.Mutex // serializes the handling of a missing group
 }
 
 var (
@@ -237,6 +247,7 @@ func (s *Source) Close() error {
 		return nil
 	}
 	s.closed = true
+	s.held = nil
 	s.mu.Unlock()
 	s.tel.close()
 	s.calls.Wait()

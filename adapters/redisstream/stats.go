@@ -19,9 +19,9 @@ type Stats struct {
 	// AckedNotPending those it found no longer pending (acked before, or by
 	// the consumer that reclaimed them).
 	Acked, AckedNotPending int64
-	// Renewed counts lease renewals that took; LeaseLost renewals and
-	// give-backs that found the entry claimed by another consumer or no
-	// longer pending.
+	// Renewed counts lease renewals that took; LeaseLost entries found lost:
+	// by renewals and give-backs (claimed by another consumer, or no longer
+	// pending), and held entries of a group found missing.
 	Renewed, LeaseLost int64
 	// Nacked counts entries given back; Parked the times an entry was set
 	// aside for a delay longer than the lease (at the give-back, and at each
