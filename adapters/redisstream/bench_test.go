@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
 )
 
@@ -81,14 +82,24 @@ func rawConsume(b *testing.B, c *redis.Client, stream string, n int) (time.Durat
 	return time.Since(start), cmds
 }
 
+// variant adjusts what the Source declares, to compare declarations in
+// one run; nil keeps them.
+type variant struct {
+	name string
+	caps func(*adapters.Capabilities)
+}
+
 // custodyConsume consumes n entries through the Source and the runtime with
 // a no-op handler, and returns the time taken and the Source's stats.
 // inFlight 0 leaves the runtime's default (20 at concurrency 1 to 8).
-func custodyConsume(b *testing.B, c *redis.Client, stream string, n, concurrency, inFlight int) (time.Duration, Stats) {
+func custodyConsume(b *testing.B, c *redis.Client, stream string, n, concurrency, inFlight int, v variant) (time.Duration, Stats) {
 	b.Helper()
 	src, err := New(context.Background(), c, stream, "g", WithBlock(100*time.Millisecond), WithLogger(quiet()))
 	if err != nil {
 		b.Fatal(err)
+	}
+	if v.caps != nil {
+		v.caps(&src.caps)
 	}
 	var count atomic.Int64
 	done := make(chan struct{})
@@ -158,25 +169,35 @@ func watermillConsume(b *testing.B, stream string, n int) time.Duration {
 // BenchmarkNoop is the no-op throughput of the adapter under the runtime
 // against a raw go-redis loop (XREADGROUP 256, XACK each) and Watermill's
 // subscriber, on streams filled alike. The lever is XACK: the runtime
-// gathers the acks of its workers into one XACK per batch.
+// gathers the acks of its workers into one XACK per batch. Beside the
+// Source as it declares itself ("custody"), the same run measures two
+// Receive calls at once ("receivers=2"), which the Source does not
+// declare: a read hands out at once what the stream holds, so the
+// in-flight window, not the read, bounds the throughput.
 func BenchmarkNoop(b *testing.B) {
+	variants := []variant{
+		{name: "custody"},
+		{name: "receivers=2", caps: func(c *adapters.Capabilities) { c.Receivers = 2 }},
+	}
 	for _, cfg := range []struct{ concurrency, inFlight int }{{1, 0}, {1, 512}, {8, 512}} {
 		b.Run(fmt.Sprintf("concurrency=%d/inflight=%d", cfg.concurrency, cfg.inFlight), func(b *testing.B) {
-			benchNoop(b, cfg.concurrency, cfg.inFlight)
+			benchNoop(b, cfg.concurrency, cfg.inFlight, variants)
 		})
 	}
 }
 
-func benchNoop(b *testing.B, concurrency, inFlight int) {
+func benchNoop(b *testing.B, concurrency, inFlight int, variants []variant) {
 	c := newClient(b, redisAddr())
-	var (
-		raw, cust, wm                   time.Duration
-		rawCmds, custCmds, received     int64
-		rawAllocs, custAllocs, wmAllocs uint64
-	)
+	type tally struct {
+		took           time.Duration
+		cmds, received int64
+		allocs         uint64
+	}
+	var raw, wm tally
+	cust := make([]tally, len(variants))
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
-		streams := make([]string, 3)
+		streams := make([]string, 2+len(variants))
 		for j := range streams {
 			e := newEnvOn(b, c)
 			streams[j] = e.stream
@@ -184,41 +205,120 @@ func benchNoop(b *testing.B, concurrency, inFlight int) {
 		}
 		b.StartTimer()
 		// Alternate the order: the machine is shared and its load drifts.
-		order := []int{0, 1, 2}
-		if i%2 == 1 {
-			order = []int{2, 1, 0}
+		order := make([]int, len(streams))
+		for j := range order {
+			order[j] = j
+			if i%2 == 1 {
+				order[j] = len(order) - 1 - j
+			}
 		}
 		for _, k := range order {
 			m0 := mallocs()
 			switch k {
 			case 0:
-				took, cmds := rawConsume(b, c, streams[0], benchEntries)
-				raw += took
-				rawCmds += int64(cmds)
-				rawAllocs += mallocs() - m0
+				took, cmds := rawConsume(b, c, streams[k], benchEntries)
+				raw.took += took
+				raw.cmds += int64(cmds)
+				raw.allocs += mallocs() - m0
 			case 1:
-				took, st := custodyConsume(b, c, streams[1], benchEntries, concurrency, inFlight)
-				cust += took
-				custCmds += st.Commands()
-				received += st.Received
-				custAllocs += mallocs() - m0
-			case 2:
-				wm += watermillConsume(b, streams[2], benchEntries)
-				wmAllocs += mallocs() - m0
+				wm.took += watermillConsume(b, streams[k], benchEntries)
+				wm.allocs += mallocs() - m0
+			default:
+				v := k - 2
+				took, st := custodyConsume(b, c, streams[k], benchEntries, concurrency, inFlight, variants[v])
+				cust[v].took += took
+				cust[v].cmds += st.Commands()
+				cust[v].received += st.Received
+				cust[v].allocs += mallocs() - m0
 			}
 		}
 	}
 	total := float64(benchEntries * b.N)
-	b.ReportMetric(total/raw.Seconds(), "raw-msg/s")
-	b.ReportMetric(total/cust.Seconds(), "custody-msg/s")
-	b.ReportMetric(total/wm.Seconds(), "watermill-msg/s")
-	b.ReportMetric(raw.Seconds()/cust.Seconds(), "ratio-raw")
-	b.ReportMetric(wm.Seconds()/cust.Seconds(), "ratio-watermill")
-	b.ReportMetric(float64(rawCmds)/total, "raw-cmds/msg")
-	b.ReportMetric(float64(custCmds)/float64(received), "custody-cmds/msg")
-	b.ReportMetric(float64(rawAllocs)/total, "raw-allocs/msg")
-	b.ReportMetric(float64(custAllocs)/total, "custody-allocs/msg")
-	b.ReportMetric(float64(wmAllocs)/total, "watermill-allocs/msg")
+	b.ReportMetric(total/raw.took.Seconds(), "raw-msg/s")
+	b.ReportMetric(total/wm.took.Seconds(), "watermill-msg/s")
+	b.ReportMetric(float64(raw.cmds)/total, "raw-cmds/msg")
+	b.ReportMetric(float64(raw.allocs)/total, "raw-allocs/msg")
+	b.ReportMetric(float64(wm.allocs)/total, "watermill-allocs/msg")
+	for v, t := range cust {
+		name := variants[v].name
+		b.ReportMetric(total/t.took.Seconds(), name+"-msg/s")
+		b.ReportMetric(raw.took.Seconds()/t.took.Seconds(), name+"-ratio-raw")
+		b.ReportMetric(wm.took.Seconds()/t.took.Seconds(), name+"-ratio-watermill")
+		b.ReportMetric(float64(t.cmds)/float64(t.received), name+"-cmds/msg")
+		b.ReportMetric(float64(t.allocs)/total, name+"-allocs/msg")
+		if v > 0 {
+			b.ReportMetric(cust[0].took.Seconds()/t.took.Seconds(), name+"-ratio-custody")
+		}
+	}
+}
+
+// BenchmarkAckLinger compares the ack batching the Source declares (sent
+// by the runtime's goroutines after a linger, several calls under way)
+// with acks sent by the workers as soon as they run out of work (no
+// linger), on the local Redis and with a round trip made longer by a hook
+// that sleeps before each command (as Redis over a network would be), in
+// the same run.
+func BenchmarkAckLinger(b *testing.B) {
+	const n = 5000
+	variants := []variant{
+		{name: "linger"},
+		{name: "no-linger", caps: func(c *adapters.Capabilities) {
+			c.Ack = adapters.Batching{MaxEntries: c.Ack.MaxEntries}
+		}},
+	}
+	for _, delay := range []time.Duration{0, 200 * time.Microsecond} {
+		for _, concurrency := range []int{1, 8, 32} {
+			b.Run(fmt.Sprintf("delay=%v/concurrency=%d", delay, concurrency), func(b *testing.B) {
+				c := newClient(b, redisAddr())
+				if delay > 0 {
+					c.AddHook(delayHook(delay))
+				}
+				took := make([]time.Duration, len(variants))
+				cmds := make([]int64, len(variants))
+				for i := 0; i < b.N; i++ {
+					b.StopTimer()
+					streams := make([]string, len(variants))
+					for j := range streams {
+						e := newEnvOn(b, c)
+						streams[j] = e.stream
+						benchFill(b, c, e.stream, n)
+					}
+					b.StartTimer()
+					for j := range variants {
+						k := j
+						if i%2 == 1 {
+							k = len(variants) - 1 - j
+						}
+						t, st := custodyConsume(b, c, streams[k], n, concurrency, 0, variants[k])
+						took[k] += t
+						cmds[k] += st.Commands()
+					}
+				}
+				for k, v := range variants {
+					b.ReportMetric(float64(n*b.N)/took[k].Seconds(), v.name+"-msg/s")
+					b.ReportMetric(float64(cmds[k])/float64(n*b.N), v.name+"-cmds/msg")
+				}
+				b.ReportMetric(took[1].Seconds()/took[0].Seconds(), "linger-speedup")
+			})
+		}
+	}
+}
+
+// delayHook sleeps before every command it sees, as a longer round trip.
+type delayHook time.Duration
+
+func (h delayHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h delayHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		time.Sleep(time.Duration(h))
+		return next(ctx, cmd)
+	}
+}
+func (h delayHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		time.Sleep(time.Duration(h))
+		return next(ctx, cmds)
+	}
 }
 
 // BenchmarkRenewals holds 100 entries under a handler that runs for ten

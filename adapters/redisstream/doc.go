@@ -46,18 +46,31 @@
 // # Reclaim
 //
 // Receive first claims entries whose idle time passed the lease, then reads
-// new ones for the room left. Entries idle past the lease belong to a
-// consumer that died, or are retries that fell due (see Retries). They are
-// claimed by a script that scans the pending list with XAUTOCLAIM (every
-// WithReclaimInterval, 1 s by default, or at once while scans come back
-// full), and handed out with the group's delivery count, which the claim
-// counted up, as their attempt number. Entries deleted from the stream
-// while pending (trimmed with MAXLEN or XTRIM, or deleted with XDEL) are
-// dropped from the pending list by Redis during the claim: the Source
-// counts them (Stats.Deleted, custody.redis.deleted), logs them, and never
-// hands them out, so they neither come out empty nor hold anything up. An
-// entry deleted while this consumer holds it is counted too; its handler
-// runs on (no one else can be handed it), and its ack finds nothing to do.
+// new ones for the room left, never more than it was asked for in all.
+// Entries idle past the lease belong to a consumer that died, or are
+// retries that fell due (see Retries). They are claimed by a script that
+// scans the pending list with XAUTOCLAIM (every WithReclaimInterval, 1 s by
+// default, or at once while scans come back full), and handed out with the
+// group's delivery count, which the claim counted up, as their attempt
+// number. Entries deleted from the stream while pending (trimmed with
+// MAXLEN or XTRIM, or deleted with XDEL) are dropped from the pending list
+// by Redis during the claim: the Source counts them (Stats.Deleted,
+// custody.redis.deleted), logs them, and never hands them out, so they
+// neither come out empty nor hold anything up. An entry deleted while this
+// consumer holds it is counted too; its handler runs on (no one else can be
+// handed it), and its ack finds nothing to do.
+//
+// Reclaiming is part of receiving, not a timing policy of the adapter's:
+// Redis never hands a pending entry out again by itself, so an entry whose
+// lease ran out, or whose retry delay passed, is deliverable only to a
+// consumer that claims it. When an entry becomes deliverable is decided by
+// the lease and by the delay the runtime gave Nack; the reclaim interval
+// only bounds how long after that the Source looks, as WithBlock bounds a
+// wait for new entries: it is how often the Source polls a list Redis does
+// not push. The Source keeps no entry between calls, and claims the entries
+// it gave back itself when their delay has passed (it remembers when), so
+// that a retry comes back when the runtime asked rather than at the next
+// scan.
 //
 // # Acks
 //
@@ -66,6 +79,18 @@
 // WithDeleteOnAck. The runtime gathers acks from all its workers into
 // batches, so a busy consumer sends one XACK per batch rather than one per
 // message.
+//
+// # What the Source declares
+//
+// The Source batches, lingers, renews and retries nothing by itself; its
+// Capabilities tell the runtime how to do so. Acks: up to 1,024 entries a
+// call, sent by the runtime's goroutines (up to four calls under way) once a
+// batch is full or its oldest ack has waited half a millisecond: each XACK
+// is a round trip, and this sends fewer of them and keeps the workers
+// running while one is under way. Give-backs and renewals: up to 512
+// entries a script call. One Receive at a time: a read hands out at once
+// what the stream holds, so a second one would not add throughput.
+// docs/redisstream.md gives the measurements.
 //
 // # Retries
 //

@@ -9,7 +9,7 @@ import (
 // hashTag returns the part of key that Redis Cluster hashes to pick its
 // slot: the text between the first '{' and the first '}' after it when that
 // is not empty, otherwise the whole key. Keys with the same hash tag are in
-// the same slot, which a script or a MULTI touching several keys needs.
+// the same slot, which a script touching several keys needs.
 func hashTag(key string) string {
 	if i := strings.IndexByte(key, '{'); i >= 0 {
 		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
@@ -33,9 +33,9 @@ func delaysKey(stream, group string) (string, bool) {
 	return key, hashTag(key) == stream
 }
 
-// sameSlot reports whether the keys can be touched by one script or one
-// MULTI through client: always on a single server, and on a cluster or a
-// ring when their hash tags are equal.
+// sameSlot reports whether the keys can be touched by one script through
+// client: always on a single server, and on a cluster or a ring when their
+// hash tags are equal.
 func sameSlot(client redis.UniversalClient, a, b string) bool {
 	if _, single := client.(*redis.Client); single {
 		return true

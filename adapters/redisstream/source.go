@@ -124,7 +124,9 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 		Lease:            o.lease,
 		NackDelay:        true,
 		CountsDeliveries: true,
-		Extend:           adapters.Batching{MaxEntries: maxExtendBatch},
+		Ack:              adapters.Batching{MaxEntries: ackChunk, Linger: ackLinger, MaxCalls: ackCalls},
+		Nack:             adapters.Batching{MaxEntries: maxScriptBatch},
+		Extend:           adapters.Batching{MaxEntries: maxScriptBatch, MaxCalls: extendCalls},
 	}
 	if err := checkVersion(ctx, client); err != nil {
 		return nil, err
@@ -143,11 +145,29 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 	return s, nil
 }
 
-// maxExtendBatch bounds the entries of one renewal script call: large
-// enough that a consumer holding a few hundred entries renews them in one
-// call, small enough that the script (two commands per entry on the
-// server) stays short.
-const maxExtendBatch = 512
+// How the runtime batches acks: each XACK is a round trip, so acks are
+// sent by the runtime's goroutines, up to ackCalls at once, after waiting
+// up to ackLinger to fill a batch. Against acks sent by the workers as soon
+// as they run out of work, that sends fewer XACKs when several workers
+// finish at once, and lets the workers run on while an XACK is under way,
+// which counts once a round trip is longer than a local one (Redis over a
+// network): BenchmarkAckLinger measures both. Nacks are retries and
+// shutdown give-backs, rare or in bulk: the workers send them at once.
+const (
+	ackLinger = 500 * time.Microsecond
+	ackCalls  = 4
+)
+
+// extendCalls bounds the renewal calls under way: one call renews up to
+// maxScriptBatch entries, so several are under way only for thousands of
+// leases due at once.
+const extendCalls = 4
+
+// maxScriptBatch bounds the entries of one renewal or give-back script
+// call: large enough that a consumer holding a few hundred entries renews
+// them in one call, small enough that the script (two commands per entry on
+// the server) stays short.
+const maxScriptBatch = 512
 
 // uniqueConsumer returns a consumer name no other Source has: the host, the
 // process and a random suffix.
