@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -188,16 +189,15 @@ func BenchmarkNoop(b *testing.B) {
 
 func benchNoop(b *testing.B, concurrency, inFlight int, variants []variant) {
 	c := newClient(b, redisAddr())
-	type tally struct {
-		took           time.Duration
-		cmds, received int64
-		allocs         uint64
-	}
-	var raw, wm tally
-	cust := make([]tally, len(variants))
+	// Readers: 0 the raw loop, 1 Watermill, 2 on the variants.
+	n := 2 + len(variants)
+	took := make([][]time.Duration, n) // by reader, by iteration
+	cmds := make([]int64, n)
+	received := make([]int64, n)
+	allocs := make([]uint64, n)
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
-		streams := make([]string, 2+len(variants))
+		streams := make([]string, n)
 		for j := range streams {
 			e := newEnvOn(b, c)
 			streams[j] = e.stream
@@ -205,51 +205,81 @@ func benchNoop(b *testing.B, concurrency, inFlight int, variants []variant) {
 		}
 		b.StartTimer()
 		// Alternate the order: the machine is shared and its load drifts.
-		order := make([]int, len(streams))
-		for j := range order {
-			order[j] = j
+		for j := range n {
+			k := j
 			if i%2 == 1 {
-				order[j] = len(order) - 1 - j
+				k = n - 1 - j
 			}
-		}
-		for _, k := range order {
 			m0 := mallocs()
+			var t time.Duration
 			switch k {
 			case 0:
-				took, cmds := rawConsume(b, c, streams[k], benchEntries)
-				raw.took += took
-				raw.cmds += int64(cmds)
-				raw.allocs += mallocs() - m0
+				var c0 int
+				t, c0 = rawConsume(b, c, streams[k], benchEntries)
+				cmds[k] += int64(c0)
+				received[k] += benchEntries
 			case 1:
-				wm.took += watermillConsume(b, streams[k], benchEntries)
-				wm.allocs += mallocs() - m0
+				t = watermillConsume(b, streams[k], benchEntries)
 			default:
-				v := k - 2
-				took, st := custodyConsume(b, c, streams[k], benchEntries, concurrency, inFlight, variants[v])
-				cust[v].took += took
-				cust[v].cmds += st.Commands()
-				cust[v].received += st.Received
-				cust[v].allocs += mallocs() - m0
+				var st Stats
+				t, st = custodyConsume(b, c, streams[k], benchEntries, concurrency, inFlight, variants[k-2])
+				cmds[k] += st.Commands()
+				received[k] += st.Received
 			}
+			took[k] = append(took[k], t)
+			allocs[k] += mallocs() - m0
 		}
 	}
 	total := float64(benchEntries * b.N)
-	b.ReportMetric(total/raw.took.Seconds(), "raw-msg/s")
-	b.ReportMetric(total/wm.took.Seconds(), "watermill-msg/s")
-	b.ReportMetric(float64(raw.cmds)/total, "raw-cmds/msg")
-	b.ReportMetric(float64(raw.allocs)/total, "raw-allocs/msg")
-	b.ReportMetric(float64(wm.allocs)/total, "watermill-allocs/msg")
-	for v, t := range cust {
-		name := variants[v].name
-		b.ReportMetric(total/t.took.Seconds(), name+"-msg/s")
-		b.ReportMetric(raw.took.Seconds()/t.took.Seconds(), name+"-ratio-raw")
-		b.ReportMetric(wm.took.Seconds()/t.took.Seconds(), name+"-ratio-watermill")
-		b.ReportMetric(float64(t.cmds)/float64(t.received), name+"-cmds/msg")
-		b.ReportMetric(float64(t.allocs)/total, name+"-allocs/msg")
-		if v > 0 {
-			b.ReportMetric(cust[0].took.Seconds()/t.took.Seconds(), name+"-ratio-custody")
+	name := func(k int) string {
+		switch k {
+		case 0:
+			return "raw"
+		case 1:
+			return "watermill"
+		}
+		return variants[k-2].name
+	}
+	for k := range n {
+		b.ReportMetric(benchEntries/medianOf(took[k]).Seconds(), name(k)+"-msg/s")
+		b.ReportMetric(float64(allocs[k])/total, name(k)+"-allocs/msg")
+		if k != 1 {
+			b.ReportMetric(float64(cmds[k])/float64(received[k]), name(k)+"-cmds/msg")
+		}
+		if k >= 2 {
+			b.ReportMetric(medianRatio(took[0], took[k]), name(k)+"-ratio-raw")
+			b.ReportMetric(medianRatio(took[1], took[k]), name(k)+"-ratio-watermill")
+		}
+		if k > 2 {
+			b.ReportMetric(medianRatio(took[2], took[k]), name(k)+"-ratio-custody")
 		}
 	}
+}
+
+// medianOf returns the median of ts.
+func medianOf(ts []time.Duration) time.Duration {
+	s := slices.Clone(ts)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// medianRatio returns the median over iterations of base[i]/t[i]: how many
+// times faster t was than base in the same iteration. Pairs taken in the
+// same iteration share the machine's load of the moment, which varies on a
+// shared machine far more than the readers differ.
+func medianRatio(base, t []time.Duration) float64 {
+	r := make([]float64, len(t))
+	for i := range t {
+		r[i] = base[i].Seconds() / t[i].Seconds()
+	}
+	slices.Sort(r)
+	if len(r)%2 == 1 {
+		return r[len(r)/2]
+	}
+	return (r[len(r)/2-1] + r[len(r)/2]) / 2
 }
 
 // BenchmarkAckLinger compares the ack batching the Source declares (sent
@@ -273,7 +303,7 @@ func BenchmarkAckLinger(b *testing.B) {
 				if delay > 0 {
 					c.AddHook(delayHook(delay))
 				}
-				took := make([]time.Duration, len(variants))
+				took := make([][]time.Duration, len(variants))
 				cmds := make([]int64, len(variants))
 				for i := 0; i < b.N; i++ {
 					b.StopTimer()
@@ -290,15 +320,15 @@ func BenchmarkAckLinger(b *testing.B) {
 							k = len(variants) - 1 - j
 						}
 						t, st := custodyConsume(b, c, streams[k], n, concurrency, 0, variants[k])
-						took[k] += t
+						took[k] = append(took[k], t)
 						cmds[k] += st.Commands()
 					}
 				}
 				for k, v := range variants {
-					b.ReportMetric(float64(n*b.N)/took[k].Seconds(), v.name+"-msg/s")
+					b.ReportMetric(n/medianOf(took[k]).Seconds(), v.name+"-msg/s")
 					b.ReportMetric(float64(cmds[k])/float64(n*b.N), v.name+"-cmds/msg")
 				}
-				b.ReportMetric(took[1].Seconds()/took[0].Seconds(), "linger-speedup")
+				b.ReportMetric(medianRatio(took[1], took[0]), "linger-speedup")
 			})
 		}
 	}

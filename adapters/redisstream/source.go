@@ -151,8 +151,9 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 // as they run out of work, that sends fewer XACKs when several workers
 // finish at once, and lets the workers run on while an XACK is under way,
 // which counts once a round trip is longer than a local one (Redis over a
-// network): BenchmarkAckLinger measures both. Nacks are retries and
-// shutdown give-backs, rare or in bulk: the workers send them at once.
+// network), for a hand-off per call that a Redis on the same machine
+// feels: BenchmarkAckLinger measures both. Nacks are retries and shutdown
+// give-backs, rare or in bulk: the workers send them at once.
 const (
 	ackLinger = 500 * time.Microsecond
 	ackCalls  = 4
