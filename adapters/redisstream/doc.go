@@ -151,6 +151,7 @@
 // command and error), custody.redis.pending and custody.redis.lag (the
 // group's backlog, read with XINFO GROUPS when metrics are collected),
 // custody.redis.reclaimed, custody.redis.deleted and
-// custody.redis.group_missing. [Source.Stats] counts commands and outcomes;
-// see docs/redisstream.md for commands per message.
+// custody.redis.group_missing. [Source.Stats] counts commands and outcomes
+// too, for tests and benchmarks; see docs/redisstream.md for commands per
+// message.
 package redisstream

@@ -4,7 +4,9 @@ import "sync/atomic"
 
 // Stats are a Source's counters since it was created: the commands it sent
 // (a script counts as one: one round trip), and what became of entries.
-// Divide Commands by Received for the commands per message.
+// Divide Commands by Received for the commands per message. They serve
+// tests and benchmarks; in production, read the OpenTelemetry metrics,
+// which count the same commands.
 type Stats struct {
 	// Reads, Reclaims, Acks, Deletes, Renewals, Nacks, Cleanups and Infos
 	// count XREADGROUP, reclaim-script, XACK, XDEL, renewal-script,
