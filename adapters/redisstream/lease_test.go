@@ -204,3 +204,36 @@ func TestRenewalReturnsAtItsDeadline(t *testing.T) {
 	close(hook.release)
 	<-closed
 }
+
+// TestRenewalsAreBatched holds 60 entries under the runtime past their
+// first renewal: the Source declares how many entries one renewal call
+// takes, so the lease keeper renews them together, in one script call or
+// a few, not ten at a time (its default for a source that declares
+// nothing).
+func TestRenewalsAreBatched(t *testing.T) {
+	const n = 60
+	e := newEnv(t)
+	bodies := make([]string, n)
+	for i := range bodies {
+		bodies[i] = "x"
+	}
+	e.publish(bodies...)
+	release := make(chan struct{})
+	src := e.open(WithLease(300 * time.Millisecond))
+	s := start(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return nil
+	}), consumer.WithConcurrency(n), consumer.WithMaxInFlight(n))
+	waitFor(t, "every held entry renewed", func() bool { return src.Stats().Renewed >= n })
+	close(release)
+	if err := s.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	st := src.Stats()
+	if per := float64(st.Renewed) / float64(st.Renewals); per <= 10 {
+		t.Errorf("%d entries renewed in %d calls: %.1f a call, want more than 10", st.Renewed, st.Renewals, per)
+	}
+}

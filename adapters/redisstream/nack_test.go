@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
 )
 
@@ -94,4 +95,33 @@ func TestRetrySurvivesTheProcess(t *testing.T) {
 // again at each reclaim until it is due, without its delivery count growing.
 func TestLongRetrySurvivesTheProcess(t *testing.T) {
 	retryAcrossProcesses(t, 200*time.Millisecond, 1200*time.Millisecond)
+}
+
+// TestNackDelayPerEntry gives back two entries in one call, one at once and
+// one after a minute: the first must come back at the next receive, the
+// second must stay with its delay (idle time well short of the lease).
+func TestNackDelayPerEntry(t *testing.T) {
+	const lease = 2 * time.Minute
+	e := newEnv(t)
+	ids := e.publish("now", "later")
+	src := e.open(WithLease(lease))
+	defer src.Close()
+	ds := receiveN(t, src, 2)
+	err := src.Nack(e.ctx(), []adapters.Nack{{Delivery: ds[0], After: 0}, {Delivery: ds[1], After: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	back := receiveN(t, src, 1)
+	if back[0].ID != ids[0] || back[0].Attempt != 2 {
+		t.Fatalf("came back: %s attempt %d, want %s attempt 2", back[0].ID, back[0].Attempt, ids[0])
+	}
+	for _, p := range e.pending() {
+		if p.ID == ids[1] && p.Idle >= lease-time.Minute+10*time.Second {
+			t.Errorf("the entry given back for a minute is idle %v: due within %v, not a minute", p.Idle, lease-p.Idle)
+		}
+	}
+	ds, err = src.Receive(e.ctx(), 10)
+	if err != nil || len(ds) != 0 {
+		t.Errorf("Receive after the first came back: %d entries, %v; want none: the other waits a minute", len(ds), err)
+	}
 }
