@@ -188,6 +188,33 @@
 // every one (custody.messages.settled by outcome). A line whose level the
 // logger discards costs one Enabled call and no allocation.
 //
+// # Operating a consumer
+//
+// [Consumer.Status] is a snapshot for the person on call: the state
+// (running, paused, draining, stopped), the source's connection (for
+// sources that report one: adapters.Connector), the last receive and ack,
+// what is held and running, leases lost and dead letters over the last
+// minute, a Kafka member's partitions, the backlog as last polled, and the
+// kill switch. [Consumer.LiveHandler] and [Consumer.ReadyHandler] serve it
+// to Kubernetes probes: liveness fails only when Run is not running or a
+// Receive has hung for [StuckAfter]; readiness is false while the source
+// connects or reconnects, while the consumer drains, and while its kill
+// switch is tripped.
+//
+// [Consumer.Pause] stops intake without leaving the group or dropping what
+// is held (leases stay renewed); held messages finish, or those not yet
+// running are given back ([GiveBackWaiting]). [Consumer.Resume] starts it
+// again. [WithKillSwitch] pauses intake by itself when too many attempts
+// fail over a window, holds what waits without using up attempts, and
+// probes with a few attempts before it resumes: a dependency's outage
+// turns into a pause, not into dead letters or retries that hammer it.
+//
+// A source that can tell its backlog (adapters.BacklogReporter) is polled
+// every [WithBacklogInterval] (30 s by default) for the gauges
+// custody.backlog.waiting, .in_flight and .oldest_age. Every counter is
+// reported from the start, at zero, so that it shows on a metrics page
+// before the first message.
+//
 // # Telemetry
 //
 // Metrics and spans go to the OpenTelemetry providers given by
