@@ -359,10 +359,21 @@ func TestDeadLetterFitsTheQueuesSizeLimit(t *testing.T) {
 	}
 }
 
+// hidingDeadLetter wraps a dead-letter destination as user code might (to
+// log its writes), hiding whether it settles the original itself
+// (adapters.OriginalSettler): the runtime then acks the original after
+// Send, which must not delete a message given back to the redrive policy.
+type hidingDeadLetter struct{ adapters.DeadLetter }
+
 func TestNativeRedrive(t *testing.T) {
 	t.Parallel()
-	for _, permanent := range []bool{false, true} {
-		t.Run(map[bool]string{false: "retries", true: "permanent"}[permanent], func(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		permanent bool
+		wrapped   bool
+	}{{"retries", false, false}, {"permanent", true, false}, {"wrapped sink", false, true}} {
+		permanent := c.permanent
+		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)
 			dlqURL, dlqARN := e.queue(false, 30*time.Second, nil)
@@ -382,11 +393,15 @@ func TestNativeRedrive(t *testing.T) {
 				cause = consumer.Permanent(cause)
 			}
 			h := &failing{poison: "poison body", err: cause}
+			var sink adapters.DeadLetter = redrive
+			if c.wrapped {
+				sink = hidingDeadLetter{redrive}
+			}
 			var got []types.Message
 			runUntil(t, src, h, "the poison message in the dead-letter queue", func() bool {
 				got = append(got, e.drain(dlqURL, 0)...)
 				return len(got) > 0 && h.count("good body") == 1
-			}, fastRetry(3), consumer.WithDeadLetter(redrive))
+			}, fastRetry(3), consumer.WithDeadLetter(sink))
 			if len(got) != 1 || aws.ToString(got[0].Body) != "poison body" {
 				t.Fatalf("dead-letter queue holds %v, want the poison message", got)
 			}
@@ -877,5 +892,35 @@ func TestRedriveSendOfALostLeaseSucceeds(t *testing.T) {
 	}
 	if n := src.Stats().LeaseLost; n != 1 {
 		t.Errorf("Stats.LeaseLost = %d; want the lost lease counted", n)
+	}
+}
+
+// An ack after NativeDeadLetter.Send leaves the message for the redrive
+// policy: the runtime sends one when a wrapper around the sink hides that
+// the sink settles the original itself.
+func TestAckAfterRedriveSendLeavesTheMessage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	_, dlqARN := e.queue(false, 30*time.Second, nil)
+	url, _ := e.queue(false, 30*time.Second, map[string]string{"RedrivePolicy": redrivePolicyJSON(dlqARN, 3)})
+	e.send(url, "poison body", "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	redrive, err := src.NativeDeadLetter(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := receiveAtLeast(t, src, 1)[0]
+	if err := redrive.Send(e.ctx(), d, adapters.Failure{Err: errors.New("cannot parse"), Attempts: 3}); err != nil {
+		t.Fatal(err)
+	}
+	if err := src.Ack(e.ctx(), []*adapters.Delivery{d}); err != nil {
+		t.Fatalf("Ack after the redrive's Send: %v, want nil", err)
+	}
+	if v, f := e.counts(url); v+f != 1 {
+		t.Fatalf("the queue holds %d messages after the ack, want the poison message still there for its redrive policy", v+f)
 	}
 }

@@ -22,7 +22,16 @@ import (
 // deleted already. An entry SQS failed on its side fails alone, and
 // IsRetryable tells the runtime to send it again. A request that fails
 // whole returns its error.
+//
+// A delivery NativeDeadLetter gave back to the queue's redrive policy is
+// not deleted, and its entry succeeds: its message must stay for the
+// policy to move, and the ack only completes the dead-lettering, whether
+// or not the runtime knew that the sink settled the original (a wrapper
+// around the sink hides adapters.OriginalSettler).
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	if sent, ok := s.withoutHandedBack(ds); !ok {
+		return remapEntries(s.Ack(ctx, sent.ds), sent.idx)
+	}
 	return s.runBatches(ctx, opDelete, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.DeleteMessageBatchRequestEntry, len(idx))
 		for pos, i := range idx {
@@ -200,4 +209,42 @@ func cappedSeconds(d *adapters.Delivery, want time.Duration, now time.Time) (int
 		secs = min(secs, left)
 	}
 	return int32(secs), true
+}
+
+// subset is some of a call's deliveries and their indexes in the call.
+type subset struct {
+	ds  []*adapters.Delivery
+	idx []int
+}
+
+// withoutHandedBack returns the deliveries of ds that were not given back
+// to the redrive policy, and reports true when that is all of them.
+func (s *Source) withoutHandedBack(ds []*adapters.Delivery) (subset, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var sub subset
+	all := true
+	for i, d := range ds {
+		if h, ok := d.Handle.(*handle); ok && h.handedBack {
+			all = false
+			continue
+		}
+		sub.ds = append(sub.ds, d)
+		sub.idx = append(sub.idx, i)
+	}
+	return sub, all
+}
+
+// remapEntries renumbers the failed entries of a call made for a subset
+// to their indexes in the whole call.
+func remapEntries(err error, idx []int) error {
+	var be *adapters.BatchError
+	if !errors.As(err, &be) {
+		return err
+	}
+	failed := make(map[int]error, len(be.Failed))
+	for i, e := range be.Failed {
+		failed[idx[i]] = e
+	}
+	return &adapters.BatchError{Failed: failed}
 }
