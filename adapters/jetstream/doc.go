@@ -1,0 +1,112 @@
+// Package jetstream is the custody adapter for NATS JetStream, over
+// github.com/nats-io/nats.go/jetstream.
+//
+// A [Source] reads one durable pull consumer of a stream through a
+// jetstream.JetStream you own; the runtime in package consumer drives it:
+//
+//	nc, err := nats.Connect(url)
+//	js, err := jetstream.New(nc)
+//	src, err := custodyjs.New(ctx, js, "ORDERS", "shipper",
+//		custodyjs.WithCreate(jetstream.ConsumerConfig{AckWait: 30 * time.Second}))
+//	dlq, err := custodyjs.NewDeadLetterSubject(ctx, js, "ORDERS_DLQ.shipper")
+//	c, err := consumer.New(src, handler,
+//		consumer.WithConcurrency(64),
+//		consumer.WithDeadLetter(dlq))
+//	err = c.Run(ctx)
+//
+// (custodyjs is this package, renamed beside nats.go's own jetstream.)
+//
+// # Receiving
+//
+// Receive makes a no-wait pull for as many messages as the runtime has room
+// for (at most WithMaxFetch, 256): the server answers at once with what is
+// ready. When nothing is, it waits up to WithPollWait (5 s) for one message,
+// then pulls the rest of the room without waiting. Nothing is fetched ahead
+// of the runtime's asking. The consumer acks explicitly; its MaxAckPending
+// is reported as Capabilities.MaxUnacked, so the runtime refuses a
+// concurrency above it and holds no more than it by default. MaxAckPending
+// counts across every process bound to the consumer: give it at least the
+// sum of their in-flight windows (consumer.WithMaxInFlight), or some of
+// them will wait for others' acks.
+//
+// Every delivery carries the message's headers as Headers (the first value
+// of each), where the runtime finds the W3C trace context (traceparent,
+// tracestate; once a propagator is set, see consumer.WithPropagator). ID is
+// "<stream>:<stream sequence>", the same on every redelivery; Attempt is the
+// server's NumDelivered; PublishedAt and FirstReceivedAt are the time the
+// stream stored the message (JetStream does not say when it first delivered
+// it, and it did no earlier). Key is the subject, or a header
+// (WithKeyHeader), so consumer.OrderByKey runs one message per subject at
+// a time, in stream order; WithOrderedKeys makes that the Source's own
+// ordering. [Message] (or consumer.Message.As) reaches the jetstream.Msg.
+//
+// # Leases
+//
+// The consumer's AckWait is the lease: the runtime renews every held
+// delivery, running or waiting, at a third of it, with InProgress (+WPI),
+// which resets the server's timer to the full AckWait. Renewals ask for the
+// server's reply, so a renewal that did not land (the connection was down)
+// fails and the runtime tries again while the lease lasts; once the
+// connection is back, renewals of what is still held resume. The Source
+// keeps, per delivery, when its lease runs out at the earliest (the send
+// time of its last answered renewal, or of the pull that fetched it, plus
+// AckWait); a renewal asked for after that fails with adapters.ErrLeaseLost
+// and is not sent, since the server may have given the message to another
+// consumer, whose lease it would extend. Renewals stop before the ack.
+//
+// A consumer with a BackOff list is refused: the server then times
+// redeliveries by BackOff[n] instead of AckWait, which shifts every delayed
+// nak of the runtime by BackOff[n] minus AckWait and gives later deliveries
+// leases of other lengths than the one the runtime renews by.
+//
+// # Acks, retries and shutdown
+//
+// Ack sends each delivery's ack as an acknowledged ack (the "double ack"):
+// an entry succeeds only once the server replied that it processed it.
+// JetStream has no batched ack, so n acks are n requests and n replies;
+// Ack sends them all at once and awaits the replies together, on one
+// subscription. An ack that is not answered within WithRequestTimeout (10 s)
+// fails, and the message may come back. The fire-and-forget ack would save
+// the reply; docs/jetstream.md measures what it costs.
+//
+// Nack naks with the retry policy's delay (NakWithDelay), so a retry waits
+// in the server, not in the process, and a bare nak never burns through
+// redeliveries in milliseconds. A delivery is settled once: a Nack after its
+// Ack (or an Ack after its Nack) fails that entry without a request.
+//
+// At shutdown the runtime naks with no delay what did not finish. Close
+// ends a Receive waiting, gives back at once what a pull brings after that,
+// and leaves the connection open.
+//
+// # Dead letters
+//
+// Two ways, pick one per consumer:
+//
+//   - [DeadLetterSubject] publishes a copy (body, headers, diagnostics) to a
+//     subject a stream captures and waits for the stream's PubAck; it then
+//     terminates the original (+TERM). A failed publish keeps the original.
+//   - [Source.NativeDeadLetter] leaves poison messages in the stream, to the
+//     consumer's MaxDeliver (which must equal the runtime's MaxAttempts,
+//     checked at start-up) and the server's MAX_DELIVERIES advisory.
+//
+// New refuses a consumer with a MaxDeliver limit unless WithMaxAttempts says
+// the runtime's MaxAttempts and MaxDeliver is not below it: the server would
+// stop delivering a message, with only an advisory, before the runtime
+// dead-letters it.
+//
+// # Reconnects and server restarts
+//
+// An ack names its message by stream sequence, never by a per-connection
+// tag, so an ack sent after a reconnect cannot land on another message.
+// Deliveries stay held across a reconnect; their acks and renewals resume
+// with the connection. A server that restarts keeps the consumer's state in
+// file storage, and redelivers what was unacked once its AckWait ran out.
+//
+// # Metrics
+//
+// custody.jetstream.pending (gauge: the consumer's backlog as of the latest
+// fetch) and custody.jetstream.requests (counter, by request kind and
+// error), with the stream and consumer names; [Source.Stats] counts the
+// same for tests and benchmarks. See docs/jetstream.md for configuration,
+// costs and what JetStream adds and lacks beside SQS.
+package jetstream
