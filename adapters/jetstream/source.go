@@ -105,8 +105,11 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 		cons, err = js.Consumer(ctx, stream, consumer)
 		if err != nil {
 			hint := ""
-			if errors.Is(err, jetstream.ErrConsumerNotFound) {
+			switch {
+			case errors.Is(err, jetstream.ErrConsumerNotFound):
 				hint = " (create it, or pass jetstream.WithCreate)"
+			case errors.Is(err, jetstream.ErrNotPullConsumer):
+				hint = " (custody fetches: use a pull consumer)"
 			}
 			return nil, fmt.Errorf("jetstream.New: binding to consumer %q of stream %q%s: %w", consumer, stream, hint, err)
 		}

@@ -1,0 +1,417 @@
+package jetstream
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/testlog"
+)
+
+// runUntil runs a consumer on src until cond holds, then stops it.
+func runUntil(t *testing.T, src adapters.Source, h consumer.Handler, what string, cond func() bool, opts ...consumer.Option) {
+	t.Helper()
+	c, err := consumer.New(src, h, append([]consumer.Option{consumer.WithLogger(testlog.New(t))}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	waitFor(t, what, cond)
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run: %v", err)
+	}
+}
+
+func TestNewRefusesConsumersThatFightTheRuntime(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	create := func(cfg jetstream.ConsumerConfig) {
+		t.Helper()
+		if _, err := e.js.CreateOrUpdateConsumer(e.ctx(), name, cfg); err != nil {
+			t.Fatalf("creating %s: %v", cfg.Durable, err)
+		}
+	}
+	create(jetstream.ConsumerConfig{Durable: "backoff", AckPolicy: jetstream.AckExplicitPolicy, AckWait: time.Second, MaxDeliver: 5, BackOff: []time.Duration{time.Second, 5 * time.Second}})
+	create(jetstream.ConsumerConfig{Durable: "ackall", AckPolicy: jetstream.AckAllPolicy})
+	create(jetstream.ConsumerConfig{Durable: "push", AckPolicy: jetstream.AckExplicitPolicy})
+	create(jetstream.ConsumerConfig{Durable: "maxdeliver", AckPolicy: jetstream.AckExplicitPolicy, MaxDeliver: 3})
+	// A push consumer, through the API of nats.go's legacy JetStream context.
+	legacy, err := e.nc.JetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := legacy.AddConsumer(name, &nats.ConsumerConfig{Durable: "pushed", DeliverSubject: nats.NewInbox(), AckPolicy: nats.AckExplicitPolicy}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		consumer string
+		opts     []Option
+		want     string
+	}{
+		{"backoff", []Option{WithMaxAttempts(5)}, "BackOff"},
+		{"ackall", nil, "AckPolicy"},
+		{"pushed", nil, "use a pull consumer"},
+		{"maxdeliver", nil, "WithMaxAttempts"},
+		{"maxdeliver", []Option{WithMaxAttempts(5)}, "below the runtime's MaxAttempts 5"},
+		{"missing", nil, "WithCreate"},
+	} {
+		_, err := New(e.ctx(), e.js, name, tc.consumer, tc.opts...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("New on consumer %s: %v, want an error saying %q", tc.consumer, err, tc.want)
+		}
+	}
+	if _, err := New(e.ctx(), e.js, name, "maxdeliver", WithMaxAttempts(3)); err != nil {
+		t.Errorf("New on a consumer whose MaxDeliver equals WithMaxAttempts: %v", err)
+	}
+	if _, err := New(e.ctx(), e.js, name, "push"); err != nil {
+		t.Errorf("New on a plain pull consumer: %v", err)
+	}
+	if err := WithCreate(jetstream.ConsumerConfig{BackOff: []time.Duration{time.Second}})(&options{}); err == nil {
+		t.Error("WithCreate accepted a BackOff list")
+	}
+}
+
+// TestMaxAckPendingBoundsConcurrency: the consumer's MaxAckPending is the
+// most the runtime may hold, so a concurrency above it is refused at
+// construction, naming what to change.
+func TestMaxAckPendingBoundsConcurrency(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	src, err := New(e.ctx(), e.js, name, "small", WithCreate(jetstream.ConsumerConfig{MaxAckPending: 8}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	if got := src.Capabilities().MaxUnacked; got != 8 {
+		t.Fatalf("MaxUnacked = %d, want the consumer's MaxAckPending 8", got)
+	}
+	h := consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+	if _, err := consumer.New(src, h, consumer.WithConcurrency(16)); err == nil || !strings.Contains(err.Error(), "WithConcurrency(16)") {
+		t.Fatalf("consumer.New with a concurrency above MaxAckPending: %v, want an error naming WithConcurrency", err)
+	}
+}
+
+// TestPoisonMessageDeadLettered: a message failing MaxAttempts times is in
+// the dead-letter stream with its diagnostics and the subject it came from,
+// is terminated (not acked), and is never delivered again.
+func TestPoisonMessageDeadLettered(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	e.stream(name+"_dlq", false)
+	dlq, err := NewDeadLetterSubject(e.ctx(), e.js, name+"_dlq.orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.publish(name+".orders.eu", []byte("poison"), map[string]string{"origin": "test", "Nats-Msg-Id": "publisher-id"})
+	e.publish(name+".orders.eu", []byte("good"), nil)
+	src, err := New(e.ctx(), e.js, name, "poison", WithCreate(jetstream.ConsumerConfig{AckWait: 5 * time.Second}), WithPollWait(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls sync.Map
+	h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		n, _ := calls.LoadOrStore(string(m.Body), new(atomic.Int64))
+		n.(*atomic.Int64).Add(1)
+		if string(m.Body) == "poison" {
+			return errors.New("cannot ship\nto nowhere")
+		}
+		return nil
+	})
+	count := func(body string) int64 {
+		n, ok := calls.Load(body)
+		if !ok {
+			return 0
+		}
+		return n.(*atomic.Int64).Load()
+	}
+	runUntil(t, src, h, "the poison message terminated", func() bool { return src.Stats().Terms == 1 },
+		consumer.WithDeadLetter(dlq), consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(10 * time.Millisecond)}))
+	ms, err := e.readAll(e.ctx(), name+"_dlq", "")
+	if err != nil || len(ms) != 1 {
+		t.Fatalf("dead-letter stream holds %d messages (%v), want 1", len(ms), err)
+	}
+	hd, err := copyHeaders(ms[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{
+		adapters.HeaderAttempts:      "3",
+		adapters.HeaderOriginalQueue: name,
+		adapters.HeaderOriginalID:    name + ":1",
+		adapters.HeaderError:         `cannot ship\nto nowhere`,
+		HeaderOriginalSubject:        name + ".orders.eu",
+		"origin":                     "test",
+		"Nats-Msg-Id":                "publisher-id", // kept, in custody-original-headers
+	}
+	for k, v := range want {
+		if hd[k] != v {
+			t.Errorf("dead-letter copy header %s = %q, want %q (headers %v)", k, hd[k], v, hd)
+		}
+	}
+	if got := ms[0].Headers().Get("Nats-Msg-Id"); got == "publisher-id" || got == "" {
+		t.Errorf("the copy's own Nats-Msg-Id is %q; want one of its own, not the publisher's", got)
+	}
+	if string(ms[0].Data()) != "poison" {
+		t.Errorf("copy body %q", ms[0].Data())
+	}
+	if n := count("poison"); n != 3 {
+		t.Errorf("poison message handled %d times, want 3", n)
+	}
+	ci, err := src.cons.Info(e.ctx())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ci.NumAckPending != 0 || ci.NumPending != 0 {
+		t.Errorf("consumer holds %d unacked and %d pending messages after the dead letter, want none", ci.NumAckPending, ci.NumPending)
+	}
+	if st := src.Stats(); st.Acks != 1 || st.Naks != 2 {
+		t.Errorf("acks %d, naks %d: want the good message acked and the poison one nacked twice, then terminated", st.Acks, st.Naks)
+	}
+	// Not delivered again, to this consumer or another.
+	src2, err := New(e.ctx(), e.js, name, "poison", WithPollWait(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runUntil(t, src2, h, "a quiet period past AckWait", func() bool { time.Sleep(6 * time.Second); return true })
+	if n := count("poison"); n != 3 {
+		t.Errorf("poison message handled %d times after its dead letter, want 3", n)
+	}
+}
+
+// TestDeadLetterPublishFailureKeepsOriginal: while the dead-letter subject
+// has no stream, the publish fails and the original stays with the
+// consumer (not acked, not terminated); once the stream is back the copy
+// is stored and the original terminated.
+func TestDeadLetterPublishFailureKeepsOriginal(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	dlqStream := name + "_dlq"
+	e.stream(dlqStream, false)
+	dlq, err := NewDeadLetterSubject(e.ctx(), e.js, dlqStream+".x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.js.DeleteStream(e.ctx(), dlqStream); err != nil {
+		t.Fatal(err)
+	}
+	e.publish(name+".a", []byte("poison"), nil)
+	src, err := New(e.ctx(), e.js, name, "dlfail", WithCreate(jetstream.ConsumerConfig{AckWait: 2 * time.Second}), WithPollWait(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		calls.Add(1)
+		return consumer.Permanent(errors.New("malformed"))
+	})
+	c, err := consumer.New(src, h, consumer.WithLogger(testlog.New(t)), consumer.WithDeadLetter(dlq),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(50 * time.Millisecond)}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	time.Sleep(3 * time.Second) // dead-letter writes fail meanwhile
+	if st := src.Stats(); st.Acks != 0 || st.Terms != 0 {
+		t.Errorf("with the dead-letter stream gone: %d acks, %d terms, want none", st.Acks, st.Terms)
+	}
+	e.stream(dlqStream, false)
+	waitFor(t, "the copy stored and the original terminated", func() bool { return src.Stats().Terms == 1 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run: %v", err)
+	}
+	ms, err := e.readAll(e.ctx(), dlqStream, "")
+	if err != nil || len(ms) != 1 || string(ms[0].Data()) != "poison" {
+		t.Fatalf("dead-letter stream holds %d messages (%v), want the poison one", len(ms), err)
+	}
+	t.Logf("handler calls: %d (a permanent error is not retried; the failed writes waited in place)", calls.Load())
+}
+
+// TestNativeDeadLetter: with the consumer's MaxDeliver equal to MaxAttempts,
+// a poison message is left to the server, which stops delivering it and
+// publishes its MAX_DELIVERIES advisory; a permanent error terminates at
+// once, with a MSG_TERMINATED advisory.
+func TestNativeDeadLetter(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	advisories := make(chan *nats.Msg, 16)
+	sub, err := e.nc.ChanSubscribe("$JS.EVENT.ADVISORY.CONSUMER.*."+name+".native", advisories)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	e.publish(name+".a", []byte("retried"), nil)
+	e.publish(name+".a", []byte("permanent"), nil)
+	src, err := New(e.ctx(), e.js, name, "native", WithCreate(jetstream.ConsumerConfig{AckWait: 5 * time.Second, MaxDeliver: 3}),
+		WithMaxAttempts(3), WithPollWait(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.NativeDeadLetter(4); err == nil {
+		t.Error("NativeDeadLetter(4) on a consumer with MaxDeliver 3 did not fail")
+	}
+	dl, err := src.NativeDeadLetter(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls sync.Map
+	h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		n, _ := calls.LoadOrStore(string(m.Body), new(atomic.Int64))
+		n.(*atomic.Int64).Add(1)
+		if string(m.Body) == "permanent" {
+			return consumer.Permanent(errors.New("malformed"))
+		}
+		return errors.New("fails")
+	})
+	seen := map[string]bool{}
+	runUntil(t, src, h, "both advisories", func() bool {
+		for {
+			select {
+			case m := <-advisories:
+				for _, kind := range []string{"MAX_DELIVERIES", "MSG_TERMINATED"} {
+					if strings.Contains(m.Subject, kind) {
+						seen[kind] = true
+					}
+				}
+			default:
+				return seen["MAX_DELIVERIES"] && seen["MSG_TERMINATED"]
+			}
+		}
+	}, consumer.WithDeadLetter(dl), consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(10 * time.Millisecond)}))
+	for body, want := range map[string]int64{"retried": 3, "permanent": 1} {
+		n, _ := calls.Load(body)
+		if got := n.(*atomic.Int64).Load(); got != want {
+			t.Errorf("%s handled %d times, want %d", body, got, want)
+		}
+	}
+	if st := src.Stats(); st.Acks != 0 {
+		t.Errorf("%d acks: the native dead letter leaves messages to the server, unacked", st.Acks)
+	}
+	info, err := e.js.Stream(e.ctx(), name)
+	if err != nil || info.CachedInfo().State.Msgs != 2 {
+		t.Errorf("the stream holds %v messages (%v), want both still there", info.CachedInfo().State.Msgs, err)
+	}
+}
+
+// TestTraceContextFromHeaders: a producer's W3C trace context, sent as the
+// traceparent header, is the parent of the processing span.
+func TestTraceContextFromHeaders(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	const traceID, parentSpan = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+	e.publish(name+".t", []byte("traced"), map[string]string{"traceparent": "00-" + traceID + "-" + parentSpan + "-01"})
+	src, err := New(e.ctx(), e.js, name, "trace", WithCreate(jetstream.ConsumerConfig{}), WithPollWait(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer tp.Shutdown(context.Background())
+	var handled atomic.Bool
+	runUntil(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		handled.Store(true)
+		return nil
+	}), "the message handled", handled.Load, consumer.WithTracerProvider(tp), consumer.WithPropagator(propagation.TraceContext{}))
+	for _, s := range rec.Ended() {
+		if s.SpanContext().TraceID().String() == traceID && s.Parent().SpanID().String() == parentSpan {
+			return
+		}
+	}
+	t.Errorf("no span continues trace %s from span %s", traceID, parentSpan)
+}
+
+// TestMetrics: the backlog gauge follows the consumer's pending count, and
+// requests are counted by kind.
+func TestMetrics(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	for range 5 {
+		e.publish(name+".m", []byte("x"), nil)
+	}
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	src, err := New(e.ctx(), e.js, name, "metrics", WithCreate(jetstream.ConsumerConfig{}), WithMeterProvider(mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	read := func() (pending int64, requests map[string]int64) {
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(context.Background(), &rm); err != nil {
+			t.Fatal(err)
+		}
+		requests = map[string]int64{}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				switch data := m.Data.(type) {
+				case metricdata.Gauge[int64]:
+					if m.Name == "custody.jetstream.pending" {
+						pending = data.DataPoints[0].Value
+					}
+				case metricdata.Sum[int64]:
+					for _, dp := range data.DataPoints {
+						kind, _ := dp.Attributes.Value("custody.jetstream.request")
+						requests[kind.AsString()] += dp.Value
+					}
+				}
+			}
+		}
+		return pending, requests
+	}
+	if p, _ := read(); p != 5 {
+		t.Errorf("pending before any fetch = %d, want 5", p)
+	}
+	ds := receiveN(t, src, 2)
+	if p, _ := read(); p != 3 {
+		t.Errorf("pending after fetching 2 of 5 = %d, want 3", p)
+	}
+	if err := src.Ack(e.ctx(), ds); err != nil {
+		t.Fatal(err)
+	}
+	if _, r := read(); r["ack"] != 2 || r["fetch"] < 1 {
+		t.Errorf("requests counted %v, want 2 acks and a fetch", r)
+	}
+}
+
+// receiveN receives until it holds n deliveries, asking for at most n.
+func receiveN(t *testing.T, src *Source, n int) []*adapters.Delivery {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	var ds []*adapters.Delivery
+	for len(ds) < n {
+		got, err := src.Receive(ctx, n-len(ds))
+		if err != nil {
+			t.Fatalf("Receive: %v", err)
+		}
+		ds = append(ds, got...)
+	}
+	return ds
+}
