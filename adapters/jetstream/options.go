@@ -38,6 +38,9 @@ type options struct {
 	ordered        bool
 	maxAttempts    int // 0: not checked against MaxDeliver
 	meterProvider  metric.MeterProvider
+	// unconfirmedAcks sends fire-and-forget acks instead of acknowledged
+	// ones: for the benchmark that measures what the confirmation costs.
+	unconfirmedAcks bool
 }
 
 func defaultOptions() options {

@@ -182,3 +182,16 @@ func (r *replies) send(ctx context.Context, reqs []request) []error {
 	c.mu.Unlock()
 	return c.errs
 }
+
+// publish sends the requests not skipped without asking for replies (the
+// fire-and-forget form) and returns one error per request: the skip error
+// or the publish error.
+func (r *replies) publish(reqs []request) []error {
+	errs := make([]error, len(reqs))
+	for i := range reqs {
+		if errs[i] = reqs[i].skip; errs[i] == nil {
+			errs[i] = r.nc.Publish(reqs[i].subject, reqs[i].body)
+		}
+	}
+	return errs
+}

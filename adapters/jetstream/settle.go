@@ -99,9 +99,14 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 		}
 		h.mu.Unlock()
 	}
-	rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
-	errs := s.replies.send(rctx, reqs)
-	cancel()
+	var errs []error
+	if op == opAck && s.opts.unconfirmedAcks {
+		errs = s.replies.publish(reqs)
+	} else {
+		rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
+		errs = s.replies.send(rctx, reqs)
+		cancel()
+	}
 	var failed map[int]error
 	n, bad := 0, 0
 	for i, err := range errs {
