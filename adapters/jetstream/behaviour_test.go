@@ -415,3 +415,44 @@ func receiveN(t *testing.T, src *Source, n int) []*adapters.Delivery {
 	}
 	return ds
 }
+
+// TestAckAfterNackFails: an ack names its message by stream sequence, so
+// the server would take a stale consumer's ack of a message it gave back
+// (nak) for the redelivery another consumer now runs, and a failure of that
+// run would then find nothing to redeliver. The Source refuses the stale
+// ack instead: the message is still redelivered after the other consumer's
+// nak.
+func TestAckAfterNackFails(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	e.publish(name+".a", []byte("once"), nil)
+	open := func() *Source {
+		src, err := New(e.ctx(), e.js, name, "stale", WithCreate(jetstream.ConsumerConfig{AckWait: 30 * time.Second}), WithPollWait(200*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { src.Close() })
+		return src
+	}
+	a, b := open(), open()
+	ctx := e.ctx()
+	first := receiveN(t, a, 1)
+	if err := a.Nack(ctx, first, 0); err != nil {
+		t.Fatal(err)
+	}
+	second := receiveN(t, b, 1)
+	if err := a.Ack(ctx, first); adapters.EntryError(err, 0) == nil {
+		t.Fatal("Ack of a delivery already given back succeeded")
+	}
+	if err := b.Nack(ctx, second, 0); err != nil {
+		t.Fatal(err)
+	}
+	third := receiveN(t, b, 1)
+	if string(third[0].Body) != "once" || third[0].Attempt != 3 {
+		t.Fatalf("third delivery %q, attempt %d; want the message again, attempt 3", third[0].Body, third[0].Attempt)
+	}
+	if err := b.Ack(ctx, third); err != nil {
+		t.Fatal(err)
+	}
+}

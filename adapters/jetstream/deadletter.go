@@ -73,9 +73,8 @@ type DeadLetterSubject struct {
 var _ adapters.DeadLetter = (*DeadLetterSubject)(nil)
 
 // NewDeadLetterSubject returns a DeadLetter publishing to subject. It checks
-// that a stream captures the subject (ctx bounds that call), and each
-// publish expects that stream, so a copy never lands elsewhere after a
-// reconfiguration.
+// that a stream captures the subject (ctx bounds that call); a publish
+// nothing captures fails (no responders), and the original is kept.
 func NewDeadLetterSubject(ctx context.Context, js jetstream.JetStream, subject string) (*DeadLetterSubject, error) {
 	if js == nil {
 		return nil, errors.New("jetstream.NewDeadLetterSubject: nil JetStream; pass jetstream.New(nc)")
@@ -100,7 +99,7 @@ func (q *DeadLetterSubject) Stream() string { return q.stream }
 // stream's PubAck, then terminates the original if it came from a Source.
 func (q *DeadLetterSubject) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	msg := q.message(d, f)
-	if _, err := q.js.PublishMsg(ctx, msg, jetstream.WithMsgID(deduplicationID(d)), jetstream.WithExpectStream(q.stream)); err != nil {
+	if _, err := q.js.PublishMsg(ctx, msg, jetstream.WithMsgID(deduplicationID(d))); err != nil {
 		return fmt.Errorf("jetstream: publishing message %s to dead-letter subject %q (the original is kept): %w", d.ID, q.subject, err)
 	}
 	if h, ok := d.Handle.(*handle); ok {

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testlog"
 )
@@ -176,5 +177,87 @@ func TestLeaseRenewedAcrossOutage(t *testing.T) {
 	}
 	if st.Renewals-st.RenewalsFailed < 3 {
 		t.Errorf("%d renewals answered, want at least 3 over three AckWaits", st.Renewals-st.RenewalsFailed)
+	}
+}
+
+// TestOutageLongerThanAckWaitLosesTheLease: renewals ask for the server's
+// reply, so while the consumer's connection is down none counts, and once
+// the lease can no longer be vouched for the runtime cancels the handler
+// (adapters.ErrLeaseLost), before the server hands the message to a second
+// consumer, connected all along.
+func TestOutageLongerThanAckWaitLosesTheLease(t *testing.T) {
+	srv := startServer(t)
+	px := newProxy(t, fmt.Sprintf("127.0.0.1:%d", srv.port))
+	direct := connect(t, srv.url())
+	name := uniqueName(t)
+	direct.stream(name, true)
+	const ackWait = time.Second
+	direct.publish(name+".slow", []byte("slow"), nil)
+	sub := connect(t, px.url(), reconnecting()...)
+	opts := []Option{WithCreate(jetstream.ConsumerConfig{AckWait: ackWait}), WithPollWait(200 * time.Millisecond), WithRequestTimeout(200 * time.Millisecond)}
+	srcA, err := New(sub.ctx(), sub.js, name, "outage", opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcB, err := New(direct.ctx(), direct.js, name, "outage", opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu        sync.Mutex
+		cancelled time.Time // when A's handler saw its context end
+		cause     error
+		started   []time.Time // when each handler call began
+		running   = make(chan struct{})
+	)
+	h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		started = append(started, time.Now())
+		first := len(started) == 1
+		mu.Unlock()
+		if !first {
+			return nil
+		}
+		close(running)
+		select {
+		case <-time.After(6 * ackWait):
+			return nil
+		case <-ctx.Done():
+			mu.Lock()
+			cancelled, cause = time.Now(), context.Cause(ctx)
+			mu.Unlock()
+			return cause
+		}
+	})
+	run := func(src *Source) (stop func() error) {
+		c, err := consumer.New(src, h, consumer.WithLogger(testlog.New(t)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- c.Run(ctx) }()
+		return func() error { cancel(); return <-done }
+	}
+	stopA := run(srcA)
+	<-running
+	stopB := run(srcB)
+	var outage sync.WaitGroup
+	outage.Go(func() { px.outage(4 * ackWait) })
+	waitFor(t, "the message handled by the second consumer", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(started) >= 2
+	})
+	stopB()
+	outage.Wait()
+	stopA()
+	mu.Lock()
+	defer mu.Unlock()
+	if cancelled.IsZero() || !errors.Is(cause, adapters.ErrLeaseLost) {
+		t.Fatalf("the first handler's context ended with %v at %v; want it cancelled with adapters.ErrLeaseLost", cause, cancelled)
+	}
+	if !cancelled.Before(started[1]) {
+		t.Fatalf("the first handler was cancelled at %v, after the second consumer began the message at %v: they ran together", cancelled, started[1])
 	}
 }
