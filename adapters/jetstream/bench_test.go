@@ -329,8 +329,22 @@ func BenchmarkAckConfirmation(b *testing.B) {
 	b.ReportMetric(unconfirmed.Seconds()/confirmed.Seconds(), "ratio")
 }
 
-// A 1 ms handler at concurrency 64 against concurrency 1.
+// A 1 ms handler at concurrency 64 against concurrency 1, both with the
+// runtime's default in-flight window (twice the concurrency, at least 20),
+// and with concurrency 64 holding 256.
 func BenchmarkSlowHandlerConcurrency64VersusOne(b *testing.B) {
+	for _, tc := range []struct {
+		name     string
+		inFlight int
+	}{
+		{"default", 0},
+		{"c64-inflight256", 256},
+	} {
+		b.Run(tc.name, func(b *testing.B) { benchSpeedup(b, tc.inFlight) })
+	}
+}
+
+func benchSpeedup(b *testing.B, inFlight64 int) {
 	e := newEnv(b)
 	const n1, n64 = 1000, 30000
 	var one, many time.Duration
@@ -340,7 +354,7 @@ func BenchmarkSlowHandlerConcurrency64VersusOne(b *testing.B) {
 		s1, s64 := benchStream(b, e, n1), benchStream(b, e, n64)
 		b.StartTimer()
 		run64 := func() {
-			took, st := custodyConsume(b, s64, n64, 64, 0, time.Millisecond)
+			took, st := custodyConsume(b, s64, n64, 64, inFlight64, time.Millisecond)
 			many += took
 			acks += st.Acks
 			renewals += st.Renewals
