@@ -2,6 +2,7 @@ package jetstream
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"sync"
@@ -125,7 +126,7 @@ func (s *Source) fetch(ctx context.Context, n int, wait bool) ([]*adapters.Deliv
 }
 
 func isTimeout(err error) bool {
-	return err == context.DeadlineExceeded || err == jetstream.ErrNoHeartbeat
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, jetstream.ErrNoHeartbeat)
 }
 
 // delivery turns a fetched message into a Delivery whose lease started at

@@ -191,7 +191,7 @@ func TestOutageLongerThanAckWaitLosesTheLease(t *testing.T) {
 	direct := connect(t, srv.url())
 	name := uniqueName(t)
 	direct.stream(name, true)
-	const ackWait = time.Second
+	const ackWait = 2 * time.Second // the runtime gives the lease up a twelfth of it before it runs out
 	direct.publish(name+".slow", []byte("slow"), nil)
 	sub := connect(t, px.url(), reconnecting()...)
 	opts := []Option{WithCreate(jetstream.ConsumerConfig{AckWait: ackWait}), WithPollWait(200 * time.Millisecond), WithRequestTimeout(200 * time.Millisecond)}
@@ -243,7 +243,7 @@ func TestOutageLongerThanAckWaitLosesTheLease(t *testing.T) {
 	<-running
 	stopB := run(srcB)
 	var outage sync.WaitGroup
-	outage.Go(func() { px.outage(4 * ackWait) })
+	outage.Go(func() { px.outage(3 * ackWait) })
 	waitFor(t, "the message handled by the second consumer", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
