@@ -456,3 +456,40 @@ func TestAckAfterNackFails(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestNackAfterLeaseRanOutIsNotSent: a nak names its message by stream
+// sequence, so one sent by a consumer whose lease ran out would act on the
+// redelivery another consumer now holds, handing it to a third while the
+// second runs it. The Source refuses it (adapters.ErrLeaseLost) instead.
+func TestNackAfterLeaseRanOutIsNotSent(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	e.publish(name+".a", []byte("held"), nil)
+	const ackWait = time.Second
+	open := func() *Source {
+		src, err := New(e.ctx(), e.js, name, "late", WithCreate(jetstream.ConsumerConfig{AckWait: ackWait}), WithPollWait(200*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { src.Close() })
+		return src
+	}
+	a, b, c := open(), open(), open()
+	ctx := e.ctx()
+	stale := receiveN(t, a, 1)
+	held := receiveN(t, b, 1) // after A's lease ran out
+	err := a.Nack(ctx, stale, 0)
+	if e := adapters.EntryError(err, 0); !errors.Is(e, adapters.ErrLeaseLost) {
+		t.Fatalf("Nack of a delivery whose lease ran out: %v, want adapters.ErrLeaseLost", err)
+	}
+	// B holds the message for its whole AckWait: nobody else gets it.
+	rctx, cancel := context.WithTimeout(ctx, ackWait/2)
+	defer cancel()
+	if got, _ := c.Receive(rctx, 1); len(got) > 0 {
+		t.Fatalf("a third consumer received %q (delivery %d) while the second held it", got[0].Body, got[0].Attempt)
+	}
+	if err := b.Ack(ctx, held); err != nil {
+		t.Fatal(err)
+	}
+}

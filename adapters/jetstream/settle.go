@@ -39,7 +39,11 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 
 // Nack gives each delivery back to be redelivered after redeliverAfter: a nak
 // with that delay (NakWithDelay), or a plain nak for zero or less. A delay is
-// cut to a year. The server's reply is awaited, as for Ack.
+// cut to a year. The server's reply is awaited, as for Ack. A delivery that
+// is lost, or whose lease may have run out by this process's clock (see
+// Extend), fails with adapters.ErrLeaseLost and is not sent: the nak would
+// act on the redelivery another consumer may hold, and the message comes
+// back by itself.
 func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
 	body := nakBody(redeliverAfter)
 	return s.settle(ctx, ds, opNak, func(int) []byte { return body }, stateNacked)
@@ -72,6 +76,7 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 	if s.isClosed() {
 		return adapters.ErrClosed
 	}
+	now := time.Now()
 	reqs := make([]request, len(ds))
 	hs := make([]*handle, len(ds))
 	done := make([]bool, len(ds)) // already in state to: nothing to send
@@ -84,6 +89,21 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 		h.mu.Lock()
 		switch h.state {
 		case stateHeld:
+			if op == opNak {
+				// A nak names the message by stream sequence: sent for a
+				// delivery whose lease may have run out, it would act on
+				// the redelivery another consumer now runs (redeliver it
+				// beside that run, or reset its timer to the delay). The
+				// message comes back by itself.
+				if cause := d.LostCause(); cause != nil {
+					reqs[i].skip = cause
+					break
+				}
+				if !now.Before(h.leasedUntil) {
+					reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, d.ID, s.caps.Lease)
+					break
+				}
+			}
 			h.state = stateSettling
 			hs[i] = h
 			reqs[i] = request{subject: h.reply, body: body(i)}
