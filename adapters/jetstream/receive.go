@@ -51,15 +51,12 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		s.giveBack(ds)
 		return nil, cerr
 	}
-	if err != nil && len(ds) == 0 {
+	if len(ds) == 0 {
 		return nil, err
 	}
-	if err != nil {
-		// Messages came before the failure: hand them out and say nothing,
-		// as the next Receive will meet the failure again if it lasts.
-		err = nil
-	}
-	return ds, err
+	// Messages came before a failure: hand them out and say nothing; the
+	// next Receive meets the failure again if it lasts.
+	return ds, nil
 }
 
 // fetch makes one pull request for up to n messages: without waiting, or,
@@ -105,9 +102,10 @@ func (s *Source) fetch(ctx context.Context, n int, wait bool) ([]*adapters.Deliv
 	s.stats.received.Add(int64(len(ds)))
 	if len(ds) == 0 {
 		s.stats.emptyFetches.Add(1)
-		if !wait && batch.Error() == nil {
-			// The server answers a no-wait pull with nothing only when
-			// the consumer has nothing to deliver.
+		if !wait && batch.Error() == nil && time.Since(sent) < time.Second {
+			// Answered (nats.go gives an unanswered no-wait pull up after
+			// a second): the server answers one with nothing when the
+			// consumer has nothing to deliver.
 			s.stats.pending.Store(0)
 		}
 	}
