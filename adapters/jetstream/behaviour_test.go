@@ -3,6 +3,7 @@ package jetstream
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -491,5 +492,85 @@ func TestNackAfterLeaseRanOutIsNotSent(t *testing.T) {
 	}
 	if err := b.Ack(ctx, held); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestOrderByKeySerialisesPerSubject: Key is the subject (or the
+// WithKeyHeader header), so consumer.OrderByKey runs one message per
+// subject at a time, in stream order, while subjects run concurrently.
+func TestOrderByKeySerialisesPerSubject(t *testing.T) {
+	for _, byHeader := range []bool{false, true} {
+		t.Run(map[bool]string{false: "subject", true: "header"}[byHeader], func(t *testing.T) {
+			e := newEnv(t)
+			name := uniqueName(t)
+			e.stream(name, false)
+			const perKey = 20
+			keys := []string{"a", "b", "c"}
+			for i := range perKey {
+				for _, k := range keys {
+					body := []byte(k + "-" + strconv.Itoa(i))
+					if byHeader {
+						// One subject for all: only the header tells keys apart.
+						e.publish(name+".all", body, map[string]string{"customer": k})
+					} else {
+						e.publish(name+"."+k, body, nil)
+					}
+				}
+			}
+			opts := []Option{WithCreate(jetstream.ConsumerConfig{}), WithPollWait(200 * time.Millisecond)}
+			if byHeader {
+				opts = append(opts, WithKeyHeader("customer"))
+			}
+			src, err := New(e.ctx(), e.js, name, "ordered", opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var (
+				mu       sync.Mutex
+				running  = map[string]bool{}
+				seen     = map[string][]int{}
+				parallel int // most keys running at once
+				bad      []string
+				total    int
+			)
+			h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+				k, n, _ := strings.Cut(string(m.Body), "-")
+				i, _ := strconv.Atoi(n)
+				mu.Lock()
+				if running[m.Key] {
+					bad = append(bad, "concurrent "+string(m.Body))
+				}
+				running[m.Key] = true
+				parallel = max(parallel, len(running))
+				mu.Unlock()
+				time.Sleep(2 * time.Millisecond)
+				mu.Lock()
+				delete(running, m.Key)
+				seen[k] = append(seen[k], i)
+				total++
+				mu.Unlock()
+				return nil
+			})
+			runUntil(t, src, h, "every message handled", func() bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return total == perKey*len(keys)
+			}, consumer.WithConcurrency(8), consumer.WithOrdering(consumer.OrderByKey))
+			mu.Lock()
+			defer mu.Unlock()
+			if len(bad) > 0 {
+				t.Fatalf("messages of one key ran concurrently: %v", bad)
+			}
+			for _, k := range keys {
+				for i, got := range seen[k] {
+					if got != i {
+						t.Fatalf("key %s handled out of stream order: %v", k, seen[k])
+					}
+				}
+			}
+			if parallel < 2 {
+				t.Errorf("at most %d key ran at once; keys should run concurrently", parallel)
+			}
+		})
 	}
 }

@@ -65,7 +65,7 @@ func (s *Source) term(ctx context.Context, ds []*adapters.Delivery) error {
 	return s.settle(ctx, ds, opTerm, func(int) []byte { return ackTerm }, stateTermed)
 }
 
-// settle sends body to each delivery's ack subject and moves the deliveries
+// settle sends body(i) to the ack subject of ds[i] and moves the deliveries
 // the server answered for to state to. A delivery is settled once: an entry
 // already in state to succeeds without a request (a repeated ack), one
 // settled otherwise fails.
