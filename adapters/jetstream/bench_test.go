@@ -239,9 +239,11 @@ func BenchmarkNoop(b *testing.B) {
 	for _, tc := range []struct {
 		name                  string
 		concurrency, inFlight int
+		opts                  []Option
 	}{
-		{"c64", 64, 0},
-		{"c64-inflight512", 64, 512},
+		{"c64", 64, 0, nil},
+		{"c64-inflight512", 64, 512, nil},
+		{"c64-inflight512-fetch256", 64, 512, []Option{WithMaxFetch(256)}},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			e := newEnv(b)
@@ -268,7 +270,7 @@ func BenchmarkNoop(b *testing.B) {
 					func() { wm += watermillConsume(b, s[3], benchMessages, false) },
 					func() {
 						m0 := mallocs()
-						took, st := custodyConsume(b, s[4], benchMessages, tc.concurrency, tc.inFlight, 0)
+						took, st := custodyConsume(b, s[4], benchMessages, tc.concurrency, tc.inFlight, 0, tc.opts...)
 						custAllocs += mallocs() - m0
 						cust += took
 						acks += st.Acks
@@ -302,7 +304,7 @@ func BenchmarkNoop(b *testing.B) {
 
 // What the acknowledged ack costs: the same consumer with acks confirmed by
 // the server's reply (as shipped) and fire-and-forget, on fresh streams of
-// the same contents, concurrency 64, 512 held.
+// the same contents, concurrency 64, 512 held, pulls of 256.
 func BenchmarkAckConfirmation(b *testing.B) {
 	e := newEnv(b)
 	var confirmed, unconfirmed time.Duration
@@ -311,13 +313,13 @@ func BenchmarkAckConfirmation(b *testing.B) {
 		s1, s2 := benchStream(b, e, benchMessages), benchStream(b, e, benchMessages)
 		b.StartTimer()
 		runConfirmed := func() {
-			took, _ := custodyConsume(b, s1, benchMessages, 64, 512, 0)
+			took, _ := custodyConsume(b, s1, benchMessages, 64, 512, 0, WithMaxFetch(256))
 			confirmed += took
 		}
 		if i%2 == 1 {
 			runConfirmed()
 		}
-		took, _ := custodyConsume(b, s2, benchMessages, 64, 512, 0, func(o *options) error { o.unconfirmedAcks = true; return nil })
+		took, _ := custodyConsume(b, s2, benchMessages, 64, 512, 0, WithMaxFetch(256), func(o *options) error { o.unconfirmedAcks = true; return nil })
 		unconfirmed += took
 		if i%2 == 0 {
 			runConfirmed()

@@ -19,7 +19,7 @@
 // # Receiving
 //
 // Receive makes a no-wait pull for as many messages as the runtime has room
-// for (at most WithMaxFetch, 256): the server answers at once with what is
+// for (at most WithMaxFetch, 64): the server answers at once with what is
 // ready. When nothing is, it waits up to WithPollWait (5 s) for one message,
 // then pulls the rest of the room without waiting. Nothing is fetched ahead
 // of the runtime's asking. The consumer acks explicitly; its MaxAckPending

@@ -14,8 +14,11 @@ const (
 	// DefaultPollWait is how long a Receive waits for a message on an idle
 	// consumer before it returns none.
 	DefaultPollWait = 5 * time.Second
-	// DefaultMaxFetch is the most messages one Receive fetches.
-	DefaultMaxFetch = 256
+	// DefaultMaxFetch is the most messages one Receive fetches. Smaller
+	// pulls let the runtime ask again sooner: with a 1 ms handler at
+	// concurrency 64, pulls of at most 64 kept the workers fed about a fifth
+	// better than pulls of up to 128 (see docs/jetstream.md).
+	DefaultMaxFetch = 64
 	// DefaultRequestTimeout bounds each ack, nak, renewal and term, and the
 	// wait for their replies.
 	DefaultRequestTimeout = 10 * time.Second
@@ -87,7 +90,7 @@ func WithPollWait(d time.Duration) Option {
 }
 
 // WithMaxFetch sets the most messages one Receive fetches, from 1 to 10,000.
-// Default 256. The runtime asks for no more than it has room for, so a
+// Default 64. The runtime asks for no more than it has room for, so a
 // Receive fetches min(this, the runtime's room).
 func WithMaxFetch(n int) Option {
 	return func(o *options) error {
