@@ -1,11 +1,14 @@
 package jetstream
 
 import (
+	"bufio"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"os/exec"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -105,19 +108,24 @@ func (s *testServer) restart() {
 type proxy struct {
 	l      net.Listener
 	target string
+	onPub  func(subject string, payload []byte)
 	mu     sync.Mutex
 	conns  []net.Conn
 	down   bool // refuse new connections
 	wg     sync.WaitGroup
 }
 
-func newProxy(t testing.TB, target string) *proxy {
+func newProxy(t testing.TB, target string) *proxy { return newWatchingProxy(t, target, nil) }
+
+// newWatchingProxy is newProxy calling onPub with every message a client
+// publishes.
+func newWatchingProxy(t testing.TB, target string, onPub func(subject string, payload []byte)) *proxy {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &proxy{l: l, target: target}
+	p := &proxy{l: l, target: target, onPub: onPub}
 	p.wg.Add(1)
 	go p.accept()
 	t.Cleanup(p.close)
@@ -149,7 +157,23 @@ func (p *proxy) accept() {
 		p.conns = append(p.conns, c, u)
 		p.mu.Unlock()
 		p.wg.Add(2)
-		go func() { defer p.wg.Done(); io.Copy(u, c); u.Close() }()
+		go func() {
+			defer p.wg.Done()
+			defer u.Close()
+			if p.onPub == nil {
+				io.Copy(u, c)
+				return
+			}
+			// What the client sends is parsed on the way, after it was
+			// forwarded: a publish is seen no earlier than the server may
+			// act on it.
+			pr, pw := io.Pipe()
+			parsed := make(chan struct{})
+			go func() { defer close(parsed); parseClient(bufio.NewReader(pr), p.onPub); io.Copy(io.Discard, pr) }()
+			io.Copy(io.MultiWriter(u, pw), c)
+			pw.Close()
+			<-parsed
+		}()
 		go func() { defer p.wg.Done(); io.Copy(c, u); c.Close() }()
 	}
 }
@@ -181,4 +205,39 @@ func (p *proxy) close() {
 	p.l.Close()
 	p.cut()
 	p.wg.Wait()
+}
+
+// parseClient reads the NATS protocol a client sends and calls onPub with
+// the subject and payload of each PUB and HPUB (headers left out), until r
+// fails.
+func parseClient(r *bufio.Reader, onPub func(subject string, payload []byte)) {
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return
+		}
+		f := strings.Fields(line)
+		if len(f) < 3 {
+			continue
+		}
+		var hdr, total int
+		switch strings.ToUpper(f[0]) {
+		case "PUB": // PUB <subject> [reply] <size>
+			total, err = strconv.Atoi(f[len(f)-1])
+		case "HPUB": // HPUB <subject> [reply] <header size> <total size>
+			if hdr, err = strconv.Atoi(f[len(f)-2]); err == nil {
+				total, err = strconv.Atoi(f[len(f)-1])
+			}
+		default:
+			continue
+		}
+		if err != nil {
+			return
+		}
+		buf := make([]byte, total+2) // and its CRLF
+		if _, err := io.ReadFull(r, buf); err != nil {
+			return
+		}
+		onPub(f[1], buf[hdr:total])
+	}
 }

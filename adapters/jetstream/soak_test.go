@@ -1,6 +1,7 @@
 package jetstream
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -68,18 +69,23 @@ type jsSoakConfig struct {
 }
 
 type jsSoak struct {
-	t       *testing.T
-	cfg     jsSoakConfig
-	e       *env
-	stream  string
-	dlq     string
-	log     *soaktest.Log
-	mu      sync.Mutex
-	rng     *rand.Rand
-	ok      map[int]bool // handled successfully, by sequence number
-	dead    map[int]bool // dead-lettered (the sink's Send returned nil)
-	ids     map[int]string
-	crashed map[int]bool
+	t      *testing.T
+	cfg    jsSoakConfig
+	e      *env
+	stream string
+	dlq    string
+	log    *soaktest.Log
+	mu     sync.Mutex
+	rng    *rand.Rand
+	ok     map[int]bool // handled successfully, by sequence number
+	dead   map[int]bool // dead-lettered (the sink's Send returned nil)
+	// Stream sequences a handler succeeded for (ackable), or the sink was
+	// asked to dead-letter (terminable): the soak's proxies check every
+	// ack and term on the wire against them.
+	ackable, terminable map[uint64]bool
+	acksSeen            int
+	ids                 map[int]string
+	crashed             map[int]bool
 }
 
 func jsSoakRound(t *testing.T, seed uint64) {
@@ -119,7 +125,7 @@ func jsSoakRound(t *testing.T, seed uint64) {
 		log: soaktest.NewLog(cfg.ackWait / 3),
 		rng: rand.New(rand.NewPCG(seed, 2)),
 		ok:  map[int]bool{}, dead: map[int]bool{}, ids: map[int]string{},
-		crashed: map[int]bool{},
+		crashed: map[int]bool{}, ackable: map[uint64]bool{}, terminable: map[uint64]bool{},
 	}
 	if !cfg.native {
 		e.stream(s.dlq, false)
@@ -169,14 +175,17 @@ func jsSoakRound(t *testing.T, seed uint64) {
 			t.Errorf("message %d was dead-lettered, but its copy is not in the dead-letter stream", seq)
 		}
 	}
-	t.Logf("%d consumers; %d handled, %d dead-lettered", gen, len(s.ok), len(s.dead))
+	if s.acksSeen == 0 {
+		t.Errorf("the proxies saw no ack: the effect-then-ack check checked nothing")
+	}
+	t.Logf("%d consumers; %d handled, %d dead-lettered; %d acks and terms checked on the wire", gen, len(s.ok), len(s.dead), s.acksSeen)
 }
 
 // consume runs consumer generation gen for life (until the consumer is
 // empty, when 0), then stops it, after a crash if crash: its connection is
 // cut and refused from then on.
 func (s *jsSoak) consume(gen int, life time.Duration, crash bool) {
-	px := newProxy(s.t, strings.TrimPrefix(natsURL(), "nats://"))
+	px := newWatchingProxy(s.t, strings.TrimPrefix(natsURL(), "nats://"), s.checkSettlement)
 	conn := connect(s.t, px.url(), reconnecting()...)
 	src, err := New(conn.ctx(), conn.js, s.stream, "soak", WithPollWait(100*time.Millisecond),
 		WithRequestTimeout(500*time.Millisecond), WithMaxFetch(s.cfg.maxFetch), WithMaxAttempts(s.cfg.MaxAttempts))
@@ -332,9 +341,51 @@ func (s *jsSoak) handle(ctx context.Context, gen int, m *consumer.Message) error
 	}
 	s.mu.Lock()
 	s.ok[seq] = true
+	s.ackable[streamSeq(m.ID)] = true
 	s.mu.Unlock()
 	s.log.Settled(m.ID, m.Key, seq)
 	return nil
+}
+
+// streamSeq returns the stream sequence of a delivery ID, stream:sequence.
+func streamSeq(id string) uint64 {
+	n, _ := strconv.ParseUint(id[strings.LastIndexByte(id, ':')+1:], 10, 64)
+	return n
+}
+
+// checkSettlement flags an ack (or term) a consumer sends for a stream
+// sequence no handler succeeded for (nor the sink was asked to
+// dead-letter): effect, then ack. A misdirected ack, one landing on
+// another message than the one handled, shows here too.
+func (s *jsSoak) checkSettlement(subject string, payload []byte) {
+	if !strings.HasPrefix(subject, "$JS.ACK.") {
+		return
+	}
+	term := bytes.HasPrefix(payload, ackTerm)
+	if !term && !bytes.HasPrefix(payload, ackAck) {
+		return
+	}
+	// $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>,
+	// with a domain and an account hash after ACK in the newer form.
+	tok := strings.Split(subject, ".")
+	i := 5
+	if len(tok) >= 12 {
+		i = 7
+	}
+	if len(tok) <= i || tok[i-3] != s.stream {
+		return
+	}
+	seq, err := strconv.ParseUint(tok[i], 10, 64)
+	if err != nil {
+		s.log.Violate("an ack subject the soak cannot read: %s", subject)
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.acksSeen++
+	if !s.ackable[seq] && !s.terminable[seq] {
+		s.log.Violate("stream sequence %d was %s before a handler succeeded for it or it was dead-lettered (%s)", seq, map[bool]string{false: "acked", true: "terminated"}[term], subject)
+	}
 }
 
 // soakSink notes what it dead-letters.
@@ -344,6 +395,11 @@ type soakSink struct {
 }
 
 func (dl soakSink) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	// Before the send: the sink terminates the original inside it (and
+	// NativeDeadLetter at the last attempt naks it instead).
+	dl.s.mu.Lock()
+	dl.s.terminable[streamSeq(d.ID)] = true
+	dl.s.mu.Unlock()
 	err := dl.DeadLetter.Send(ctx, d, f)
 	if err == nil {
 		seq, _ := strconv.Atoi(string(d.Body))
