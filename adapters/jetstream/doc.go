@@ -72,7 +72,11 @@
 // Nack naks with the retry policy's delay (NakWithDelay), so a retry waits
 // in the server, not in the process, and a bare nak never burns through
 // redeliveries in milliseconds. A delivery is settled once: a Nack after its
-// Ack (or an Ack after its Nack) fails that entry without a request.
+// Ack (or an Ack after its Nack) fails that entry without a request. Acks,
+// naks and renewals name their message by stream sequence, so one sent for
+// a delivery the server has since handed to another consumer would act on
+// that consumer's delivery: a nak or renewal of a delivery whose lease may
+// have run out fails with adapters.ErrLeaseLost instead of being sent.
 //
 // At shutdown the runtime naks with no delay what did not finish. Close
 // ends a Receive waiting, gives back at once what a pull brings after that,
