@@ -50,16 +50,16 @@ type Source interface {
 	// deliver them again.
 	Ack(ctx context.Context, ds []*Delivery) error
 
-	// Nack gives deliveries back to be redelivered no sooner than
-	// redeliverAfter (zero or less: as soon as the broker may). A delay
-	// longer than the broker can hold a message back is cut to the longest
-	// it can (SQS: what is left of 12 hours since the receive), never
-	// refused: the retry policy, not the adapter, picks delays. Adapters
-	// whose broker has no delayed redelivery report NackDelay=false in
-	// their Capabilities; the runtime then waits in place and only calls
-	// Nack with zero delay, to give back deliveries it will not run (at
-	// shutdown, recalled, or behind a lost one of their lane).
-	Nack(ctx context.Context, ds []*Delivery, redeliverAfter time.Duration) error
+	// Nack gives deliveries back, each to be redelivered no sooner than its
+	// After (zero or less: as soon as the broker may). A delay longer than
+	// the broker can hold a message back is cut to the longest it can
+	// (SQS: what is left of 12 hours since the receive), never refused:
+	// the retry policy, not the adapter, picks delays. Adapters whose
+	// broker has no delayed redelivery report NackDelay=false in their
+	// Capabilities; the runtime then waits in place and only nacks with
+	// zero delay, to give back deliveries it will not run (at shutdown,
+	// recalled, or behind a lost one of their lane).
+	Nack(ctx context.Context, ns []Nack) error
 
 	// Capabilities describes what the broker offers. It is read once, when
 	// the consumer is built, and must not change afterwards.
@@ -81,7 +81,7 @@ type Extender interface {
 }
 
 // Recaller is implemented by sources that recall deliveries (see
-// [Delivery.Recall]). The channel Recalls returns receives a value (sent
+// [Signal.Recall]). The channel Recalls returns receives a value (sent
 // without blocking, so one value may stand for several recalls) after the
 // source has recalled deliveries. The runtime then gives back at once the
 // recalled deliveries that wait for a worker or behind a running job of
@@ -91,16 +91,31 @@ type Recaller interface {
 	Recalls() <-chan struct{}
 }
 
+// Nack is one entry of a Nack call: a delivery to give back, and how long
+// the broker should hold it back first.
+type Nack struct {
+	Delivery *Delivery
+	After    time.Duration
+}
+
 // DeadLetter is a destination for messages that will not be processed: they
 // failed MaxAttempts times, or failed with a permanent error.
 //
 // Send returns nil only once the message is durably stored at the
 // destination (the publish was confirmed); the runtime acks the original only
-// then. An implementation that disposes of the original itself (for example
-// by rejecting it into the broker's own dead-letter exchange) calls
-// [Delivery.MarkSettled], and the runtime then does not ack it.
+// then.
 type DeadLetter interface {
 	Send(ctx context.Context, d *Delivery, f Failure) error
+}
+
+// OriginalSettler is implemented by a DeadLetter that disposes of the
+// original itself when Send succeeds: it rejects the message into the
+// broker's own dead-letter exchange, gives it back to the queue's redrive
+// policy, or acks it in the same step as it writes the copy. When
+// SettlesOriginal reports true for a delivery, the runtime neither acks nor
+// nacks it after Send returned nil.
+type OriginalSettler interface {
+	SettlesOriginal(d *Delivery) bool
 }
 
 // Failure is what the runtime knows about why a message is dead-lettered. The
@@ -170,21 +185,21 @@ type Capabilities struct {
 	// more than it by default. Zero means no such bound.
 	MaxUnacked int
 
-	// MaxReceive, MaxAckBatch and MaxExtendBatch bound the batches the
-	// runtime asks for. Zero means unbounded. Receive still honours a
-	// larger max (returning no more than it can), so a caller other than
-	// the runtime need not know them.
-	MaxReceive     int
-	MaxAckBatch    int
-	MaxExtendBatch int
+	// MaxReceive bounds the deliveries the runtime asks one Receive for.
+	// Zero means unbounded. Receive still honours a larger max (returning
+	// no more than it can), so a caller other than the runtime need not
+	// know it.
+	MaxReceive int
 
-	// AckLinger is how long the runtime may hold a ready ack to fill a batch
-	// (SQS bills per request, so filling batches of ten saves money); the
-	// runtime then sends acks from a few goroutines of its own, so a slow
-	// Ack call never holds up a handler. Zero suits adapters whose Ack is
-	// cheap and quick: the workers send acks themselves, as soon as a batch
-	// is full, a worker runs out of work, or a millisecond has passed.
-	AckLinger time.Duration
+	// Receivers is how many Receive calls the runtime may run at once,
+	// each for up to MaxReceive deliveries (SQS: several long polls). Zero
+	// means one.
+	Receivers int
+
+	// Ack, Nack and Extend say how the runtime batches each operation for
+	// this broker (see Batching). The zero value suits an in-process broker:
+	// batches of any size, sent by the workers at once, one call at a time.
+	Ack, Nack, Extend Batching
 }
 
 // BatchError reports which entries of a batch call failed. Failed maps the
@@ -245,4 +260,46 @@ func itoa(n int) string {
 		n /= 10
 	}
 	return string(b[i:])
+}
+
+// Batching describes how the runtime may batch one operation (Ack, Nack or
+// Extend) for a Source: the adapter declares what its broker rewards, the
+// runtime does the batching, lingering and retrying, and the adapter turns
+// each batch it is given into broker calls at once.
+type Batching struct {
+	// MaxEntries is the largest batch one call takes (SQS: 10). Zero means
+	// no limit of the broker's; the runtime then bounds batches itself.
+	MaxEntries int
+	// Linger is the longest a batch may wait to fill. Zero suits cheap,
+	// local calls (an in-process broker, an AMQP ack that has no reply):
+	// the runtime's workers make them, as soon as no worker is about to add
+	// to the batch, and within a millisecond. A broker that bills per
+	// request (SQS) asks for a linger; the runtime then makes the calls on
+	// goroutines of its own, so that no handler waits for one. The lease
+	// keeper never renews a lease late: for Extend, it gathers leases due
+	// within a quarter of the renewal interval instead.
+	Linger time.Duration
+	// MaxCalls is how many calls of the operation may be under way at once.
+	// Zero means one.
+	MaxCalls int
+}
+
+// Retryable is implemented by sources that can tell an entry's transient
+// failure (throttling, a fault on the broker's side) from a final one. The
+// runtime tries again, a few times with a pause, the entries of an Ack or
+// Nack for which IsRetryable reports true. Without it, the runtime tries
+// again the entries of a call that failed whole (the network) and no
+// others. An entry lost to this consumer (ErrLeaseLost, ErrConnectionLost,
+// ErrRevoked, ErrClosed) is never tried again.
+type Retryable interface {
+	IsRetryable(err error) bool
+}
+
+// NackAll returns a Nack entry for each of ds, all with the same delay.
+func NackAll(ds []*Delivery, after time.Duration) []Nack {
+	ns := make([]Nack, len(ds))
+	for i, d := range ds {
+		ns[i] = Nack{Delivery: d, After: after}
+	}
+	return ns
 }

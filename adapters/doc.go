@@ -4,48 +4,60 @@
 //
 // # The pieces
 //
-// A [Source] receives [Delivery] values in batches, acknowledges them
-// (the effect is done; never show this message again), and nacks them (give
-// this message back, to be redelivered after a delay). A Source whose broker
-// keeps deliveries on a lease also implements [Extender], and the runtime's
-// lease keeper renews every held delivery through it. A [DeadLetter] is a
+// A [Source] receives [Delivery] values, acknowledges them (the effect is
+// done; never show this message again) and nacks them (give this message
+// back, to be redelivered after a delay). A Source whose broker keeps
+// deliveries on a lease also implements [Extender]. A [DeadLetter] is a
 // destination for messages that cannot be processed.
 //
-// Adapters never retry a handler, never decide when to ack and never count
-// attempts on their own behalf: they report what the broker says (its delivery
-// count, its lease length, its batch limits) through [Capabilities] and the
-// Delivery fields, and the runtime does the rest in one place.
+// # Who does what
+//
+// The runtime owns every decision about time. It asks Receive only for
+// what it can hold, running up to [Capabilities.Receivers] calls at once; it
+// renews the lease of every delivery it holds, through Extend, with one
+// lease keeper; it gathers acks, nacks and renewals into batches, lingers to
+// fill them and bounds the calls in flight, as the adapter's [Batching]
+// declares; it retries the entries of a call that failed for a transient
+// reason ([Retryable]); it counts attempts where the broker does not, and
+// picks every delay.
+//
+// An adapter translates: it turns exactly the batch it is given into broker
+// calls, at once, and reports per entry what the broker said
+// ([BatchError]). It does not fetch ahead of what Receive was asked for,
+// renew leases, linger, or retry on its own. What it knows about its broker
+// (the lease length, the delivery count, batch limits, ordering) it
+// declares in [Capabilities].
 //
 // # Losing a delivery
 //
-// Every Delivery can be lost: its lease expired and another consumer took it,
-// its channel closed, its partition was revoked. The adapter calls
-// [Delivery.Lose] with a cause as soon as it knows; the runtime wires the
-// handler's context to that call (once the handler asks for its Done channel
-// or cause), so the handler sees ctx.Done() with [context.Cause] explaining
-// why. A handler that still returns nil gets its ack sent: the adapter
-// refuses it where it can tell (a fenced partition, a dead channel), and the
-// broker may ignore it (SQS with a stale receipt handle). Either way nothing
-// is lost; the message may be redelivered.
+// A delivery can be lost: its lease expired and another consumer took it,
+// its channel closed, its partition was revoked. An entry of Ack, Nack or
+// Extend that the broker refuses for that reason fails with an error
+// wrapping [ErrLeaseLost] (or ErrConnectionLost, ErrRevoked), and the
+// runtime loses the delivery. A loss the adapter learns of outside those
+// calls (a channel's death) it reports through the delivery's [Signal],
+// which the runtime watches: the handler's context is cancelled with the
+// cause ([context.Cause] says why). A handler that still returns nil gets
+// its ack sent where the broker might take it (a lease that ran out); the
+// adapter refuses it where it can tell (a fenced partition, a dead channel).
+// Either way nothing is lost; the message may be redelivered.
 //
 // # Recalling a delivery
 //
 // An adapter that wants deliveries back soon, but can still take their acks,
-// calls [Delivery.Recall] instead: the Kafka adapter does so for the records
+// calls [Signal.Recall] instead: the Kafka adapter does so for the records
 // of a partition being revoked, so that its revoke waits only for the
-// handlers actually running. The runtime gives a recalled delivery back
-// (a Nack with no delay) if its handler has not started, or before a retry
-// in place; a running handler is left alone and its ack still counts. To
-// keep a lane's order, recall every delivery of the lane handed out after a
-// recalled one, the latest first. A Source that recalls deliveries also
-// implements [Recaller], so that the runtime need not wait for a free worker
-// to give back those that wait.
+// handlers actually running. The runtime gives a recalled delivery back (a
+// Nack with no delay) if its handler has not started, or before a retry in
+// place; a running handler is left alone and its ack still counts. A Source
+// that recalls deliveries also implements [Recaller], so that the runtime
+// need not wait for a free worker to give back those that wait.
 //
 // # Batch results
 //
-// Ack, Nack, Extend and friends work on batches. They return nil when every
-// entry succeeded, a [*BatchError] naming the entries that failed, or any
-// other error when the whole call failed.
+// Ack, Nack, Extend return nil when every entry succeeded, a [*BatchError]
+// naming the entries that failed, or any other error when the whole call
+// failed.
 //
 // # Conformance
 //

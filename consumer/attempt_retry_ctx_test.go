@@ -48,7 +48,7 @@ func TestRetryInPlaceGetsAFreshContext(t *testing.T) {
 				src.mu.Lock()
 				d = src.first["a1"]
 				src.mu.Unlock()
-				d.Lose(adapters.ErrLeaseLost)
+				d.Signal.Lose(adapters.ErrLeaseLost)
 				select {
 				case <-ctx.Done():
 				case <-time.After(patience):

@@ -94,7 +94,7 @@ func startAttempt(a *attemptContext, parent context.Context, d *adapters.Deliver
 // that outlives the attempt.
 func (a *attemptContext) end() {
 	ended := attemptEnded
-	if a.d.LostCause() != nil {
+	if a.d.Signal.LostCause() != nil {
 		ended = attemptEndedLost
 	}
 	if a.state.CompareAndSwap(attemptFresh, ended) {
@@ -106,7 +106,7 @@ func (a *attemptContext) end() {
 	b := a.real.Load()
 	a.mu.Unlock()
 	if b != nil {
-		a.d.OnLost(nil)
+		a.d.Signal.OnLost(nil)
 		b.cancel(nil)
 	}
 }
@@ -122,7 +122,7 @@ func (a *attemptContext) build() *builtContext {
 		return b
 	}
 	parent := a.parent
-	if a.d.LostCause() != nil {
+	if a.d.Signal.LostCause() != nil {
 		// Lost already: the loss came first, whatever the parent did since,
 		// so the loss's cause is the one to report.
 		parent = context.WithoutCancel(parent)
@@ -131,12 +131,12 @@ func (a *attemptContext) build() *builtContext {
 	a.built = builtContext{ctx: ctx, cancel: cancel}
 	b := &a.built
 	if a.state.CompareAndSwap(attemptFresh, attemptBuilt) {
-		a.d.OnLost(cancel) // calls cancel at once if the delivery is lost
+		a.d.Signal.OnLost(cancel) // calls cancel at once if the delivery is lost
 	} else {
 		// The attempt ended first; after a loss, which is then the cause.
 		var cause error
 		if a.state.Load() == attemptEndedLost {
-			cause = a.d.LostCause()
+			cause = a.d.Signal.LostCause()
 		}
 		cancel(cause)
 	}
@@ -152,7 +152,7 @@ func (a *attemptContext) Err() error {
 	if b := a.real.Load(); b != nil {
 		return b.ctx.Err()
 	}
-	if a.state.Load() >= attemptEnded || a.d.LostCause() != nil {
+	if a.state.Load() >= attemptEnded || a.d.Signal.LostCause() != nil {
 		// Built now, Done would be closed at once.
 		return context.Canceled
 	}

@@ -15,7 +15,7 @@ import (
 // did: the loss came before the end.
 func TestAttemptContextLossBeforeEndKeepsItsCause(t *testing.T) {
 	a, d, _ := attemptUnder(t)
-	d.Lose(adapters.ErrRevoked)
+	d.Signal.Lose(adapters.ErrRevoked)
 	a.end()
 	if got := context.Cause(a); !errors.Is(got, adapters.ErrRevoked) {
 		t.Fatalf("Cause after a loss and then the end = %v, want ErrRevoked", got)
@@ -33,7 +33,7 @@ func TestAttemptContextLossAfterEndIsNotTheCause(t *testing.T) {
 			_ = a.Done()
 		}
 		a.end()
-		d.Lose(adapters.ErrRevoked)
+		d.Signal.Lose(adapters.ErrRevoked)
 		if got := context.Cause(a); got != context.Canceled {
 			t.Fatalf("askFirst=%v: Cause = %v, want context.Canceled", askFirst, got)
 		}
@@ -48,7 +48,7 @@ func TestAttemptContextDerivedAreCancelledSynchronously(t *testing.T) {
 	enders := map[string]ender{
 		"end": func(a *attemptContext, _ *adapters.Delivery, _ context.CancelCauseFunc) { a.end() },
 		"loss": func(_ *attemptContext, d *adapters.Delivery, _ context.CancelCauseFunc) {
-			d.Lose(adapters.ErrLeaseLost)
+			d.Signal.Lose(adapters.ErrLeaseLost)
 		},
 		"parent": func(_ *attemptContext, _ *adapters.Delivery, c context.CancelCauseFunc) { c(ErrShutdownTimeout) },
 	}

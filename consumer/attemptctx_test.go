@@ -18,7 +18,7 @@ func attemptUnder(t *testing.T) (*attemptContext, *adapters.Delivery, context.Ca
 	t.Helper()
 	parent, cancel := context.WithCancelCause(context.WithValue(context.Background(), ctxKey{}, "v"))
 	t.Cleanup(func() { cancel(nil) })
-	d := &adapters.Delivery{ID: "m"}
+	d := &adapters.Delivery{Signal: new(adapters.Signal), ID: "m"}
 	return startAttempt(nil, parent, d), d, cancel
 }
 
@@ -60,7 +60,7 @@ func TestAttemptContextLossCause(t *testing.T) {
 			derived, cancel = context.WithCancel(a)
 			defer cancel()
 		}
-		d.Lose(adapters.ErrLeaseLost)
+		d.Signal.Lose(adapters.ErrLeaseLost)
 		if !errors.Is(a.Err(), context.Canceled) {
 			t.Fatalf("askFirst=%v: Err = %v, want context.Canceled", askFirst, a.Err())
 		}
@@ -87,7 +87,7 @@ func TestAttemptContextDerivedEndsWithTheLoss(t *testing.T) {
 	if isDone(derived) {
 		t.Fatal("derived context done before anything ended")
 	}
-	d.Lose(adapters.ErrRevoked)
+	d.Signal.Lose(adapters.ErrRevoked)
 	select {
 	case <-derived.Done():
 	case <-time.After(10 * time.Second):
@@ -121,7 +121,7 @@ func TestAttemptContextParentCause(t *testing.T) {
 // asks only after both.
 func TestAttemptContextLossBeforeParent(t *testing.T) {
 	a, d, cancel := attemptUnder(t)
-	d.Lose(adapters.ErrLeaseLost)
+	d.Signal.Lose(adapters.ErrLeaseLost)
 	cancel(ErrShutdownTimeout)
 	if got := context.Cause(a); !errors.Is(got, adapters.ErrLeaseLost) {
 		t.Fatalf("Cause = %v, want ErrLeaseLost", got)
@@ -147,7 +147,7 @@ func TestAttemptContextEnd(t *testing.T) {
 		// The next attempt's context takes the delivery's loss.
 		next := startAttempt(nil, context.Background(), d)
 		_ = next.Done()
-		d.Lose(adapters.ErrLeaseLost)
+		d.Signal.Lose(adapters.ErrLeaseLost)
 		if got := context.Cause(next); !errors.Is(got, adapters.ErrLeaseLost) {
 			t.Fatalf("askFirst=%v: the next attempt's Cause = %v, want ErrLeaseLost", askFirst, got)
 		}
@@ -169,7 +169,7 @@ func TestAttemptContextBuildRacesEnd(t *testing.T) {
 		if !isDone(a) {
 			t.Fatal("not done after end")
 		}
-		d.Lose(nil) // no callback of the ended attempt is left to run
+		d.Signal.Lose(nil) // no callback of the ended attempt is left to run
 	}
 }
 
@@ -178,7 +178,7 @@ func TestAttemptContextBuildRacesEnd(t *testing.T) {
 func TestAttemptContextUnusedAllocatesNothing(t *testing.T) {
 	parent, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	d := &adapters.Delivery{ID: "m"}
+	d := &adapters.Delivery{Signal: new(adapters.Signal), ID: "m"}
 	var a attemptContext
 	allocs := testing.AllocsPerRun(100, func() {
 		a = attemptContext{}
@@ -198,7 +198,7 @@ func TestAttemptContextUnusedAllocatesNothing(t *testing.T) {
 func TestAttemptContextBuiltAllocatesOnlyTheCancelContext(t *testing.T) {
 	parent, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	d := &adapters.Delivery{ID: "m"}
+	d := &adapters.Delivery{Signal: new(adapters.Signal), ID: "m"}
 	var a attemptContext
 	allocs := testing.AllocsPerRun(100, func() {
 		a = attemptContext{}

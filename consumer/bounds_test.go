@@ -53,9 +53,9 @@ func (s *boundedSource) Ack(ctx context.Context, ds []*adapters.Delivery) error 
 	return s.Source.Ack(ctx, ds)
 }
 
-func (s *boundedSource) Nack(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
-	s.settled(len(ds))
-	return s.Source.Nack(ctx, ds, d)
+func (s *boundedSource) Nack(ctx context.Context, ns []adapters.Nack) error {
+	s.settled(len(ns))
+	return s.Source.Nack(ctx, ns)
 }
 
 // TestInFlightNeverExceedsMaxInFlight: with a source whose receive batch is

@@ -453,9 +453,9 @@ type nackCounter struct {
 	nacked atomic.Int64
 }
 
-func (s *nackCounter) Nack(ctx context.Context, ds []*adapters.Delivery, after time.Duration) error {
-	s.nacked.Add(int64(len(ds)))
-	return s.Source.Nack(ctx, ds, after)
+func (s *nackCounter) Nack(ctx context.Context, ns []adapters.Nack) error {
+	s.nacked.Add(int64(len(ns)))
+	return s.Source.Nack(ctx, ns)
 }
 
 // In at-most-once mode every delivery was acked on receipt: shutdown cannot

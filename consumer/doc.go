@@ -130,6 +130,44 @@
 // acks themselves as soon as a batch is full, a worker runs out of work, or
 // a millisecond has passed since the oldest was queued.
 //
+// # Logs
+//
+// The runtime logs through the slog.Logger given by [WithLogger]
+// (slog.Default() by default). Every line carries the consumer's name
+// ("consumer"), and a message's lines its ID ("id"). An acked message logs
+// nothing. What is logged, and when:
+//
+//   - DEBUG: a failed attempt whose message is tried again after a backoff
+//     ("attempt", "max_attempts", "retry_in", "retry": "in place" or
+//     "redelivered", "error"), and a deferred one ([Defer]); a message given
+//     back to the broker ("reason": "shutdown", "shutdown deadline",
+//     "recalled by the adapter", "behind a lost message", "handler called
+//     Goexit"), or left to its lease at shutdown.
+//   - INFO: a delivery lost before it was settled other than by its lease
+//     (a revoked partition, a closed channel: "cause"); the broker delivers
+//     it again.
+//   - WARN: a message dead-lettered ("reason": "permanent" or "exhausted",
+//     "attempts", "error"); a dependency unavailable ([Unavailable]:
+//     "waits", "retry_in", "error"); a lost lease ("cause"); a failed ack,
+//     nack, lease renewal or receive; a dead-letter write cut short by the
+//     shutdown deadline or by the loss of its delivery; a failed handler in
+//     at-most-once mode; the shutdown timeout reached; and, from New, a
+//     consumer without a dead-letter destination.
+//   - ERROR: a handler that panicked ("panic", "stack"), returned an error
+//     whose Error method panicked, or called runtime.Goexit; a message that
+//     failed for good with no dead-letter destination to take it; a failed
+//     dead-letter write.
+//
+// Each kind of line is rate-limited on its own: at most 10 lines in a
+// window of 10 seconds, which opens with the first line after the last
+// window closed. Past that the lines are counted, not written, and one line
+// at their level, "custody: similar log lines suppressed by the rate
+// limit", gives their message ("line") and number ("suppressed") when the
+// next window opens or Run returns. A poison storm so writes about one
+// dead-letter line a second, however fast messages fail; the metrics count
+// every one (custody.messages.settled by outcome). A line whose level the
+// logger discards costs one Enabled call and no allocation.
+//
 // # Telemetry
 //
 // Metrics and spans go to the OpenTelemetry providers given by

@@ -116,8 +116,8 @@ func IsDeferred(err error) bool {
 // policy (an SQS maxReceiveCount) read. Waiting messages keep their place in
 // the in-flight window ([WithMaxInFlight]), so while a dependency is down
 // the consumer stops taking new messages instead of running them into the
-// outage. At shutdown a waiting message is given back, as one waiting for
-// a retry is. The wait ends when the maximum processing time
+// outage. At shutdown a waiting message is given back at once, as one
+// waiting for a retry is. The wait ends when the maximum processing time
 // ([WithMaxProcessingTime]) is reached; the broker then delivers the
 // message again.
 //

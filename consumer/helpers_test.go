@@ -211,3 +211,12 @@ func (c *counter) distinct() int {
 	defer c.mu.Unlock()
 	return len(c.n)
 }
+
+// deliveriesOf returns the deliveries of a Nack call's entries.
+func deliveriesOf(ns []adapters.Nack) []*adapters.Delivery {
+	ds := make([]*adapters.Delivery, len(ns))
+	for i, n := range ns {
+		ds[i] = n.Delivery
+	}
+	return ds
+}

@@ -114,14 +114,14 @@ type nackRecorder struct {
 	delays []time.Duration
 }
 
-func (s *nackRecorder) Nack(ctx context.Context, ds []*adapters.Delivery, after time.Duration) error {
+func (s *nackRecorder) Nack(ctx context.Context, ns []adapters.Nack) error {
 	s.mu.Lock()
-	for _, d := range ds {
-		s.bodies = append(s.bodies, string(d.Body))
-		s.delays = append(s.delays, after)
+	for _, n := range ns {
+		s.bodies = append(s.bodies, string(n.Delivery.Body))
+		s.delays = append(s.delays, n.After)
 	}
 	s.mu.Unlock()
-	return s.Source.Nack(ctx, ds, after)
+	return s.Source.Nack(ctx, ns)
 }
 
 func (s *nackRecorder) nacked() ([]string, []time.Duration) {

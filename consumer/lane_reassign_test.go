@@ -45,6 +45,7 @@ func newReassignedPartition() *reassignedPartition {
 
 func (p *reassignedPartition) record(epoch, offset int) *adapters.Delivery {
 	d := &adapters.Delivery{
+		Signal:      new(adapters.Signal),
 		ID:          fmt.Sprintf("p0/%d", offset),
 		Body:        []byte(fmt.Sprintf("e%d/%d", epoch, offset)),
 		OrderingKey: "p0",
@@ -65,7 +66,7 @@ func (p *reassignedPartition) reassign() {
 	p.held = nil
 	p.mu.Unlock()
 	for _, d := range held {
-		d.Lose(adapters.ErrRevoked)
+		d.Signal.Lose(adapters.ErrRevoked)
 	}
 	close(p.reassigned)
 }
@@ -125,7 +126,8 @@ func (p *reassignedPartition) Ack(_ context.Context, ds []*adapters.Delivery) er
 	return nil
 }
 
-func (p *reassignedPartition) Nack(_ context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+func (p *reassignedPartition) Nack(_ context.Context, ns []adapters.Nack) error {
+	ds := deliveriesOf(ns)
 	p.mu.Lock()
 	for _, d := range ds {
 		p.nacked = append(p.nacked, string(d.Body))
@@ -215,15 +217,16 @@ func (s *handedOverLost) Receive(ctx context.Context, _ int) ([]*adapters.Delive
 			return nil, nil
 		}
 	}
-	lost := &adapters.Delivery{ID: "a1", Body: []byte("a1"), OrderingKey: "a", Partition: -1, Offset: -1}
-	lost.Lose(adapters.ErrLeaseLost) // its visibility ran out while it waited in the source
-	next := &adapters.Delivery{ID: "a2", Body: []byte("a2"), OrderingKey: "a", Partition: -1, Offset: -1}
+	lost := &adapters.Delivery{Signal: new(adapters.Signal), ID: "a1", Body: []byte("a1"), OrderingKey: "a", Partition: -1, Offset: -1}
+	lost.Signal.Lose(adapters.ErrLeaseLost) // its visibility ran out while it waited in the source
+	next := &adapters.Delivery{Signal: new(adapters.Signal), ID: "a2", Body: []byte("a2"), OrderingKey: "a", Partition: -1, Offset: -1}
 	return []*adapters.Delivery{lost, next}, nil
 }
 
 func (s *handedOverLost) Ack(context.Context, []*adapters.Delivery) error { return nil }
 
-func (s *handedOverLost) Nack(_ context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+func (s *handedOverLost) Nack(_ context.Context, ns []adapters.Nack) error {
+	ds := deliveriesOf(ns)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, d := range ds {

@@ -67,7 +67,3 @@ func (m *Message) As(target any) bool {
 	}
 	return m.d.As(target)
 }
-
-// Delivery returns the adapter's delivery behind the message, for middleware
-// that needs more than the message (nil for messages built in tests).
-func (m *Message) Delivery() *adapters.Delivery { return m.d }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"reflect"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
@@ -152,7 +151,7 @@ func WithDeadLetter(dl adapters.DeadLetter) Option {
 		if dl == nil {
 			return errors.New("consumer: WithDeadLetter(nil): pass a dead-letter destination or leave the option out")
 		}
-		if v := reflect.ValueOf(dl); v.Kind() == reflect.Pointer && v.IsNil() {
+		if isNil(dl) {
 			// A constructor's error ignored: accepted, the nil pointer
 			// would panic in a worker at the first poison message.
 			return fmt.Errorf("consumer: WithDeadLetter: a nil %T; check the error of the call that made it", dl)
@@ -236,7 +235,9 @@ func WithLeaseRenewal(fraction float64) Option {
 	})
 }
 
-// WithLogger sets the logger. Default slog.Default().
+// WithLogger sets the logger. Default slog.Default(). What is logged at
+// which level, and how lines are rate-limited: see Logs in the package
+// documentation.
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc(func(c *config) error {
 		if l == nil {
@@ -252,6 +253,9 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	return optionFunc(func(c *config) error {
 		if mp == nil {
 			return errors.New("consumer: WithMeterProvider(nil): pass a provider or leave the option out")
+		}
+		if isNil(mp) {
+			return fmt.Errorf("consumer: WithMeterProvider: a nil %T; check the error of the call that made it, or leave the option out", mp)
 		}
 		c.meterProvider = mp
 		return nil
@@ -269,6 +273,9 @@ func WithTracerProvider(tp trace.TracerProvider) Option {
 		if tp == nil {
 			return errors.New("consumer: WithTracerProvider(nil): pass a provider or leave the option out")
 		}
+		if isNil(tp) {
+			return fmt.Errorf("consumer: WithTracerProvider: a nil %T; check the error of the call that made it, or leave the option out", tp)
+		}
 		c.tracerProvider = tp
 		return nil
 	})
@@ -281,6 +288,9 @@ func WithPropagator(p propagation.TextMapPropagator) Option {
 	return optionFunc(func(c *config) error {
 		if p == nil {
 			return errors.New("consumer: WithPropagator(nil): pass a propagator or leave the option out")
+		}
+		if isNil(p) {
+			return fmt.Errorf("consumer: WithPropagator: a nil %T; check the error of the call that made it, or leave the option out", p)
 		}
 		c.propagator = p
 		return nil

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"runtime/debug"
 	"time"
@@ -23,15 +24,15 @@ func (r *run) process(j *job) {
 		r.processAtMostOnce(j)
 		return
 	}
-	if j.d.Recalled() {
+	if j.recalled() {
 		// The adapter wants it back before it starts (its Kafka partition
 		// is being revoked): given back at once, even at shutdown with
 		// WithLeaveUnfinishedOnShutdown, since the adapter waits for it.
-		r.releaseNow(j)
+		r.settle(j, released(whyRecalled))
 		return
 	}
 	if r.draining.Load() {
-		r.release(j) // not started before shutdown: give it back at once
+		r.settle(j, released(whyShutdown)) // not started before shutdown: give it back at once
 		return
 	}
 	if j.giveBack {
@@ -39,37 +40,37 @@ func (r *run) process(j *job) {
 		// even with WithLeaveUnfinishedOnShutdown, which is about shutdown.
 		// Left to its lease it would hold up the lost message's group (an
 		// SQS FIFO group) until that lease ran out.
-		r.releaseNow(j)
+		r.settle(j, released(whyBehindLost))
 		return
 	}
 	maxAttempts := r.cfg.retry.MaxAttempts
 	for {
-		if cause := j.d.LostCause(); cause != nil {
+		if cause := j.lostCause(); cause != nil {
 			// Lost while it waited (a revoked partition, a dead channel):
 			// running the handler now would only repeat the new owner's work.
-			r.lost(j, cause)
+			r.settle(j, verdict{how: settleLost})
 			return
 		}
-		if j.d.Recalled() {
+		if j.recalled() {
 			// Recalled while a retry waited: no handler runs, so it goes
-			// back now (see Delivery.Recall).
-			r.releaseNow(j)
+			// back now (see adapters.Signal.Recall).
+			r.settle(j, released(whyRecalled))
 			return
 		}
 		attempt := r.attempt(j)
 		err := r.call(j, attempt)
 		if err == nil {
-			r.ack(j, outcomeAcked)
+			r.settle(j, verdict{how: settleAck})
 			return
 		}
-		if cause := j.d.LostCause(); cause != nil {
-			r.lost(j, cause)
+		if cause := j.lostCause(); cause != nil {
+			r.settle(j, verdict{how: settleLost})
 			return
 		}
 		if r.handlerCtx.Err() != nil {
 			// The shutdown deadline cut the handler short: not the message's
 			// fault, so it neither counts as a failure nor waits a backoff.
-			r.release(j)
+			r.settle(j, released(whyDeadline))
 			return
 		}
 		if IsUnavailable(err) {
@@ -83,10 +84,15 @@ func (r *run) process(j *job) {
 			}
 			delay = max(delay, minBackoff)
 			r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
-			r.cfg.logger.Warn("custody: a dependency is unavailable; the message waits in place without using up an attempt",
-				"consumer", r.cfg.name, "id", j.d.ID, "waits", j.unavailable, "retry_in", delay, "error", err)
+			r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", j.unavailable),
+				slog.Duration("retry_in", delay), slog.Any("error", err))
 			if r.draining.Load() {
-				r.giveBack(j, delay)
+				// Given back at once, as a message already waiting out the
+				// outage is when the drain begins (see wait): whether the
+				// handler returned just before the drain or just after must
+				// not decide whether the broker hides the message for the
+				// wait's delay, which can be longer than its lease.
+				r.settle(j, released(whyShutdown))
 				return
 			}
 			if !r.wait(j, delay) {
@@ -120,12 +126,14 @@ func (r *run) process(j *job) {
 			// pace, rather than drop it.
 		}
 		if r.draining.Load() {
-			r.giveBack(j, delay)
+			r.settle(j, r.givenBack(j, delay))
 			return
 		}
-		if r.retriesByNack(j) {
+		byNack := r.retriesByNack(j)
+		r.logRetry(j, err, attempt, delay, deferred, byNack)
+		if byNack {
 			// The broker holds the message for the delay; no worker waits.
-			r.nack(j, delay, outcomeRetried)
+			r.settle(j, verdict{how: settleRetry, after: delay})
 			return
 		}
 		if !r.wait(j, delay) {
@@ -150,10 +158,10 @@ func (r *run) process(j *job) {
 func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry time.Duration) bool {
 	dl := r.cfg.deadLetter
 	if dl == nil {
-		r.cfg.logger.Error("custody: message exhausted its retries and there is no dead-letter destination (WithDeadLetter)",
-			"consumer", r.cfg.name, "id", j.d.ID, "attempts", attempt, "error", err)
+		r.logs.log(logNoDeadLetter, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
+			slog.Int("attempts", attempt), slog.Duration("retry_in", retry), slog.Any("error", err))
 		if r.c.caps.NackDelay && j.lane == "" {
-			r.nack(j, retry, outcomeExhausted)
+			r.settle(j, verdict{how: settleExhausted, after: retry})
 			return true
 		}
 		return false
@@ -175,13 +183,13 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 		}
 		cut, sendErr := r.sendDeadLetter(dl, j, f)
 		if sendErr == nil {
-			if j.d.Settled() {
-				r.stopLease(j)
-				r.settle(j, outcomeDeadLettered)
-				r.next(j)
+			r.logs.log(logDeadLettered, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
+				slog.Int("attempts", attempt), slog.Any("error", err))
+			if os, ok := dl.(adapters.OriginalSettler); ok && os.SettlesOriginal(j.d) {
+				r.settle(j, verdict{how: settleDisposed})
 				return true
 			}
-			r.ack(j, outcomeDeadLettered)
+			r.settle(j, verdict{how: settleDeadLettered})
 			return true
 		}
 		// A write the shutdown deadline or the delivery's loss cut short
@@ -191,28 +199,26 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 		if !cut {
 			r.tel.dlqFailures.Add(r.settleCtx, 1, r.tel.source...)
 		}
-		if cause := j.d.LostCause(); cause != nil {
+		if cause := j.lostCause(); cause != nil {
 			// Not kept: the delivery is gone (its lease, or a release the
 			// failed write had already sent, as SQS's Redrive does), and
 			// the broker brings the message back.
-			msg := "custody: dead-letter write failed and the delivery was lost; the broker redelivers the message"
+			kind := logDeadLetterLost
 			if cut {
-				msg = "custody: dead-letter write cut short: the delivery was lost; the broker redelivers the message"
+				kind = logDeadLetterCutLost
 			}
-			r.cfg.logger.Error(msg, "consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
-			r.lost(j, cause)
+			r.logs.log(kind, slog.String("id", j.d.ID), slog.Any("error", sendErr))
+			r.settle(j, verdict{how: settleLost})
 			return true
 		}
 		if cut {
-			r.cfg.logger.Warn("custody: dead-letter write cut short by the shutdown deadline; the message is given back",
-				"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr)
-			r.giveBack(j, delay)
+			r.logs.log(logDeadLetterCut, slog.String("id", j.d.ID), slog.Any("error", sendErr))
+			r.settle(j, r.givenBack(j, delay))
 			return true
 		}
-		r.cfg.logger.Error("custody: dead-letter write failed; the original is kept and the write tried again",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", sendErr, "retry_in", delay)
+		r.logs.log(logDeadLetterFailed, slog.String("id", j.d.ID), slog.Any("error", sendErr), slog.Duration("retry_in", delay))
 		if r.draining.Load() {
-			r.giveBack(j, delay)
+			r.settle(j, r.givenBack(j, delay))
 			return true
 		}
 		// The write is tried again in place, the lease kept alive, even
@@ -241,8 +247,8 @@ func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure)
 	defer cancel(nil)
 	// The attempt's context, its registration's only other user, ended
 	// with the attempt.
-	j.d.OnLost(cancel) // at once if the delivery is lost already
-	defer j.d.OnLost(nil)
+	j.d.Signal.OnLost(cancel) // at once if the delivery is lost already
+	defer j.d.Signal.OnLost(nil)
 	err = dl.Send(ctx, j.d, f)
 	if err == nil || ctx.Err() == nil {
 		return false, err
@@ -252,14 +258,12 @@ func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure)
 
 func (r *run) processAtMostOnce(j *job) {
 	err := r.call(j, r.attempt(j))
-	outcome := outcomeAcked
+	how := settleHandled
 	if err != nil {
-		outcome = outcomeFailed
-		r.cfg.logger.Warn("custody: handler failed in at-most-once mode; the message is gone",
-			"consumer", r.cfg.name, "id", j.d.ID, "error", err)
+		how = settleFailed
+		r.logs.log(logAtMostOnceFailed, slog.String("id", j.d.ID), slog.Any("error", err))
 	}
-	r.settle(j, outcome)
-	r.next(j)
+	r.settle(j, verdict{how: how})
 }
 
 func (r *run) attempt(j *job) int {
@@ -279,10 +283,10 @@ func (r *run) call(j *job, attempt int) error {
 	err := r.callHandler(j, attempt)
 	if j.exiting {
 		j.exiting = false
-		p := new(runtime.PanicNilError)
-		err = &PanicError{Value: p, Stack: debug.Stack()}
+		pe := &PanicError{Value: new(runtime.PanicNilError), Stack: debug.Stack()}
+		err = pe
 		r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-		r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", j.d.ID, "panic", p)
+		r.logPanic(j.d, attempt, pe)
 	}
 	return err
 }
@@ -329,15 +333,16 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 	defer func() {
 		p := recover()
 		if p != nil {
-			err = &PanicError{Value: p, Stack: debug.Stack()}
+			pe := &PanicError{Value: p, Stack: debug.Stack()}
+			err = pe
 			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-			r.cfg.logger.Error("custody: handler panicked", "consumer", r.cfg.name, "id", d.ID, "panic", p)
+			r.logPanic(d, attempt, pe)
 		}
 		if p == nil && err != nil {
 			var ok bool
 			if err, ok = checkedError(err); !ok {
 				r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-				r.cfg.logger.Error("custody: handler returned an error whose Error method panicked", "consumer", r.cfg.name, "id", d.ID, "error", err)
+				r.logs.log(logErrorPanicked, slog.String("id", d.ID), slog.Int("attempt", attempt), slog.Any("error", err))
 			}
 		}
 		// Neither returned nor panicked: runtime.Goexit is ending this
@@ -357,7 +362,7 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		// short is no failure either (process gives it back, or settles it
 		// as lost, without counting one): deploys and rebalances must not
 		// show as error rates.
-		cut := err != nil && !deferred && (d.LostCause() != nil || r.handlerCtx.Err() != nil)
+		cut := err != nil && !deferred && (j.lostCause() != nil || r.handlerCtx.Err() != nil)
 		res := r.tel.resultOK
 		switch {
 		case unavailable && !cut:
@@ -425,16 +430,14 @@ func checkedError(err error) (checked error, ok bool) {
 // given back too, so that the lane keeps its order. The jobs of its lane this
 // worker had taken go to another worker; the run replaces the worker itself.
 func (r *run) handlerExited(j *job) {
-	r.cfg.logger.Error("custody: handler exited without returning; the message is given back",
-		"consumer", r.cfg.name, "id", j.d.ID, "error", ErrHandlerExited)
+	r.logs.log(logExited, slog.String("id", j.d.ID), slog.Any("error", ErrHandlerExited))
 	if j.ackedEarly {
-		r.settle(j, outcomeFailed)
-		r.next(j)
+		r.settle(j, verdict{how: settleFailed})
 	} else {
 		if j.lane != "" {
 			r.giveBackBehind(j, func(*job) bool { return true })
 		}
-		r.releaseNow(j)
+		r.settle(j, released(whyExited))
 	}
 	if s := j.successor; s != nil {
 		j.successor = nil
@@ -458,62 +461,17 @@ func (r *run) wait(j *job, delay time.Duration) bool {
 		// The drain began as the timer fired, and the select, finding both
 		// ready, chose the timer: the retry would start after the drain
 		// began, which gives back what has not started.
-		r.release(j)
-	case <-j.d.RecallSignal():
-		r.releaseNow(j)
-	case <-j.d.Lost():
-		r.lost(j, j.d.LostCause())
+		r.settle(j, released(whyShutdown))
+	case <-j.recallChan():
+		r.settle(j, released(whyRecalled))
+	case <-j.lostChan():
+		r.settle(j, verdict{how: settleLost})
 	case <-r.drainCh:
-		r.release(j)
+		r.settle(j, released(whyShutdown))
 	case <-r.handlerCtx.Done():
-		r.release(j)
+		r.settle(j, released(whyDeadline))
 	}
 	return false
-}
-
-func (r *run) stopLease(j *job) {
-	if j.lease != nil {
-		j.lease.Stop()
-	}
-}
-
-// ack stops j's lease and queues its ack; the ack loop settles it.
-func (r *run) ack(j *job, outcome string) {
-	r.stopLease(j)
-	if cause := j.d.LostCause(); errors.Is(cause, adapters.ErrLeaseLost) {
-		// The handler finished although its lease was lost meanwhile: the
-		// ack is still worth sending (the broker may take it, sparing a
-		// duplicate), but the loss happened and is counted.
-		r.leaseLost(j, cause)
-	} else if cause != nil {
-		// Lost for good (a revoked partition, a dead channel, a closed
-		// source): the adapter refuses the ack, so sending it would only
-		// count an ack failure and warn of a redelivery the loss already
-		// explains.
-		r.lost(j, cause)
-		return
-	}
-	j.deadLettered = outcome == outcomeDeadLettered
-	r.next(j)
-	r.enqueueAck(j)
-}
-
-// nack stops j's lease and gives it back to be redelivered after delay.
-func (r *run) nack(j *job, delay time.Duration, outcome string) {
-	r.stopLease(j)
-	if err := r.c.src.Nack(r.settleCtx, []*adapters.Delivery{j.d}, delay); err != nil {
-		r.nackFailed(j, err)
-	}
-	r.settle(j, outcome)
-	r.next(j)
-}
-
-// nackFailed logs a nack that did not reach the broker: nothing is lost, the
-// message only waits for the broker to take it back by itself (when its
-// lease runs out, or when its channel closes, as on RabbitMQ).
-func (r *run) nackFailed(j *job, err error) {
-	r.cfg.logger.Warn("custody: nack failed; the broker redelivers the message when its lease runs out or its connection closes",
-		"consumer", r.cfg.name, "id", j.d.ID, "error", err)
 }
 
 // retriesByNack reports whether j's next attempt should wait at the broker
@@ -526,163 +484,15 @@ func (r *run) retriesByNack(j *job) bool {
 	return r.c.caps.NackDelay && r.c.caps.CountsDeliveries && j.lane == ""
 }
 
-// giveBack returns a failed delivery during shutdown, keeping its backoff
-// where the broker can delay redelivery.
-func (r *run) giveBack(j *job, delay time.Duration) {
+// givenBack is the verdict for a failed message given back during the
+// drain: redelivered after its backoff where the broker can delay a
+// redelivery and the message is in no lane, given back at once otherwise.
+func (r *run) givenBack(j *job, delay time.Duration) verdict {
 	if r.c.caps.NackDelay && j.lane == "" {
-		r.nack(j, delay, outcomeRetried)
-		return
-	}
-	r.release(j)
-}
-
-// releaseWaiting gives back, at shutdown, the jobs that wait for a worker,
-// at once and in one call, rather than when a worker frees up, which may be
-// the whole shutdown timeout away. A job whose lane is busy waits for the
-// lane's running job, so that its key's order holds; it is given back as
-// soon as that job ends. Called once receiving has stopped, and never in
-// at-most-once mode, where every job was acked on receipt and still runs.
-func (r *run) releaseWaiting() {
-	var waiting []*job
-	for {
-		var j *job
-		select {
-		case j = <-r.work:
-		default:
+		if j.lostCause() == nil {
+			r.logs.log(logGivenBack, slog.String("id", j.d.ID), slog.String("reason", whyShutdown.String()), slog.Duration("retry_in", delay))
 		}
-		if j == nil {
-			break
-		}
-		if j.lane != "" {
-			r.runLane(j) // its lane's queued jobs are given back after it
-			continue
-		}
-		waiting = append(waiting, j)
+		return verdict{how: settleRetry, after: delay}
 	}
-	if len(waiting) == 0 {
-		return
-	}
-	var give []*job
-	for _, j := range waiting {
-		switch {
-		case j.d.LostCause() != nil:
-			r.lost(j, j.d.LostCause())
-		case j.d.Recalled():
-			r.stopLease(j)
-			give = append(give, j) // the adapter asked for it: never left
-		case r.cfg.leaveOnShutdown:
-			r.stopLease(j)
-			r.settle(j, outcomeLeft)
-		default:
-			r.stopLease(j)
-			give = append(give, j)
-		}
-	}
-	r.releaseAll(give)
-}
-
-// releaseAll gives back, in one call and for immediate redelivery, jobs
-// whose leases are stopped and that are no lane's running job: it does not
-// pass their lanes on.
-func (r *run) releaseAll(give []*job) {
-	if len(give) == 0 {
-		return
-	}
-	ds := make([]*adapters.Delivery, len(give))
-	for i, j := range give {
-		ds[i] = j.d
-	}
-	err := r.c.src.Nack(r.settleCtx, ds, 0)
-	for i, j := range give {
-		if e := adapters.EntryError(err, i); e != nil {
-			r.nackFailed(j, e)
-		}
-		r.settle(j, outcomeReleased)
-	}
-}
-
-// release gives j back for immediate redelivery (shutdown), or leaves it to
-// its lease with WithLeaveUnfinishedOnShutdown.
-func (r *run) release(j *job) {
-	// A recalled delivery is never left: the adapter waits for it.
-	if r.cfg.leaveOnShutdown && j.d.LostCause() == nil && !j.d.Recalled() {
-		r.stopLease(j)
-		r.settle(j, outcomeLeft)
-		r.next(j)
-		return
-	}
-	r.releaseNow(j)
-}
-
-// releaseNow gives j back for immediate redelivery.
-func (r *run) releaseNow(j *job) {
-	if cause := j.d.LostCause(); cause != nil {
-		r.lost(j, cause)
-		return
-	}
-	r.nack(j, 0, outcomeReleased)
-}
-
-// lost settles a delivery this consumer can no longer ack.
-//
-// The jobs queued behind it in its lane and received before it was lost are
-// given back rather than run: the lost message comes back later, and running
-// them first would break the lane's order. (An SQS FIFO group, for one,
-// delivers the lost message again only once the later ones this consumer
-// holds are settled.) The jobs received after the loss are run: they are
-// the lane as the broker delivers it again, the lost message's redelivery
-// first (a Kafka partition revoked and assigned back to this member while
-// the lost record's handler still ran). Given back too, they came back after
-// records fetched later still, which then ran first.
-func (r *run) lost(j *job, cause error) {
-	r.stopLease(j)
-	if errors.Is(cause, adapters.ErrLeaseLost) {
-		r.leaseLost(j, cause)
-	} else {
-		r.cfg.logger.Info("custody: delivery lost", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
-	}
-	r.settle(j, outcomeLost)
-	if j.lane != "" {
-		r.giveBackBehind(j, r.receivedBefore(j, j.d.LostAt()))
-	}
-	r.next(j)
-}
-
-// giveBackBehind marks the jobs of j's lane queued behind it for which
-// behind holds to be given back instead of run.
-func (r *run) giveBackBehind(j *job, behind func(*job) bool) {
-	for s := j.successor; s != nil; s = s.successor {
-		s.giveBack = s.giveBack || behind(s) // taken with j by this worker (see next)
-	}
-	r.lanesMu.Lock()
-	for _, q := range r.lanes[j.lane] {
-		q.giveBack = q.giveBack || behind(q)
-	}
-	r.lanesMu.Unlock()
-}
-
-// receivedBefore reports, for j lost at lostAt, which jobs were received
-// before the loss, or with j: a delivery the adapter handed over already
-// lost (an SQS message whose visibility ran out while it waited in the
-// Source) is behind the others of its batch still. Every job is, when the
-// time is unknown.
-func (r *run) receivedBefore(j *job, lostAt time.Time) func(*job) bool {
-	if lostAt.IsZero() {
-		return func(*job) bool { return true }
-	}
-	cut := max(lostAt.Sub(r.started), j.accepted)
-	return func(q *job) bool { return q.accepted <= cut }
-}
-
-// leaseLost counts and logs j's lost lease, once. It is counted here rather
-// than by the lease keeper, which misses a lease the adapter reported lost by
-// itself (a stale receipt, a renewal the runtime stopped before its answer
-// came back).
-func (r *run) leaseLost(j *job, cause error) {
-	if j.leaseLostCounted {
-		return
-	}
-	j.leaseLostCounted = true
-	r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
-	r.cfg.logger.Warn("custody: lease lost; expect a redelivery", "consumer", r.cfg.name, "id", j.d.ID, "cause", cause)
+	return released(whyShutdown)
 }

@@ -2,7 +2,7 @@ package consumer
 
 import "github.com/custody-go/custody/adapters"
 
-// This file gives back recalled deliveries (adapters.Delivery.Recall) that
+// This file gives back recalled deliveries (adapters.Signal.Recall) that
 // wait, without waiting for a worker to reach them. process checks for a
 // recall before each attempt; this is for the jobs a worker would reach
 // only after the handlers before them ended: those queued behind a running
@@ -31,7 +31,7 @@ func (r *run) noteRecalledOnArrival(ds []*adapters.Delivery) {
 		return
 	}
 	for _, d := range ds {
-		if d.Recalled() {
+		if d.Signal.Recalled() {
 			select {
 			case r.recalledOnArrival <- struct{}{}:
 			default:
@@ -61,7 +61,7 @@ func (r *run) recallLoop(recalls <-chan struct{}, stop <-chan struct{}) {
 // can be given back as released. A lost job is left to process, which
 // settles it as lost and gives back its lane.
 func recalledWaiting(j *job) bool {
-	return !j.ackedEarly && j.d.Recalled() && j.d.LostCause() == nil
+	return !j.ackedEarly && j.recalled() && j.lostCause() == nil
 }
 
 // releaseRecalled gives back the recalled jobs waiting in r.work and in the
@@ -69,7 +69,7 @@ func recalledWaiting(j *job) bool {
 // they are unordered jobs and lane heads, one per lane, so that changes no
 // order that counts. Giving a job back never runs another, so no order can
 // break; and the adapter recalls a lane's later deliveries first (see
-// Delivery.Recall), so a job still to run is never behind one given back.
+// Signal.Recall), so a job still to run is never behind one given back.
 func (r *run) releaseRecalled() {
 	var keep, give []*job
 	for done := false; !done; {
@@ -79,7 +79,6 @@ func (r *run) releaseRecalled() {
 			case !recalledWaiting(j):
 				keep = append(keep, j)
 			case j.lane == "":
-				r.stopLease(j)
 				give = append(give, j)
 			default:
 				keep = r.releaseLaneHead(j, keep)
@@ -91,11 +90,10 @@ func (r *run) releaseRecalled() {
 	for _, j := range keep {
 		r.work <- j // never blocks: they were taken from it
 	}
-	// The leases of the jobs taken from the lanes are stopped after the
-	// lock is released: Stop may wait for a renewal in flight, which is a
-	// round trip to the broker, and every worker finishing a laned job
-	// waits for lanesMu meanwhile.
-	fromLanes := len(give)
+	// The jobs taken from the lanes' queues are settled after the lock is
+	// released: stopping a lease may wait for a renewal in flight, a round
+	// trip to the broker, and every worker finishing a laned job waits for
+	// lanesMu meanwhile. Queued, they hold no lane to pass on.
 	r.lanesMu.Lock()
 	for lane, q := range r.lanes {
 		kept := q[:0]
@@ -112,10 +110,9 @@ func (r *run) releaseRecalled() {
 		}
 	}
 	r.lanesMu.Unlock()
-	for _, j := range give[fromLanes:] {
-		r.stopLease(j)
+	for _, j := range give {
+		r.settle(j, released(whyRecalled))
 	}
-	r.releaseAll(give)
 }
 
 // releaseLaneHead gives back j, a recalled job that heads its lane, and the
@@ -126,7 +123,7 @@ func (r *run) releaseLaneHead(j *job, keep []*job) []*job {
 		if !recalledWaiting(j) {
 			return append(keep, j)
 		}
-		r.releaseNow(j) // passes the lane on to j.successor
+		r.settle(j, released(whyRecalled)) // passes the lane on to j.successor
 		s := j.successor
 		j.successor = nil
 		j = s

@@ -71,7 +71,8 @@ func (s *logSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery,
 					continue
 				}
 				d := &adapters.Delivery{
-					ID: fmt.Sprintf("%d/%d", p.id, o), Body: []byte(fmt.Sprint(o)),
+					Signal: new(adapters.Signal),
+					ID:     fmt.Sprintf("%d/%d", p.id, o), Body: []byte(fmt.Sprint(o)),
 					OrderingKey: fmt.Sprint("p", p.id), Partition: int32(p.id), Offset: o,
 					ReceivedAt: time.Now(), Handle: logHandle{p, p.epoch},
 				}
@@ -140,7 +141,8 @@ func (s *logSource) Ack(_ context.Context, ds []*adapters.Delivery) error {
 	return nil
 }
 
-func (s *logSource) Nack(_ context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+func (s *logSource) Nack(_ context.Context, ns []adapters.Nack) error {
+	ds := deliveriesOf(ns)
 	s.settle(ds, false)
 	return nil
 }
@@ -161,7 +163,7 @@ func (s *logSource) revoke(i int) <-chan struct{} {
 	p.revokeEnd = make(chan struct{})
 	ch := p.revokeEnd
 	for k := len(p.out) - 1; k >= 0; k-- {
-		p.out[k].Recall()
+		p.out[k].Signal.Recall()
 	}
 	if len(p.out) == 0 {
 		s.reassignLocked(p)

@@ -53,7 +53,7 @@ func (s *recallSource) recall(bodies ...string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, b := range bodies {
-		s.first[b].Recall()
+		s.first[b].Signal.Recall()
 	}
 }
 
@@ -315,7 +315,7 @@ func (s *lateRecallSource) Receive(ctx context.Context, max int) ([]*adapters.De
 		return ds, err // the redeliveries are not recalled
 	}
 	for _, d := range ds {
-		d.Recall()
+		d.Signal.Recall()
 	}
 	select {
 	case s.recalls <- struct{}{}:
@@ -488,7 +488,7 @@ func TestRecallOfALostWaitingDeliveryIsSettledLost(t *testing.T) {
 	inner.mu.Lock()
 	m2 := inner.first["m2"]
 	inner.mu.Unlock()
-	m2.Lose(adapters.ErrRevoked)
+	m2.Signal.Lose(adapters.ErrRevoked)
 	src.recall("m2")
 	waitFor(t, "the runtime to take the recall signal", func() bool { return len(src.recalls) == 0 })
 	close(h.release)

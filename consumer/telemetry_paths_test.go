@@ -738,7 +738,7 @@ func TestTelemetryDeadLetterFailureAfterTheLeaseWasLost(t *testing.T) {
 			return nil
 		}
 		select {
-		case <-d.Lost(): // the refused renewal lost it while the write was on its way
+		case <-d.Signal.Lost(): // the refused renewal lost it while the write was on its way
 		case <-time.After(patience):
 			t.Error("the first delivery was never lost")
 		}
@@ -758,8 +758,8 @@ func TestTelemetryDeadLetterFailureAfterTheLeaseWasLost(t *testing.T) {
 }
 
 // disposingDeadLetter dead-letters a delivery and disposes of the original
-// itself, as a native dead-letter reject does (RabbitMQ's), marking the
-// delivery settled so that the runtime does not ack it.
+// itself, as a native dead-letter reject does (RabbitMQ's), and says so
+// (adapters.OriginalSettler), so that the runtime does not ack it.
 type disposingDeadLetter struct {
 	dlq *memory.DeadLetterQueue
 	src *memory.Source
@@ -769,12 +769,10 @@ func (d disposingDeadLetter) Send(ctx context.Context, del *adapters.Delivery, f
 	if err := d.dlq.Send(ctx, del, f); err != nil {
 		return err
 	}
-	if err := d.src.Ack(ctx, []*adapters.Delivery{del}); err != nil {
-		return err
-	}
-	del.MarkSettled()
-	return nil
+	return d.src.Ack(ctx, []*adapters.Delivery{del})
 }
+
+func (disposingDeadLetter) SettlesOriginal(*adapters.Delivery) bool { return true }
 
 // TestTelemetryDeadLetterThatSettledTheOriginal: a delivery whose
 // dead-letter destination disposed of it is settled as dead-lettered

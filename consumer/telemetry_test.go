@@ -420,7 +420,7 @@ func TestLeaseLostWhileWaitingIsCountedWhenLeavingUnfinishedOnShutdown(t *testin
 		consumer.WithShutdownTimeout(100*time.Millisecond))
 	waitFor(t, "a2's lease lost while it waits", func() bool {
 		d := lostD.Load()
-		return d != nil && d.LostCause() != nil
+		return d != nil && d.Signal.LostCause() != nil
 	})
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
@@ -480,7 +480,7 @@ func (s *revokingSource) revoke(body string) {
 	s.mu.Lock()
 	d := s.held[body]
 	s.mu.Unlock()
-	d.Lose(fmt.Errorf("partition revoked: %w", adapters.ErrRevoked))
+	d.Signal.Lose(fmt.Errorf("partition revoked: %w", adapters.ErrRevoked))
 }
 
 // A handler that succeeds after its delivery was lost for good is settled

@@ -43,10 +43,12 @@ func TestRetryDueAsTheDrainBeginsIsGivenBack(t *testing.T) {
 		}
 		j := &job{d: ds[0]}
 		r.held.Add(1)
+		r.credit.mu.Lock()
 		r.credit.held++ // as the receiver would have taken it
+		r.credit.mu.Unlock()
 		if r.wait(j, time.Nanosecond) {
 			started++
-			r.releaseNow(j)
+			r.settle(j, released(whyShutdown))
 		}
 	}
 	if started > 0 {

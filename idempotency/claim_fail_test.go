@@ -3,25 +3,24 @@ package idempotency_test
 import (
 	"context"
 	"errors"
-	"net"
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
 	"github.com/custody-go/custody/idempotency/internal/teststores"
-	"github.com/custody-go/custody/idempotency/pgstore"
 	"github.com/custody-go/custody/idempotency/redisstore"
 )
 
-// A Claim the store cannot make fails the delivery with an ordinary error,
-// so the message comes back and its effect runs once the store can claim
-// the key again. Acking it instead would drop a message whose effect never
-// ran; running the handler without a claim could run the effect twice.
+// A Claim the store cannot make fails the delivery as unavailable
+// (consumer.Unavailable): the message is not at fault, so it waits without
+// using up an attempt, and its effect runs once the store can claim the key
+// again. Acking it instead would drop a message whose effect never ran;
+// running the handler without a claim could run the effect twice; an
+// ordinary error would use up the message's attempts and dead-letter it
+// during an outage.
 func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 	stores := []struct {
 		name string
@@ -44,7 +43,7 @@ func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 		// Clients that can no longer reach their servers.
 		{"redis closed", func(t *testing.T) (idempotency.Store, func()) {
 			c := teststores.RedisClient(t)
-			s, err := redisstore.New(c)
+			s, err := redisstore.New(context.Background(), c)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -53,11 +52,9 @@ func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 		}},
 		{"postgres closed", func(t *testing.T) (idempotency.Store, func()) {
 			pool := pgsql.TestPool(t)
-			s, err := pgstore.New(pool)
-			if err != nil {
-				t.Fatal(err)
-			}
-			pool.Close()
+			closing := pgsql.TestPool(t) // the table is dropped through pool
+			s := teststores.PostgresOn(t, closing, pgsql.TestTable(t, pool, "custody_idem_test"))
+			closing.Close()
 			return s, nil
 		}},
 	}
@@ -71,8 +68,8 @@ func TestFailedClaimRetriesTheMessageWithoutRunningTheHandler(t *testing.T) {
 				return nil
 			}, idempotency.WithMeterProvider(m), idempotency.WithLogger(quiet))
 			err := h.Handle(context.Background(), msg("m", "x"))
-			if err == nil || consumer.IsPermanent(err) || errors.Is(err, idempotency.ErrInProgressElsewhere) {
-				t.Fatalf("Handle with a failing Claim = %v, want an ordinary error (the message is retried)", err)
+			if !consumer.IsUnavailable(err) || errors.Is(err, idempotency.ErrInProgressElsewhere) {
+				t.Fatalf("Handle with a failing Claim = %v, want it marked unavailable (the message waits, using up no attempt)", err)
 			}
 			if runs.Load() != 0 {
 				t.Fatal("the handler ran without a claim")
@@ -104,52 +101,29 @@ func (brokenStore) Claim(context.Context, string, string, time.Duration) (idempo
 
 // A state the middleware does not know (a Store written elsewhere, with a
 // bug) fails the delivery: the handler is not run without a claim, and the
-// message is not acked as if its effect had happened.
+// message is not acked as if its effect had happened. The store is at
+// fault, not the message: it waits rather than use up its attempts.
 func TestUnknownClaimStateFailsTheDelivery(t *testing.T) {
 	h := newGuard(t, brokenStore{newMemory(t)}, func(context.Context, *consumer.Message) error {
 		t.Error("the handler ran without a claim")
 		return nil
 	})
-	if err := h.Handle(context.Background(), msg("m", "x")); err == nil || !contains(err.Error(), "invalid state") {
-		t.Fatalf("Handle with a store answering no state = %v, want an error naming the invalid state", err)
+	err := h.Handle(context.Background(), msg("m", "x"))
+	if err == nil || !contains(err.Error(), "invalid state") || !consumer.IsUnavailable(err) {
+		t.Fatalf("Handle with a store answering no state = %v, want an unavailable error naming the invalid state", err)
 	}
 }
 
 // A store that never answers (a hung server, a network partition that drops
 // packets) fails the Claim after WithStoreTimeout, so the delivery is
-// retried later instead of holding its worker for as long as the store
+// given back to wait instead of holding its worker for as long as the store
 // stays silent. The server here accepts PostgreSQL connections and never
 // says a word.
 func TestSilentStoreFailsTheClaimAfterTheStoreTimeout(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		var conns []net.Conn
-		defer func() {
-			for _, c := range conns {
-				_ = c.Close()
-			}
-		}()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			conns = append(conns, c) // held open, never answered
-		}
-	}()
-	pool, err := pgxpool.New(context.Background(), "postgres://postgres@"+ln.Addr().String()+"/test?sslmode=disable")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	store, err := pgstore.New(pool)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool, link := teststores.PostgresVia(t)
+	store := teststores.PostgresOn(t, pool, pgsql.TestTable(t, pgsql.TestPool(t), "custody_idem_test"))
+	link.Silence()
+	pool.Reset() // the pool's connections are gone; new ones reach a silent server
 	m := newMeter(t)
 	h := newGuard(t, store, func(context.Context, *consumer.Message) error {
 		t.Error("the handler ran without a claim")
@@ -159,8 +133,8 @@ func TestSilentStoreFailsTheClaimAfterTheStoreTimeout(t *testing.T) {
 	go func() { done <- h.Handle(context.Background(), msg("m", "x")) }()
 	select {
 	case err := <-done:
-		if err == nil || consumer.IsPermanent(err) {
-			t.Fatalf("Handle with a silent store = %v, want an ordinary error (the message is retried)", err)
+		if !consumer.IsUnavailable(err) {
+			t.Fatalf("Handle with a silent store = %v, want it marked unavailable (the message waits, using up no attempt)", err)
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("Handle still waits on a silent store 30 s into a 100 ms store timeout")

@@ -11,7 +11,7 @@
 //
 // # Use
 //
-//	store, _ := pgstore.New(pool) // or redisstore.New(rdb), idempotency.NewMemoryStore()
+//	store, _ := pgstore.New(ctx, pool) // or redisstore.New(ctx, rdb), idempotency.NewMemoryStore()
 //	mw, err := idempotency.New(store,
 //		idempotency.WithKeyFunc(func(m *consumer.Message) string { return m.Headers["order-id"] }),
 //		idempotency.WithFingerprint(idempotency.FingerprintBody),
@@ -26,17 +26,19 @@
 // middleware never guesses a key, because a guessed key either lets
 // duplicates through or swallows distinct messages. Then the key is claimed:
 //
-//   - Acquired: the handler runs. The claim is extended (every third of the
+//   - Acquired: the handler runs. The claim is extended (every fifth of the
 //     lease by default) while it runs, so no other delivery takes the key
 //     over mid-effect. If an extension is refused, or cannot be made before
 //     the claim would run out, the handler's context is cancelled with
-//     [ErrClaimLost] as its cause. When the handler returns nil the key is
-//     marked completed and kept for the retention; when it returns an error
-//     or panics, the claim is released so that the retry can claim it. A
-//     claim whose reply came back only after its lease had run out holds
-//     nothing (another delivery may have taken the key): the handler does
-//     not run, the claim is given back, and Handle fails with an error
-//     wrapping ErrClaimLost, which the runtime retries.
+//     [ErrClaimLost] as its cause, and what it returns is marked
+//     consumer.Unavailable (see below), unless it is consumer.Permanent.
+//     When the handler returns nil the key is marked completed and kept
+//     for the retention; when it returns an error or panics, the claim is
+//     released so that the retry can claim it. A claim whose reply came
+//     back only after its lease had run out holds nothing (another
+//     delivery may have taken the key): the handler does not run, the
+//     claim is given back, and Handle fails as when the store cannot be
+//     reached, with an error wrapping ErrClaimLost.
 //   - Completed: a sequential duplicate. The handler is skipped and the
 //     message acked (Handle returns nil).
 //   - In progress elsewhere: an overlapping duplicate. The handler is not
@@ -57,6 +59,22 @@
 //     a NUL byte, a key over 2,600 bytes) fails with a permanent
 //     [ErrUnstorableKey], naming why, instead of being retried; hash binary
 //     keys in the KeyFunc.
+//
+// # When the store fails
+//
+// A store that cannot claim the key (unreachable, timing out, full, or
+// answering too late or nonsense) stops the handler from running, and that
+// is no fault of the message. Handle then fails with an error marked
+// consumer.Unavailable: the runtime uses up no attempt and never
+// dead-letters the message for it; the message waits in place, its lease
+// kept alive, with a backoff that grows while the outage lasts, and runs
+// once the store claims keys again. Each such failure is counted
+// ([MetricStoreErrors], op "claim"); the log gets a warning when claims
+// start failing, at most one every 30 seconds while they go on, and a line
+// when the store claims keys again, not a line per message (the runtime
+// logs each unavailable attempt at its own level). Only a message's own faults
+// are permanent: no key, a fingerprint mismatch, a key the store cannot
+// hold.
 //
 // Sequential and overlapping duplicates are counted separately
 // ([MetricDuplicates] with the kind as an attribute), because they have

@@ -55,8 +55,9 @@ func TestExtensionNeverOutlivesTheClaim(t *testing.T) {
 		cause = context.Cause(ctx)
 		return ctx.Err()
 	}, idempotency.WithLease(lease), idempotency.WithExtendInterval(250*time.Millisecond))
-	if err := h.Handle(context.Background(), msg("m", "x")); !errors.Is(err, context.Canceled) {
-		t.Fatalf("Handle = %v, want the cancelled handler's error", err)
+	err := h.Handle(context.Background(), msg("m", "x"))
+	if !errors.Is(err, context.Canceled) || !consumer.IsUnavailable(err) {
+		t.Fatalf("Handle = %v, want the cancelled handler's error marked unavailable (the store stopped it, not the message)", err)
 	}
 	if !errors.Is(cause, idempotency.ErrClaimLost) {
 		t.Fatalf("handler's context cause = %v, want ErrClaimLost", cause)
@@ -193,8 +194,8 @@ func TestClaimReplyAfterTheLeaseDoesNotRunTheHandler(t *testing.T) {
 			if most.Load() > 1 || runsA.Load() != 0 {
 				t.Fatalf("the first copy ran its handler %d times on a claim whose reply came after its lease ran out (%d at once)", runsA.Load(), most.Load())
 			}
-			if !errors.Is(firstErr, idempotency.ErrClaimLost) {
-				t.Fatalf("first copy = %v, want an error wrapping ErrClaimLost (retried, never acked unrun)", firstErr)
+			if !errors.Is(firstErr, idempotency.ErrClaimLost) || !consumer.IsUnavailable(firstErr) {
+				t.Fatalf("first copy = %v, want an unavailable error wrapping ErrClaimLost (tried again without using up an attempt, never acked unrun)", firstErr)
 			}
 			if n := m.count(t, idempotency.MetricStoreErrors, "custody.idempotency.op", "claim"); n != 1 {
 				t.Fatalf("store errors (claim) = %d, want 1 for the claim answered too late", n)

@@ -32,8 +32,11 @@ func New(store Store, opts ...Option) (consumer.Middleware, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: creating metrics: %w", err)
 	}
+	// One outage report for every handler the middleware wraps: they share
+	// the store.
+	down := &outage{logger: c.logger}
 	return func(next consumer.Handler) consumer.Handler {
-		return &guard{cfg: c, store: store, next: next, m: m}
+		return &guard{cfg: c, store: store, next: next, m: m, down: down}
 	}, nil
 }
 
@@ -52,6 +55,7 @@ type guard struct {
 	store Store
 	next  consumer.Handler
 	m     *dupmetrics.Set
+	down  *outage
 }
 
 func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
@@ -80,10 +84,10 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 		// or network, a paused process): the claim holds nothing any more,
 		// and another delivery may have taken the key over and be running
 		// the effect. Give it back (a no-op if it was taken over) and let
-		// the runtime retry, as after a Claim that failed.
+		// the message wait, as after a Claim that failed.
 		g.release(ctx, key, tok)
-		g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)
-		return fmt.Errorf("idempotency: claiming key %q: the store's reply came after the claim's lease (%v) had run out: %w", key, g.cfg.lease, ErrClaimLost)
+		err = fmt.Errorf("the store's reply came after the claim's lease (%v) had run out: %w", g.cfg.lease, ErrClaimLost)
+		return g.unavailable(ctx, key, err)
 	}
 	switch {
 	case errors.Is(err, ErrFingerprintMismatch):
@@ -92,18 +96,18 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	case errors.Is(err, ErrUnstorableKey):
 		return consumer.Permanent(err)
 	case err != nil:
-		if ctx.Err() == nil { // a cancelled delivery is not the store's fault
-			g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)
-		}
-		return fmt.Errorf("idempotency: claiming key %q: %w", key, err)
-	case state == Completed:
+		return g.unavailable(ctx, key, err)
+	case state != Acquired && state != Completed && state != InProgressElsewhere:
+		return g.unavailable(ctx, key, fmt.Errorf("the store answered an invalid state %d (a bug in the Store implementation)", state))
+	}
+	g.down.answered(ctx)
+	switch state {
+	case Completed:
 		g.m.Duplicates.Add(ctx, 1, g.m.Sequential)
 		return nil
-	case state == InProgressElsewhere:
+	case InProgressElsewhere:
 		g.m.Duplicates.Add(ctx, 1, g.m.Overlapping)
 		return consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), g.cfg.overlapDelay)
-	case state != Acquired:
-		return fmt.Errorf("idempotency: store returned invalid state %d for key %q", state, key)
 	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
@@ -123,10 +127,28 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 
 	if err != nil {
 		g.release(ctx, key, tok)
+		if k.lostCounted() && ctx.Err() == nil && !consumer.IsPermanent(err) {
+			// The middleware stopped the handler, its claim lost: the
+			// failure is the store's (or a stall's), not the message's.
+			// A Permanent error is the handler's own verdict, and stands.
+			return consumer.Unavailable(fmt.Errorf("idempotency: key %q: %w; the handler returned: %w", key, context.Cause(hctx), err))
+		}
 		return err
 	}
 	g.complete(ctx, key, tok, k.lostCounted())
 	return nil
+}
+
+// unavailable is Handle's answer when the store stopped the handler from
+// running: the message is not at fault, so it waits, using up no attempt,
+// and is never dead-lettered for it (consumer.Unavailable). The failure is
+// counted, and reported without a log line per message.
+func (g *guard) unavailable(ctx context.Context, key string, err error) error {
+	if ctx.Err() == nil { // a delivery that ended meanwhile is not the store's fault
+		g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)
+		g.down.failed(ctx, key, err)
+	}
+	return consumer.Unavailable(fmt.Errorf("idempotency: claiming key %q: %w", key, err))
 }
 
 // claim claims key on the store. It does not give up when the delivery's

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -267,6 +268,11 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 	if !errors.Is(err, context.Canceled) || !errors.Is(cause, idempotency.ErrClaimLost) {
 		t.Fatalf("handler returned %v with cause %v; want its context cancelled with ErrClaimLost", err, cause)
 	}
+	// The middleware stopped the handler, not the message's fault: the
+	// message waits and is tried again without using up an attempt.
+	if !consumer.IsUnavailable(err) || !errors.Is(err, idempotency.ErrClaimLost) {
+		t.Fatalf("Handle = %v, want an unavailable error wrapping ErrClaimLost", err)
+	}
 	if got := m.count(t, idempotency.MetricClaimsLost, "custody.idempotency.op", "extend"); got != 1 {
 		t.Fatalf("claims lost = %d, want 1", got)
 	}
@@ -279,6 +285,24 @@ func TestLostClaimCancelsTheHandler(t *testing.T) {
 	}
 }
 
+// A handler that gives a permanent verdict on its message keeps it, even
+// when its claim was lost meanwhile: a message that cannot be parsed is not
+// made to wait for ever.
+func TestPermanentErrorStandsWhenTheClaimWasLost(t *testing.T) {
+	store := &faultyStore{Store: newMemory(t)}
+	stale := error(idempotency.ErrStaleToken)
+	store.extendErr.Store(&stale)
+	bad := errors.New("cannot parse")
+	h := newGuard(t, store, func(ctx context.Context, _ *consumer.Message) error {
+		<-ctx.Done()
+		return consumer.Permanent(bad)
+	}, idempotency.WithLease(time.Hour), idempotency.WithExtendInterval(10*time.Millisecond))
+	err := h.Handle(context.Background(), msg("m", "x"))
+	if !consumer.IsPermanent(err) || consumer.IsUnavailable(err) || !errors.Is(err, bad) {
+		t.Fatalf("Handle = %v, want the handler's permanent error as it was", err)
+	}
+}
+
 // An overlapping duplicate is tried again a lease later unless
 // WithOverlapRetryDelay says otherwise, as documented: by then the original
 // has finished or its claim has run out.
@@ -286,7 +310,7 @@ func TestOverlapRetryDelayDefaultsToTheLease(t *testing.T) {
 	for _, lease := range []time.Duration{0, 7 * time.Second} {
 		store := newMemory(t)
 		var opts []idempotency.Option
-		want := 30 * time.Second // the default lease
+		want := idempotency.DefaultLease
 		if lease != 0 {
 			opts, want = append(opts, idempotency.WithLease(lease)), lease
 		}
@@ -302,6 +326,80 @@ func TestOverlapRetryDelayDefaultsToTheLease(t *testing.T) {
 			t.Errorf("lease %v: overlapping duplicate = %v (retry after %v), want Defer(ErrInProgressElsewhere, %v)", lease, err, d, want)
 		}
 	}
+}
+
+// The defaults: a claim of DefaultLease, extended every fifth of the lease,
+// so that a running handler outlives a store outage of three fifths of it.
+func TestDefaultLeaseAndExtendInterval(t *testing.T) {
+	store := &leaseStore{Store: newMemory(t)}
+	h := newGuard(t, store, func(context.Context, *consumer.Message) error { return nil })
+	if err := h.Handle(context.Background(), msg("m", "x")); err != nil {
+		t.Fatal(err)
+	}
+	if got := store.leases(); len(got) != 1 || got[0] != 10*time.Second {
+		t.Fatalf("claimed with leases %v, want one of 10s (DefaultLease)", got)
+	}
+
+	const lease = time.Second
+	store = &leaseStore{Store: newMemory(t)}
+	h = newGuard(t, store, func(ctx context.Context, _ *consumer.Message) error {
+		eventually(t, "the claim is extended", func() bool { return store.extended() })
+		return nil
+	}, idempotency.WithLease(lease))
+	if err := h.Handle(context.Background(), msg("m", "x")); err != nil {
+		t.Fatal(err)
+	}
+	// An extension may wait for the store until the next is due, so its
+	// deadline is at most one interval after it starts.
+	if w := store.firstExtendWait(); w <= 0 || w > lease/5 {
+		t.Fatalf("the first extension was given %v, want at most a fifth of the %v lease: the default interval", w, lease)
+	}
+}
+
+// leaseStore records the leases claims ask for, and how long the first
+// Extend was given.
+type leaseStore struct {
+	idempotency.Store
+	mu     sync.Mutex
+	asked  []time.Duration
+	wait   time.Duration
+	extend bool
+}
+
+func (s *leaseStore) Claim(ctx context.Context, key, fp string, lease time.Duration) (idempotency.State, idempotency.Token, error) {
+	s.mu.Lock()
+	s.asked = append(s.asked, lease)
+	s.mu.Unlock()
+	return s.Store.Claim(ctx, key, fp, lease)
+}
+
+func (s *leaseStore) Extend(ctx context.Context, key string, tok idempotency.Token, lease time.Duration) error {
+	entered := time.Now()
+	s.mu.Lock()
+	if d, ok := ctx.Deadline(); ok && !s.extend {
+		s.wait = d.Sub(entered)
+	}
+	s.extend = true
+	s.mu.Unlock()
+	return s.Store.Extend(ctx, key, tok, lease)
+}
+
+func (s *leaseStore) leases() []time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]time.Duration(nil), s.asked...)
+}
+
+func (s *leaseStore) extended() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.extend
+}
+
+func (s *leaseStore) firstExtendWait() time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.wait
 }
 
 // A claim lost while the handler ran is counted once, even when the
@@ -343,10 +441,10 @@ func TestFailingExtensionsCancelTheHandlerBeforeTheClaimRunsOut(t *testing.T) {
 		}
 		return nil
 	}, idempotency.WithMeterProvider(m),
-		// The first extension is due at a third of the lease and retried
-		// only if it failed before two thirds: the lease leaves a late
-		// timer (a loaded machine) half a second. With 300 ms, one 100 ms
-		// late left no time for the retry the test asks for.
+		// The first extension is due at a fifth of the lease and retried
+		// while the next is due before the claim runs out: the lease
+		// leaves a late timer (a loaded machine) room. With 300 ms, one
+		// 100 ms late once left no time for the retry the test asks for.
 		idempotency.WithLease(1500*time.Millisecond))
 	if err := h.Handle(context.Background(), msg("m", "x")); err != nil {
 		t.Fatal(err)

@@ -32,9 +32,9 @@ type config struct {
 func defaultConfig() config {
 	return config{
 		keyFunc:      MessageID,
-		lease:        30 * time.Second,
+		lease:        DefaultLease,
 		retention:    24 * time.Hour,
-		storeTimeout: 10 * time.Second,
+		storeTimeout: 5 * time.Second,
 	}
 }
 
@@ -83,11 +83,26 @@ func WithFingerprint(f func(*consumer.Message) string) Option {
 	}
 }
 
+// DefaultLease is the claim lease unless WithLease says otherwise.
+//
+// The lease is how long the keys of a consumer that died stay blocked
+// (after a crash, each redelivery of them is deferred until it runs out), not
+// how long a handler may run: the claim is renewed while the handler runs,
+// every fifth of the lease by default. So the lease only has to outlast a
+// few renewals, each one store round trip, and a hiccup of the store: an
+// outage shorter than the lease less two renewal intervals (6s at the
+// defaults) never stops a running handler; a longer one cancels it with
+// ErrClaimLost before the claim can run out, and its message waits for the
+// store (consumer.Unavailable) and runs again.
+const DefaultLease = 10 * time.Second
+
 // WithLease sets how long a claim holds a key before another delivery may
 // take it over, should this process stop extending it (a crash). The
 // middleware extends the claim while the handler runs, so the lease bounds
-// how long a crashed consumer blocks a key, not how long a handler may run.
-// Default 30s. Must be at least 1ms.
+// how long a crashed consumer blocks a key, not how long a handler may run:
+// a longer lease rides out longer store outages without stopping running
+// handlers, and blocks a dead consumer's keys longer (see [DefaultLease]).
+// Default 10s. Must be at least 1ms.
 func WithLease(d time.Duration) Option {
 	return func(c *config) error {
 		if d < time.Millisecond {
@@ -99,8 +114,12 @@ func WithLease(d time.Duration) Option {
 }
 
 // WithExtendInterval sets how often a running handler's claim is extended
-// back to the full lease. Default a third of the lease. Must be positive and
-// shorter than the lease.
+// back to the full lease. An extension that fails is tried again an interval
+// later while the claim would still be held then; the handler is cancelled
+// (ErrClaimLost) at the last failure before the claim runs out. So the
+// handler survives a store outage of at least the lease less two intervals.
+// Default a fifth of the lease (2s at the default lease). Must be positive
+// and shorter than the lease.
 func WithExtendInterval(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
@@ -150,7 +169,7 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 // have made is waited for (and given back when the delivery ended
 // meanwhile) rather than left behind for its whole lease. Keep it shorter
 // than the lease: a Claim answered after the lease ran out holds nothing,
-// and is given back without running the handler. Default 10s. Must be
+// and is given back without running the handler. Default 5s. Must be
 // positive.
 func WithStoreTimeout(d time.Duration) Option {
 	return func(c *config) error {
@@ -186,8 +205,11 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	}
 }
 
-// WithLogger sets where store failures that do not fail the message are
-// reported (a Complete or Release that failed). Default slog.Default().
+// WithLogger sets where store failures are reported: a Complete or Release
+// that failed (the message is not failed for it), and outages of the store
+// (claims that fail: a warning when they start, at most one every 30
+// seconds while they go on, and a line when claims succeed again). Default
+// slog.Default().
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
@@ -200,7 +222,7 @@ func WithLogger(l *slog.Logger) Option {
 
 func (c *config) fill() error {
 	if c.extendEvery == 0 {
-		c.extendEvery = c.lease / 3
+		c.extendEvery = c.lease / 5
 	}
 	if c.extendEvery >= c.lease {
 		return fmt.Errorf("idempotency: WithExtendInterval(%v): must be shorter than the lease (%v), or the claim expires between extensions", c.extendEvery, c.lease)

@@ -25,7 +25,7 @@
 //     to the cap; the keeper does not renew the lease again before it.
 //   - A renewal the adapter refuses because the lease is gone (its error
 //     wraps [adapters.ErrLeaseLost]: a stale receipt, the message received
-//     again or deleted) loses the delivery at once: [adapters.Delivery.Lose]
+//     again or deleted) loses the delivery at once: the delivery's [adapters.Signal.Lose]
 //     is called with that cause, which cancels its handler's context.
 //   - Any other failure (a network error, throttling, a timeout) leaves the
 //     lease as the broker last granted it, so the renewal is tried again,

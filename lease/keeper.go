@@ -40,7 +40,7 @@ type Config struct {
 	// again. Lost is called for each delivery the keeper loses (at MaxHold,
 	// or after a renewal failed for good); not for one the adapter loses by
 	// itself, nor for one whose lease was stopped before the keeper lost
-	// it. The delivery is lost (Delivery.Lose has returned) before its
+	// it. The delivery is lost (its Signal.Lose has returned) before its
 	// Lease.Stop returns; Lost itself may run after that.
 	Renewed  func(n int)
 	Retrying func(n int, err error)
@@ -141,7 +141,8 @@ func (k *Keeper) now() int64 { return k.ticks(time.Now()) }
 
 // Track starts keeping d's lease alive, counting from d.ReceivedAt (or now
 // when that is zero), or from d.LeasedAt when the adapter renewed the lease
-// since; MaxHold counts from d.ReceivedAt.
+// since; MaxHold counts from d.ReceivedAt. The keeper loses a delivery
+// through its Signal, which it gives d if d has none.
 func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 	l := new(Lease)
 	k.Start(l, d)
@@ -174,6 +175,9 @@ func (k *Keeper) StartAll(leases iter.Seq2[*Lease, *adapters.Delivery]) {
 func (k *Keeper) startOne(l *Lease, d *adapters.Delivery) bool {
 	if !k.starting {
 		panic("lease: StartAll's iterator called yield after it returned")
+	}
+	if d.Signal == nil {
+		d.Signal = new(adapters.Signal) // the keeper loses deliveries through it
 	}
 	var start int64
 	if d.ReceivedAt.IsZero() {
@@ -533,7 +537,7 @@ func (k *Keeper) lose(ls []loss) {
 		return
 	}
 	for _, x := range ls {
-		x.d.Lose(x.cause)
+		x.d.Signal.Lose(x.cause)
 	}
 	k.mu.Lock()
 	for _, x := range ls {

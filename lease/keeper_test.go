@@ -179,12 +179,12 @@ func TestFailedRenewalLosesTheDelivery(t *testing.T) {
 	k.Track(good)
 	k.Track(bad)
 	select {
-	case <-bad.Lost():
+	case <-bad.Signal.Lost():
 	case <-time.After(10 * time.Second):
 		t.Fatal("failed renewal did not lose the delivery")
 	}
-	if !errors.Is(bad.LostCause(), adapters.ErrLeaseLost) {
-		t.Fatalf("cause %v does not wrap ErrLeaseLost", bad.LostCause())
+	if !errors.Is(bad.Signal.LostCause(), adapters.ErrLeaseLost) {
+		t.Fatalf("cause %v does not wrap ErrLeaseLost", bad.Signal.LostCause())
 	}
 	if n := rec.count(bad); n < 2 {
 		t.Fatalf("lost after %d renewal attempt(s); a failure that does not say the lease is gone is retried while it lasts", n)
@@ -192,8 +192,8 @@ func TestFailedRenewalLosesTheDelivery(t *testing.T) {
 	eventually(t, "good renewed again", func() bool { return rec.count(good) >= 3 })
 	// Lost reports the loss after the delivery is lost: wait for it.
 	eventually(t, "the loss reported", func() bool { return lost.Load() >= 1 })
-	if good.LostCause() != nil || lost.Load() != 1 {
-		t.Fatalf("good lost: %v; lost count %d", good.LostCause(), lost.Load())
+	if good.Signal.LostCause() != nil || lost.Load() != 1 {
+		t.Fatalf("good lost: %v; lost count %d", good.Signal.LostCause(), lost.Load())
 	}
 	// Two more renewals of good span a whole renewal interval, longer than
 	// any retry of bad would wait.
@@ -215,7 +215,7 @@ func TestRenewalRefusedAsLostLosesAtOnce(t *testing.T) {
 	d := &adapters.Delivery{ReceivedAt: time.Now()}
 	k.Track(d)
 	select {
-	case <-d.Lost():
+	case <-d.Signal.Lost():
 	case <-time.After(10 * time.Second):
 		t.Fatal("refused renewal did not lose the delivery")
 	}
@@ -240,7 +240,7 @@ func TestTransientRenewalFailureIsRetriedWhileTheLeaseLasts(t *testing.T) {
 	d := &adapters.Delivery{ReceivedAt: time.Now()}
 	k.Track(d)
 	eventually(t, "two renewals after the failures", func() bool { return rec.count(d) >= 4 })
-	if cause := d.LostCause(); cause != nil {
+	if cause := d.Signal.LostCause(); cause != nil {
 		t.Fatalf("lost after transient failures: %v", cause)
 	}
 	// Retrying reports after its call returned, maybe after the next call.
@@ -267,8 +267,8 @@ func TestLeaseCountsFromTheAdaptersLastRenewal(t *testing.T) {
 	now := time.Now()
 	d := &adapters.Delivery{ReceivedAt: now.Add(-2 * lease), LeasedAt: now}
 	k.Track(d)
-	eventually(t, "a renewal after the failed one, or a loss", func() bool { return rec.count(d) >= 2 || d.LostCause() != nil })
-	if cause := d.LostCause(); cause != nil {
+	eventually(t, "a renewal after the failed one, or a loss", func() bool { return rec.count(d) >= 2 || d.Signal.LostCause() != nil })
+	if cause := d.Signal.LostCause(); cause != nil {
 		t.Fatalf("lost after one transient failure, with its lease renewed by the adapter just before: %v", cause)
 	}
 }
@@ -279,12 +279,12 @@ func TestMaxHoldCapsTotalExtension(t *testing.T) {
 	d := &adapters.Delivery{ReceivedAt: time.Now()}
 	k.Track(d)
 	select {
-	case <-d.Lost():
+	case <-d.Signal.Lost():
 	case <-time.After(10 * time.Second):
 		t.Fatal("delivery held past MaxHold")
 	}
-	if !errors.Is(d.LostCause(), ErrMaxHold) {
-		t.Fatalf("cause = %v, want ErrMaxHold", d.LostCause())
+	if !errors.Is(d.Signal.LostCause(), ErrMaxHold) {
+		t.Fatalf("cause = %v, want ErrMaxHold", d.Signal.LostCause())
 	}
 	if held := time.Since(d.ReceivedAt); held < 100*time.Millisecond {
 		t.Fatalf("lost after %v, before MaxHold", held)
@@ -368,7 +368,7 @@ func TestRenewedReportsTheLeasesRenewed(t *testing.T) {
 	eventually(t, "two renewals of each kept lease", func() bool { return rec.count(kept1) >= 2 && rec.count(kept2) >= 2 })
 	l1.Stop() // no renewal is on the wire once they return
 	l2.Stop()
-	if refused.LostCause() == nil {
+	if refused.Signal.LostCause() == nil {
 		t.Fatal("the refused delivery was not lost")
 	}
 	want := int64(rec.count(kept1) + rec.count(kept2))

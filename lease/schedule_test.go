@@ -88,7 +88,7 @@ func TestMaxHoldCapsEachExtension(t *testing.T) {
 	d := &adapters.Delivery{ID: "d", ReceivedAt: time.Now()}
 	k.Track(d)
 	select {
-	case <-d.Lost():
+	case <-d.Signal.Lost():
 	case <-time.After(10 * time.Second):
 		t.Fatal("delivery held past MaxHold")
 	}
@@ -139,7 +139,7 @@ func TestFailedRenewalOfAStoppedLeaseIsNotALoss(t *testing.T) {
 	close(block)
 	<-stopped
 	time.Sleep(20 * time.Millisecond)
-	if lost.Load() != 0 || d.LostCause() != nil {
-		t.Fatalf("stopped lease reported lost (%d, %v)", lost.Load(), d.LostCause())
+	if lost.Load() != 0 || d.Signal.LostCause() != nil {
+		t.Fatalf("stopped lease reported lost (%d, %v)", lost.Load(), d.Signal.LostCause())
 	}
 }

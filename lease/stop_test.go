@@ -76,7 +76,7 @@ func checkLossIsDecidedByStop(t *testing.T, cancel context.CancelFunc, done <-ch
 	stopped := make(chan struct{})
 	go func() {
 		leases[other].Stop()
-		causeAtStop = other.LostCause()
+		causeAtStop = other.Signal.LostCause()
 		close(stopped)
 	}()
 	select {
@@ -90,7 +90,7 @@ func checkLossIsDecidedByStop(t *testing.T, cancel context.CancelFunc, done <-ch
 	cancel()
 	<-done // every loss the keeper decided has been made and reported
 	if causeAtStop == nil {
-		if cause := other.LostCause(); cause != nil {
+		if cause := other.Signal.LostCause(); cause != nil {
 			t.Fatalf("Stop returned with the delivery held, and the keeper lost it afterwards (%v): the runtime acks it and its loss goes unseen, or is counted for an acked message", cause)
 		}
 		if n := bl.reported(other); n != 0 {
@@ -203,7 +203,7 @@ func TestFailingRenewalsDoNotHotLoop(t *testing.T) {
 	d := &adapters.Delivery{ID: "d", ReceivedAt: time.Now()}
 	k.Track(d)
 	select {
-	case <-d.Lost():
+	case <-d.Signal.Lost():
 	case <-time.After(30 * time.Second):
 		t.Fatal("failing renewals did not lose the delivery")
 	}
@@ -230,7 +230,7 @@ func TestNoTinyRenewalBeforeMaxHold(t *testing.T) {
 	k.Track(a)
 	k.Track(b)
 	select {
-	case <-a.Lost():
+	case <-a.Signal.Lost():
 	case <-time.After(30 * time.Second):
 		t.Fatal("a held past MaxHold")
 	}
@@ -299,7 +299,7 @@ func TestShutdownIsNotARenewalFailure(t *testing.T) {
 	if n := retrying.Load(); n != 0 {
 		t.Errorf("Retrying reported %d lease(s) for a renewal cut short by shutdown", n)
 	}
-	if cause := renewing.LostCause(); cause != nil || bl.reported(renewing) != 0 {
+	if cause := renewing.Signal.LostCause(); cause != nil || bl.reported(renewing) != 0 {
 		t.Errorf("a renewal cut short by shutdown lost the delivery: %v", cause)
 	}
 }
@@ -357,7 +357,7 @@ func TestHungRenewalIsCutAtTheTimeoutAndTriedAgain(t *testing.T) {
 	l := k.Track(d)
 	eventually(t, "the renewal tried again", func() bool { return ext.calls.Load() >= 2 })
 	l.Stop()
-	if cause := d.LostCause(); cause != nil {
+	if cause := d.Signal.LostCause(); cause != nil {
 		t.Fatalf("lost after a hung renewal: %v", cause)
 	}
 	// Retrying reports after its call returned, maybe after the next call.
@@ -396,12 +396,12 @@ func TestHungRenewalEndsBeforeTheLeaseRunsOut(t *testing.T) {
 	d := &adapters.Delivery{ID: "d", ReceivedAt: time.Now()}
 	k.Track(d)
 	select {
-	case <-d.Lost():
+	case <-d.Signal.Lost():
 	case <-time.After(20 * time.Second):
 		t.Fatal("a lease whose renewals never return was not lost")
 	}
-	if !errors.Is(d.LostCause(), adapters.ErrLeaseLost) {
-		t.Errorf("cause %v does not wrap ErrLeaseLost", d.LostCause())
+	if !errors.Is(d.Signal.LostCause(), adapters.ErrLeaseLost) {
+		t.Errorf("cause %v does not wrap ErrLeaseLost", d.Signal.LostCause())
 	}
 	ext.mu.Lock()
 	defer ext.mu.Unlock()

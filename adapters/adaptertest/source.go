@@ -115,7 +115,7 @@ func testCapabilities(t *testing.T, h Harness) {
 			t.Errorf("%T reports a lease but does not implement adapters.Extender", src)
 		}
 	}
-	if first.MaxLeaseAge < 0 || first.MaxReceive < 0 || first.MaxAckBatch < 0 || first.MaxExtendBatch < 0 || first.MaxUnacked < 0 {
+	if first.MaxLeaseAge < 0 || first.MaxReceive < 0 || first.Receivers < 0 || first.MaxUnacked < 0 || badBatching(first.Ack) || badBatching(first.Nack) || badBatching(first.Extend) {
 		t.Errorf("Capabilities has a negative bound: %+v", first)
 	}
 	bodies := publishN(t, q, 1, "")
@@ -299,7 +299,7 @@ func testClose(t *testing.T, h Harness) {
 	}
 	ackErr := src.Ack(ctx, ds[:1])
 	t.Logf("Ack after Close: %v", ackErr)
-	nackErr := src.Nack(ctx, ds[1:], 0)
+	nackErr := src.Nack(ctx, adapters.NackAll(ds[1:], 0))
 	t.Logf("Nack after Close: %v", nackErr)
 	expectFates(t, q, map[string]bool{string(ds[0].Body): adapters.EntryError(ackErr, 0) == nil, string(ds[1].Body): false})
 }
@@ -341,14 +341,14 @@ func testAckAfterNack(t *testing.T, h Harness) {
 		run  func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error
 	}{
 		{"NackThenAck", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
-			if err := src.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+			if err := src.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 				return fmt.Errorf("the first call, Nack: %w", err)
 			}
 			return src.Ack(ctx, []*adapters.Delivery{d})
 		}},
 		{"AckThenNack", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
 			err := src.Ack(ctx, []*adapters.Delivery{d})
-			_ = src.Nack(ctx, []*adapters.Delivery{d}, 0)
+			_ = src.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0))
 			return err
 		}},
 		{"Concurrent", func(ctx context.Context, src adapters.Source, d *adapters.Delivery) error {
@@ -356,7 +356,7 @@ func testAckAfterNack(t *testing.T, h Harness) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				_ = src.Nack(ctx, []*adapters.Delivery{d}, 0)
+				_ = src.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0))
 			}()
 			err := src.Ack(ctx, []*adapters.Delivery{d})
 			wg.Wait()
@@ -408,7 +408,7 @@ func testForeignDelivery(t *testing.T, h Harness) {
 	if ext, ok := src.(adapters.Extender); ok {
 		check("Extend", ext.Extend(ctx, []*adapters.Delivery{ds[0], stranger()}, q.Lease))
 	}
-	check("Nack", src.Nack(ctx, []*adapters.Delivery{ds[1], stranger()}, 0))
+	check("Nack", src.Nack(ctx, adapters.NackAll([]*adapters.Delivery{ds[1], stranger()}, 0)))
 	ackErr := src.Ack(ctx, []*adapters.Delivery{ds[0], stranger()})
 	check("Ack", ackErr)
 	if err := src.Close(); err != nil {
@@ -432,10 +432,10 @@ func testNackDelay(t *testing.T, h Harness) {
 	defer cancel()
 	const delay = 1500 * time.Millisecond
 	nacked := time.Now()
-	if err := src.Nack(ctx, ds[:1], delay); err != nil {
+	if err := src.Nack(ctx, adapters.NackAll(ds[:1], delay)); err != nil {
 		t.Fatalf("Nack with a delay of %v: %v", delay, err)
 	}
-	if err := src.Nack(ctx, ds[1:], 10000*time.Hour); err != nil {
+	if err := src.Nack(ctx, adapters.NackAll(ds[1:], 10000*time.Hour)); err != nil {
 		t.Fatalf("Nack with a delay beyond any broker's limit: %v; the runtime asks for what its retry policy says, so cap it", err)
 	}
 	var (
@@ -468,4 +468,9 @@ func testNackDelay(t *testing.T, h Harness) {
 	if got, ok := back[string(ds[1].Body)]; ok {
 		t.Errorf("a message nacked with a delay of 10000h came back after %v", got)
 	}
+}
+
+// badBatching reports a Batching with a negative bound.
+func badBatching(b adapters.Batching) bool {
+	return b.MaxEntries < 0 || b.Linger < 0 || b.MaxCalls < 0
 }

@@ -129,7 +129,7 @@ func TestEntryRetryFailingWholeKeepsTheOtherEntries(t *testing.T) {
 				t.Fatalf("Ack failed entries %v; want entry 2 alone", be.Failed)
 			}
 			for i, d := range ds[:2] {
-				if cause := d.LostCause(); cause != nil {
+				if cause := d.Signal.LostCause(); cause != nil {
 					t.Errorf("delivery %d, deleted by the first request, was marked lost: %v", i, cause)
 				}
 			}

@@ -118,7 +118,7 @@ func (s *Source) runBatch(ctx context.Context, ds []*adapters.Delivery, idx []in
 			case receiptInvalid(f):
 				lost := fmt.Errorf("%w (SQS: %s: %s)", adapters.ErrLeaseLost, aws.ToString(f.Code), aws.ToString(f.Message))
 				s.stats.leaseLost.Add(1)
-				ds[i].Lose(lost)
+				ds[i].Signal.Lose(lost)
 				errs[i] = lost
 			case !f.SenderFault && try < s.opts.entryRetries:
 				retry = append(retry, i)

@@ -47,7 +47,7 @@ func TestRenewalFailureInASecondBatchNamesItsDelivery(t *testing.T) {
 		t.Fatalf("Extend: %v; want a BatchError naming entry %d alone, as a lost lease", err, gone)
 	}
 	for i, d := range ds {
-		switch cause := d.LostCause(); {
+		switch cause := d.Signal.LostCause(); {
 		case i == gone && !errors.Is(cause, adapters.ErrLeaseLost):
 			t.Errorf("the deleted message's delivery %d is not lost: %v", i, cause)
 		case i != gone && cause != nil:

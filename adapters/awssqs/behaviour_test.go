@@ -271,12 +271,12 @@ func TestStaleReceiptHandle(t *testing.T) {
 		t.Fatalf("heartbeat with two stale handles: %v, want a BatchError naming entries 0 and 1", err)
 	}
 	for i := range 2 {
-		if !errors.Is(be.Failed[i], adapters.ErrLeaseLost) || !errors.Is(stale[i].LostCause(), adapters.ErrLeaseLost) {
-			t.Errorf("stale entry %d: error %v, lost cause %v; want both to wrap ErrLeaseLost", i, be.Failed[i], stale[i].LostCause())
+		if !errors.Is(be.Failed[i], adapters.ErrLeaseLost) || !errors.Is(stale[i].Signal.LostCause(), adapters.ErrLeaseLost) {
+			t.Errorf("stale entry %d: error %v, lost cause %v; want both to wrap ErrLeaseLost", i, be.Failed[i], stale[i].Signal.LostCause())
 		}
 	}
-	if fresh[0].LostCause() != nil {
-		t.Errorf("the valid delivery was marked lost: %v", fresh[0].LostCause())
+	if fresh[0].Signal.LostCause() != nil {
+		t.Errorf("the valid delivery was marked lost: %v", fresh[0].Signal.LostCause())
 	}
 	if n := a.Stats().LeaseLost; n != 2 {
 		t.Errorf("Stats.LeaseLost = %d, want 2", n)

@@ -62,7 +62,7 @@ func TestBufferedMessageWhoseVisibilityRanOutIsLost(t *testing.T) {
 	waitFor(t, "the Source to give the messages up or try renewing them again", func() bool {
 		lost := 0
 		for _, d := range buffered {
-			if d.LostCause() != nil {
+			if d.Signal.LostCause() != nil {
 				lost++
 			}
 		}
@@ -77,7 +77,7 @@ func TestBufferedMessageWhoseVisibilityRanOutIsLost(t *testing.T) {
 		if !taken[d.ID] {
 			t.Fatalf("waiting message %s was not taken by the other consumer", d.ID)
 		}
-		if cause := d.LostCause(); !errors.Is(cause, adapters.ErrLeaseLost) {
+		if cause := d.Signal.LostCause(); !errors.Is(cause, adapters.ErrLeaseLost) {
 			t.Errorf("waiting message %d, now with another consumer: lost cause %v, want one wrapping ErrLeaseLost", i, cause)
 		}
 	}

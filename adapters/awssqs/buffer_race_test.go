@@ -10,6 +10,7 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/custody-go/custody/adapters"
 )
 
 // gatedClient holds the second ReceiveMessage until pollGate is closed, so
@@ -93,7 +94,7 @@ func TestBufferRenewalNeverLandsAfterANack(t *testing.T) {
 	if err != nil || len(got) == 0 {
 		t.Fatalf("Receive of the buffered messages: %d deliveries, %v", len(got), err)
 	}
-	if err := src.Nack(e.ctx(), got, 0); err != nil {
+	if err := src.Nack(e.ctx(), adapters.NackAll(got, 0)); err != nil {
 		t.Fatalf("Nack: %v", err)
 	}
 	openRenewal.Do(func() { close(c.renewGate) })

@@ -92,9 +92,6 @@ func TestRenewalPastTwelveHoursLosesTheDelivery(t *testing.T) {
 	if !errors.As(err, &be) || !errors.Is(be.Failed[0], ErrMaxVisibility) {
 		t.Fatalf("Extend past the 12 hours: %v, want a BatchError of ErrMaxVisibility", err)
 	}
-	if !errors.Is(d.LostCause(), ErrMaxVisibility) {
-		t.Errorf("lost cause %v, want ErrMaxVisibility", d.LostCause())
-	}
 	if n := e.counter.Op("ChangeMessageVisibilityBatch") - before; n != 0 {
 		t.Errorf("Extend sent %d requests for a delivery past the cap, want none", n)
 	}

@@ -28,9 +28,8 @@ func TestCapabilities(t *testing.T) {
 		NackDelay:        true,
 		CountsDeliveries: true,
 		MaxReceive:       DefaultPollers * 10,
-		MaxAckBatch:      10,
-		MaxExtendBatch:   10,
-		AckLinger:        DefaultAckLinger,
+		Ack:              adapters.Batching{MaxEntries: 10, Linger: DefaultAckLinger, MaxCalls: 4},
+		Extend:           adapters.Batching{MaxEntries: 10, MaxCalls: 4},
 	}
 	if got := src.Capabilities(); got != want {
 		t.Errorf("Capabilities() = %+v\nwant %+v", got, want)

@@ -45,7 +45,7 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 	lease := max(time.Second, cfg.Lease.Round(time.Second))
 	url, _ := e.queue(fifo, lease, nil)
 	dlqURL, _ := e.queue(fifo, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}

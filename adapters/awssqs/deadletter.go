@@ -7,9 +7,11 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -25,7 +27,8 @@ const (
 	// DefaultDiagnosticsAttribute names the message attribute that carries
 	// the diagnostics as one JSON object.
 	DefaultDiagnosticsAttribute = "custody-diagnostics"
-	// DefaultMaxMessageSize is SQS's default MaximumMessageSize, 256 KiB.
+	// DefaultMaxMessageSize, 256 KiB, is the largest copy sent to a queue
+	// that does not report its MaximumMessageSize.
 	DefaultMaxMessageSize = 256 << 10
 	// maxAttributes is SQS's limit on message attributes per message.
 	maxAttributes = 10
@@ -84,6 +87,7 @@ type DeadLetterQueue struct {
 	fifo    bool
 	attr    string
 	maxSize int
+	sizeSet bool // maxSize came from WithMaxMessageSize
 }
 
 var _ adapters.DeadLetter = (*DeadLetterQueue)(nil)
@@ -110,21 +114,33 @@ func WithDiagnosticsAttribute(name string) DeadLetterOption {
 
 // WithMaxMessageSize sets the largest copy Send will try, in bytes (body plus
 // attribute names, types and values, as SQS counts them), from 1 KiB to
-// 1 MiB. Default 256 KiB; set it to the dead-letter queue's
-// MaximumMessageSize. When a copy is larger, Send shortens the error text;
-// if it is still too large, Send fails and the original stays in its queue.
+// 1 MiB. Default: the dead-letter queue's MaximumMessageSize, which
+// NewDeadLetterQueue reads (DefaultMaxMessageSize if the queue reports
+// none); NewDeadLetterQueue refuses a larger value, since SQS would refuse
+// the copies in between. When a copy is larger, Send shortens the error
+// text; if it is still too large, Send fails and the original stays in its
+// queue.
 func WithMaxMessageSize(n int) DeadLetterOption {
 	return func(q *DeadLetterQueue) error {
 		if n < 1<<10 || n > 1<<20 {
 			return fmt.Errorf("awssqs.WithMaxMessageSize(%d): must be from 1024 to 1048576 bytes", n)
 		}
 		q.maxSize = n
+		q.sizeSet = true
 		return nil
 	}
 }
 
 // NewDeadLetterQueue returns a DeadLetter sending to the queue at queueURL.
-// A URL ending in .fifo is treated as a FIFO queue.
+// It reads the queue's attributes once (GetQueueAttributes, bounded by ctx),
+// so that a wrong URL, region, endpoint or credentials fail here, with what
+// to check, rather than at the first poison message, whose Send would then
+// fail on every attempt and leave the message retried for ever. Whether the
+// queue is FIFO comes from its FifoQueue attribute (or a name ending in
+// .fifo), and the largest copy from its MaximumMessageSize (see
+// WithMaxMessageSize). The check shows that the queue exists and that the
+// client may read it, not that it may send to it: the sink needs
+// sqs:GetQueueAttributes and sqs:SendMessage on the queue.
 //
 // It also takes deliveries from other brokers. Their headers become String
 // attributes where SQS allows the name and the value; the others (names with
@@ -134,7 +150,41 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 // space; the diagnostics then say so in "custody-body-encoding" ("base64":
 // standard base64 of the original body; "empty": the original body was
 // empty).
-func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
+func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
+	q, err := newDeadLetterQueue(client, queueURL, opts)
+	if err != nil {
+		return nil, err
+	}
+	out, err := client.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{
+		QueueUrl:       aws.String(queueURL),
+		AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameFifoQueue, types.QueueAttributeNameMaximumMessageSize},
+	})
+	if err != nil {
+		var missing *types.QueueDoesNotExist
+		if errors.As(err, &missing) {
+			return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: dead-letter queue %s does not exist where the client looks (check the queue name and account in the URL, and the client's region and endpoint; create the queue first): %w", queueURL, err)
+		}
+		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: cannot read the attributes of dead-letter queue %s (check the URL, the client's region, endpoint and credentials; the sink needs sqs:GetQueueAttributes and sqs:SendMessage on the queue): %w", queueURL, err)
+	}
+	if out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" {
+		q.fifo = true
+	}
+	if n, err := strconv.Atoi(out.Attributes[string(types.QueueAttributeNameMaximumMessageSize)]); err == nil && n > 0 {
+		if q.sizeSet && q.maxSize > n {
+			// SQS would refuse every copy between the two sizes, and
+			// their originals would never leave their queues.
+			return nil, fmt.Errorf("awssqs.WithMaxMessageSize(%d): dead-letter queue %s takes messages of at most %d bytes (its MaximumMessageSize); lower the option or raise the queue's MaximumMessageSize", q.maxSize, queueURL, n)
+		}
+		if !q.sizeSet {
+			q.maxSize = min(max(n, 1<<10), 1<<20)
+		}
+	}
+	return q, nil
+}
+
+// newDeadLetterQueue builds the sink from its arguments and options, without
+// a call to SQS: a FIFO queue is recognised by its name alone.
+func newDeadLetterQueue(client Sender, queueURL string, opts []DeadLetterOption) (*DeadLetterQueue, error) {
 	if client == nil {
 		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: nil client; pass an *sqs.Client")
 	}
@@ -153,6 +203,12 @@ func NewDeadLetterQueue(client Sender, queueURL string, opts ...DeadLetterOption
 	}
 	return q, nil
 }
+
+// FIFO reports whether the dead-letter queue is a FIFO queue. A FIFO
+// source's copies keep their group order only in a FIFO dead-letter queue;
+// the sink cannot check the pairing itself, since it takes messages from
+// any source: compare with [Source.FIFO] where both are built.
+func (q *DeadLetterQueue) FIFO() bool { return q.fifo }
 
 // Send stores a copy of d with the failure's diagnostics in the dead-letter
 // queue and returns nil once SQS has accepted it.

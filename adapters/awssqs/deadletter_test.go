@@ -19,6 +19,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
+	"github.com/custody-go/custody/internal/sqsemu"
 	"github.com/custody-go/custody/internal/testlog"
 )
 
@@ -104,9 +105,12 @@ func TestDeadLetterQueueSink(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+			dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if dlq.FIFO() != fifo {
+				t.Errorf("DeadLetterQueue.FIFO() = %v for a queue created with FifoQueue=%v", dlq.FIFO(), fifo)
 			}
 			h := &failing{poison: "poison body", err: errors.New("cannot parse order 7")}
 			var got []types.Message
@@ -185,7 +189,7 @@ func TestDeadLetterQueueTakesAnotherBrokersDelivery(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(false, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -252,9 +256,14 @@ func TestDeadLetterQueueSendFailureKeepsOriginal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A dead-letter queue URL that does not exist: SQS refuses the send.
-	dlq, err := NewDeadLetterQueue(e.client, strings.TrimSuffix(url, src.name)+"no-such-queue")
+	// A dead-letter queue deleted after the sink was made: SQS refuses the
+	// send.
+	dlqURL, _ := e.queue(false, 30*time.Second, nil)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.client.DeleteQueue(e.ctx(), &sqs.DeleteQueueInput{QueueUrl: aws.String(dlqURL)}); err != nil {
 		t.Fatal(err)
 	}
 	h := &failing{poison: "poison body", err: consumer.Permanent(errors.New("bad"))}
@@ -266,6 +275,88 @@ func TestDeadLetterQueueSendFailureKeepsOriginal(t *testing.T) {
 		got := e.drain(url, 0)
 		return len(got) == 1 && aws.ToString(got[0].Body) == "poison body"
 	})
+}
+
+// A wrong dead-letter queue URL (or region, endpoint, credentials) fails
+// NewDeadLetterQueue, saying what to check, instead of the first poison
+// message's Send, which would fail on every attempt.
+func TestNewDeadLetterQueueChecksTheQueue(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 5*time.Second, nil)
+	wrong := url + "-dlq" // never created
+	_, err := NewDeadLetterQueue(e.ctx(), e.client, wrong)
+	if err == nil {
+		t.Fatalf("NewDeadLetterQueue(%s) succeeded for a queue that does not exist", wrong)
+	}
+	for _, want := range []string{wrong, "does not exist", "region", "create the queue"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+
+	// Nothing answers at the endpoint: the error says what to check.
+	dead := sqsemu.NewClient("http://127.0.0.1:1", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	_, err = NewDeadLetterQueue(ctx, dead, url)
+	if err == nil {
+		t.Fatal("NewDeadLetterQueue succeeded with no SQS at the client's endpoint")
+	}
+	for _, want := range []string{url, "endpoint", "credentials", "sqs:SendMessage"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+
+	// A cancelled context ends the check.
+	cancelled, cancelNow := context.WithCancel(context.Background())
+	cancelNow()
+	if _, err := NewDeadLetterQueue(cancelled, e.client, url); !errors.Is(err, context.Canceled) {
+		t.Errorf("NewDeadLetterQueue with a cancelled context: %v, want context.Canceled", err)
+	}
+}
+
+// The sink fits its copies to the dead-letter queue's own MaximumMessageSize:
+// with SQS's refusal of a larger copy, the poison message would never leave
+// its queue.
+func TestDeadLetterQueueFitsTheQueuesSizeLimit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	url, _ := e.queue(false, 5*time.Second, nil)
+	dlqURL, _ := e.queue(false, 30*time.Second, map[string]string{"MaximumMessageSize": "2048"})
+	if _, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL, WithMaxMessageSize(4096)); err == nil || !strings.Contains(err.Error(), "WithMaxMessageSize") || !strings.Contains(err.Error(), "2048") {
+		t.Errorf("WithMaxMessageSize(4096) on a queue taking 2048 bytes: %v, want an error naming the option and the queue's limit", err)
+	}
+
+	body := strings.Repeat("b", 1500)
+	e.send(url, body, "", nil)
+	src, err := New(e.ctx(), e.client, url, testOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// With this error text the copy is over 2048 bytes until the text is
+	// shortened.
+	h := &failing{poison: body, err: consumer.Permanent(errors.New(strings.Repeat("e", 1000)))}
+	var got []types.Message
+	runUntil(t, src, h, "the poison message in the dead-letter queue", func() bool {
+		got = append(got, e.drain(dlqURL, 0)...)
+		return len(got) > 0
+	}, fastRetry(1), consumer.WithDeadLetter(dlq))
+	if len(got) != 1 || aws.ToString(got[0].Body) != body {
+		t.Fatalf("dead-letter queue holds %d messages, want the poison message", len(got))
+	}
+	diag, err := DecodeDiagnostics(got[0].MessageAttributes, DefaultDiagnosticsAttribute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(diag[adapters.HeaderError]); n >= 1000 || n < minErrorTextKept {
+		t.Errorf("error text of %d bytes in the copy, want it shortened from 1000", n)
+	}
 }
 
 func TestNativeRedrive(t *testing.T) {
@@ -363,7 +454,7 @@ func TestDeadLetterQueueFIFOKeepsLookAlikeDeliveries(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(true, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -398,7 +489,7 @@ func TestDeadLetterQueueFIFOGroupsForeignCopiesByLane(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(true, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -457,7 +548,7 @@ func TestDeadLetterQueueFIFOCopiesPerReceive(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -480,7 +571,7 @@ func TestDeadLetterQueueFIFOCopiesPerReceive(t *testing.T) {
 			t.Fatalf("Send: %v", err)
 		}
 	}
-	if err := src.Nack(e.ctx(), []*adapters.Delivery{d1}, 0); err != nil {
+	if err := src.Nack(e.ctx(), adapters.NackAll([]*adapters.Delivery{d1}, 0)); err != nil {
 		t.Fatalf("Nack: %v", err)
 	}
 	d2 := receive()
@@ -533,7 +624,7 @@ func TestDeadLetterQueueReplayedCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -588,7 +679,7 @@ func TestDeadLetterQueueDropsForeignStaleDiagnostics(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dlqURL, _ := e.queue(false, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -664,7 +755,7 @@ func TestDeadLetterQueueKeepsTraceHeader(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			dlq, err := NewDeadLetterQueue(e.client, dlqURL)
+			dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -674,7 +765,7 @@ func TestDeadLetterQueueKeepsTraceHeader(t *testing.T) {
 				got  []types.Message
 			)
 			runUntil(t, src, consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
-				msg, _ := Message(m.Delivery())
+				msg, _ := Message(m)
 				mu.Lock()
 				seen = msg.Attributes["AWSTraceHeader"]
 				mu.Unlock()
@@ -728,11 +819,11 @@ func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
 	}
 	defer src.Close()
 	ds := receiveAtLeast(t, src, 1)
-	defer src.Nack(e.ctx(), ds, 0)
+	defer src.Nack(e.ctx(), adapters.NackAll(ds, 0))
 	f := adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}
 	// The emulator checks the dots only; SQS refuses all of these.
 	for _, name := range []string{".diagnostics", "diagnostics.", "custody..diagnostics", "custody diagnostics", "custody/diagnostics"} {
-		q, err := NewDeadLetterQueue(e.client, dlqURL, WithDiagnosticsAttribute(name))
+		q, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL, WithDiagnosticsAttribute(name))
 		if err == nil {
 			t.Errorf("WithDiagnosticsAttribute(%q) was accepted; a Send then returns %v", name, q.Send(e.ctx(), ds[0], f))
 			continue
@@ -743,7 +834,7 @@ func TestDiagnosticsAttributeNameSQSRefuses(t *testing.T) {
 	}
 	// Names SQS takes are still accepted, and the copy goes through.
 	for _, name := range []string{"custody.diagnostics", "Custody_diag-2"} {
-		q, err := NewDeadLetterQueue(e.client, dlqURL, WithDiagnosticsAttribute(name))
+		q, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL, WithDiagnosticsAttribute(name))
 		if err != nil {
 			t.Fatalf("WithDiagnosticsAttribute(%q): %v", name, err)
 		}
@@ -781,10 +872,10 @@ func TestRedriveSendOfALostLeaseSucceeds(t *testing.T) {
 	if err := redrive.Send(e.ctx(), d, adapters.Failure{Err: errors.New("cannot parse"), Attempts: 3}); err != nil {
 		t.Fatalf("Send of a delivery whose lease was lost: %v, want nil", err)
 	}
-	if !d.Settled() || redrive.HandedOver() != 1 {
-		t.Errorf("after Send: settled %v, handed over %d; want settled, 1", d.Settled(), redrive.HandedOver())
+	if redrive.HandedOver() != 1 {
+		t.Errorf("after Send: handed over %d; want 1", redrive.HandedOver())
 	}
-	if !errors.Is(d.LostCause(), adapters.ErrLeaseLost) || src.Stats().LeaseLost != 1 {
-		t.Errorf("lost cause %v, Stats.LeaseLost %d; want the lost lease recorded", d.LostCause(), src.Stats().LeaseLost)
+	if !errors.Is(d.Signal.LostCause(), adapters.ErrLeaseLost) || src.Stats().LeaseLost != 1 {
+		t.Errorf("lost cause %v, Stats.LeaseLost %d; want the lost lease recorded", d.Signal.LostCause(), src.Stats().LeaseLost)
 	}
 }

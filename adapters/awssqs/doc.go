@@ -7,7 +7,7 @@
 //
 //	client := sqs.NewFromConfig(awsCfg)
 //	src, err := awssqs.New(ctx, client, queueURL)
-//	dlq, err := awssqs.NewDeadLetterQueue(client, dlqURL)
+//	dlq, err := awssqs.NewDeadLetterQueue(ctx, client, dlqURL)
 //	c, err := consumer.New(src, handler,
 //		consumer.WithConcurrency(32),
 //		consumer.WithDeadLetter(dlq))
@@ -38,7 +38,7 @@
 // other system attributes the Source uses, and AWSTraceHeader, the X-Ray
 // trace the message was sent in); Key is the FIFO MessageGroupId. [Message],
 // [GroupID] and [DeduplicationID] reach the received types.Message from a
-// delivery (consumer.Message.Delivery()).
+// handler's consumer.Message (m.As(&msg) does too).
 //
 // # Leases
 //
@@ -110,7 +110,9 @@
 //     after SQS accepted the copy. A message dead-lettered again after a
 //     replay gets fresh diagnostics, none of the earlier trip's. It also takes
 //     other brokers' deliveries, carrying in the diagnostics what SQS would
-//     refuse (see [NewDeadLetterQueue]).
+//     refuse (see [NewDeadLetterQueue]). NewDeadLetterQueue checks that the
+//     queue exists and can be read, so a wrong URL fails at start-up rather
+//     than at the first poison message.
 //   - [Source.Redrive] leaves it to the queue's redrive policy: the message is
 //     made visible again and SQS moves it when its receive count passes
 //     maxReceiveCount. It checks at start-up that maxReceiveCount equals the

@@ -26,7 +26,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := awssqs.NewDeadLetterQueue(client, "https://sqs.eu-west-1.amazonaws.com/123456789012/orders-dlq")
+	dlq, err := awssqs.NewDeadLetterQueue(ctx, client, "https://sqs.eu-west-1.amazonaws.com/123456789012/orders-dlq")
 	if err != nil {
 		log.Fatal(err)
 	}

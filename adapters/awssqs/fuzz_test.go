@@ -269,7 +269,7 @@ func FuzzDeadLetterMessage(f *testing.F) {
 		default:
 			opts = append(opts, WithMaxMessageSize(1024+int(maxSize%(1<<20-1024+1))))
 		}
-		q, err := NewDeadLetterQueue(noSender{}, url, opts...)
+		q, err := newDeadLetterQueue(noSender{}, url, opts)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -167,7 +167,7 @@ func TestBufferedRenewalAnsweredAfterTheVisibilityRanOutIsNotHandedOut(t *testin
 	waitFor(t, "the Source to give the messages up or have its renewal answered", func() bool {
 		lost := 0
 		for _, d := range buffered {
-			if d.LostCause() != nil {
+			if d.Signal.LostCause() != nil {
 				lost++
 			}
 		}
@@ -187,7 +187,7 @@ func TestBufferedRenewalAnsweredAfterTheVisibilityRanOutIsNotHandedOut(t *testin
 		if !taken[d.ID] {
 			t.Fatalf("waiting message %s was not taken by the other consumer", d.ID)
 		}
-		if cause := d.LostCause(); !errors.Is(cause, adapters.ErrLeaseLost) {
+		if cause := d.Signal.LostCause(); !errors.Is(cause, adapters.ErrLeaseLost) {
 			t.Errorf("message %s, received by another consumer, handed out with lost cause %v: the runtime would run it beside the other consumer", d.ID, cause)
 		}
 	}

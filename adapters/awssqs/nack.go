@@ -34,12 +34,13 @@ func newVisibilityBatcher(s *Source, linger time.Duration) *visibilityBatcher {
 	return &visibilityBatcher{s: s, linger: linger}
 }
 
-// submit queues ds for redelivery after delay and waits for their batches.
-// When ctx ends first it returns ctx's error; the entries are still sent.
-func (b *visibilityBatcher) submit(ctx context.Context, ds []*adapters.Delivery, delay time.Duration) error {
-	entries := make([]*nackEntry, len(ds))
-	for i, d := range ds {
-		entries[i] = &nackEntry{d: d, delay: delay, done: make(chan error, 1)}
+// submit queues ns for redelivery after their delays and waits for their
+// batches. When ctx ends first it returns ctx's error; the entries are
+// still sent.
+func (b *visibilityBatcher) submit(ctx context.Context, ns []adapters.Nack) error {
+	entries := make([]*nackEntry, len(ns))
+	for i, n := range ns {
+		entries[i] = &nackEntry{d: n.Delivery, delay: max(n.After, 0), done: make(chan error, 1)}
 	}
 	b.mu.Lock()
 	b.pending = append(b.pending, entries...)

@@ -95,7 +95,7 @@ func nackEach(e *env, src *Source, ds []*adapters.Delivery, delay time.Duration)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = src.Nack(e.ctx(), []*adapters.Delivery{d}, delay)
+			errs[i] = src.Nack(e.ctx(), adapters.NackAll([]*adapters.Delivery{d}, delay))
 		}()
 	}
 	wg.Wait()

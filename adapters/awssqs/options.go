@@ -148,7 +148,7 @@ func WithMessageAttributes(names ...string) Option {
 }
 
 // WithAckLinger sets how long the runtime may hold a finished message's
-// delete to fill a DeleteMessageBatch of ten (Capabilities.AckLinger), from 0
+// delete to fill a DeleteMessageBatch of ten (Capabilities.Ack.Linger), from 0
 // to 1 s. Default 20 ms: under load ten deletes gather in far less, and
 // under light load a message stays invisible (and renewed) at most that much
 // longer. Zero sends whatever is ready at once.

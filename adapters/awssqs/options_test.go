@@ -50,11 +50,13 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 	if _, err := New(context.Background(), nil, "http://x/1/q"); err == nil {
 		t.Error("New with a nil client succeeded")
 	}
-	if _, err := NewDeadLetterQueue(nil, "http://x/1/q"); err == nil {
+	if _, err := NewDeadLetterQueue(context.Background(), nil, "http://x/1/q"); err == nil {
 		t.Error("NewDeadLetterQueue with a nil client succeeded")
 	}
+	// NewDeadLetterQueue, too, reports the option error before touching the
+	// network.
 	for _, opt := range []DeadLetterOption{WithMaxMessageSize(10), WithMaxMessageSize(2 << 20), WithDiagnosticsAttribute("AWS.x")} {
-		if _, err := NewDeadLetterQueue(noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
+		if _, err := NewDeadLetterQueue(context.Background(), noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
 			t.Errorf("NewDeadLetterQueue with a bad option: %v", err)
 		}
 	}
@@ -117,8 +119,8 @@ func TestVisibilityCappedAtTwelveHours(t *testing.T) {
 		t.Errorf("1.5 s rounds to %d s, want 2 (never shorter than asked)", secs)
 	}
 	old := &adapters.Delivery{ReceivedAt: now.Add(-MaxLeaseAge)}
-	if _, err := capTimeout(old, time.Minute, now); !errors.Is(err, adapters.ErrLeaseLost) || !errors.Is(old.LostCause(), ErrMaxVisibility) {
-		t.Errorf("renewal past 12 h: %v, lost %v; want ErrMaxVisibility", err, old.LostCause())
+	if _, err := capTimeout(old, time.Minute, now); !errors.Is(err, ErrMaxVisibility) || !errors.Is(err, adapters.ErrLeaseLost) {
+		t.Errorf("renewal past 12 h: %v; want ErrMaxVisibility, a lost lease", err)
 	}
 	if secs := nackTimeout(&adapters.Delivery{ReceivedAt: now.Add(-MaxLeaseAge)}, time.Minute, now); secs != 0 {
 		t.Errorf("a nack past 12 h asks %d s, want 0 (visible at once)", secs)
@@ -126,7 +128,7 @@ func TestVisibilityCappedAtTwelveHours(t *testing.T) {
 }
 
 func TestDeadLetterCopyFitsSizeLimit(t *testing.T) {
-	q, err := NewDeadLetterQueue(noSender{}, "http://x/1/dlq", WithMaxMessageSize(2048))
+	q, err := newDeadLetterQueue(noSender{}, "http://x/1/dlq", []DeadLetterOption{WithMaxMessageSize(2048)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -233,8 +233,9 @@ func (s *Source) delivery(m types.Message, now time.Time) *adapters.Delivery {
 		Offset:     -1,
 		ReceivedAt: now,
 		Native:     m,
-		Handle:     &handle{receipt: aws.ToString(m.ReceiptHandle)},
 	}
+	h := &handle{receipt: aws.ToString(m.ReceiptHandle)}
+	d.Handle, d.Signal = h, &h.signal
 	if len(m.MessageAttributes) > 0 {
 		d.Headers = make(map[string]string, len(m.MessageAttributes))
 		for k, v := range m.MessageAttributes {
@@ -272,33 +273,37 @@ func millis(s string) time.Time {
 	return time.UnixMilli(ms)
 }
 
-// Message returns the SQS message a delivery was made from, with its system
-// attributes (MessageGroupId, MessageDeduplicationId, SequenceNumber,
-// ApproximateReceiveCount, ...) and message attributes. From a handler:
-// awssqs.Message(m.Delivery()), or m.As(&msg) with msg a types.Message.
-func Message(d *adapters.Delivery) (types.Message, bool) {
-	m, ok := d.Native.(types.Message)
-	return m, ok
+// Message returns the SQS message behind m, a handler's *consumer.Message or
+// an *adapters.Delivery, with its system attributes (MessageGroupId,
+// MessageDeduplicationId, SequenceNumber, ApproximateReceiveCount, ...) and
+// message attributes.
+func Message(m interface{ As(any) bool }) (types.Message, bool) {
+	var msg types.Message
+	ok := m.As(&msg)
+	return msg, ok
 }
 
-// GroupID returns the FIFO message group id of a delivery ("" on a standard
-// queue). It is also the delivery's Key and OrderingKey.
-func GroupID(d *adapters.Delivery) string {
-	m, _ := Message(d)
-	return m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
+// GroupID returns the FIFO message group id of m, a *consumer.Message or an
+// *adapters.Delivery ("" on a standard queue). It is also the message's Key.
+func GroupID(m interface{ As(any) bool }) string {
+	msg, _ := Message(m)
+	return msg.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
 }
 
-// DeduplicationID returns the FIFO deduplication id of a delivery ("" on a
-// standard queue); SQS computes it from the body for queues with
-// content-based deduplication.
-func DeduplicationID(d *adapters.Delivery) string {
-	m, _ := Message(d)
-	return m.Attributes[string(types.MessageSystemAttributeNameMessageDeduplicationId)]
+// DeduplicationID returns the FIFO deduplication id of m, a
+// *consumer.Message or an *adapters.Delivery ("" on a standard queue); SQS
+// computes it from the body for queues with content-based deduplication.
+func DeduplicationID(m interface{ As(any) bool }) string {
+	msg, _ := Message(m)
+	return msg.Attributes[string(types.MessageSystemAttributeNameMessageDeduplicationId)]
 }
 
 // handle is the Delivery.Handle of a delivery received by a Source.
 type handle struct {
 	receipt string
+	// signal loses a message whose visibility ran out while it waited in
+	// the Source's buffer.
+	signal adapters.Signal
 	// asked is when the ReceiveMessage call that brought the message was
 	// made. SQS received the message no earlier, so its 12 hours of
 	// invisibility end no later than asked + 12 h; Delivery.ReceivedAt,
@@ -356,7 +361,7 @@ func (s *Source) keepBuffered() {
 		)
 		s.mu.Lock()
 		for i, d := range s.buf {
-			if now.Sub(s.bufSince[i]) >= renewAfter && d.LostCause() == nil {
+			if now.Sub(s.bufSince[i]) >= renewAfter && d.Signal.LostCause() == nil {
 				due = append(due, d)
 				expires = append(expires, s.bufSince[i].Add(s.visibility-margin))
 			}
@@ -402,7 +407,7 @@ func (s *Source) keepBuffered() {
 				// may hand it out (under the lock, before bufRenewing
 				// closes); its stale receipt handle is never sent again.
 				if j >= 0 && !ended.Add(every).Before(s.bufSince[j].Add(s.visibility)) {
-					d.Lose(fmt.Errorf("%w: renewing its visibility while it waited in the Source failed until the visibility timeout ran out: %w", adapters.ErrLeaseLost, e))
+					d.Signal.Lose(fmt.Errorf("%w: renewing its visibility while it waited in the Source failed until the visibility timeout ran out: %w", adapters.ErrLeaseLost, e))
 				}
 				continue
 			}
@@ -410,7 +415,7 @@ func (s *Source) keepBuffered() {
 				// Answered too late to tell whether SQS renewed this
 				// receive or had already redelivered the message.
 				if j >= 0 {
-					d.Lose(fmt.Errorf("%w: the renewal of its visibility while it waited in the Source was answered only when the visibility timeout was running out", adapters.ErrLeaseLost))
+					d.Signal.Lose(fmt.Errorf("%w: the renewal of its visibility while it waited in the Source was answered only when the visibility timeout was running out", adapters.ErrLeaseLost))
 				}
 				continue
 			}

@@ -125,8 +125,7 @@ func (r *Redrive) MaxReceiveCount() int { return r.maxReceive }
 // HandedOver counts messages Send gave back to the redrive policy.
 func (r *Redrive) HandedOver() int64 { return r.handed.Load() }
 
-// Send gives d back to SQS (visibility 0) for its redrive policy to move, and
-// marks it settled. It returns an error, and leaves d unsettled, only when
+// Send gives d back to SQS (visibility 0) for its redrive policy to move. It returns an error, and leaves d unsettled, only when
 // the visibility change failed for a reason other than a lost lease (a lost
 // lease means SQS already has the message back, which is what Send wants),
 // or was not answered before ctx ended. Once the change was sent, such an
@@ -161,7 +160,7 @@ func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fai
 			}
 		}
 	}
-	err := adapters.EntryError(r.s.nacks.submit(ctx, []*adapters.Delivery{d}, 0), 0)
+	err := adapters.EntryError(r.s.nacks.submit(ctx, []adapters.Nack{{Delivery: d}}), 0)
 	if err != nil && !errors.Is(err, adapters.ErrLeaseLost) {
 		err = fmt.Errorf("awssqs: handing message %s back to the redrive policy: %w", d.ID, err)
 		// The release went out (it is sent even when ctx ends first, as
@@ -173,10 +172,14 @@ func (r *Redrive) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fai
 		// visibility of the other consumer's copy. Lost, the delivery is
 		// neither nacked nor renewed; its message comes back, released or
 		// when its visibility runs out, for the redrive policy.
-		d.Lose(fmt.Errorf("%w: %w", adapters.ErrLeaseLost, err))
+		d.Signal.Lose(fmt.Errorf("%w: %w", adapters.ErrLeaseLost, err))
 		return err
 	}
 	r.handed.Add(1)
-	d.MarkSettled()
 	return nil
 }
+
+// SettlesOriginal reports that Send disposes of the original itself (it
+// gives the message back to the redrive policy), so the runtime neither
+// acks nor nacks it afterwards (adapters.OriginalSettler).
+func (r *Redrive) SettlesOriginal(*adapters.Delivery) bool { return true }

@@ -17,7 +17,7 @@ import (
 
 // Ack deletes the messages with DeleteMessageBatch, ten per request, the
 // requests running concurrently. The runtime already gathers acks into
-// batches of ten (Capabilities.MaxAckBatch, lingering AckLinger), so Ack
+// batches of ten (Capabilities.Ack), so Ack
 // sends what it is given without waiting. An entry whose receipt handle SQS
 // rejects is marked lost (adapters.ErrLeaseLost) and counted; its message was
 // already redelivered or deleted.
@@ -43,7 +43,7 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 
 // Extend renews the visibility timeout of each delivery to d from now, with
 // ChangeMessageVisibilityBatch, ten per request. The runtime's lease keeper
-// already batches renewals (Capabilities.MaxExtendBatch), so Extend does not
+// already batches renewals (Capabilities.Extend), so Extend does not
 // linger. A renewal is cut to what is left of SQS's 12 hours since the
 // receive; a delivery with less than a second left is marked lost instead.
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
@@ -102,19 +102,16 @@ func withoutHandedBack(err error) error {
 	return err
 }
 
-// Nack makes the messages visible again after redeliverAfter (rounded up to
+// Nack makes each message visible again after its entry's delay (rounded up to
 // whole seconds, at most what is left of the 12 hours since the receive), so
 // retries wait in SQS rather than in this process. Nacks from concurrent
 // callers share ChangeMessageVisibilityBatch requests: each waits up to
 // WithNackLinger for others to fill a batch.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
-	if len(ds) == 0 {
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
+	if len(ns) == 0 {
 		return nil
 	}
-	if redeliverAfter < 0 {
-		redeliverAfter = 0
-	}
-	return s.nacks.submit(ctx, ds, redeliverAfter)
+	return s.nacks.submit(ctx, ns)
 }
 
 // changeVisibility sets the visibility timeout of ds[i] to secs[i] seconds
@@ -129,7 +126,7 @@ func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, 
 	// releasing another consumer's message. Such entries fail with the
 	// cause of the loss and are not sent.
 	for i, d := range ds {
-		if cause := d.LostCause(); cause != nil && (skip == nil || skip[i] == nil) {
+		if cause := d.Signal.LostCause(); cause != nil && (skip == nil || skip[i] == nil) {
 			if skip == nil {
 				skip = make([]error, len(ds))
 			}
@@ -163,11 +160,10 @@ var ErrMaxVisibility = fmt.Errorf("%w: SQS keeps a received message invisible fo
 // the 12 hours since d was received: SQS rejects a change beyond that. The
 // 12 hours are counted from when the ReceiveMessage call was made, since SQS
 // starts them at its receive, before the answer arrives (ReceivedAt). A
-// delivery with less than a second left is marked lost.
+// delivery with less than a second left fails with ErrMaxVisibility.
 func capTimeout(d *adapters.Delivery, want time.Duration, now time.Time) (int32, error) {
 	secs, ok := cappedSeconds(d, want, now)
 	if !ok {
-		d.Lose(ErrMaxVisibility)
 		return 0, ErrMaxVisibility
 	}
 	return secs, nil

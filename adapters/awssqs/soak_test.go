@@ -330,7 +330,7 @@ func (s *sqsSoak) consume(gen int, life time.Duration, crash bool) {
 			return
 		}
 	} else {
-		if dl, err = NewDeadLetterQueue(client, s.dlqURL); err != nil {
+		if dl, err = NewDeadLetterQueue(s.e.ctx(), client, s.dlqURL); err != nil {
 			s.violate("consumer %d: NewDeadLetterQueue: %v", gen, err)
 			return
 		}
@@ -450,7 +450,7 @@ func (s *sqsSoak) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		s.violate("unexpected body %q", m.Body)
 		return consumer.Permanent(fmt.Errorf("bad body %q", m.Body))
 	}
-	native, _ := Message(m.Delivery())
+	native, _ := Message(m)
 	s.mu.Lock()
 	s.seqToID[seq] = m.ID
 	r := s.rng.Float64()

@@ -141,9 +141,8 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		CountsDeliveries: true,
 		Ordered:          s.fifo,
 		MaxReceive:       s.pollers * o.maxMessages,
-		MaxAckBatch:      maxBatch,
-		MaxExtendBatch:   maxBatch,
-		AckLinger:        o.ackLinger,
+		Ack:              adapters.Batching{MaxEntries: maxBatch, Linger: o.ackLinger, MaxCalls: 4},
+		Extend:           adapters.Batching{MaxEntries: maxBatch, MaxCalls: 4},
 	}
 	s.pollCtx, s.stopPolls = context.WithCancel(context.Background())
 	s.nacks = newVisibilityBatcher(s, o.nackLinger)
@@ -208,7 +207,7 @@ func (s *Source) Close() error {
 	s.mu.Unlock()
 	// Messages lost while they waited (their visibility ran out, so another
 	// consumer may hold them) are not this Source's to release.
-	left = slices.DeleteFunc(left, func(d *adapters.Delivery) bool { return d.LostCause() != nil })
+	left = slices.DeleteFunc(left, func(d *adapters.Delivery) bool { return d.Signal.LostCause() != nil })
 
 	var err error
 	if len(left) > 0 && s.opts.releaseOnClose {

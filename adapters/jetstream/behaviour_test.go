@@ -439,14 +439,14 @@ func TestAckAfterNackFails(t *testing.T) {
 	a, b := open(), open()
 	ctx := e.ctx()
 	first := receiveN(t, a, 1)
-	if err := a.Nack(ctx, first, 0); err != nil {
+	if err := a.Nack(ctx, adapters.NackAll(first, 0)); err != nil {
 		t.Fatal(err)
 	}
 	second := receiveN(t, b, 1)
 	if err := a.Ack(ctx, first); adapters.EntryError(err, 0) == nil {
 		t.Fatal("Ack of a delivery already given back succeeded")
 	}
-	if err := b.Nack(ctx, second, 0); err != nil {
+	if err := b.Nack(ctx, adapters.NackAll(second, 0)); err != nil {
 		t.Fatal(err)
 	}
 	third := receiveN(t, b, 1)
@@ -480,7 +480,7 @@ func TestNackAfterLeaseRanOutIsNotSent(t *testing.T) {
 	ctx := e.ctx()
 	stale := receiveN(t, a, 1)
 	held := receiveN(t, b, 1) // after A's lease ran out
-	err := a.Nack(ctx, stale, 0)
+	err := a.Nack(ctx, adapters.NackAll(stale, 0))
 	if e := adapters.EntryError(err, 0); !errors.Is(e, adapters.ErrLeaseLost) {
 		t.Fatalf("Nack of a delivery whose lease ran out: %v, want adapters.ErrLeaseLost", err)
 	}

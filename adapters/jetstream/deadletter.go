@@ -53,9 +53,9 @@ const (
 // the runtime, which keeps it and tries again later.
 //
 // For a delivery of a [Source], Send then terminates the original (+TERM,
-// answered by the server, which publishes a MSG_TERMINATED advisory) and
-// marks it settled, so the runtime does not ack it; if the term fails, the
-// runtime acks it instead. A delivery from another broker is only copied.
+// answered by the server, which publishes a MSG_TERMINATED advisory), and
+// SettlesOriginal reports it, so the runtime does not ack it; if the term
+// fails, the runtime acks it instead. A delivery from another broker is only copied.
 //
 // Each copy carries a Nats-Msg-Id derived from the delivery (its stream
 // sequence and delivery count for a Source's delivery; everything it carries
@@ -70,7 +70,10 @@ type DeadLetterSubject struct {
 	stream  string
 }
 
-var _ adapters.DeadLetter = (*DeadLetterSubject)(nil)
+var (
+	_ adapters.DeadLetter      = (*DeadLetterSubject)(nil)
+	_ adapters.OriginalSettler = (*DeadLetterSubject)(nil)
+)
 
 // NewDeadLetterSubject returns a DeadLetter publishing to subject. It checks
 // that a stream captures the subject (ctx bounds that call); a publish
@@ -92,6 +95,19 @@ func NewDeadLetterSubject(ctx context.Context, js jetstream.JetStream, subject s
 // Subject returns the subject copies are published to.
 func (q *DeadLetterSubject) Subject() string { return q.subject }
 
+// SettlesOriginal reports whether Send terminated d: true for a delivery of
+// a Source whose term the server answered, false otherwise (the runtime then
+// acks it).
+func (q *DeadLetterSubject) SettlesOriginal(d *adapters.Delivery) bool {
+	h, ok := d.Handle.(*handle)
+	if !ok {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.state == stateTermed
+}
+
 // Stream returns the stream that stores the copies.
 func (q *DeadLetterSubject) Stream() string { return q.stream }
 
@@ -103,10 +119,9 @@ func (q *DeadLetterSubject) Send(ctx context.Context, d *adapters.Delivery, f ad
 		return fmt.Errorf("jetstream: publishing message %s to dead-letter subject %q (the original is kept): %w", d.ID, q.subject, err)
 	}
 	if h, ok := d.Handle.(*handle); ok {
-		if err := h.src.term(ctx, []*adapters.Delivery{d}); err == nil {
-			d.MarkSettled()
-		}
-		// Otherwise the runtime acks the original: its copy is stored.
+		// If the term fails, the runtime acks the original: its copy is
+		// stored.
+		_ = h.src.term(ctx, []*adapters.Delivery{d})
 	}
 	return nil
 }
@@ -290,8 +305,9 @@ func deduplicationID(d *adapters.Delivery) string {
 // instead (+TERM; advisory $JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED...).
 // Either way the message stays in the stream, under the stream's retention,
 // where an operator reads it by sequence; the runtime's diagnostics (error
-// text, failure times) are only logged and counted. Send marks the delivery
-// settled once the server answered, so the runtime does not ack it.
+// text, failure times) are only logged and counted. Send returns nil only
+// once the server answered, and the DeadLetter settles the original itself
+// (adapters.OriginalSettler): the runtime does not ack it.
 func (s *Source) NativeDeadLetter(maxAttempts int) (adapters.DeadLetter, error) {
 	if maxAttempts < 1 {
 		return nil, fmt.Errorf("jetstream: Source.NativeDeadLetter(%d): maxAttempts must be the consumer's Retry.MaxAttempts, at least 1", maxAttempts)
@@ -315,13 +331,16 @@ func (n *nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f ada
 	}
 	var err error
 	if d.Attempt >= n.maxDeliver {
-		err = n.s.Nack(ctx, []*adapters.Delivery{d}, 0)
+		err = n.s.Nack(ctx, []adapters.Nack{{Delivery: d}})
 	} else {
 		err = n.s.term(ctx, []*adapters.Delivery{d})
 	}
 	if err = adapters.EntryError(err, 0); err != nil {
 		return fmt.Errorf("jetstream: leaving message %s to the server's MaxDeliver: %w", d.ID, err)
 	}
-	d.MarkSettled()
 	return nil
 }
+
+// SettlesOriginal reports true: Send returns nil only once the server took
+// the nak or the term.
+func (n *nativeDeadLetter) SettlesOriginal(*adapters.Delivery) bool { return true }

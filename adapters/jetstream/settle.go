@@ -37,16 +37,19 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	return s.settle(ctx, ds, opAck, func(int) []byte { return ackAck }, stateAcked)
 }
 
-// Nack gives each delivery back to be redelivered after redeliverAfter: a nak
+// Nack gives each delivery back to be redelivered after its After: a nak
 // with that delay (NakWithDelay), or a plain nak for zero or less. A delay is
 // cut to a year. The server's reply is awaited, as for Ack. A delivery that
 // is lost, or whose lease may have run out by this process's clock (see
 // Extend), fails with adapters.ErrLeaseLost and is not sent: the nak would
 // act on the redelivery another consumer may hold, and the message comes
 // back by itself.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
-	body := nakBody(redeliverAfter)
-	return s.settle(ctx, ds, opNak, func(int) []byte { return body }, stateNacked)
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
+	ds := make([]*adapters.Delivery, len(ns))
+	for i, n := range ns {
+		ds[i] = n.Delivery
+	}
+	return s.settle(ctx, ds, opNak, func(i int) []byte { return nakBody(ns[i].After) }, stateNacked)
 }
 
 // nakBody is a nak's message: with a delay, in the JSON form servers since
@@ -95,7 +98,7 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 				// the redelivery another consumer now runs (redeliver it
 				// beside that run, or reset its timer to the delay). The
 				// message comes back by itself.
-				if cause := d.LostCause(); cause != nil {
+				if cause := d.Signal.LostCause(); cause != nil {
 					reqs[i].skip = cause
 					break
 				}
@@ -207,7 +210,7 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 			reqs[i].skip = errForeign
 			continue
 		}
-		if cause := dl.LostCause(); cause != nil {
+		if cause := dl.Signal.LostCause(); cause != nil {
 			reqs[i].skip = cause
 			continue
 		}

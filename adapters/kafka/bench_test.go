@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/custody-go/custody/consumer"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 )
@@ -20,7 +21,12 @@ import (
 //	go test -run XXX -bench . -benchtime 2x ./adapters/kafka/
 //
 // Reported per side: records/s, allocs/record, commits/s (offset commit
-// requests the cluster received, per second of the run).
+// requests the cluster received, per second of the run), and for custody
+// uncommitted_rec: the records handled but not yet committed, sampled every
+// few milliseconds during the run and averaged, which is what a crash at a
+// random moment would run again. Sides named *_interval commit once per
+// commit interval only (WithCommitLinger set to the interval), as custody
+// did before commits followed the acks by a linger.
 
 const (
 	benchPartitions = 8
@@ -58,6 +64,9 @@ type side struct {
 	steady  time.Duration
 	mallocs uint64
 	commits int64
+	// uncommitted sums the samples of records handled and not committed;
+	// samples counts them.
+	uncommitted, samples int64
 }
 
 func (s *side) add(o side) {
@@ -66,6 +75,8 @@ func (s *side) add(o side) {
 	s.steady += o.steady
 	s.mallocs += o.mallocs
 	s.commits += o.commits
+	s.uncommitted += o.uncommitted
+	s.samples += o.samples
 }
 
 func (s side) perSec() float64 { return float64(s.records) / s.elapsed.Seconds() }
@@ -79,6 +90,9 @@ func (s side) report(b *testing.B, name string) {
 	}
 	b.ReportMetric(float64(s.mallocs)/float64(s.records), name+"_allocs/rec")
 	b.ReportMetric(float64(s.commits)/s.elapsed.Seconds(), name+"_commits/s")
+	if s.samples > 0 {
+		b.ReportMetric(float64(s.uncommitted)/float64(s.samples), name+"_uncommitted_rec")
+	}
 }
 
 // measure runs fn and returns its elapsed time, allocations and commits. fn
@@ -128,7 +142,8 @@ func (bc *benchCluster) rawPollLoop(b *testing.B, total int, first func(), handl
 // custodyRun consumes the whole topic through the runtime and stops once
 // every record was handled (the shutdown is not timed).
 func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFunc, src []Option, opts ...consumer.Option) side {
-	s, err := NewSource(append([]Option{WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
+	group := newGroup()
+	s, err := NewSource(context.Background(), append([]Option{WithBrokers(bc.addrs...), WithGroup(group), WithTopics("bench"),
 		WithPollWait(100 * time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50 * time.Millisecond))}, src...)...)
 	if err != nil {
 		b.Fatal(err)
@@ -153,16 +168,56 @@ func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFu
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
+	var uncommitted, samples atomic.Int64
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		bc.sampleUncommitted(group, &handled, all, &uncommitted, &samples)
+	}()
 	res := bc.measure(total, func(f func()) {
 		first = f
 		go func() { done <- c.Run(ctx) }()
 		<-all
 	})
+	<-sampled
 	cancel()
 	if err := <-done; err != nil {
 		b.Fatal(err)
 	}
+	res.uncommitted, res.samples = uncommitted.Load(), samples.Load()
 	return res
+}
+
+// sampleUncommitted adds, every few milliseconds until stop, the number of
+// records handled but not committed by group to sum, counting the samples
+// in n. The committed offsets are read first: every record they cover was
+// handled before, so the difference never goes below zero.
+func (bc *benchCluster) sampleUncommitted(group string, handled *atomic.Int64, stop <-chan struct{}, sum, n *atomic.Int64) {
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		resp, err := bc.admin.FetchOffsets(ctx, group)
+		cancel()
+		if err != nil {
+			continue
+		}
+		var committed int64
+		resp.Each(func(o kadm.OffsetResponse) {
+			if o.Err == nil && o.At > 0 {
+				committed += o.At
+			}
+		})
+		if h := handled.Load(); h > 0 {
+			sum.Add(max(0, h-committed))
+			n.Add(1)
+		}
+	}
 }
 
 type discard struct{}
@@ -172,7 +227,7 @@ func (discard) Write(p []byte) (int, error) { return len(p), nil }
 // sourceLoop drives the Source directly, without the runtime: receive a
 // batch, ack it. It isolates the adapter's own cost.
 func (bc *benchCluster) sourceLoop(b *testing.B, total int) side {
-	s, err := NewSource(WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
+	s, err := NewSource(context.Background(), WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
 		WithPollWait(100*time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50*time.Millisecond)))
 	if err != nil {
 		b.Fatal(err)
@@ -216,15 +271,18 @@ func BenchmarkNoopAgainstRawPollLoop(b *testing.B) {
 	})
 	for _, mode := range []Ordering{ByPartition, Unordered} {
 		b.Run(mode.String(), func(b *testing.B) {
-			var raw, cus side
+			var raw, cus, interval side
 			for i := 0; i < b.N; i++ {
 				raw.add(bc.measure(total, func(first func()) { bc.rawPollLoop(b, total, first, func(*kgo.Record) {}) }))
 				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode)}, consumer.WithConcurrency(64)))
+				interval.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode), WithCommitLinger(DefaultCommitInterval)}, consumer.WithConcurrency(64)))
 			}
 			raw.report(b, "raw")
 			cus.report(b, "custody")
+			interval.report(b, "custody_interval")
 			b.ReportMetric(cus.perSec()/raw.perSec(), "ratio")
 			b.ReportMetric(cus.steadyPerSec()/raw.steadyPerSec(), "steady_ratio")
+			b.ReportMetric(interval.perSec()/raw.perSec(), "interval_ratio")
 		})
 	}
 }
@@ -238,17 +296,22 @@ func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
 	bc := newBenchCluster(b, perPartition)
 	work := func() { time.Sleep(time.Millisecond) }
 	h := func(context.Context, *consumer.Message) error { work(); return nil }
-	var serialRaw, serial, byKey side
+	var serialRaw, serial, byKey, serialInterval, byKeyInterval side
+	interval := WithCommitLinger(DefaultCommitInterval)
 	for i := 0; i < b.N; i++ {
 		// One record at a time takes total ms; a quarter of the topic
 		// measures its rate well enough.
 		serialRaw.add(bc.measure(total/4, func(first func()) { bc.rawPollLoop(b, total/4, first, func(*kgo.Record) { work() }) }))
 		serial.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
 		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey)}, consumer.WithConcurrency(256)))
+		serialInterval.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition), interval}, consumer.WithConcurrency(benchPartitions)))
+		byKeyInterval.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey), interval}, consumer.WithConcurrency(256)))
 	}
 	serialRaw.report(b, "rawserial")
 	serial.report(b, "bypartition")
 	byKey.report(b, "bykey")
+	serialInterval.report(b, "bypartition_interval")
+	byKeyInterval.report(b, "bykey_interval")
 	b.ReportMetric(byKey.perSec()/serialRaw.perSec(), "ratio_vs_raw")
 	b.ReportMetric(byKey.perSec()/serial.perSec(), "ratio_vs_bypartition")
 }

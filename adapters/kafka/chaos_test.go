@@ -515,15 +515,15 @@ func (s *chaosSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	return err
 }
 
-func (s *chaosSource) Nack(ctx context.Context, ds []*adapters.Delivery, after time.Duration) error {
+func (s *chaosSource) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ch := s.ch
 	ch.mu.Lock()
-	for _, d := range ds {
-		h := d.Handle.(*held)
-		ch.nacks[[2]int64{int64(ch.assignID(h.p, s.m.idx)), d.Offset}]++
+	for _, n := range ns {
+		h := n.Delivery.Handle.(*held)
+		ch.nacks[[2]int64{int64(ch.assignID(h.p, s.m.idx)), n.Delivery.Offset}]++
 	}
 	ch.mu.Unlock()
-	return s.inner.Nack(ctx, ds, after)
+	return s.inner.Nack(ctx, ns)
 }
 
 // chaosDeadLetter records dead-letter writes; a crashed member writes none.
@@ -593,7 +593,7 @@ func (ch *chaos) recordFetch(m *chaosMember, s *Source, resp *kmsg.OffsetFetchRe
 	for _, g := range gs {
 		f := chaosFetch{seq: seq, member: m.idx, assign: ch.assignID(g.p, m.idx), part: g.part, committed: g.committed, meta: g.meta}
 		if g.committed >= 0 {
-			f.spans = decodeDone(g.meta, g.committed)
+			f.spans = decodeDone(g.meta, g.committed, -1)
 		}
 		ch.fetches = append(ch.fetches, f)
 	}
@@ -1050,7 +1050,7 @@ func (ch *chaos) verify() {
 				c.name, c.part, c.offset, c.gen, c.seq, first, finSeqStr(finSeq, chaosTP{c.part, first}))
 		}
 		if c.meta != "" {
-			spans := decodeDone(c.meta, c.offset)
+			spans := decodeDone(c.meta, c.offset, -1)
 			if spans == nil {
 				unsafe.add("%s committed %d/%d with metadata %q that does not decode against the offset", c.name, c.part, c.offset, c.meta)
 			}
@@ -1317,7 +1317,7 @@ func (ch *chaos) dupCause(k chaosTP, a, b chaosInv) string {
 		return "REDONE: acked; the next run's assignment read no offsets"
 	}
 	covers := func(c chaosCommit) bool {
-		return k.off < c.offset || inSpans(decodeDone(c.meta, c.offset), k.off)
+		return k.off < c.offset || inSpans(decodeDone(c.meta, c.offset, -1), k.off)
 	}
 	var first, last *chaosCommit
 	for i := range ch.commits {

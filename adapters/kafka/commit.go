@@ -18,22 +18,56 @@ type pendingCommit struct {
 	meta   string
 }
 
-// commitLoop commits the done prefixes on the commit interval, and when
-// asked through commitSoon, until Close.
+// commitLoop commits the done records a linger after they are marked done
+// (see WithCommitLinger), on the commit interval, and when asked through
+// commitSoon, until Close. It sends one commit at a time: records marked
+// done while a commit is under way go in the next one. After a failed
+// commit, marks wait for the next tick: a coordinator refusing commits
+// gets one a commit interval, not one per linger.
 func (s *Source) commitLoop() {
 	defer close(s.loopDone)
 	t := time.NewTicker(s.cfg.commitInterval)
 	defer t.Stop()
+	linger := time.NewTimer(s.cfg.commitLinger)
+	linger.Stop()
+	failed := false
 	for {
 		select {
 		case <-s.stopLoop:
 			return
 		case <-t.C:
 		case <-s.commitSoon:
+		case <-s.marked:
+			if failed {
+				continue // the next tick commits these too
+			}
+			if s.cfg.commitLinger > 0 {
+				// Let more acks come, from every partition, so that one
+				// request carries them.
+				linger.Reset(s.cfg.commitLinger)
+				select {
+				case <-s.stopLoop:
+					linger.Stop()
+					return // Close commits
+				case <-linger.C:
+				case <-s.commitSoon:
+					linger.Stop()
+				}
+			}
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
-		_ = s.commit(ctx, nil) // failures are counted; the next tick retries
+		err := s.commit(ctx, nil) // failures are counted
 		cancel()
+		failed = err != nil
+	}
+}
+
+// noteMarkedLocked tells the commit loop that records were marked done.
+// Called under s.mu; it never blocks.
+func (s *Source) noteMarkedLocked() {
+	select {
+	case s.marked <- struct{}{}:
+	default: // a note is pending: the commit it starts takes these too
 	}
 }
 

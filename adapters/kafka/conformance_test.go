@@ -85,7 +85,7 @@ func newTestQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue 
 			return prod.ProduceSync(ctx, rs...).FirstErr()
 		},
 		Open: func(t *testing.T) adapters.Source {
-			src, err := kafka.NewSource(
+			src, err := kafka.NewSource(context.Background(),
 				kafka.WithBrokers(addrs...), kafka.WithGroup(group), kafka.WithTopics(topic),
 				kafka.WithOrdering(ordering), kafka.WithPollWait(100*time.Millisecond),
 				kafka.WithCommitInterval(50*time.Millisecond), kafka.WithRevokeDrain(time.Second),

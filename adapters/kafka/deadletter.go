@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -34,6 +35,10 @@ type DeadLetterConfig struct {
 	// Client, when set, is used instead of creating one; the sink does not
 	// close it. It must produce with acks=all for the guarantee to hold.
 	Client *kgo.Client
+	// Logger receives the connection trouble of the client the sink
+	// creates: a broker it cannot connect to, once, and the connection
+	// back. Default: slog.Default().
+	Logger *slog.Logger
 }
 
 // DeadLetter produces records that will not be processed to a dead-letter
@@ -59,8 +64,13 @@ func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
 	if len(cfg.Brokers) == 0 {
 		return nil, errors.New("kafka: DeadLetterConfig.Brokers is required when no Client is given")
 	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.Default()
+	}
 	opts := append([]kgo.Opt(nil), cfg.ClientOptions...)
 	opts = append(opts,
+		kgo.WithHooks(newConnLog(logger, "dead-letter sink of topic "+cfg.Topic)),
 		kgo.SeedBrokers(cfg.Brokers...),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
@@ -81,6 +91,7 @@ func (s *Source) DeadLetter(topic string) (*DeadLetter, error) {
 		Brokers:       s.cfg.brokers,
 		Group:         s.cfg.group,
 		ClientOptions: s.cfg.clientOpts,
+		Logger:        s.cfg.logger,
 	})
 }
 

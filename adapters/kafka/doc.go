@@ -3,7 +3,7 @@
 // topics; a [DeadLetter] produces records that will not be processed to a
 // dead-letter topic.
 //
-//	src, err := kafka.NewSource(
+//	src, err := kafka.NewSource(ctx,
 //		kafka.WithBrokers("kafka-1:9092", "kafka-2:9092"),
 //		kafka.WithGroup("payments-service"),
 //		kafka.WithTopics("payments"),
@@ -16,6 +16,12 @@
 // A group with nothing committed starts at the earliest record (franz-go's
 // default); kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()) through
 // [WithClientOptions] starts it at the end.
+//
+// [NewSource] reaches the cluster within its context, and fails with the
+// cause when no broker answers. Later connection trouble does not end the
+// Source: franz-go connects again by itself, and the Source logs (see
+// [WithLogger]) a broker address it cannot connect to once, not once per
+// attempt, and the connection back.
 //
 // # Ordering
 //
@@ -42,28 +48,39 @@
 // offset up to which every polled record is done (handled, or written to the
 // dead-letter topic). One slow record holds its partition's commit back while
 // later records finish; when it finishes the commit jumps past all of them.
-// Commits are coalesced: every commit interval ([WithCommitInterval], 1s by
-// default), synchronously when a partition is revoked, and on Close; never
-// one per record. Each commit carries the leader epoch of the last record it
+// Commits are coalesced: a commit goes a linger ([WithCommitLinger], 5ms by
+// default) after a record is marked done, with the records of every
+// partition marked done meanwhile, and one commit request is in flight at a
+// time; a failed commit is tried again on the commit interval
+// ([WithCommitInterval], 1s by default); a partition is committed
+// synchronously when it is revoked, and all are on Close; never one request
+// per record. A crash makes the next owner run again what was done since
+// the last commit: with the linger, about the records running at the crash
+// plus a linger's worth, at the cost of up to one commit request per linger
+// plus round trip while records are being done (see WithCommitLinger for
+// the trade-off). Each commit carries the leader epoch of the last record it
 // covers, as franz-go's own commits do, so that the partition's next owner
 // can tell when the log was truncated under the commit (KIP-320).
 //
 // Done offsets beyond the committed one travel in the commit metadata,
-// compactly encoded (runs of offsets, base64) and bounded by
-// [WithMetadataLimit] (4096 bytes, Kafka's default offset.metadata.max.bytes).
-// After a rebalance the partition's next owner reads them back and skips
-// those records instead of running them again, unless fetching starts below
-// the committed offset (the log was truncated or recreated): the offsets
-// would then name other records, and the metadata is ignored. An owner that
-// loses the partition before it reaches the offsets it inherited writes them
-// into its own commit metadata, so they survive any number of rebalances (as
-// many of them as fit beside its own). A partition whose metadata
-// could outgrow the limit takes no new records until its prefix catches up.
-// The metadata names offsets, not records: if an unclean leader election
-// truncates the log above the committed offset while the partition is
-// between owners, and new records take the truncated offsets, the next owner
-// skips those that fall in the recorded runs. Keep
-// unclean.leader.election.enable=false (Kafka's default) where that matters.
+// compactly encoded (runs of offsets, base64) with the leader epoch their
+// records were written under, and bounded by [WithMetadataLimit] (4096
+// bytes, Kafka's default offset.metadata.max.bytes). After a rebalance the
+// partition's next owner reads them back and skips those records instead
+// of running them again, unless fetching starts below the committed offset
+// (the log was truncated or recreated): the offsets would then name other
+// records, and the metadata is ignored. An owner that loses the partition
+// before it reaches the offsets it inherited writes them into its own commit
+// metadata, so they survive any number of rebalances (as many of them as fit
+// beside its own). A partition whose metadata could outgrow the limit takes
+// no new records until its prefix catches up. A record is skipped only when
+// its offset and its leader epoch both match what was recorded: after an
+// unclean leader election rewrote the log above the committed offset while
+// the partition was between owners, the records now at the recorded offsets
+// are of a later epoch, and they are all handed out. Metadata of the
+// previous format, without epochs, is still read (its runs taken to be of
+// the committed leader epoch), so a group under a rolling deploy skips no
+// rewritten record either.
 //
 // A transactional producer ends each transaction with a marker that takes an
 // offset. Markers are never handed out, but they count as done, so the
@@ -76,7 +93,7 @@
 // # Rebalances
 //
 // On revoke the Source stops handing out the partition's records and
-// recalls those already handed out ([adapters.Delivery.Recall], the latest
+// recalls those already handed out ([adapters.Signal.Recall], the latest
 // first; the Source is an [adapters.Recaller]): the runtime gives back at
 // once every one whose handler has not started (queued behind the running
 // record of its lane, waiting for a worker, or waiting in place for a

@@ -36,7 +36,9 @@ func Example() {
 		}
 	}
 
-	src, err := kafka.NewSource(
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	src, err := kafka.NewSource(ctx, // reaches the cluster, or fails with the reason
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup("payments-service"),
 		kafka.WithTopics("payments"),
@@ -51,8 +53,6 @@ func Example() {
 	}
 	defer dlq.Close()
 
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
 	seen := 0
 	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		fmt.Printf("%s: %s\n", m.Key, m.Body)

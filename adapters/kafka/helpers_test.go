@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/testlog"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -117,8 +118,11 @@ func (c *cluster) open(t testing.TB, group, topic string, opts ...Option) *Sourc
 		WithBrokers(c.addrs...), WithGroup(group), WithTopics(topic),
 		WithPollWait(200 * time.Millisecond), WithRevokeDrain(time.Second),
 		WithClientOptions(kgo.FetchMaxWait(100*time.Millisecond), kgo.HeartbeatInterval(100*time.Millisecond)),
+		WithLogger(testlog.New(t)),
 	}
-	s, err := NewSource(append(base, opts...)...)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := NewSource(ctx, append(base, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}

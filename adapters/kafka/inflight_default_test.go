@@ -1,12 +1,16 @@
 package kafka
 
-import "testing"
+import (
+	"context"
+	"testing"
+)
 
 // WithMaxInFlight below the per-partition default is a valid setting by
 // itself: the per-partition bound the caller did not set follows it down
 // instead of failing NewSource under an option the caller never used.
 func TestMaxInFlightBelowThePerPartitionDefault(t *testing.T) {
-	s, err := NewSource(WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t"), WithMaxInFlight(100))
+	c := newCluster(t)
+	s, err := NewSource(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"), WithMaxInFlight(100))
 	if err != nil {
 		t.Fatalf("NewSource with WithMaxInFlight(100) alone: %v", err)
 	}
@@ -15,7 +19,7 @@ func TestMaxInFlightBelowThePerPartitionDefault(t *testing.T) {
 		t.Fatalf("per partition %d, total %d; want 100 and 100", s.cfg.maxPerPart, s.cfg.maxTotal)
 	}
 	// Set explicitly, the per-partition bound still may not exceed the total.
-	if _, err := NewSource(WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t"),
+	if _, err := NewSource(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"),
 		WithMaxInFlight(100), WithMaxInFlightPerPartition(200)); err == nil {
 		t.Fatal("WithMaxInFlightPerPartition(200) above WithMaxInFlight(100) was accepted")
 	}

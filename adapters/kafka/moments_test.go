@@ -274,7 +274,7 @@ func TestRevokeWhileACommitIsUnderWay(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, n)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(time.Hour),
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	ds := receiveN(t, s, n)
 	ack(t, s, ds[:3]...)
@@ -295,7 +295,7 @@ func TestRevokeWhileACommitIsUnderWay(t *testing.T) {
 	await(t, "the commit to reach the broker", held)
 	eagerRevoke(t, s, "orders", 0)
 	ack(t, s, ds[3:6]...) // done within the drain
-	if err := s.Nack(context.Background(), ds[6:], 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(ds[6:], 0)); err != nil {
 		t.Fatal(err)
 	}
 	close(release)
@@ -416,7 +416,7 @@ func TestMetadataAtItsBoundSkipsExactlyTheDoneRecords(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, 1)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(time.Hour),
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
 		WithMaxInFlightPerPartition(n), WithMaxInFlight(n),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	// Take what the bound lets the partition track.
@@ -441,7 +441,7 @@ func TestMetadataAtItsBoundSkipsExactlyTheDoneRecords(t *testing.T) {
 	}
 	ack(t, s, done...)
 	eagerRevoke(t, s, "orders", 0)
-	if err := s.Nack(context.Background(), undone, 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(undone, 0)); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the revoke to commit", func() bool {

@@ -3,6 +3,7 @@ package kafka
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -43,6 +44,7 @@ func (o Ordering) String() string {
 // Defaults of the Source options.
 const (
 	DefaultCommitInterval          = time.Second
+	DefaultCommitLinger            = 5 * time.Millisecond
 	DefaultMaxInFlightPerPartition = 512
 	DefaultMaxInFlight             = 4096
 	DefaultRevokeDrain             = 10 * time.Second
@@ -73,6 +75,8 @@ type config struct {
 	factory        ClientFactory
 	ordering       Ordering
 	commitInterval time.Duration
+	commitLinger   time.Duration
+	lingerSet      bool // commitLinger given by WithCommitLinger
 	commitTimeout  time.Duration
 	maxPerPart     int
 	maxPerPartSet  bool // maxPerPart given by WithMaxInFlightPerPartition
@@ -82,12 +86,14 @@ type config struct {
 	metadataLimit  int
 	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
+	logger         *slog.Logger
 }
 
 func defaultConfig() config {
 	return config{
 		factory:        kgo.NewClient,
 		commitInterval: DefaultCommitInterval,
+		commitLinger:   DefaultCommitLinger,
 		commitTimeout:  DefaultCommitTimeout,
 		maxPerPart:     DefaultMaxInFlightPerPartition,
 		maxTotal:       DefaultMaxInFlight,
@@ -175,15 +181,38 @@ func WithOrdering(o Ordering) Option {
 	}
 }
 
-// WithCommitInterval sets how often the done prefixes are committed. Commits
-// also happen on revoke and on Close. A shorter interval repeats less work
-// after a crash and costs more commit requests. Default 1s.
+// WithCommitInterval sets the longest a done record waits for its commit
+// when commits are not sent sooner (see WithCommitLinger), and how often a
+// failed commit is tried again. Commits also happen on revoke and on Close.
+// Default 1s.
 func WithCommitInterval(d time.Duration) Option {
 	return func(c *config) error {
 		if d < time.Millisecond {
 			return fmt.Errorf("kafka: WithCommitInterval(%v): must be at least 1ms", d)
 		}
 		c.commitInterval = d
+		return nil
+	}
+}
+
+// WithCommitLinger sets how long the Source waits, once a record is marked
+// done, before it commits: the records of every partition marked done
+// meanwhile go in the same commit request, and one commit request is in
+// flight at a time (records marked done while it is go in the next). The
+// linger bounds the work a crash repeats (the records done since the last
+// commit: about the records running at the crash plus a linger and a commit
+// round trip's worth) and sets the commit request rate, at most one per
+// linger plus round trip while records are being done. 0 commits as soon as
+// the previous commit returns; the commit interval (see WithCommitInterval)
+// commits about once per interval. Default 5ms, or the commit interval if
+// that is shorter; it must not exceed the commit interval.
+func WithCommitLinger(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("kafka: WithCommitLinger(%v): must not be negative", d)
+		}
+		c.commitLinger = d
+		c.lingerSet = true
 		return nil
 	}
 }
@@ -300,6 +329,20 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	}
 }
 
+// WithLogger sets where the Source logs connection trouble: a broker it
+// cannot connect to (once, with the address and the error, not once per
+// attempt, while franz-go keeps trying) and the connection back. Default:
+// slog.Default(), like the consumer's own.
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return errors.New("kafka: WithLogger: nil logger")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
 func (c *config) validate() error {
 	if len(c.brokers) == 0 {
 		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
@@ -310,6 +353,12 @@ func (c *config) validate() error {
 	if len(c.topics) == 0 {
 		return errors.New("kafka: WithTopics is required: give the topics to consume")
 	}
+	if !c.lingerSet {
+		c.commitLinger = min(c.commitLinger, c.commitInterval)
+	}
+	if c.commitLinger > c.commitInterval {
+		return fmt.Errorf("kafka: WithCommitLinger(%v) exceeds WithCommitInterval(%v): give a linger up to the interval (the interval alone commits about once per interval)", c.commitLinger, c.commitInterval)
+	}
 	if !c.maxPerPartSet {
 		c.maxPerPart = min(c.maxPerPart, c.maxTotal)
 	}
@@ -318,6 +367,9 @@ func (c *config) validate() error {
 	}
 	if c.meterProvider == nil {
 		c.meterProvider = otel.GetMeterProvider()
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
 	}
 	return nil
 }

@@ -35,6 +35,10 @@ type partition struct {
 	costs    []int
 	costHead int
 	costSum  int
+	// epochCost is the size of the largest encoded leader epoch among the
+	// tracked records: the bound of the first run's epoch in the metadata.
+	// It never falls within an assignment.
+	epochCost int
 	// lastTracked is the highest tracked offset; base is the first one of
 	// this assignment, the commit point until a frontier exists.
 	lastTracked int64
@@ -64,7 +68,8 @@ type partition struct {
 	// released is set while the partition is on Source.released.
 	released bool
 
-	// skip holds done spans read from the commit metadata on assignment.
+	// skip holds done spans read from the commit metadata on assignment,
+	// with the leader epochs of their records (see skipped).
 	skip []span
 
 	committed int64     // last committed offset, -1 while unknown
@@ -77,12 +82,12 @@ type partition struct {
 }
 
 // held is a delivery handed to the runtime, with what Ack needs to find its
-// place. Held values are allocated heldSlab at a time (see Source.newHeld):
-// at 336 bytes, a slab of 64 (21,504 bytes) nearly fills the 21,760-byte
-// size class; a change of size should keep a slab close below a class.
+// place, and the Signal through which a revoke recalls or loses it. Held
+// values are allocated heldSlab at a time (see Source.newHeld).
 type held struct {
-	d adapters.Delivery
-	p *partition
+	d   adapters.Delivery
+	sig adapters.Signal
+	p   *partition
 	// slot is the delivery's index in p.out while it is handed out,
 	// slotNacked once nacked (until handed out again), and -1 otherwise (not
 	// yet handed out, acked, or its partition fenced).
@@ -163,7 +168,7 @@ func (p *partition) recallHeld() bool {
 	found := false
 	for i := len(p.out) - 1; i >= p.outHead; i-- {
 		if h := p.out[i]; h != nil {
-			h.d.Recall()
+			h.sig.Recall()
 			found = true
 		}
 	}
@@ -185,13 +190,32 @@ func (p *partition) dropHeld(lose []*held) []*held {
 // backlogLen is the number of polled records waiting to be handed out.
 func (p *partition) backlogLen() int { return len(p.backlog) - p.backHead + len(p.requeue) }
 
-// trackCost is the metadata cost bound of tracking off next: its distance
-// from the previous tracked offset, plus one for the run length it may add.
-func (p *partition) trackCost(off int64) int {
+// trackCost is the metadata cost bound of tracking off, a record of leader
+// epoch epoch, next: its distance from the previous tracked offset, plus one
+// for the run length it may add, plus its epoch when it starts a new one (a
+// run of another epoch than the run before it carries its epoch, and the
+// last record starting an epoch up to that run's start lies between the two
+// runs and is of that run's epoch), plus what it adds to epochCost.
+func (p *partition) trackCost(off int64, epoch int32) int {
+	return p.runCost(off, epoch) + p.epochGrowth(epoch)
+}
+
+// runCost is trackCost without the growth of epochCost: what the position
+// holds until the frontier passes it.
+func (p *partition) runCost(off int64, epoch int32) int {
 	if !p.hasTracked {
 		return 1 + 1
 	}
-	return 1 + uvarintLen(uint64(off-p.lastTracked))
+	c := 1 + uvarintLen(uint64(off-p.lastTracked))
+	if n := len(p.epochs); n > 0 && p.epochs[n-1].epoch != epoch {
+		c += uvarintLen(epochField(epoch))
+	}
+	return c
+}
+
+// epochGrowth is how much tracking a record of epoch grows epochCost.
+func (p *partition) epochGrowth(epoch int32) int {
+	return max(0, uvarintLen(epochField(epoch))-p.epochCost)
 }
 
 // fits reports whether tracking one more position of cost c keeps the worst
@@ -201,7 +225,7 @@ func (p *partition) fits(c, limit int) bool {
 	if p.tr.Outstanding() == 0 {
 		return true
 	}
-	return metadataFits(maxBaseCost+p.costSum+c, limit)
+	return metadataFits(maxBaseCost+p.epochCost+p.costSum+c, limit)
 }
 
 // epochStart is the first tracked offset written under a leader epoch.
@@ -210,7 +234,12 @@ type epochStart struct {
 	epoch int32
 }
 
+// track tracks off, a record of leader epoch leaderEpoch, whose cost c is
+// what trackCost returned.
 func (p *partition) track(off int64, leaderEpoch int32, c int) {
+	grow := p.epochGrowth(leaderEpoch)
+	p.epochCost += grow
+	c -= grow
 	if n := len(p.epochs); n == 0 || p.epochs[n-1].epoch != leaderEpoch {
 		p.epochs = append(p.epochs, epochStart{from: off, epoch: leaderEpoch})
 	}
@@ -271,14 +300,25 @@ func (p *partition) leaderEpochBefore(at int64) int32 {
 	return p.epochs[0].epoch
 }
 
-// metadata encodes the done offsets beyond the commit point: those this
-// owner tracked, then the spans a previous owner recorded done beyond the
-// last offset this owner tracked, as many as fit the limit. Without the
-// latter, an owner revoked before it reached them would write metadata
-// without them, and the next owner would run them again.
+// metadata encodes the done offsets beyond the commit point, with the leader
+// epochs of their records: those this owner tracked, then the spans a
+// previous owner recorded done beyond the last offset this owner tracked,
+// as many as fit the limit. Without the latter, an owner revoked before it
+// reached them would write metadata without them, and the next owner would
+// run them again.
 func (p *partition) metadata(at int64, limit int) string {
 	e := newDoneEncoder(at)
-	p.tr.DoneBeyond(func(pos int64) { e.add(pos, pos) })
+	i := 0 // p.epochs[i] holds the epoch of the position at hand
+	p.tr.DoneBeyond(func(pos int64) {
+		for i+1 < len(p.epochs) && p.epochs[i+1].from <= pos {
+			i++
+		}
+		epoch := int32(-1)
+		if i < len(p.epochs) {
+			epoch = p.epochs[i].epoch
+		}
+		e.add(pos, pos, epoch)
+	})
 	if !metadataFits(e.size(), limit) { // cannot happen while fits is honoured; never send an oversized commit
 		return ""
 	}
@@ -290,16 +330,25 @@ func (p *partition) metadata(at int64, limit int) string {
 		if from > sp.to {
 			continue
 		}
-		if !e.tryAdd(from, sp.to, limit) {
+		if !e.tryAdd(from, sp.to, sp.epoch, limit) {
 			break // the rest is run again by the next owner: duplicates, not loss
 		}
 	}
 	return e.String()
 }
 
-// skipped reports whether off was recorded done by a previous owner, and
-// forgets spans behind it (offsets arrive in increasing order).
-func (p *partition) skipped(off int64) bool {
+// skipped reports whether the record at off, written under leader epoch
+// epoch, was recorded done by a previous owner, and forgets spans behind it
+// (offsets arrive in increasing order). A record is skipped only when its
+// epoch is the one recorded: at the same offset, a record of another epoch is
+// another record, written after the log was rewritten (an unclean leader
+// election). Once the log is seen to differ from what the spans describe,
+// none of them holds any more (a log that differs at one offset differs at
+// every later one, since a record's offset and epoch fix the log before it),
+// and they are all forgotten: a record of a different epoch inside a span,
+// or one of a later epoch than the next span's before it (epochs never fall
+// along a log, so that span's offsets hold later epochs too).
+func (p *partition) skipped(off int64, epoch int32) bool {
 	for len(p.skip) > 0 && p.skip[0].to < off {
 		p.skip = p.skip[1:]
 	}
@@ -307,5 +356,16 @@ func (p *partition) skipped(off int64) bool {
 		p.skip = nil
 		return false
 	}
-	return p.skip[0].from <= off
+	sp := p.skip[0]
+	if off < sp.from {
+		if epoch > sp.epoch {
+			p.skip = nil
+		}
+		return false
+	}
+	if epoch != sp.epoch {
+		p.skip = nil
+		return false
+	}
+	return true
 }

@@ -34,7 +34,7 @@ func (s *Source) onAssigned(_ context.Context, _ *kgo.Client, assigned map[strin
 func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.OffsetFetchResponse) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	read := func(topic string, part int32, offset int64, meta *string) {
+	read := func(topic string, part int32, offset int64, leaderEpoch int32, meta *string) {
 		p := s.parts[tpKey{topic, part}]
 		if p == nil || p.hasTracked || p.lastPolled >= 0 {
 			return
@@ -43,13 +43,13 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 			p.committed = offset
 		}
 		if meta != nil {
-			p.skip = decodeDone(*meta, offset)
+			p.skip = decodeDone(*meta, offset, leaderEpoch)
 		}
 	}
 	for _, t := range resp.Topics {
 		for _, pt := range t.Partitions {
 			if pt.ErrorCode == 0 {
-				read(t.Topic, pt.Partition, pt.Offset, pt.Metadata)
+				read(t.Topic, pt.Partition, pt.Offset, pt.LeaderEpoch, pt.Metadata)
 			}
 		}
 	}
@@ -57,7 +57,7 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 		for _, t := range g.Topics {
 			for _, pt := range t.Partitions {
 				if pt.ErrorCode == 0 {
-					read(t.Topic, pt.Partition, pt.Offset, pt.Metadata)
+					read(t.Topic, pt.Partition, pt.Offset, pt.LeaderEpoch, pt.Metadata)
 				}
 			}
 		}
@@ -119,7 +119,7 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 	lose := s.fenceLocked(ps)
 	s.mu.Unlock()
 	for _, h := range lose {
-		h.d.Lose(adapters.ErrRevoked)
+		h.sig.Lose(adapters.ErrRevoked)
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), s.cfg.commitTimeout)
 	defer cancel()
@@ -139,7 +139,7 @@ func (s *Source) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int
 	// Resumed once fenced, so that nothing pauses them again (see onRevoked).
 	cl.ResumeFetchPartitions(lost)
 	for _, h := range lose {
-		h.d.Lose(adapters.ErrRevoked)
+		h.sig.Lose(adapters.ErrRevoked)
 	}
 }
 

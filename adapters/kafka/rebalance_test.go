@@ -27,7 +27,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(200*time.Millisecond))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(200*time.Millisecond))
 
 	ds := receiveN(t, a, 20)
 	late := map[int32]*adapters.Delivery{}
@@ -39,7 +39,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 		ack(t, a, d)
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	// b must poll to join; what it receives is the revoked partition's
 	// unfinished record only (5..9 were recorded done in the metadata).
 	var got []*adapters.Delivery
@@ -54,7 +54,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 	if o := offsets(got); !slices.Equal(o, []int64{4}) {
 		t.Fatalf("new owner received %v, want only [4]", o)
 	}
-	if cause := late[moved].LostCause(); !errors.Is(cause, adapters.ErrRevoked) {
+	if cause := late[moved].Signal.LostCause(); !errors.Is(cause, adapters.ErrRevoked) {
 		t.Fatalf("old owner's held record lost with %v, want ErrRevoked", cause)
 	}
 	if offs, _ := c.committed(t, group, "orders"); offs[moved] != 4 {
@@ -199,7 +199,7 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 5)
 	ack(t, s, ds[:2]...)
 
@@ -207,8 +207,8 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 	s.onLost(context.Background(), s.Client(), map[string][]int32{"orders": {0}})
 
 	for _, d := range ds[2:] {
-		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
-			t.Fatalf("held record not lost: %v", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("held record not lost: %v", d.Signal.LostCause())
 		}
 	}
 	if err := s.Ack(context.Background(), ds[2:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
@@ -232,7 +232,7 @@ func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMaxInFlightPerPartition(3))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMaxInFlightPerPartition(3))
 	ds := receiveN(t, s, 3)
 	ack(t, s, ds[:2]...)
 	ds = append(ds, receiveN(t, s, 2)...) // three running: the bound
@@ -269,10 +269,10 @@ func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	c.fake.ControlKey(int16(kmsg.Heartbeat), kick)
 	c.fake.ControlKey(int16(kmsg.ConsumerGroupHeartbeat), kick)
 
-	eventually(t, "the held records lost", func() bool { return ds[2].LostCause() != nil })
+	eventually(t, "the held records lost", func() bool { return ds[2].Signal.LostCause() != nil })
 	for _, d := range ds[2:] {
-		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
-			t.Fatalf("held record lost with %v, want ErrRevoked", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("held record lost with %v, want ErrRevoked", d.Signal.LostCause())
 		}
 	}
 	if err := s.Ack(context.Background(), ds[2:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
@@ -307,7 +307,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(30*time.Second))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(30*time.Second))
 	ds := receiveN(t, a, 20)
 	late := map[int32]*adapters.Delivery{}
 	for _, d := range ds {
@@ -318,7 +318,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 		ack(t, a, d)
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	polled := make(chan struct{})
 	go func() { // b must poll to take part in the rebalance
 		defer close(polled)
@@ -347,7 +347,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 		offs, _ := c.committed(t, group, "orders")
 		return offs[moved] == 10
 	})
-	if cause := late[moved].LostCause(); cause != nil {
+	if cause := late[moved].Signal.LostCause(); cause != nil {
 		t.Fatalf("record that finished in the drain was lost: %v", cause)
 	}
 	<-polled
@@ -364,7 +364,7 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 	group := newGroup()
 
 	// A previous owner committed 10, with 12 and 13 recorded done.
-	meta := encodeDone(10, func(fn func(int64)) { fn(12); fn(13) })
+	meta := encodeDone(10, func(fn func(int64, int32)) { fn(12, 0); fn(13, 0) })
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 10, LeaderEpoch: -1, Metadata: meta})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -373,7 +373,7 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
 
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	got := receiveN(t, s, 3) // offset 10 is out of range: reset to the log start
 	ack(t, s, got...)
 	c.produceN(t, "orders", 1, 15, 15) // offsets 3..17, new records
@@ -394,7 +394,7 @@ func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
 	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32), WithMaxInFlightPerPartition(3),
-		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour),
+		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	ds := receiveN(t, a, 3)
 	if paused := a.Client().PauseFetchPartitions(nil); len(paused) == 0 {
@@ -412,7 +412,7 @@ func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
 	})
 	// One record is given back during the drain; the other two are still
 	// running when it ends.
-	if err := a.Nack(context.Background(), ds[2:], 0); err != nil {
+	if err := a.Nack(context.Background(), adapters.NackAll(ds[2:], 0)); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the partition to be assigned back", func() bool {
@@ -489,7 +489,7 @@ func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
 	c.produceN(t, "orders", 1, 5, 5) // 0..4
 	group := newGroup()
 	h := &holdPoll{holding: make(chan struct{}), release: make(chan struct{})}
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithRevokeDrain(100*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()), kgo.WithHooks(h))) // eager: a rejoin revokes everything
 	first := receiveN(t, a, 5) // 0..4 running, never finished
@@ -533,7 +533,7 @@ func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
 	got = append(got, receiveFor(t, a, 2*time.Second)...)
 	var done []int64
 	for _, d := range append(first, got...) {
-		if a.Ack(context.Background(), []*adapters.Delivery{d}) == nil && d.LostCause() == nil {
+		if a.Ack(context.Background(), []*adapters.Delivery{d}) == nil && d.Signal.LostCause() == nil {
 			done = append(done, d.Offset) // refused when lost in the revoke
 		}
 	}
@@ -559,7 +559,7 @@ func TestRevokeDrainBoundsTheWaitForEveryPartition(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 2, 2)
-	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithRevokeDrain(100*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	first := receiveN(t, a, 4) // running, never finished
@@ -578,8 +578,8 @@ func TestRevokeDrainBoundsTheWaitForEveryPartition(t *testing.T) {
 		return true
 	})
 	for _, d := range first {
-		if !errors.Is(d.LostCause(), adapters.ErrRevoked) {
-			t.Fatalf("%s lost with %v after the drain, want ErrRevoked", d.ID, d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrRevoked) {
+			t.Fatalf("%s lost with %v after the drain, want ErrRevoked", d.ID, d.Signal.LostCause())
 		}
 	}
 	if again := receiveN(t, a, 4); len(again) != 4 {

@@ -20,15 +20,15 @@ func TestRevokeRecallsTheRevokedPartitionsRecords(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 5, 5)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithRevokeDrain(time.Hour))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour))
 	ds := receiveN(t, a, 10)
 	for _, d := range ds {
-		if d.Recalled() {
+		if d.Signal.Recalled() {
 			t.Fatalf("%s recalled before any revoke", d.ID)
 		}
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	var mu sync.Mutex
 	var got []*adapters.Delivery
 	ctx, cancel := context.WithCancel(context.Background())
@@ -61,10 +61,10 @@ func TestRevokeRecallsTheRevokedPartitionsRecords(t *testing.T) {
 	for _, d := range ds {
 		switch {
 		case d.Partition != moved:
-			if d.Recalled() {
+			if d.Signal.Recalled() {
 				t.Errorf("%s recalled although its partition was kept", d.ID)
 			}
-		case !d.Recalled():
+		case !d.Signal.Recalled():
 			t.Errorf("%s of the revoked partition not recalled", d.ID)
 		case d.Offset == 0:
 			first = d
@@ -77,7 +77,7 @@ func TestRevokeRecallsTheRevokedPartitionsRecords(t *testing.T) {
 	}
 	// The runtime gives back the records that had not started; the one
 	// that ran finishes.
-	if err := a.Nack(context.Background(), rest, 0); err != nil {
+	if err := a.Nack(context.Background(), adapters.NackAll(rest, 0)); err != nil {
 		t.Fatal(err)
 	}
 	ack(t, a, first)
@@ -94,7 +94,7 @@ func TestRevokeRecallsTheRevokedPartitionsRecords(t *testing.T) {
 	if offs, _ := c.committed(t, group, "orders"); offs[moved] != 1 {
 		t.Errorf("revoke committed %d, want 1: only offset 0 was done", offs[moved])
 	}
-	if cause := first.LostCause(); cause != nil {
+	if cause := first.Signal.LostCause(); cause != nil {
 		t.Errorf("the record that finished in the drain was lost: %v", cause)
 	}
 }

@@ -146,8 +146,8 @@ func TestDataLossRewindHandsOutTheReplacedRecords(t *testing.T) {
 		t.Errorf("Receive reported %v; want the kgo.ErrDataLoss", sawLoss)
 	}
 	for _, d := range first[10:] {
-		if !errors.Is(d.LostCause(), ErrRewound) {
-			t.Fatalf("offset %d of the old log: lost with %v after the rewind; want ErrRewound", d.Offset, d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), ErrRewound) {
+			t.Fatalf("offset %d of the old log: lost with %v after the rewind; want ErrRewound", d.Offset, d.Signal.LostCause())
 		}
 	}
 	if err := s.Ack(context.Background(), first[10:]); !errors.Is(adapters.EntryError(err, 0), adapters.ErrRevoked) {
@@ -176,7 +176,7 @@ func TestDataLossRewindCommitsBackToTheReplacedRecords(t *testing.T) {
 	c.createTopic(t, topic, 1)
 	produceValues(t, c, topic, 30)
 	group := newGroup()
-	s := c.open(t, group, topic, WithCommitInterval(time.Hour),
+	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
 	ack(t, s, receiveN(t, s, 30)...)
 	commitNow(t, s)
@@ -215,7 +215,7 @@ func TestDataLossRewindWithReplacedRecordsAlreadyBuffered(t *testing.T) {
 	c.createTopic(t, topic, 1)
 	produceValues(t, c, topic, 30)
 	group := newGroup()
-	s := c.open(t, group, topic, WithCommitInterval(time.Hour),
+	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
 	ack(t, s, receiveN(t, s, 30)...)
 	commitNow(t, s)
@@ -417,9 +417,9 @@ func TestDataLossRewindForgetsDoneOffsetsBeyondTheResetPoint(t *testing.T) {
 	// recorded done.
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: topic, Partition: 0, At: 0, LeaderEpoch: -1,
-		Metadata: encodeDone(0, func(fn func(int64)) {
+		Metadata: encodeDone(0, func(fn func(int64, int32)) {
 			for o := int64(5); o <= 9; o++ {
-				fn(o)
+				fn(o, 0) // the epoch of kfake's records
 			}
 		})})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -427,7 +427,7 @@ func TestDataLossRewindForgetsDoneOffsetsBeyondTheResetPoint(t *testing.T) {
 	if resp, err := c.admin.CommitOffsets(ctx, group, os); err != nil || resp.Error() != nil {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
-	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithOrdering(Unordered),
+	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithOrdering(Unordered),
 		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
 	first := receiveN(t, s, 5)
 	ack(t, s, first[:2]...) // 0..1 done, 2..4 running

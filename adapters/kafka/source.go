@@ -66,6 +66,9 @@ type Source struct {
 	stopLag  context.CancelFunc
 	// commitSoon asks the commit loop to commit before its next tick.
 	commitSoon chan struct{}
+	// marked tells the commit loop that records were marked done: it
+	// commits them a linger later (see noteMarkedLocked).
+	marked chan struct{}
 	// recalls is signalled when a revoke recalled deliveries (see Recalls).
 	recalls  chan struct{}
 	closeErr error
@@ -87,9 +90,14 @@ type tpKey struct {
 	part  int32
 }
 
-// NewSource creates a Source and its franz-go client. The client joins the
-// group when the Source is first polled.
-func NewSource(opts ...Option) (*Source, error) {
+// NewSource creates a Source and its franz-go client, and reaches the
+// cluster within ctx: it fails, with the cause, when none of the brokers
+// answers (not reachable, TLS or SASL refused) before ctx ends. The client
+// joins the group when the Source is first polled. Later connection trouble
+// does not fail the Source: franz-go connects again by itself, and the
+// Source logs a broker it cannot connect to and the connection back (see
+// WithLogger).
+func NewSource(ctx context.Context, opts ...Option) (*Source, error) {
 	cfg := defaultConfig()
 	for _, o := range opts {
 		if err := o(&cfg); err != nil {
@@ -108,6 +116,7 @@ func NewSource(opts ...Option) (*Source, error) {
 		loopDone:   make(chan struct{}),
 		lagDone:    make(chan struct{}),
 		commitSoon: make(chan struct{}, 1),
+		marked:     make(chan struct{}, 1),
 		recalls:    make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
 	}
@@ -118,6 +127,7 @@ func NewSource(opts ...Option) (*Source, error) {
 	s.tel = tel
 	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
 	kopts = append(kopts,
+		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group)),
 		kgo.SeedBrokers(cfg.brokers...),
 		kgo.ConsumerGroup(cfg.group),
 		kgo.ConsumeTopics(cfg.topics...),
@@ -137,6 +147,11 @@ func NewSource(opts ...Option) (*Source, error) {
 	if err != nil {
 		tel.close()
 		return nil, fmt.Errorf("kafka: creating the client: %w", err)
+	}
+	if err := cl.Ping(ctx); err != nil {
+		cl.Close()
+		tel.close()
+		return nil, fmt.Errorf("kafka: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
 	}
 	s.cl = cl
 	s.readCommitted = readsCommitted(cl)
@@ -255,7 +270,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	s.mu.Unlock()
 	cancel()
 	for _, h := range lose {
-		h.d.Lose(ErrRewound)
+		h.sig.Lose(ErrRewound)
 	}
 	if len(refetch) > 0 {
 		// Before AllowRebalance, as franz-go asks: no revoke runs meanwhile.
@@ -463,7 +478,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 			break
 		}
 		r := p.backlog[p.backHead]
-		c := p.trackCost(r.Offset)
+		c := p.trackCost(r.Offset, r.LeaderEpoch)
 		if !p.fits(c, s.cfg.metadataLimit) {
 			break // the metadata could not record more: wait for the prefix
 		}
@@ -471,6 +486,9 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		p.backHead++
 		s.totalBack--
 		p.track(r.Offset, r.LeaderEpoch, c)
+		// Asked of markers too: a marker of a later epoch also tells that
+		// the inherited spans name records of another log.
+		skip := p.skipped(r.Offset, r.LeaderEpoch)
 		if r.Attrs.IsControl() {
 			// A transaction's commit or abort marker: nothing to run, but
 			// done, so that the commit passes it (see New).
@@ -478,7 +496,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 			p.skippedSome = true
 			continue
 		}
-		if p.skipped(r.Offset) {
+		if skip {
 			p.done(r.Offset)
 			p.skippedSome = true
 			s.tel.skipped.Add(context.Background(), 1, s.tel.partAttrs(p))
@@ -506,6 +524,7 @@ func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 	s.slab = s.slab[1:]
 	h.p, h.slot = p, -1
 	d := &h.d
+	d.Signal = &h.sig
 	// "topic/partition/offset"; the lane of a partition is its prefix.
 	var num [20]byte
 	off := strconv.AppendInt(num[:0], r.Offset, 10)
@@ -604,12 +623,14 @@ func (s *Source) updatePauseLocked(p *partition) {
 }
 
 // Ack implements adapters.Source: it marks the records done. The commit
-// follows on the interval, on revoke or on Close. Records whose partition was
+// follows a linger later (see WithCommitLinger), with the records of every
+// partition marked done meanwhile, or on revoke or Close. Records whose partition was
 // revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
 // A record nacked already fails too (it is handed out again); acking a
 // record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
+	marked := false
 	s.mu.Lock()
 	for i, d := range ds {
 		h, ok := d.Handle.(*held)
@@ -634,6 +655,10 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 		}
 		s.releaseLocked(p, h)
 		p.done(h.d.Offset)
+		marked = true
+	}
+	if marked {
+		s.noteMarkedLocked()
 	}
 	s.settleLocked()
 	s.mu.Unlock()
@@ -647,12 +672,12 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 // record is not marked done, so its offset is not committed, and it is handed
 // out again by a later Receive. At shutdown this leaves it uncommitted for the
 // partition's next owner.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, _ time.Duration) error {
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed map[int]error
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i, d := range ds {
-		h, ok := d.Handle.(*held)
+	for i, n := range ns {
+		h, ok := n.Delivery.Handle.(*held)
 		if !ok {
 			// Not ours: nothing here would hand it out again.
 			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
@@ -744,7 +769,7 @@ func (s *Source) Close() error {
 		}
 		s.mu.Unlock()
 		for _, h := range lose {
-			h.d.Lose(adapters.ErrClosed)
+			h.sig.Lose(adapters.ErrClosed)
 		}
 		close(s.stopLoop)
 		s.stopLag()

@@ -17,20 +17,21 @@ import (
 
 func TestInvalidOptionsNameTheOption(t *testing.T) {
 	cases := map[string][]Option{
-		"WithBrokers":                 {WithGroup("g"), WithTopics("t")},
-		"WithGroup":                   {WithBrokers("b:9092"), WithTopics("t")},
-		"WithTopics":                  {WithBrokers("b:9092"), WithGroup("g")},
-		"WithOrdering":                {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithOrdering(Ordering(7))},
-		"WithCommitInterval":          {WithCommitInterval(0)},
-		"WithMaxInFlightPerPartition": {WithMaxInFlightPerPartition(0)},
-		"WithMaxInFlight(":            {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithMaxInFlight(2), WithMaxInFlightPerPartition(3)},
-		"WithMetadataLimit":           {WithMetadataLimit(8)},
-		"WithRevokeDrain":             {WithRevokeDrain(-time.Second)},
-		"WithPollWait":                {WithPollWait(0)},
-		"WithLagRefresh":              {WithLagRefresh(-time.Second)},
+		"WithBrokers":                  {WithGroup("g"), WithTopics("t")},
+		"WithGroup":                    {WithBrokers("b:9092"), WithTopics("t")},
+		"WithTopics":                   {WithBrokers("b:9092"), WithGroup("g")},
+		"WithOrdering":                 {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithOrdering(Ordering(7))},
+		"WithCommitInterval":           {WithCommitInterval(0)},
+		"WithCommitLinger(2s) exceeds": {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithCommitLinger(2 * time.Second)},
+		"WithMaxInFlightPerPartition":  {WithMaxInFlightPerPartition(0)},
+		"WithMaxInFlight(":             {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithMaxInFlight(2), WithMaxInFlightPerPartition(3)},
+		"WithMetadataLimit":            {WithMetadataLimit(8)},
+		"WithRevokeDrain":              {WithRevokeDrain(-time.Second)},
+		"WithPollWait":                 {WithPollWait(0)},
+		"WithLagRefresh":               {WithLagRefresh(-time.Second)},
 	}
 	for name, opts := range cases {
-		_, err := NewSource(opts...)
+		_, err := NewSource(context.Background(), opts...)
 		if err == nil || !strings.Contains(err.Error(), name) {
 			t.Errorf("%s: got error %v, want one naming the option", name, err)
 		}
@@ -48,17 +49,18 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{"WithTopics: empty topic name", WithTopics("t", "")},
 		{"WithClientFactory: nil", WithClientFactory(nil)},
 		{"WithCommitTimeout(0s)", WithCommitTimeout(0)},
+		{"WithCommitLinger(-1ns): must not be negative", WithCommitLinger(-1)},
 		{"WithMaxInFlight(0)", WithMaxInFlight(0)},
 		{"WithMeterProvider: nil", WithMeterProvider(nil)},
 	} {
-		_, err := NewSource(append(slices.Clone(required), c.opt)...)
+		_, err := NewSource(context.Background(), append(slices.Clone(required), c.opt)...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("got error %v, want one saying %q", err, c.want)
 		}
 	}
 	// A client the factory cannot make fails NewSource with its reason.
 	refused := errors.New("no TLS configuration")
-	_, err := NewSource(append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
+	_, err := NewSource(context.Background(), append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
 	if !errors.Is(err, refused) {
 		t.Errorf("NewSource with a failing client factory = %v, want its error", err)
 	}
@@ -97,7 +99,7 @@ func TestOutOfOrderCompletionCommitsOnlyTheDonePrefix(t *testing.T) {
 	eventually(t, "the prefix before the slow record to be committed, with offset 19 recorded done", func() bool {
 		offs, metas := c.committed(t, group, "orders")
 		lastMeta = metas[0]
-		spans := decodeDone(lastMeta, 3)
+		spans := decodeDone(lastMeta, 3, -1)
 		return offs[0] == 3 && len(spans) > 0 && spans[len(spans)-1].to == 19
 	})
 	for i := 0; i < 20; i++ {
@@ -107,7 +109,7 @@ func TestOutOfOrderCompletionCommitsOnlyTheDonePrefix(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if got := decodeDone(lastMeta, 3); !slices.Equal(got, []span{{4, 19}}) {
+	if got := decodeDone(lastMeta, 3, -1); !slices.Equal(got, []span{{4, 19, 0}}) {
 		t.Fatalf("metadata records done spans %v, want [{4 19}]", got)
 	}
 	ack(t, s, slow)
@@ -125,7 +127,7 @@ func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
 	c.produceN(t, "orders", 1, 10, 10)
 	group := newGroup()
 
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, a, 10)
 	for _, d := range ds {
 		if d.Offset != 0 && d.Offset != 5 {
@@ -141,7 +143,7 @@ func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
 	}
 
 	reader, mp := newMeter(t)
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mp))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp))
 	got := receiveN(t, b, 2)
 	if more := receiveFor(t, b, 500*time.Millisecond); len(more) > 0 {
 		got = append(got, more...)
@@ -169,7 +171,7 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 	c.produceN(t, "orders", 1, 100, 100)
 	group := newGroup()
 
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	for _, d := range receiveN(t, a, 100) {
 		if d.Offset != 0 {
 			ack(t, a, d)
@@ -181,7 +183,7 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 
 	// b holds at most two records, so it polls no further than offset 1
 	// before it is closed, with offset 0 still unfinished.
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour),
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithMaxInFlight(2), WithMaxInFlightPerPartition(2))
 	if got := offsets(receiveN(t, b, 1)); !slices.Equal(got, []int64{0}) {
 		t.Fatalf("second owner received %v, want [0]", got)
@@ -199,11 +201,11 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 	if offs[0] != 0 {
 		t.Fatalf("committed %d, want 0 (offset 0 never finished)", offs[0])
 	}
-	if got := decodeDone(metas[0], 0); !slices.Equal(got, []span{{1, 99}}) {
+	if got := decodeDone(metas[0], 0, -1); !slices.Equal(got, []span{{1, 99, 0}}) {
 		t.Fatalf("second owner's metadata records %v, want [{1 99}]", got)
 	}
 
-	c3 := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	c3 := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	got := receiveN(t, c3, 1)
 	got = append(got, receiveFor(t, c3, 500*time.Millisecond)...)
 	if o := offsets(got); !slices.Equal(o, []int64{0}) {
@@ -291,13 +293,13 @@ func TestClosedWithoutCommitResumesFromCommitted(t *testing.T) {
 	c.produceN(t, "orders", 1, 20, 20)
 	group := newGroup()
 
-	a := c.open(t, group, "orders", WithCommitInterval(time.Hour))
+	a := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, a, 20)
 	ack(t, a, ds[:5]...)
 	commitNow(t, a)
 	ack(t, a, ds[10:]...) // done beyond the prefix but never committed
 	var lost error
-	ds[7].OnLost(func(err error) { lost = err })
+	ds[7].Signal.OnLost(func(err error) { lost = err })
 	// Simulate the process dying: the interval commit never runs again and
 	// Close is the only thing that happens.
 	a.mu.Lock()
@@ -315,7 +317,7 @@ func TestClosedWithoutCommitResumesFromCommitted(t *testing.T) {
 		t.Fatalf("committed %d, want 5", offs[0])
 	}
 
-	b := c.open(t, group, "orders", WithCommitInterval(time.Hour))
+	b := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	got := receiveN(t, b, 15)
 	if got[0].Offset != 5 || got[14].Offset != 19 {
 		t.Fatalf("resumed with offsets %v, want 5..19", offsets(got))
@@ -329,7 +331,7 @@ func TestCloseReportsAFailedCommit(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
-	s := c.open(t, newGroup(), "orders", WithCommitInterval(time.Hour))
+	s := c.open(t, newGroup(), "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ack(t, s, receiveN(t, s, 3)...)
 	c.refuseCommits(true)
 	if err := s.Close(); !errors.Is(err, kerr.GroupAuthorizationFailed) {
@@ -375,9 +377,9 @@ func TestNackRedeliversAndHoldsThePrefix(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 3)
-	if err := s.Nack(context.Background(), ds[:1], 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(ds[:1], 0)); err != nil {
 		t.Fatal(err)
 	}
 	ack(t, s, ds[1:]...)
@@ -410,7 +412,7 @@ func TestCommitsCarryTheLeaderEpochOfTheirLastRecord(t *testing.T) {
 	}
 	c.produceN(t, "orders", 1, 3, 3) // offsets 3..5 under the next one
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 6)
 	epochOf := func(off int64) int32 {
 		for _, d := range ds {
@@ -477,9 +479,11 @@ func TestNewGroupStartPosition(t *testing.T) {
 // valid is accepted (an off-by-one in a check refuses a configuration the
 // documentation promises).
 func TestOptionBoundsAreAccepted(t *testing.T) {
-	required := []Option{WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t")}
+	c := newCluster(t)
+	required := []Option{WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t")}
 	for name, opts := range map[string][]Option{
 		"WithCommitInterval(1ms)":                               {WithCommitInterval(time.Millisecond)},
+		"WithCommitLinger(0)":                                   {WithCommitLinger(0)},
 		"WithPollWait(1ms)":                                     {WithPollWait(time.Millisecond)},
 		"WithRevokeDrain(0)":                                    {WithRevokeDrain(0)},
 		"WithLagRefresh(0), the refresh off":                    {WithLagRefresh(0)},
@@ -487,7 +491,7 @@ func TestOptionBoundsAreAccepted(t *testing.T) {
 		"WithMaxInFlightPerPartition equal to WithMaxInFlight":  {WithMaxInFlight(8), WithMaxInFlightPerPartition(8)},
 		"WithMaxInFlight(1) and WithMaxInFlightPerPartition(1)": {WithMaxInFlight(1), WithMaxInFlightPerPartition(1)},
 	} {
-		s, err := NewSource(append(slices.Clone(required), opts...)...)
+		s, err := NewSource(context.Background(), append(slices.Clone(required), opts...)...)
 		if err != nil {
 			t.Errorf("%s: NewSource = %v, want it accepted", name, err)
 			continue
@@ -526,9 +530,9 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 	// recorded done: far more than 64 bytes of metadata.
 	var os kadm.Offsets
 	os.Add(kadm.Offset{Topic: "orders", Partition: 0, At: 0, LeaderEpoch: -1,
-		Metadata: encodeDone(0, func(fn func(int64)) {
+		Metadata: encodeDone(0, func(fn func(int64, int32)) {
 			for o := int64(2); o <= 400; o += 2 {
-				fn(o)
+				fn(o, 0) // the epoch of kfake's records
 			}
 		})})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -537,7 +541,7 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
 	const limit = 64
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMetadataLimit(limit))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMetadataLimit(limit))
 	ds := receiveN(t, s, 6) // 0 and the odd offsets to 9; the even ones are skipped
 	for _, d := range ds {
 		if d.Offset != 0 {
@@ -552,8 +556,8 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 	if len(metas[0]) > limit {
 		t.Fatalf("commit metadata of %d bytes, over the limit of %d: %q", len(metas[0]), limit, metas[0])
 	}
-	spans := decodeDone(metas[0], 0)
-	if len(spans) == 0 || spans[0] != (span{1, 10}) {
+	spans := decodeDone(metas[0], 0, -1)
+	if len(spans) == 0 || spans[0] != (span{1, 10, 0}) {
 		t.Fatalf("commit metadata records %v, want it to start with [1 10] (this owner's and the first inherited)", spans)
 	}
 }
@@ -567,9 +571,9 @@ func TestAckAfterNackFailsAndTwiceIsIgnored(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 3)
-	if err := s.Nack(context.Background(), ds[:2], 0); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll(ds[:2], 0)); err != nil {
 		t.Fatal(err)
 	}
 	// Late: the record was given back, and comes back whatever the Ack
@@ -647,7 +651,7 @@ func TestOutOfOrderAcksAroundLongRunningRecords(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 120, 120)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 100)
 	var slow []*adapters.Delivery
 	for _, d := range ds {

@@ -53,7 +53,7 @@ func TestTelemetryLagAndCommits(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 10, 10)
 	reader, mp := newMeter(t)
-	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour))
+	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 
 	ds := receiveN(t, s, 10)
 	ack(t, s, ds[:4]...)
@@ -100,7 +100,7 @@ func TestLagAfterARewind(t *testing.T) {
 	produceValues(t, c, topic, 30)
 	reader, mp := newMeter(t)
 	group := newGroup()
-	s := c.open(t, group, topic, WithMeterProvider(mp), WithCommitInterval(time.Hour),
+	s := c.open(t, group, topic, WithMeterProvider(mp), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
 	ack(t, s, receiveN(t, s, 30)...)
 	commitNow(t, s)
@@ -144,7 +144,7 @@ func TestLagGrowsWhileThePartitionIsNotFetched(t *testing.T) {
 	c.createTopic(t, "slow", 1)
 	c.produceN(t, "slow", 1, 5, 1)
 	reader, mp := newMeter(t)
-	s := c.open(t, newGroup(), "slow", WithMeterProvider(mp), WithCommitInterval(time.Hour),
+	s := c.open(t, newGroup(), "slow", WithMeterProvider(mp), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithMaxInFlightPerPartition(2), WithLagRefresh(20*time.Millisecond))
 	ds := receiveN(t, s, 2) // the bound: the partition is paused
 	ack(t, s, ds[0])
@@ -184,7 +184,7 @@ func TestLagStopsForPartitionsNoLongerOwned(t *testing.T) {
 	c.produceN(t, "orders", 2, 10, 10)
 	reader, mp := newMeter(t)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mp))
+	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp))
 	ds := receiveN(t, a, 20)
 	for _, d := range ds {
 		if d.Offset < 6 {
@@ -199,7 +199,7 @@ func TestLagStopsForPartitionsNoLongerOwned(t *testing.T) {
 	readerB := sdkmetric.NewManualReader()
 	mpB := sdkmetric.NewMeterProvider(sdkmetric.WithReader(readerB))
 	defer mpB.Shutdown(context.Background())
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithMeterProvider(mpB))
+	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mpB))
 	var moved = int32(-1)
 	eventually(t, "the second member to take a partition", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
@@ -235,7 +235,7 @@ func TestCommitDurationBucketsAreSeconds(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 2, 2)
 	reader, mp := newMeter(t)
-	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour))
+	s := c.open(t, newGroup(), "orders", WithMeterProvider(mp), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ack(t, s, receiveN(t, s, 2)...)
 	commitNow(t, s)
 	dur, ok := collect(t, reader, "custody.kafka.commit.duration").(metricdata.Histogram[float64])

@@ -217,7 +217,7 @@ func TestAbortedTransactionAtTheCommittedOffsetIsNotReportedExpired(t *testing.T
 	c.beginTransaction(t, "ledger", "a", "b", "c").end(true) // offsets 0-2, marker 3
 	group := newGroup()
 	readCommitted := WithClientOptions(kgo.FetchIsolationLevel(kgo.ReadCommitted()))
-	first := c.open(t, group, "ledger", WithCommitInterval(time.Hour), readCommitted)
+	first := c.open(t, group, "ledger", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), readCommitted)
 	ack(t, first, receiveN(t, first, 3)...)
 	c.commitPastMarkers(t, first, "ledger", 4)
 	if err := first.Close(); err != nil {
@@ -227,7 +227,7 @@ func TestAbortedTransactionAtTheCommittedOffsetIsNotReportedExpired(t *testing.T
 	c.beginTransaction(t, "ledger", "d").end(true)       // offset 7, marker 8
 
 	reader, mp := newMeter(t)
-	s := c.open(t, group, "ledger", WithCommitInterval(time.Hour), WithMeterProvider(mp), readCommitted)
+	s := c.open(t, group, "ledger", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp), readCommitted)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	var got []*adapters.Delivery
@@ -258,7 +258,7 @@ func TestLagRefreshReadCommittedCountsToTheLastStableOffset(t *testing.T) {
 	c.beginTransaction(t, "ledger", "a", "b").end(true) // offsets 0-1, marker 2
 	c.beginTransaction(t, "ledger", "e")                // offset 3, open
 	reader, mp := newMeter(t)
-	s := c.open(t, newGroup(), "ledger", WithMeterProvider(mp), WithCommitInterval(time.Hour),
+	s := c.open(t, newGroup(), "ledger", WithMeterProvider(mp), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithLagRefresh(20*time.Millisecond), WithClientOptions(kgo.FetchIsolationLevel(kgo.ReadCommitted())))
 	ack(t, s, receiveN(t, s, 2)...)
 	c.commitPastMarkers(t, s, "ledger", 3)

@@ -340,6 +340,7 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 		if q.opts.FIFO {
 			q.hold(m)
 		}
+		h := &handle{m: m, receipt: m.receipt, src: src}
 		d := &adapters.Delivery{
 			ID:              m.id,
 			Body:            m.body,
@@ -352,7 +353,8 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 			PublishedAt:     m.published,
 			FirstReceivedAt: m.firstReceived,
 			ReceivedAt:      now,
-			Handle:          &handle{m: m, receipt: m.receipt, src: src},
+			Handle:          h,
+			Signal:          &h.signal,
 		}
 		if q.opts.FIFO {
 			d.OrderingKey = m.key
@@ -378,6 +380,8 @@ type handle struct {
 	m       *message
 	receipt uint64
 	src     *Source
+	// signal tells the holder that another receive took the message.
+	signal adapters.Signal
 }
 
 func (h *handle) valid() bool { return !h.m.deleted && h.m.receipt == h.receipt }

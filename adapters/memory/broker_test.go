@@ -105,7 +105,7 @@ func TestMessagesKeepsQueueIntact(t *testing.T) {
 	if !slices.Equal(left, []string{"b", "c"}) {
 		t.Fatalf("after acking a the queue holds %v, want [b c]", left)
 	}
-	if err := src.Nack(context.Background(), ds[1:], 0); err != nil {
+	if err := src.Nack(context.Background(), adapters.NackAll(ds[1:], 0)); err != nil {
 		t.Fatalf("Nack: %v", err)
 	}
 	if again := ids(receive(t, src, 3)); !slices.Equal(again, []string{"b", "c"}) {
@@ -171,7 +171,7 @@ func TestNackDelayWakesWaitingReceiver(t *testing.T) {
 	first := openSource(t, b)
 	ds := receive(t, first, 1)
 	got := receiveInBackground(t, b, openSource(t, b, WithPollWait(time.Hour)))
-	if err := first.Nack(context.Background(), ds, 10*time.Millisecond); err != nil {
+	if err := first.Nack(context.Background(), adapters.NackAll(ds, 10*time.Millisecond)); err != nil {
 		t.Fatalf("Nack: %v", err)
 	}
 	if ds := <-got; !slices.Equal(ids(ds), []string{"a"}) {
@@ -194,18 +194,18 @@ func TestStolenLeaseLosesDelivery(t *testing.T) {
 		t.Fatalf("received %v then %v, want a twice, the second time as attempt 2", ids(old), ids(fresh))
 	}
 	select {
-	case <-old[0].Lost():
+	case <-old[0].Signal.Lost():
 	default:
 		t.Fatal("the first delivery is not lost after the message went to another consumer")
 	}
-	if !errors.Is(old[0].LostCause(), adapters.ErrLeaseLost) {
-		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", old[0].LostCause())
+	if !errors.Is(old[0].Signal.LostCause(), adapters.ErrLeaseLost) {
+		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", old[0].Signal.LostCause())
 	}
 	ctx := context.Background()
 	if err := first.Extend(ctx, old, time.Hour); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
 		t.Errorf("Extend of the stale delivery: %v, want ErrLeaseLost", err)
 	}
-	if err := first.Nack(ctx, old, 0); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
+	if err := first.Nack(ctx, adapters.NackAll(old, 0)); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
 		t.Errorf("Nack of the stale delivery: %v, want ErrLeaseLost", err)
 	}
 	if err := first.Ack(ctx, old); !errors.Is(adapters.EntryError(err, 0), adapters.ErrLeaseLost) {
@@ -240,7 +240,7 @@ func TestRedriveAfterMaxReceiveCount(t *testing.T) {
 		if len(ds) != 1 || ds[0].Attempt != want {
 			t.Fatalf("receive %d: %v, want a as attempt %d", want, ids(ds), want)
 		}
-		if err := src.Nack(context.Background(), ds, 0); err != nil {
+		if err := src.Nack(context.Background(), adapters.NackAll(ds, 0)); err != nil {
 			t.Fatal(err)
 		}
 		last = ds[0]
@@ -416,7 +416,7 @@ func TestRedriveReplacesEarlierDiagnostics(t *testing.T) {
 		t.Fatal(err)
 	}
 	src := openSource(t, b, WithPollWait(10*time.Millisecond))
-	if err := src.Nack(context.Background(), receive(t, src, 1), 0); err != nil {
+	if err := src.Nack(context.Background(), adapters.NackAll(receive(t, src, 1), 0)); err != nil {
 		t.Fatal(err)
 	}
 	if ds := receive(t, src, 1); len(ds) != 0 {
@@ -547,7 +547,7 @@ func TestRedriveKeepsThePublishTime(t *testing.T) {
 	if len(first) != 1 {
 		t.Fatalf("first receive: %v", ids(first))
 	}
-	if err := src.Nack(context.Background(), first, 0); err != nil {
+	if err := src.Nack(context.Background(), adapters.NackAll(first, 0)); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(5 * time.Millisecond) // the move happens visibly later than the publish
@@ -640,7 +640,7 @@ func TestRedriveLosesTheLastHoldersDelivery(t *testing.T) {
 		t.Fatal(err)
 	}
 	select {
-	case <-held[0].Lost():
+	case <-held[0].Signal.Lost():
 		t.Fatal("the delivery is lost before anyone else took the message")
 	default:
 	}
@@ -651,12 +651,12 @@ func TestRedriveLosesTheLastHoldersDelivery(t *testing.T) {
 		t.Fatalf("dead-letter queue holds %v (%v), want a", dead, err)
 	}
 	select {
-	case <-held[0].Lost():
+	case <-held[0].Signal.Lost():
 	default:
 		t.Fatal("the last holder's delivery is not lost after its message was redriven")
 	}
-	if !errors.Is(held[0].LostCause(), adapters.ErrLeaseLost) {
-		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", held[0].LostCause())
+	if !errors.Is(held[0].Signal.LostCause(), adapters.ErrLeaseLost) {
+		t.Errorf("lost cause %v, want one wrapping ErrLeaseLost", held[0].Signal.LostCause())
 	}
 }
 
@@ -799,7 +799,7 @@ func TestRedeliveryKeepsTheFirstReceiveTime(t *testing.T) {
 		t.Fatalf("first receive %v, want a, first received when received", ids(ds))
 	}
 	firstAt := ds[0].ReceivedAt
-	if err := first.Nack(ctx, ds, 0); err != nil {
+	if err := first.Nack(ctx, adapters.NackAll(ds, 0)); err != nil {
 		t.Fatal(err)
 	}
 	for !time.Now().After(firstAt) { // the clock moves on, or a reset could not show

@@ -105,7 +105,7 @@ func FuzzBrokerAgainstModel(f *testing.F) {
 					held = append(held, d)
 				}
 				for _, d := range wantLost {
-					if d.LostCause() == nil {
+					if d.Signal.LostCause() == nil {
 						t.Fatalf("step %d: the delivery of %s (attempt %d) is not lost after its message went elsewhere", step, d.ID, d.Attempt)
 					}
 				}
@@ -127,7 +127,7 @@ func FuzzBrokerAgainstModel(f *testing.F) {
 				}
 				delay := time.Duration(next()%2) * time.Hour
 				valid := mm.valid(d) && !(delay > 0 && m.heldByAnotherReceive(mm))
-				err := srcs[next()%2].Nack(ctx, []*adapters.Delivery{d}, delay)
+				err := srcs[next()%2].Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, delay))
 				checkEntry(t, step, "Nack", d, err, valid)
 				if valid {
 					mm.holder, mm.visible = nil, delay == 0
@@ -277,8 +277,8 @@ func (m *model) check(t *testing.T, step int, b *Broker) {
 	}
 	want := Stats{Received: m.received, Acked: m.acked, Redriven: int64(len(m.dead)), Extended: m.extended}
 	for _, mm := range m.msgs {
-		if mm.holder != nil && mm.holder.LostCause() != nil {
-			t.Fatalf("step %d: the delivery holding %s is lost: %v", step, mm.id, mm.holder.LostCause())
+		if mm.holder != nil && mm.holder.Signal.LostCause() != nil {
+			t.Fatalf("step %d: the delivery holding %s is lost: %v", step, mm.id, mm.holder.Signal.LostCause())
 		}
 		if mm.visible {
 			want.Visible++

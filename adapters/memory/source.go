@@ -153,7 +153,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		}
 		s.b.mu.Unlock()
 		for _, d := range lost {
-			d.Lose(errStaleReceipt)
+			d.Signal.Lose(errStaleReceipt)
 		}
 		if len(out) > 0 {
 			return out, nil
@@ -186,7 +186,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 
 // settle applies op to each delivery whose receipt is still valid, after the
 // fault hook, and collects per-entry errors.
-func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) error, op func(q *queue, m *message, now time.Time) error) error {
+func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) error, op func(i int, q *queue, m *message, now time.Time) error) error {
 	if s.dead() {
 		return adapters.ErrClosed
 	}
@@ -224,7 +224,7 @@ func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) 
 			fail(i, errStaleReceipt)
 			continue
 		}
-		if err := op(s.q, h.m, now); err != nil {
+		if err := op(i, s.q, h.m, now); err != nil {
 			fail(i, err)
 		}
 	}
@@ -237,7 +237,7 @@ func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) 
 
 // Ack implements adapters.Source: it deletes the messages.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	return s.settle(ds, s.getFaults().Ack, func(q *queue, m *message, now time.Time) error {
+	return s.settle(ds, s.getFaults().Ack, func(_ int, q *queue, m *message, now time.Time) error {
 		q.remove(m)
 		m.deleted = true
 		m.holder = nil
@@ -250,11 +250,15 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	})
 }
 
-// Nack implements adapters.Source: the messages become visible again after
-// redeliverAfter.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
-	return s.settle(ds, s.getFaults().Nack, func(q *queue, m *message, now time.Time) error {
-		if err := q.setVisibleAt(m, now.Add(redeliverAfter), now); err != nil {
+// Nack implements adapters.Source: each message becomes visible again after
+// its entry's delay.
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
+	ds := make([]*adapters.Delivery, len(ns))
+	for i, n := range ns {
+		ds[i] = n.Delivery
+	}
+	return s.settle(ds, s.getFaults().Nack, func(i int, q *queue, m *message, now time.Time) error {
+		if err := q.setVisibleAt(m, now.Add(ns[i].After), now); err != nil {
 			return err
 		}
 		m.holder = nil
@@ -268,7 +272,7 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAft
 // Receive holds its group: that entry fails with adapters.ErrLeaseLost, as
 // two receives may not hold one group (a Nack with a delay fails likewise).
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
-	return s.settle(ds, s.getFaults().Extend, func(q *queue, m *message, now time.Time) error {
+	return s.settle(ds, s.getFaults().Extend, func(_ int, q *queue, m *message, now time.Time) error {
 		if err := q.setVisibleAt(m, now.Add(d), now); err != nil {
 			return err
 		}

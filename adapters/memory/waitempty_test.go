@@ -5,6 +5,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/custody-go/custody/adapters"
 )
 
 // waitEmptyInBackground starts WaitEmpty on queue q and returns its result's
@@ -62,7 +64,7 @@ func TestWaitEmptyWaitsForEveryMessageToBeAcked(t *testing.T) {
 	if err := src.Ack(ctx, ds[:1]); err != nil {
 		t.Fatal(err)
 	}
-	if err := src.Nack(ctx, ds[1:], time.Hour); err != nil {
+	if err := src.Nack(ctx, adapters.NackAll(ds[1:], time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	notYet(t, done, "one message waited out a delay")
@@ -70,7 +72,7 @@ func TestWaitEmptyWaitsForEveryMessageToBeAcked(t *testing.T) {
 	if err := b.Publish(ctx, "q", Message{ID: "c"}); err != nil {
 		t.Fatal(err)
 	}
-	if err := src.Nack(ctx, ds[1:], 0); err != nil {
+	if err := src.Nack(ctx, adapters.NackAll(ds[1:], 0)); err != nil {
 		t.Fatal(err)
 	}
 	ds = receive(t, src, 2)
@@ -103,7 +105,7 @@ func TestWaitEmptyReturnsWhenTheLastMessageIsRedriven(t *testing.T) {
 	}
 	src := openSource(t, b, WithPollWait(10*time.Millisecond))
 	ds := receive(t, src, 1)
-	if err := src.Nack(ctx, ds, 0); err != nil {
+	if err := src.Nack(ctx, adapters.NackAll(ds, 0)); err != nil {
 		t.Fatal(err)
 	}
 	done := waitEmptyInBackground(t, b, ctx)

@@ -102,6 +102,51 @@ func TestStragglersAckedIndividuallyWhileSlowOneRuns(t *testing.T) {
 	}
 }
 
+// A finished delivery behind an unfinished one goes out on its own once it
+// has waited its linger, even while the run before it keeps growing: with
+// the defaults the ack is on the wire in about 5 ms, not when the frontier
+// reaches it. (The straggler wait started again at every move of the
+// frontier, so an ack waited for as long as the deliveries before it kept
+// finishing, and a crash meanwhile repeated its effect.)
+func TestAckBehindAnUnfinishedDeliveryGoesOutAfterItsLinger(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 42)...)
+	s := openSource(t, q, WithPrefetch(64))
+	ds := receiveN(t, s, 42)
+	ctx := context.Background()
+	slow, behind := ds[40], ds[41]
+	if err := s.Ack(ctx, []*adapters.Delivery{behind}); err != nil {
+		t.Fatal(err)
+	}
+	// The deliveries before the slow one finish one by one, 20 ms apart:
+	// each moves the frontier, and none reaches the finished one behind.
+	settled := false
+	for _, d := range ds[:40] {
+		if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+		g := handleOf(behind).gen
+		g.mu.Lock()
+		settled = settled || handleOf(behind).state == stateSettled
+		g.mu.Unlock()
+	}
+	if !settled {
+		t.Fatalf("the finished delivery behind the slow one was not acked while 40 deliveries before it finished over 800 ms; stats %+v", s.Stats())
+	}
+	if st := s.Stats(); st.AckFrames == st.MultipleAcks {
+		t.Fatalf("stats %+v: want the delivery behind the slow one acked on its own", st)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{slow}); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.Generations != 1 || st.Acked != 42 {
+		t.Fatalf("stats %+v: want 42 acked on one channel (a multiple ack naming a tag acked on its own closes it)", st)
+	}
+}
+
 // Close sends acks still lingering, so nothing finished comes back.
 func TestCloseFlushesLingeringAcks(t *testing.T) {
 	a := newAdmin(t)
@@ -137,7 +182,7 @@ func TestDoubleSettleIsHarmless(t *testing.T) {
 	if err := s.Ack(ctx, ds[:1]); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, ds[:1], 0); err == nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[:1], 0)); err == nil {
 		t.Fatal("Nack after Ack succeeded")
 	}
 	if err := s.Ack(ctx, ds[1:]); err != nil {
@@ -161,13 +206,13 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	if err := s.Ack(ctx, ds[:1]); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, ds[:1], time.Hour); err == nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[:1], time.Hour)); err == nil {
 		t.Fatal("Nack with a delay after Ack succeeded")
 	}
-	if err := s.Nack(ctx, ds[1:], 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, ds[1:], 100*time.Millisecond); err == nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)); err == nil {
 		t.Fatal("second Nack of a waiting delivery succeeded")
 	}
 	again := receiveN(t, s, 1)
@@ -220,8 +265,8 @@ func TestCloseCountsHeldDeliveriesAsLost(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if !errors.Is(ds[1].LostCause(), adapters.ErrClosed) {
-		t.Fatalf("held delivery lost with %v, want ErrClosed", ds[1].LostCause())
+	if !errors.Is(ds[1].Signal.LostCause(), adapters.ErrClosed) {
+		t.Fatalf("held delivery lost with %v, want ErrClosed", ds[1].Signal.LostCause())
 	}
 	if st := s.Stats(); st.Lost != 1 {
 		t.Fatalf("Stats().Lost = %d after Close gave back one held delivery, want 1", st.Lost)
@@ -241,7 +286,7 @@ func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
 	s2 := openSource(t, q2, WithPrefetch(10))
 	ctx := context.Background()
 	d := receiveN(t, s2, 1)
-	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, d, 0), s1.Nack(ctx, d, time.Second)} {
+	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, adapters.NackAll(d, 0)), s1.Nack(ctx, adapters.NackAll(d, time.Second))} {
 		var be *adapters.BatchError
 		if !errors.As(err, &be) || be.Failed[0] == nil || !strings.Contains(be.Failed[0].Error(), "did not come from the Source") {
 			t.Fatalf("settling another Source's delivery: %v, want it refused", err)

@@ -4,7 +4,10 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"net"
 	"runtime"
+	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -212,4 +215,114 @@ func benchSpeedup(b *testing.B, work time.Duration, n1, n64 int) {
 	b.ReportMetric(r1, "c1-msg/s")
 	b.ReportMetric(r64, "c64-msg/s")
 	b.ReportMetric(r64/r1, "speedup")
+}
+
+// The duplicate window after a crash: a consumer at concurrency 8 whose
+// handlers mostly take a millisecond and sometimes (one in 50) 100 ms is
+// killed four times mid-stream (its socket closed without a word, as the
+// kernel does for a killed process); the adapter reconnects and the broker
+// redelivers what it holds unacked. Every effect completed before the kill
+// whose ack had not reached the broker runs again. Reported per kill: the
+// effects repeated, and the handlers running at the kill (which repeat
+// whatever the acks do).
+func BenchmarkRepeatsPerCrash(b *testing.B) {
+	const (
+		n     = 3000
+		kills = 4
+	)
+	a := newAdmin(b)
+	var repeats, running, frames, acked uint64
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		q := a.queue(ClassicQueue, nil)
+		for i := 0; i < n; i++ {
+			p := amqp.Publishing{MessageId: strconv.Itoa(i), Body: make([]byte, 256), DeliveryMode: amqp.Persistent}
+			if i%50 == 49 {
+				p.Headers = amqp.Table{"slow": "1"}
+			}
+			a.publishMsg(q, p)
+		}
+		b.StartTimer()
+		var (
+			mu   sync.Mutex
+			conn net.Conn
+		)
+		dial := func(network, addr string) (net.Conn, error) {
+			c, err := net.Dial(network, addr)
+			if err == nil {
+				mu.Lock()
+				conn = c
+				mu.Unlock()
+			}
+			return c, err
+		}
+		src, err := New(context.Background(), q, WithURL(brokerURL), WithPrefetch(benchPrefetch),
+			WithConfig(amqp.Config{Dial: dial}), WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+		if err != nil {
+			b.Fatal(err)
+		}
+		var (
+			effects  sync.Map // body -> *atomic.Int64
+			distinct atomic.Int64
+			total    atomic.Int64
+			inFlight atomic.Int64
+		)
+		h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			inFlight.Add(1)
+			defer inFlight.Add(-1)
+			work := time.Millisecond
+			if m.Headers["slow"] == "1" {
+				work = 100 * time.Millisecond
+			}
+			time.Sleep(work)
+			c, _ := effects.LoadOrStore(m.ID, new(atomic.Int64))
+			if c.(*atomic.Int64).Add(1) == 1 {
+				distinct.Add(1)
+			}
+			total.Add(1)
+			return nil
+		})
+		quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+		c, err := consumer.New(src, h, consumer.WithConcurrency(8), consumer.WithLogger(quiet))
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		ran := make(chan error, 1)
+		go func() { ran <- c.Run(ctx) }()
+		for k := 1; k <= kills; k++ {
+			for distinct.Load() < int64(k*n/(kills+1)) {
+				time.Sleep(time.Millisecond)
+			}
+			gens := src.Stats().Generations
+			running += uint64(inFlight.Load())
+			mu.Lock()
+			_ = conn.Close()
+			mu.Unlock()
+			for src.Stats().Generations == gens {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		for distinct.Load() < n {
+			time.Sleep(time.Millisecond)
+		}
+		// Redeliveries of messages already handled may still be on their
+		// way: wait for the broker to hold nothing.
+		waitUnacked(b, q, 0)
+		for a.ready(q) != 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		waitUnacked(b, q, 0)
+		cancel()
+		if err := <-ran; err != nil {
+			b.Fatal(err)
+		}
+		st := src.Stats()
+		frames += st.AckFrames
+		acked += st.Acked
+		repeats += uint64(total.Load() - n)
+	}
+	b.ReportMetric(float64(repeats)/float64(kills*b.N), "repeats/kill")
+	b.ReportMetric(float64(running)/float64(kills*b.N), "running/kill")
+	b.ReportMetric(float64(frames)/float64(acked), "ackframes/msg")
 }

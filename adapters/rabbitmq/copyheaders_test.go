@@ -505,7 +505,7 @@ func TestRetryCopyNearFrameMaxKeepsTheMessage(t *testing.T) {
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	before := connect(t, s.pub)
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -536,7 +536,7 @@ func TestRetryCopyBeyondFrameMaxRequeuesTheOriginal(t *testing.T) {
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	before := connect(t, s.pub)
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -571,7 +571,7 @@ func TestDeadLetterExchangeReplacesStaleDiagnostics(t *testing.T) {
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0] // the retry's copy, through the default exchange
@@ -701,13 +701,13 @@ func TestDelayedRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	q := a.queue(ClassicQueue, nil)
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(10*time.Millisecond),
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(10*time.Millisecond),
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	ctx := context.Background()
 	// Measure what the delay queue's hop adds, with a small probe.
 	a.publish(q, "probe")
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -730,7 +730,7 @@ func TestDelayedRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	padTo(t, &m, "big", budget-added-10)
 	a.publishMsg(q, m)
 	d = receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -836,7 +836,7 @@ func TestInPlaceRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	}
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -873,7 +873,7 @@ func TestRetryCopyShedsOnlyWhatItMust(t *testing.T) {
 	s := openSource(t, q, WithPrefetch(10))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -913,10 +913,10 @@ func TestDelayQueueCopyLeavesRoomForBothHops(t *testing.T) {
 	// source queue's headers and not beside both queues'.
 	padTo(t, &m, "big", budget-source-attempt-delay/2)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if st := s.Stats(); st.DelayQueued != 0 || st.RetryFailures != 1 {

@@ -55,11 +55,17 @@ type DeadLetterExchange struct {
 	reserve       int // room kept for the headers the broker adds (brokerAdditions)
 }
 
-// NewDeadLetterExchange connects and checks that exchange exists ("" is the
-// default exchange, which routes by queue name: NewDeadLetterExchange(ctx,
-// "", "orders.dlq") publishes straight to the queue orders.dlq). Only the
-// connection options (WithURL, WithConfig, WithTLS, WithDialFunc,
-// WithLogger) apply.
+// NewDeadLetterExchange connects and checks where dead letters will go, so
+// that a wrong name fails here rather than at the first poison message
+// (whose original would then be kept and retried for ever): that exchange
+// exists ("" is the default exchange, which routes by queue name:
+// NewDeadLetterExchange(ctx, "", "orders.dlq") publishes straight to the
+// queue orders.dlq), and with the default exchange that the queue exists.
+// AMQP does not show bindings, so a named exchange that routes routingKey to
+// no queue is found out only by the first Send (an error: the original is
+// kept); WithDeclareDeadLetter declares the exchange, the queue and the
+// binding instead. The connection options (WithURL, WithConfig, WithTLS,
+// WithDialFunc, WithLogger) and WithDeclareDeadLetter apply.
 func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetterExchange, error) {
 	st, err := apply(opts)
 	if err != nil {
@@ -83,6 +89,19 @@ func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opt
 		dlq = routingKey
 	}
 	x := &DeadLetterExchange{exchange: exchange, key: routingKey, pub: newPublisher(st), reserve: brokerAdditions(dlq, exchange, routingKey)}
+	if dd := st.deadLetterDeclare; dd != nil {
+		switch {
+		case exchange == "" && dd.queue == "":
+			dd.queue = routingKey
+		case exchange == "" && dd.queue != routingKey:
+			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter(%q): with the default exchange the routing key %q names the queue; leave the queue name empty or make it the routing key", dd.queue, routingKey)
+		case dd.queue == "":
+			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter: the queue name is empty; name the queue to bind to exchange %q", exchange)
+		case len(dd.queue) > maxShortstr:
+			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter: queue name of %d bytes; AMQP allows at most %d", len(dd.queue), maxShortstr)
+		}
+		x.pub.setup = func(conn *amqp.Connection) error { return dd.declare(conn, exchange, routingKey) }
+	}
 	if err := x.pub.checkExchange(ctx, exchange); err != nil {
 		x.pub.close()
 		return nil, err
@@ -106,7 +125,76 @@ func (x *DeadLetterExchange) checkQueue(ctx context.Context, queue string) error
 	}
 	if _, err := p.ch.QueueDeclarePassive(queue, true, false, false, false, nil); err != nil {
 		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first)", queue, err)
+		return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first, or let the sink declare it with WithDeclareDeadLetter)", queue, err)
+	}
+	return nil
+}
+
+// deadLetterDeclare is what WithDeclareDeadLetter asks to declare.
+type deadLetterDeclare struct {
+	queue string
+	typ   QueueType
+	args  amqp.Table
+}
+
+// WithDeclareDeadLetter makes NewDeadLetterExchange declare where its dead
+// letters go, on its first connection and again on every new one (after a
+// lost connection, or a copy the broker could not route): the exchange,
+// durable and direct, unless it is the default exchange or already exists
+// (of any type); the queue, durable, of type t with args (CheckQueue only
+// checks that it exists; see WithDeclare for the arguments); and a binding
+// of the queue to the exchange with the sink's routing key. With the
+// default exchange the routing key names the queue: leave queue empty (or
+// give the same name). Only for NewDeadLetterExchange; a Source's queue is
+// declared with WithDeclare.
+//
+//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "orders.dlx", "orders", rabbitmq.WithURL(url),
+//		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
+func WithDeclareDeadLetter(queue string, t QueueType, args amqp.Table) Option {
+	return func(s *settings) error {
+		s.sinkOnly = append(s.sinkOnly, "WithDeclareDeadLetter")
+		all, err := declareArgs("WithDeclareDeadLetter", t, args)
+		if err != nil {
+			return err
+		}
+		s.deadLetterDeclare = &deadLetterDeclare{queue: queue, typ: t, args: all}
+		return nil
+	}
+}
+
+// declare declares the exchange, the queue and their binding on a channel
+// of its own, since a refused declare closes the channel it was made on.
+func (dd *deadLetterDeclare) declare(conn *amqp.Connection, exchange, key string) error {
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = ch.Close() }()
+	if exchange != "" {
+		if err := ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+			var e *amqp.Error
+			if !errors.As(err, &e) || e.Code != amqp.NotFound {
+				return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w", exchange, err)
+			}
+			if ch, err = conn.Channel(); err != nil {
+				return err
+			}
+			if err := ch.ExchangeDeclare(exchange, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
+				return fmt.Errorf("rabbitmq: declare dead-letter exchange %q: %w", exchange, err)
+			}
+		}
+	}
+	if dd.typ == CheckQueue {
+		if _, err := ch.QueueDeclarePassive(dd.queue, true, false, false, false, nil); err != nil {
+			return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first, or give WithDeclareDeadLetter a queue type)", dd.queue, err)
+		}
+	} else if _, err := ch.QueueDeclare(dd.queue, true, false, false, false, dd.args); err != nil {
+		return fmt.Errorf("rabbitmq: declare %s dead-letter queue %q: %w (an existing queue must have the same type and arguments)", dd.typ, dd.queue, err)
+	}
+	if exchange != "" {
+		if err := ch.QueueBind(dd.queue, key, exchange, false, nil); err != nil {
+			return fmt.Errorf("rabbitmq: bind dead-letter queue %q to exchange %q with routing key %q: %w", dd.queue, exchange, key, err)
+		}
 	}
 	return nil
 }
@@ -187,6 +275,10 @@ func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
 
 type nativeDeadLetter struct{ s *Source }
 
+// SettlesOriginal reports that Send disposes of the original itself (the
+// reject is the move), so the runtime does not ack it.
+func (nativeDeadLetter) SettlesOriginal(*adapters.Delivery) bool { return true }
+
 func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	h, err := n.s.own(d)
 	if err != nil {
@@ -199,7 +291,6 @@ func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adap
 	if err != nil {
 		return fmt.Errorf("rabbitmq: reject message %q into the dead-letter exchange: %w", d.ID, err)
 	}
-	d.MarkSettled()
 	var cause string
 	if f.Err != nil {
 		cause = f.Err.Error()

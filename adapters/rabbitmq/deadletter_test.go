@@ -120,14 +120,106 @@ func TestDeadLetterExchangeUnroutableFails(t *testing.T) {
 func TestNewDeadLetterExchangeChecks(t *testing.T) {
 	newAdmin(t)
 	ctx := context.Background()
-	if _, err := NewDeadLetterExchange(ctx, "custody-no-such-exchange", "k", WithURL(brokerURL)); err == nil || !strings.Contains(err.Error(), "custody-no-such-exchange") {
+	// A wrong name fails here, saying what to do, rather than at the first
+	// poison message, which would then be retried for ever.
+	if _, err := NewDeadLetterExchange(ctx, "custody-no-such-exchange", "k", WithURL(brokerURL)); err == nil || !strings.Contains(err.Error(), "custody-no-such-exchange") || !strings.Contains(err.Error(), "WithDeclareDeadLetter") {
 		t.Fatalf("missing exchange: %v", err)
 	}
-	if _, err := NewDeadLetterExchange(ctx, "", "custody-no-such-queue", WithURL(brokerURL)); err == nil || !strings.Contains(err.Error(), "custody-no-such-queue") {
+	if _, err := NewDeadLetterExchange(ctx, "", "custody-no-such-queue", WithURL(brokerURL)); err == nil || !strings.Contains(err.Error(), "custody-no-such-queue") || !strings.Contains(err.Error(), "WithDeclareDeadLetter") {
 		t.Fatalf("missing queue: %v", err)
+	}
+	if _, err := NewDeadLetterExchange(ctx, "", "q1", WithURL(brokerURL), WithDeclareDeadLetter("q2", ClassicQueue, nil)); err == nil || !strings.Contains(err.Error(), "WithDeclareDeadLetter") {
+		t.Fatalf("declared queue other than the default exchange's routing key: %v", err)
+	}
+	if _, err := NewDeadLetterExchange(ctx, "x", "k", WithURL(brokerURL), WithDeclareDeadLetter("", ClassicQueue, nil)); err == nil || !strings.Contains(err.Error(), "WithDeclareDeadLetter") {
+		t.Fatalf("no queue to bind to a named exchange: %v", err)
+	}
+	if _, err := NewDeadLetterExchange(ctx, "x", "k", WithURL(brokerURL), WithDeclareDeadLetter("q", QuorumQueue, amqp.Table{"x-queue-type": "classic"})); err == nil || !strings.Contains(err.Error(), "WithDeclareDeadLetter") {
+		t.Fatalf("contradicting queue type: %v", err)
+	}
+	if _, err := New(ctx, "q", WithURL(brokerURL), WithDeclareDeadLetter("q.dlq", ClassicQueue, nil)); err == nil || !strings.Contains(err.Error(), "WithDeclareDeadLetter") {
+		t.Fatalf("sink option on a Source: %v", err)
 	}
 	if _, err := NewDeadLetterExchange(ctx, "", "q", WithURL(brokerURL), WithPrefetch(10)); err == nil || !strings.Contains(err.Error(), "WithPrefetch") {
 		t.Fatalf("source option on a sink: %v", err)
+	}
+}
+
+// WithDeclareDeadLetter declares the exchange (unless it exists, of any
+// type, or is the default one), the queue and the binding, so a new user
+// needs no raw amqp091 to set up a dead-letter queue; and declares them
+// again after a copy came back unroutable (the queue was deleted), so the
+// next Send stores it.
+func TestDeadLetterExchangeDeclaresItsDestination(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		exchange string // "new": a fresh name; "topic": an existing topic exchange
+		typ      QueueType
+	}{
+		{"new exchange, quorum queue", "new", QuorumQueue},
+		{"existing topic exchange", "topic", ClassicQueue},
+		{"default exchange", "", ClassicQueue},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newAdmin(t)
+			q := a.queue(ClassicQueue, nil)
+			dlq := uniqueName(t, "dlq")
+			t.Cleanup(func() { deleteQueues(dlq) })
+			ex, key := "", dlq
+			switch tc.exchange {
+			case "new":
+				ex, key = uniqueName(t, "dlx"), "poison"
+			case "topic":
+				ex, key = uniqueName(t, "dlx"), "orders.poison"
+				if err := a.ch.ExchangeDeclare(ex, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if ex != "" {
+				t.Cleanup(func() { deleteExchange(ex) })
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			x, err := NewDeadLetterExchange(ctx, ex, key, WithURL(brokerURL), WithDeclareDeadLetter(dlq, tc.typ, nil))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer x.Close()
+			a.publish(q, "m1", "m2")
+			s := openSource(t, q, WithPrefetch(10))
+			ds := receiveN(t, s, 2)
+			f := adapters.Failure{Err: errors.New("boom"), Attempts: 1}
+			if err := x.Send(ctx, ds[0], f); err != nil {
+				t.Fatal(err)
+			}
+			if n := a.ready(dlq); n != 1 {
+				t.Fatalf("dead-letter queue holds %d, want 1", n)
+			}
+			if _, err := a.ch.QueueDelete(dlq, false, false, false); err != nil {
+				t.Fatal(err)
+			}
+			if err := x.Send(ctx, ds[1], f); !errors.Is(err, errUnroutable) {
+				t.Fatalf("Send with the dead-letter queue deleted returned %v, want it unroutable", err)
+			}
+			if err := x.Send(ctx, ds[1], f); err != nil {
+				t.Fatalf("Send after the unroutable one did not declare the queue again: %v", err)
+			}
+			if n := a.ready(dlq); n != 1 {
+				t.Fatalf("dead-letter queue declared again holds %d, want 1", n)
+			}
+		})
+	}
+}
+
+// deleteExchange deletes exchange on a connection of its own.
+func deleteExchange(exchange string) {
+	conn, err := amqp.Dial(brokerURL)
+	if err != nil {
+		return
+	}
+	defer conn.Close()
+	if ch, err := conn.Channel(); err == nil {
+		_ = ch.ExchangeDelete(exchange, false, false)
 	}
 }
 
@@ -154,8 +246,8 @@ func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 			if err := dl.Send(context.Background(), ds[0], adapters.Failure{Err: errors.New("bad"), Attempts: 5}); err != nil {
 				t.Fatal(err)
 			}
-			if !ds[0].Settled() {
-				t.Fatal("native dead letter did not mark the delivery settled")
+			if os, ok := dl.(adapters.OriginalSettler); !ok || !os.SettlesOriginal(ds[0]) {
+				t.Fatal("the native dead letter does not say it settles the original")
 			}
 			if err := s.Ack(context.Background(), ds[1:]); err != nil {
 				t.Fatal(err)
@@ -224,7 +316,7 @@ func TestCopiesDoNotRouteByCCAgain(t *testing.T) {
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -318,7 +410,7 @@ func TestCopiesOfAnotherUsersMessage(t *testing.T) {
 	x := openSink(t, "", dlq)               // as guest
 	ctx := context.Background()
 	ds := receiveN(t, s, 2)
-	if err := s.Nack(ctx, ds, 10*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	again := receiveN(t, s, 2)

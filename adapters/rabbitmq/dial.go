@@ -95,3 +95,12 @@ func redact(url string) string {
 	}
 	return u.String()
 }
+
+// address says where the adapter connects, for logs: the URL without its
+// password, or that a dial function decides.
+func (s *settings) address() string {
+	if s.dialFunc != nil {
+		return "(WithDialFunc)"
+	}
+	return redact(s.url)
+}

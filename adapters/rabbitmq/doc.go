@@ -7,7 +7,8 @@
 //		rabbitmq.WithURL("amqp://user:pass@rabbit:5672/"),
 //		rabbitmq.WithPrefetch(128),
 //		rabbitmq.WithDeclare(rabbitmq.QuorumQueue, nil))
-//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "", "orders.dlq", rabbitmq.WithURL(...))
+//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "orders.dlx", "orders", rabbitmq.WithURL(...),
+//		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(64), consumer.WithDeadLetter(dlq))
 //
 // # Connections and the queue
@@ -32,9 +33,14 @@
 // enough (a quarter of the prefetch, at most 64) or a short linger passed
 // (5 ms), it sends one multiple=true ack naming the last tag of the run. A
 // tag whose handler has not finished stops the run, so no ack ever covers
-// it. Finished deliveries stuck behind it are acked one by one when the run
-// has not moved for a while (100 ms) or when they fill three quarters of the
-// prefetch window, so one slow message does not stall the channel. Rejects
+// it. A finished delivery stuck behind it is acked on its own once it has
+// waited as long (5 ms, counted from its own ack), and all of them at once
+// when they fill three quarters of the prefetch window: so one slow message
+// does not stall the channel, and every ack reaches the broker about 5 ms
+// after its handler succeeded, which bounds what a crash delivers again.
+// The next multiple ack then names the highest tag of its run still
+// outstanding, since the broker closes the channel on one naming a tag
+// already settled. Rejects
 // (requeues and native dead letters) go out at once, one by one. Close sends
 // every ack already decided before closing the channel; a broker that does
 // not answer the channel's close within 5 s has its connection closed
@@ -58,7 +64,10 @@
 // broker redelivers the message), and an Ack or Nack that arrives later for
 // it is refused with ErrConnectionLost instead of being sent on the new
 // channel, where the same tag names a different message. The adapter then
-// redials with exponential backoff (WithReconnectBackoff) and resumes.
+// redials with exponential backoff (WithReconnectBackoff) and resumes. It
+// logs the lost channel and the reconnection, not each failed attempt:
+// Receive hands the runtime the reconnection error (the address tried and
+// the cause) once, and again only when the attempts fail another way.
 // Every amqp091 notification channel it registers is buffered for all the
 // library can send on it and read by the adapter, so the client never
 // blocks on them. Automatic recovery in amqp091 (Config.Recovery) is
@@ -73,42 +82,50 @@
 // Like the broker, the count includes deliveries that were prefetched but
 // never handled before a shutdown or a lost connection.
 //
-// # Retries: in place or through a delay queue
+// # Retries wait in place
 //
 // Capabilities report NackDelay, so the runtime hands a failed delivery back
-// with Nack(delay) and frees its worker at once. For a delay up to
-// WithDelayQueueThreshold (default 5 s) the adapter keeps the delivery
-// unacked (it holds a prefetch slot, no worker), then publishes its next
-// attempt to the queue and acks the original after the broker confirmed
-// the copy. Longer delays publish the copy at once to a delay queue
-// (named "<queue>.custody-delay.<ms>ms", or for a queue name too long for
-// that "<prefix of the queue name>~<hash>.custody-delay.<ms>ms", durable,
-// created on first use)
-// whose message TTL is the delay rounded up to a fixed ladder of steps and
-// which dead-letters back to the queue; the original is acked after the
-// confirm. The broker moves an expired copy back without confirmation: if
-// the queue does not exist at that moment (deleted for a redeploy and not
-// yet declared again), RabbitMQ drops the retry without a trace, and its
-// at-least-once dead lettering exists only for quorum queues, not for these
-// classic delay queues; so do not delete a queue while its delay queues
-// hold messages (rabbitmqctl list_queues shows them). Short delays go to
-// the delay queue too once half the prefetch window already waits in place
-// (with a prefetch of 1, every delay), so that waiting retries never starve
-// the channel. A delay-queue publish the broker does not
-// confirm within 30 s (a resource alarm blocks publishers; the broker then
-// stops reading, so even the write of a large copy can block) is abandoned,
-// closing the publishing connection, so that Nack returns, and the retry
-// waits in place instead; when the copy cannot be published after an
-// in-place wait, the original is requeued (basic.nack, requeue=true). A
-// delivery waiting in place also holds back the coalesced run behind it, so
-// deliveries finished after it are acked one by one after the straggler
-// wait. Nack with no delay requeues (basic.nack,
-// requeue=true). The adapter never holds a delivery past three quarters of
-// the consumer timeout
+// with Nack(delay) and frees its worker at once. The adapter keeps the
+// delivery unacked for the delay (it holds a prefetch slot, no worker), then
+// publishes its next attempt to the queue and acks the original after the
+// broker confirmed the copy. When the queue refuses the copy (full, with
+// x-overflow reject-publish or reject-publish-dlx, whether an argument or a
+// policy says so) or does not confirm it within 30 s (a resource alarm
+// blocks publishers; the broker then stops reading, so even the write of a
+// large copy can block, and the adapter closes the publishing connection to
+// end it), the original is requeued instead (basic.nack, requeue=true). So
+// custody of the message never leaves the adapter before a confirmed copy
+// replaces it, whatever limits the queue has or is given later. A delivery
+// waiting in place also holds back the coalesced run behind it, so
+// deliveries finished after it are acked one by one after their straggler
+// wait. Nack with no delay requeues (basic.nack, requeue=true). The adapter
+// never holds a delivery past three quarters of the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
-// close the channel: it uses the delay queue instead, or, under
-// WithoutDelayQueues, cuts the wait short and logs a warning. It also warns
-// when deliveries stay unacked for more than half the consumer timeout.
+// close the channel: it cuts such a wait short and logs a warning. It also
+// warns when deliveries stay unacked for more than half the consumer
+// timeout.
+//
+// Waiting retries hold prefetch slots: while many wait, the broker sends
+// fewer new messages, and with a prefetch of 1 none until the wait ends.
+// WithDelayQueues frees those slots: delays longer than its threshold
+// publish the copy at once to a delay queue and ack the original after the
+// confirm; shorter delays go there too once half the prefetch window
+// already waits in place (with a prefetch of 1, every delay), and so does a
+// delay that would near the consumer timeout. A delay queue (named
+// "<queue>.custody-retry.<ms>ms", or for a queue name too long for that
+// "<prefix of the queue name>~<hash>.custody-retry.<ms>ms", created on first
+// use) is a durable quorum queue whose message TTL is the delay rounded up
+// to a fixed ladder of steps and which dead-letters expired copies back to
+// the queue at least once: the broker keeps a copy the queue refuses (full,
+// or missing) and offers it again every
+// dead_letter_worker_publisher_confirm_timeout (3 minutes by default). When
+// the delay queue cannot be declared (RabbitMQ before 3.10, a user who may
+// not declare queues) or does not confirm the copy, the retry waits in place.
+// Once confirmed into the delay queue the copy is out of the adapter's
+// hands: a policy that sets overflow on the delay queue (it overrides the
+// argument, and anything but reject-publish makes the dead-lettering
+// at-most-once), a deleted or expired delay queue, or a delay queue that
+// loses its quorum loses it. See docs/rabbitmq.md.
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers
@@ -157,6 +174,12 @@
 // the attempt counter takes). For dead-letter copies see below.
 //
 // # Dead letters
+//
+// NewDeadLetterExchange checks its destination when it is made (the
+// exchange exists; through the default exchange, the queue the routing key
+// names), so that a wrong name fails there and not at the first poison
+// message. WithDeclareDeadLetter declares the exchange, the queue and their
+// binding instead, on every new connection and after an unroutable copy.
 //
 // A [DeadLetterExchange] publishes the original body and properties with
 // the shared diagnostic headers (adapters.Diagnostics: error, attempts,

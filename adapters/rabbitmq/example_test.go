@@ -12,7 +12,8 @@ import (
 )
 
 // A quorum queue consumed at concurrency 64, with failed messages
-// dead-lettered to the queue orders.dlq through publisher confirms.
+// dead-lettered through publisher confirms to the queue orders.dlq, which
+// the sink declares (with the default exchange, the routing key names it).
 func ExampleNew() {
 	ctx := context.Background()
 	url := "amqp://guest:guest@127.0.0.1:5672/"
@@ -23,7 +24,8 @@ func ExampleNew() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "", "orders.dlq", rabbitmq.WithURL(url))
+	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "", "orders.dlq", rabbitmq.WithURL(url),
+		rabbitmq.WithDeclareDeadLetter("", rabbitmq.QuorumQueue, nil))
 	if err != nil {
 		log.Fatal(err)
 	}

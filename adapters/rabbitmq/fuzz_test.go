@@ -543,16 +543,16 @@ func FuzzDelayStep(f *testing.F) {
 			t.Fatalf("delay queue name %q of a UTF-8 queue name is not UTF-8", name)
 		}
 		// The queue's name, or as much of it as fits and a hash of it all.
-		base, rest, ok := strings.Cut(name, ".custody-delay.")
-		if i := strings.LastIndex(name, ".custody-delay."); ok {
-			base, rest = name[:i], name[i+len(".custody-delay."):]
+		base, rest, ok := strings.Cut(name, delayQueueInfix)
+		if i := strings.LastIndex(name, delayQueueInfix); ok {
+			base, rest = name[:i], name[i+len(delayQueueInfix):]
 		}
 		if base != queue {
 			prefix, hash, cut := strings.Cut(base[max(0, len(base)-17):], "~")
 			if !cut || prefix != "" || len(hash) != 16 || !strings.HasPrefix(queue, base[:len(base)-17]) {
 				t.Fatalf("delay queue name %q of a %d-byte queue name: want the name, or a prefix of it and ~hash", name, len(queue))
 			}
-			if len(queue)+len(".custody-delay.")+len(rest) <= maxShortstr {
+			if len(queue)+len(delayQueueInfix)+len(rest) <= maxShortstr {
 				t.Fatalf("delay queue name %q shortened though the whole name fits", name)
 			}
 		}

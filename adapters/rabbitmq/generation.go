@@ -41,9 +41,8 @@ type generation struct {
 	// sentFrontier is the highest tag up to which everything is settled on
 	// the wire.
 	sentFrontier uint64
-	pending      int       // acks decided but not yet sent
-	waiting      int       // deliveries held in place for a delayed retry
-	beyondSince  time.Time // when an ack first got stuck behind an unfinished tag
+	pending      int // acks decided but not yet sent
+	waiting      int // deliveries held in place for a delayed retry
 	timer        *time.Timer
 	timerArmed   bool
 	timerAt      time.Time // when the armed timer fires
@@ -61,9 +60,14 @@ const (
 
 // handle is the adapter-private part of a Delivery (Delivery.Handle).
 type handle struct {
-	gen   *generation
-	tag   uint64
-	state state // guarded by gen.mu
+	gen *generation
+	tag uint64
+	// signal loses the delivery when its channel dies.
+	signal adapters.Signal
+	state  state // guarded by gen.mu
+	// decided is when the delivery's ack was decided (stateAckPending),
+	// from which its wait for company is counted.
+	decided time.Time
 	// gaveBack is set, under gen.mu, once a Nack or reject took the
 	// delivery: its message comes back (requeued, or republished as a
 	// copy), so an Ack of it must fail rather than report it settled.
@@ -94,7 +98,8 @@ func (g *generation) admit(d *adapters.Delivery, tag uint64) (bool, error) {
 	if !g.tracker.Track(int64(tag)) {
 		return false, errTagOrder
 	}
-	d.Handle = &handle{gen: g, tag: tag}
+	h := &handle{gen: g, tag: tag}
+	d.Handle, d.Signal = h, &h.signal
 	g.held[tag] = d
 	return true, nil
 }
@@ -127,16 +132,23 @@ func (g *generation) ackLocked(h *handle) error {
 		g.waiting--
 	}
 	h.state = stateAckPending
+	h.decided = time.Now()
 	g.pending++
 	g.tracker.Done(int64(h.tag))
-	if f, _ := g.tracker.Frontier(); int64(h.tag) > f && g.beyondSince.IsZero() {
-		g.beyondSince = time.Now()
-	}
 	f, _ := g.tracker.Frontier()
 	if uint64(f)-g.sentFrontier >= uint64(g.src.s.ackBatch) || g.pending >= g.src.pressure() {
 		g.flushLocked(false)
 	}
-	g.armLocked()
+	if g.pending > 0 {
+		// In the run at the frontier, the ack waits for company for the
+		// linger; behind an unfinished delivery, for the straggler wait,
+		// then it goes out on its own.
+		wait := g.src.s.ackLinger
+		if int64(h.tag) > f {
+			wait = g.src.s.stragglerWait
+		}
+		g.armLocked(h.decided.Add(wait))
+	}
 	return nil
 }
 
@@ -166,14 +178,21 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 		if uint64(f)-g.sentFrontier >= uint64(g.src.s.ackBatch) {
 			g.flushLocked(false)
 		}
-		g.armLocked()
+		if g.pending > 0 {
+			// The frontier moved: acks that waited behind this delivery
+			// are a run now, due after the linger.
+			g.armLocked(time.Now().Add(g.src.s.ackLinger))
+		}
 	}
 	return nil
 }
 
 // flushLocked sends what the coalescing policy allows: one multiple=true ack
-// for the finished run up to the frontier, then, if the stragglers behind an
-// unfinished delivery waited long enough (or force), one ack each.
+// for the finished run up to the frontier, then one ack each for the
+// finished deliveries behind an unfinished one that waited the straggler
+// wait since their ack was decided (all of them when they fill most of the
+// window, or with force). A delivery acked on its own is settled on the
+// wire: the next multiple ack names a tag still outstanding.
 func (g *generation) flushLocked(force bool) {
 	if g.dead {
 		return
@@ -197,9 +216,6 @@ func (g *generation) flushLocked(force bool) {
 			n++
 		}
 		g.sentFrontier = uint64(f)
-		// The frontier moved, so the window is being freed: what waits
-		// beyond it now starts its straggler wait afresh.
-		g.beyondSince = time.Now()
 		if last > 0 {
 			g.pending -= n
 			if err := g.ch.Ack(last, true); err != nil {
@@ -210,54 +226,45 @@ func (g *generation) flushLocked(force bool) {
 			s.stats.acked.Add(uint64(n))
 		}
 	}
-	if g.pending > 0 && (force || g.pending >= s.pressure() || time.Since(g.beyondSince) >= s.s.stragglerWait) {
-		g.tracker.DoneBeyond(func(pos int64) {
-			tag := uint64(pos)
-			d, ok := g.held[tag]
-			if !ok {
-				return
-			}
-			h := handleOf(d)
-			if h.state != stateAckPending {
-				return
-			}
-			h.state = stateSettled
-			delete(g.held, tag)
-			g.pending--
-			if err := g.ch.Ack(tag, false); err != nil {
-				s.stats.ackErrors.Add(1)
-			}
-			s.stats.ackFrames.Add(1)
-			s.stats.acked.Add(1)
-		})
-	}
 	if g.pending == 0 {
-		g.beyondSince = time.Time{}
+		return
 	}
+	all := force || g.pending >= s.pressure()
+	now := time.Now()
+	g.tracker.DoneBeyond(func(pos int64) {
+		tag := uint64(pos)
+		d, ok := g.held[tag]
+		if !ok {
+			return
+		}
+		h := handleOf(d)
+		if h.state != stateAckPending || !all && now.Sub(h.decided) < s.s.stragglerWait {
+			return
+		}
+		h.state = stateSettled
+		delete(g.held, tag)
+		g.pending--
+		if err := g.ch.Ack(tag, false); err != nil {
+			s.stats.ackErrors.Add(1)
+		}
+		s.stats.ackFrames.Add(1)
+		s.stats.acked.Add(1)
+	})
 }
 
-// armLocked makes sure a timer will flush what is pending: after the linger
-// for a run at the frontier, after the straggler wait for acks stuck behind
-// an unfinished delivery.
-func (g *generation) armLocked() {
+// armLocked makes sure the timer fires by at, when a pending ack is due.
+func (g *generation) armLocked(at time.Time) {
 	if g.dead || g.pending == 0 {
 		return
 	}
-	wait := g.src.s.ackLinger
-	if f, _ := g.tracker.Frontier(); uint64(f) <= g.sentFrontier && !g.beyondSince.IsZero() {
-		if w := g.src.s.stragglerWait - time.Since(g.beyondSince); w > wait {
-			wait = w
-		}
-	}
-	at := time.Now().Add(wait)
 	if g.timerArmed && !at.Before(g.timerAt) {
 		return
 	}
-	// Not armed, or armed for the straggler wait while a run at the
-	// frontier is now ready: that run goes out after the linger, not when
-	// the stragglers' wait ends. (Should the timer have fired already and
-	// its callback wait for the lock, it runs twice: harmless.)
+	// Not armed, or armed for later than this ack may wait. (Should the
+	// timer have fired already and its callback wait for the lock, it runs
+	// twice: harmless.)
 	g.timerArmed, g.timerAt = true, at
+	wait := time.Until(at)
 	if g.timer == nil {
 		g.timer = time.AfterFunc(wait, g.onTimer)
 	} else {
@@ -265,6 +272,8 @@ func (g *generation) armLocked() {
 	}
 }
 
+// onTimer sends what is due and arms the timer for the acks still waiting
+// behind an unfinished delivery: for the earliest of their straggler waits.
 func (g *generation) onTimer() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -273,7 +282,20 @@ func (g *generation) onTimer() {
 		return
 	}
 	g.flushLocked(false)
-	g.armLocked()
+	if g.pending == 0 {
+		return
+	}
+	var next time.Time
+	g.tracker.DoneBeyond(func(pos int64) {
+		if d, ok := g.held[uint64(pos)]; ok {
+			if h := handleOf(d); h.state == stateAckPending && (next.IsZero() || h.decided.Before(next)) {
+				next = h.decided
+			}
+		}
+	})
+	if !next.IsZero() {
+		g.armLocked(next.Add(g.src.s.stragglerWait))
+	}
 }
 
 // die marks the generation dead and returns the deliveries it still held;

@@ -18,8 +18,9 @@ const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
 // Option configures a Source (New) or a dead-letter exchange sink
 // (NewDeadLetterExchange). Connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc, WithLogger) apply to both; the others only to a Source, and
-// NewDeadLetterExchange rejects them by name.
+// WithDialFunc, WithLogger) apply to both; WithDeclareDeadLetter only to the
+// sink, the others only to a Source, and each constructor rejects the other's
+// by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -70,6 +71,9 @@ type settings struct {
 	closeTimeout    time.Duration
 
 	sourceOnly []string // names of Source-only options given, for the sink's error
+	sinkOnly   []string // names of sink-only options given, for New's error
+
+	deadLetterDeclare *deadLetterDeclare // WithDeclareDeadLetter
 }
 
 func defaultSettings() *settings {
@@ -77,9 +81,7 @@ func defaultSettings() *settings {
 		url:             DefaultURL,
 		prefetch:        256,
 		ackLinger:       5 * time.Millisecond,
-		stragglerWait:   100 * time.Millisecond,
-		delayThreshold:  5 * time.Second,
-		delayQueues:     true,
+		stragglerWait:   5 * time.Millisecond,
 		consumerTimeout: 30 * time.Minute,
 		reconnectMin:    100 * time.Millisecond,
 		reconnectMax:    10 * time.Second,
@@ -229,30 +231,41 @@ func WithConsumerTag(tag string) Option {
 func WithDeclare(t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
 		sourceOnly("WithDeclare", s)
-		switch t {
-		case CheckQueue, ClassicQueue, QuorumQueue:
-		default:
-			return fmt.Errorf("rabbitmq: WithDeclare: unknown queue type %d", int(t))
+		all, err := declareArgs("WithDeclare", t, args)
+		if err != nil {
+			return err
 		}
-		if t == CheckQueue && len(args) > 0 {
-			return errors.New("rabbitmq: WithDeclare(CheckQueue, args): arguments only apply when the queue is declared; use ClassicQueue or QuorumQueue")
-		}
-		if qt, ok := args["x-queue-type"]; ok {
-			want := t.String()
-			if v, _ := qt.(string); v != want {
-				return fmt.Errorf("rabbitmq: WithDeclare(%s): argument x-queue-type=%v contradicts the queue type", want, qt)
-			}
-		}
-		s.queueType = t
-		s.queueArgs = amqp.Table{}
-		for k, v := range args {
-			s.queueArgs[k] = v
-		}
-		if t == QuorumQueue {
-			s.queueArgs["x-queue-type"] = "quorum"
-		}
+		s.queueType, s.queueArgs = t, all
 		return nil
 	}
+}
+
+// declareArgs checks a queue type and its arguments for the option named
+// opt, and returns a copy of the arguments with x-queue-type set for a
+// quorum queue.
+func declareArgs(opt string, t QueueType, args amqp.Table) (amqp.Table, error) {
+	switch t {
+	case CheckQueue, ClassicQueue, QuorumQueue:
+	default:
+		return nil, fmt.Errorf("rabbitmq: %s: unknown queue type %d", opt, int(t))
+	}
+	if t == CheckQueue && len(args) > 0 {
+		return nil, fmt.Errorf("rabbitmq: %s(CheckQueue, args): arguments only apply when the queue is declared; use ClassicQueue or QuorumQueue", opt)
+	}
+	if qt, ok := args["x-queue-type"]; ok {
+		want := t.String()
+		if v, _ := qt.(string); v != want {
+			return nil, fmt.Errorf("rabbitmq: %s(%s): argument x-queue-type=%v contradicts the queue type", opt, want, qt)
+		}
+	}
+	all := amqp.Table{}
+	for k, v := range args {
+		all[k] = v
+	}
+	if t == QuorumQueue {
+		all["x-queue-type"] = "quorum"
+	}
+	return all, nil
 }
 
 // WithDeadLetterByPolicy tells the Source that a broker policy (rather than
@@ -269,10 +282,14 @@ func WithDeadLetterByPolicy() Option {
 // WithAckCoalescing tunes how acks are coalesced: a contiguous run of
 // finished deliveries is acked with one multiple=true ack once batch of them
 // are ready or linger has passed since the first (defaults: a quarter of the
-// prefetch, at most 64; 5 ms). Finished deliveries stuck behind an unfinished
-// one are acked one by one once the frontier has not moved for stragglerWait
-// (default 100 ms), or at once when they fill three quarters of the prefetch
-// window.
+// prefetch, at most 64; 5 ms). A finished delivery stuck behind an
+// unfinished one, which no multiple ack may cover, is acked on its own once
+// it has waited stragglerWait (default: 5 ms, the default linger) for the
+// run to reach it, or at once when such deliveries fill three quarters of
+// the prefetch window. Every ack thus reaches the broker within about
+// stragglerWait of the handler's success, which bounds what a crash makes
+// the broker deliver again; a longer wait sends fewer ack frames when
+// handlers finish out of order.
 func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithAckCoalescing", s)
@@ -290,32 +307,30 @@ func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
 	}
 }
 
-// WithDelayQueueThreshold sets the longest retry delay the adapter waits out
-// in place, holding the unacked delivery (default 5 s). Longer delays are
-// republished to a delay queue that dead-letters back to the source queue, and
-// so are shorter ones once half the prefetch window already waits in place
-// (with a prefetch of 1, all of them: so that waiting retries never starve
-// the channel of deliveries) or when waiting would near the broker's
-// consumer timeout. A threshold of zero
-// sends every delayed retry to a delay queue.
-func WithDelayQueueThreshold(d time.Duration) Option {
+// WithDelayQueues lets retries whose delay is longer than threshold travel
+// through delay queues instead of waiting in place (default: off, every
+// retry waits in place). With it, a retry publishes a copy to a quorum queue
+// whose message TTL is the delay (rounded up to a ladder step) and which
+// dead-letters it back to the source queue at least once, then acks the
+// original; shorter delays go the same way once half the prefetch window
+// already waits in place (with a prefetch of 1, all of them, so that
+// waiting retries never starve the channel), and so does any delay that
+// would bring an in-place wait near the consumer timeout. A threshold of
+// zero sends every delayed retry through a delay queue. It needs RabbitMQ
+// 3.10 or later; where the delay queue cannot be declared, retries wait in
+// place.
+//
+// Read what delay queues leave to the broker before turning them on
+// (docs/rabbitmq.md): once the copy is confirmed into the delay queue, a
+// policy that sets overflow on it, deleting or expiring it, or losing its
+// quorum loses the copy.
+func WithDelayQueues(threshold time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithDelayQueueThreshold", s)
-		if d < 0 {
-			return fmt.Errorf("rabbitmq: WithDelayQueueThreshold(%v): the threshold must not be negative", d)
+		sourceOnly("WithDelayQueues", s)
+		if threshold < 0 {
+			return fmt.Errorf("rabbitmq: WithDelayQueues(%v): the threshold must not be negative", threshold)
 		}
-		s.delayThreshold = d
-		return nil
-	}
-}
-
-// WithoutDelayQueues makes every delayed retry wait in place, for users who
-// may not declare queues. Delays are then cut short, with a warning, so a
-// delivery is never held past three quarters of the consumer timeout.
-func WithoutDelayQueues() Option {
-	return func(s *settings) error {
-		sourceOnly("WithoutDelayQueues", s)
-		s.delayQueues = false
+		s.delayQueues, s.delayThreshold = true, threshold
 		return nil
 	}
 }

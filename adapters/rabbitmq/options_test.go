@@ -35,7 +35,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithAckCoalescing(8, 0, time.Second), "WithAckCoalescing"},
 		{WithAckCoalescing(8, 10*time.Millisecond, time.Millisecond), "WithAckCoalescing"},
 		{WithAckCoalescing(8, 2*time.Second, time.Hour), "WithAckCoalescing"},
-		{WithDelayQueueThreshold(-1), "WithDelayQueueThreshold"},
+		{WithDelayQueues(-1), "WithDelayQueues"},
 		{WithConsumerTimeout(0), "WithConsumerTimeout"},
 		{WithReconnectBackoff(0, time.Second), "WithReconnectBackoff"},
 		{WithReconnectBackoff(time.Second, time.Millisecond), "WithReconnectBackoff"},

@@ -29,8 +29,12 @@ type publisher struct {
 	ch       *amqp.Channel
 	chClosed chan *amqp.Error
 	returns  chan amqp.Return
-	user     string          // the user the connection authenticated as, if known
-	declared map[string]bool // delay queues declared on this broker
+	user     string // the user the connection authenticated as, if known
+	// setup, when set, runs on every new connection before it is used
+	// (WithDeclareDeadLetter).
+	setup    func(conn *amqp.Connection) error
+	declared map[string]bool    // delay queues declared on this broker
+	refused  map[string]refusal // delay queues the broker refused to declare
 	shut     bool
 }
 
@@ -106,6 +110,11 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	select {
 	case r, ok := <-p.returns:
 		if ok {
+			if p.setup != nil {
+				// Declared routes are declared again on the next
+				// connection: start one, so that a retry finds them.
+				p.resetLocked()
+			}
 			return fmt.Errorf("%w: exchange %q, routing key %q: %d %s", errUnroutable, exchange, key, r.ReplyCode, r.ReplyText)
 		}
 		// Closed with the channel, which the broker closed on refusing
@@ -127,29 +136,70 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	return nil
 }
 
-// declareDelayQueue declares (once per publisher) a queue whose messages
-// expire after ttl and are dead-lettered to target through the default
-// exchange.
+// declareDelayQueue declares (once per publisher) a quorum queue whose
+// messages expire after ttl and are dead-lettered to target through the
+// default exchange, at least once: the broker keeps an expired message and
+// publishes it to target with confirms until target takes it (a full
+// target with reject-publish, or a missing one, refuses it for a while).
+// At-least-once dead-lettering needs the reject-publish overflow on the
+// dead-lettering queue itself; a policy that sets another overflow on a
+// delay queue takes precedence and turns it back to at-most-once.
+//
+// A declare the broker refuses (a broker older than 3.10, which has no
+// message TTL on quorum queues; a user who may not declare queues; a queue
+// of that name with other arguments) is not tried again for a minute, so
+// that retries wait in place meanwhile without a failed declare, and the
+// new connection it costs, each.
 func (p *publisher) declareDelayQueue(ctx context.Context, name string, ttl time.Duration, target string) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.declared[name] {
 		return nil
 	}
+	if f, ok := p.refused[name]; ok && time.Since(f.at) < redeclareAfter {
+		return fmt.Errorf("%w: %w", errDelayQueueRefused, f.err)
+	}
 	if err := p.ensureLocked(ctx); err != nil {
 		return err
 	}
-	_, err := p.ch.QueueDeclare(name, true, false, false, false, amqp.Table{
+	_, err := p.ch.QueueDeclare(name, true, false, false, false, delayQueueArgs(ttl, target))
+	if err != nil {
+		p.resetLocked()
+		err = fmt.Errorf("rabbitmq: declare delay queue %q (a quorum queue with message TTL: RabbitMQ 3.10 or later): %w (leave out WithDelayQueues if this user may not declare queues)", name, err)
+		if p.refused == nil {
+			p.refused = map[string]refusal{}
+		}
+		p.refused[name] = refusal{err: err, at: time.Now()}
+		return err
+	}
+	delete(p.refused, name)
+	p.declared[name] = true
+	return nil
+}
+
+// delayQueueArgs are the arguments of a delay queue (see declareDelayQueue).
+func delayQueueArgs(ttl time.Duration, target string) amqp.Table {
+	return amqp.Table{
+		"x-queue-type":              "quorum",
 		"x-message-ttl":             ttl.Milliseconds(),
 		"x-dead-letter-exchange":    "",
 		"x-dead-letter-routing-key": target,
-	})
-	if err != nil {
-		p.resetLocked()
-		return fmt.Errorf("rabbitmq: declare delay queue %q: %w (use WithoutDelayQueues if this user may not declare queues)", name, err)
+		"x-dead-letter-strategy":    "at-least-once",
+		"x-overflow":                "reject-publish",
 	}
-	p.declared[name] = true
-	return nil
+}
+
+// redeclareAfter is how long a delay queue the broker refused to declare is
+// not asked for again.
+const redeclareAfter = time.Minute
+
+// errDelayQueueRefused is wrapped when a delay queue is not declared because
+// the broker refused it less than redeclareAfter ago.
+var errDelayQueueRefused = errors.New("rabbitmq: the broker refused this delay queue recently")
+
+type refusal struct {
+	err error
+	at  time.Time
 }
 
 // forget drops a delay queue from the declared cache, after a publish to it
@@ -172,7 +222,7 @@ func (p *publisher) checkExchange(ctx context.Context, exchange string) error {
 	}
 	if err := p.ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
 		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it first)", exchange, err)
+		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it and bind the dead-letter queue to it, or let the sink declare both and the binding with WithDeclareDeadLetter)", exchange, err)
 	}
 	return nil
 }
@@ -193,16 +243,28 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	// ending ctx closes the connection, which ends the wait, so that a
 	// broker that does not answer cannot hold a Nack or a Send past it.
 	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
-	ch, err := conn.Channel()
-	if err == nil {
-		err = ch.Confirm(false)
+	var setupErr error
+	if p.setup != nil {
+		setupErr = p.setup(conn)
 	}
-	if !stop() && err == nil {
-		err = ctx.Err()
+	var ch *amqp.Channel
+	if setupErr == nil {
+		ch, err = conn.Channel()
+		if err == nil {
+			err = ch.Confirm(false)
+		}
+		if err != nil {
+			err = fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
+		}
+	}
+	if !stop() {
+		err = fmt.Errorf("rabbitmq: open a publishing channel: %w", ctx.Err())
+	} else if setupErr != nil {
+		err = setupErr
 	}
 	if err != nil {
 		_ = conn.CloseDeadline(time.Now().Add(p.s.closeTimeout))
-		return fmt.Errorf("rabbitmq: open a publishing channel: %w", err)
+		return err
 	}
 	p.conn, p.ch = conn, ch
 	p.user = connUser(conn)

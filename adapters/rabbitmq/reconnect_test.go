@@ -19,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testbroker"
 )
 
@@ -85,12 +86,12 @@ func TestReconnectNeverAcksAcrossGenerations(t *testing.T) {
 	killConnection(t, s)
 	for _, d := range old {
 		select {
-		case <-d.Lost():
+		case <-d.Signal.Lost():
 		case <-time.After(30 * time.Second):
 			t.Fatal("delivery of the dead channel was not lost")
 		}
-		if !errors.Is(d.LostCause(), adapters.ErrConnectionLost) {
-			t.Fatalf("lost cause %v, want ErrConnectionLost", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrConnectionLost) {
+			t.Fatalf("lost cause %v, want ErrConnectionLost", d.Signal.LostCause())
 		}
 	}
 	waitGenerations(t, s, 2)
@@ -199,6 +200,105 @@ func TestReceiveReportsReconnectFailureAndResumes(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
+}
+
+// recordLog keeps every record as one line: its message and attributes.
+type recordLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *recordLog) Enabled(context.Context, slog.Level) bool { return true }
+func (l *recordLog) WithAttrs([]slog.Attr) slog.Handler       { return l }
+func (l *recordLog) WithGroup(string) slog.Handler            { return l }
+func (l *recordLog) Handle(_ context.Context, r slog.Record) error {
+	var b strings.Builder
+	b.WriteString(r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		fmt.Fprintf(&b, " %s=%v", a.Key, a.Value)
+		return true
+	})
+	l.mu.Lock()
+	l.lines = append(l.lines, b.String())
+	l.mu.Unlock()
+	return nil
+}
+
+// with returns the lines that contain s.
+func (l *recordLog) with(s string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, line := range l.lines {
+		if strings.Contains(line, s) {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// A broker that cannot be reached for several reconnection attempts is
+// reported once, with the address tried and the error, by the adapter and
+// the runtime together (sharing one logger, as a service does), and once
+// more when the attempts start failing another way; so are the loss of the
+// connection and the reconnection. Each failed attempt was logged by the
+// adapter, and again by the runtime from Receive.
+func TestReconnectTroubleIsLoggedOncePerChange(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	logs := &recordLog{}
+	logger := slog.New(logs)
+	var refusing atomic.Bool
+	var refused atomic.Int32
+	dial := func(network, addr string) (net.Conn, error) {
+		// Refuse at least five attempts, and until the trouble was
+		// reported; then fail in another way, reported again, for five
+		// more.
+		if refusing.Load() {
+			n := refused.Add(1)
+			if n < 5 || len(logs.with("broker unreachable")) == 0 {
+				return nil, errors.New("test: broker unreachable")
+			}
+			if n < 10 || len(logs.with("test: handshake refused")) == 0 {
+				return nil, errors.New("test: handshake refused")
+			}
+			refusing.Store(false)
+		}
+		return net.Dial(network, addr)
+	}
+	s := openSource(t, q, WithConfig(amqp.Config{Dial: dial}), WithReconnectBackoff(10*time.Millisecond, 20*time.Millisecond),
+		WithPollWait(20*time.Millisecond), WithLogger(logger))
+	var h handled
+	runConsumer(t, s, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		h.add(m.ID)
+		return nil
+	}), consumer.WithLogger(logger))
+	refusing.Store(true)
+	killConnection(t, s)
+	waitGenerations(t, s, 2)
+	a.publish(q, "m1")
+	waitUntil(t, "m1 handled after the reconnection", func() bool { return h.distinct() == 1 })
+	if n := refused.Load(); n < 10 {
+		t.Fatalf("%d attempts refused, want at least 10", n)
+	}
+	host, _, _ := net.SplitHostPort(brokerAddr)
+	for _, cause := range []string{"broker unreachable", "handshake refused"} {
+		var trouble []string
+		for _, line := range logs.with(cause) {
+			if !strings.Contains(line, "reconnected") {
+				trouble = append(trouble, line)
+			}
+		}
+		if len(trouble) != 1 || !strings.Contains(trouble[0], "amqp://guest:xxxxx@"+host) {
+			t.Errorf("the reconnection failing with %q was logged %d times, want once with the address %s:\n%s", cause, len(trouble), host, strings.Join(trouble, "\n"))
+		}
+	}
+	if lost := logs.with("lost the channel"); len(lost) != 1 {
+		t.Errorf("the lost connection was logged %d times, want once:\n%s", len(lost), strings.Join(lost, "\n"))
+	}
+	if back := logs.with("reconnected"); len(back) != 1 || !strings.Contains(back[0], "handshake refused") {
+		t.Errorf("the reconnection was logged %d times, want once with the last error:\n%s", len(back), strings.Join(back, "\n"))
+	}
 }
 
 // killConnectionAndHoldSupervisor kills s's connection and returns once
@@ -333,12 +433,12 @@ func TestDeletedQueueLosesItsDeliveriesAndResumesOnceItIsBack(t *testing.T) {
 	}
 	for _, d := range old {
 		select {
-		case <-d.Lost():
+		case <-d.Signal.Lost():
 		case <-time.After(30 * time.Second):
 			t.Fatal("a delivery of the deleted queue was not lost")
 		}
-		if !errors.Is(d.LostCause(), adapters.ErrConnectionLost) || !strings.Contains(d.LostCause().Error(), "cancelled consumer") {
-			t.Fatalf("lost cause %v, want ErrConnectionLost saying the broker cancelled the consumer", d.LostCause())
+		if !errors.Is(d.Signal.LostCause(), adapters.ErrConnectionLost) || !strings.Contains(d.Signal.LostCause().Error(), "cancelled consumer") {
+			t.Fatalf("lost cause %v, want ErrConnectionLost saying the broker cancelled the consumer", d.Signal.LostCause())
 		}
 	}
 	err := s.Ack(context.Background(), old)
@@ -387,7 +487,7 @@ func TestDeliveriesWaitingWhenTheChannelDiesAreNotHandedOut(t *testing.T) {
 
 	ds := receiveN(t, s, 3)
 	for _, d := range ds {
-		if cause := d.LostCause(); cause != nil {
+		if cause := d.Signal.LostCause(); cause != nil {
 			t.Fatalf("Receive handed out %s, lost with the dead channel: %v", d.Body, cause)
 		}
 		if g := handleOf(d).gen.id; g != 2 {

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"log/slog"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -18,20 +19,21 @@ import (
 //
 // With no delay the deliveries are requeued at once (basic.nack,
 // requeue=true): the runtime does this at shutdown. With a delay, each
-// delivery's next attempt is published as a copy carrying HeaderAttempt, and
-// the original is acked only after the broker confirmed the copy:
+// delivery is kept unacked for the delay (it holds a prefetch slot, not a
+// worker); then its next attempt is published to the queue as a copy
+// carrying HeaderAttempt, and the original is acked only after the broker
+// confirmed the copy. When the queue refuses the copy (full, with x-overflow
+// reject-publish), the original is requeued instead. Custody of the message
+// never leaves the adapter: the original stays unacked until a confirmed
+// copy replaces it.
 //
-//   - delays up to the threshold (WithDelayQueueThreshold, default 5 s) are
-//     waited out in place: the adapter keeps the delivery unacked (it holds
-//     a prefetch slot, not a worker) and republishes it to the queue when the
-//     delay is over;
-//   - longer delays republish at once to a delay queue whose TTL is the
-//     delay rounded up to a step of a fixed ladder, and which dead-letters
-//     back to the queue.
+// With WithDelayQueues, delays over its threshold publish the copy at once
+// to a delay queue that dead-letters it back to the queue after the delay,
+// and ack the original after the confirm.
 //
 // Republishing rather than requeueing keeps an exact attempt count on
 // classic queues, which only flag a redelivery.
-func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAfter time.Duration) error {
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed map[int]error
 	fail := func(i int, err error) {
 		if failed == nil {
@@ -39,7 +41,8 @@ func (s *Source) Nack(ctx context.Context, ds []*adapters.Delivery, redeliverAft
 		}
 		failed[i] = err
 	}
-	for i, d := range ds {
+	for i, n := range ns {
+		d, redeliverAfter := n.Delivery, n.After
 		h, err := s.own(d)
 		if err != nil {
 			fail(i, err)
@@ -113,7 +116,11 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 			return err
 		}
 		s.stats.retryFailures.Add(1)
-		s.s.logger.Warn("rabbitmq: could not republish a retry to a delay queue; waiting in place instead",
+		level := slog.LevelWarn
+		if errors.Is(err, errDelayQueueRefused) {
+			level = slog.LevelDebug // warned about when the broker refused it
+		}
+		s.s.logger.Log(ctx, level, "rabbitmq: could not republish a retry to a delay queue; waiting in place instead",
 			"queue", s.queue, "id", d.ID, "delay", delay, "error", err)
 	}
 	if delay > maxHold {
@@ -266,8 +273,13 @@ func delayStep(d time.Duration) time.Duration {
 	return delayLadder[len(delayLadder)-1]
 }
 
+// delayQueueInfix separates a delay queue's name from its step. (Delay
+// queues were classic queues named with ".custody-delay." before they became
+// quorum queues; a new name keeps the two from clashing in a declare.)
+const delayQueueInfix = ".custody-retry."
+
 // delayQueueName names the delay queue of queue for one ladder step: the
-// queue's name, ".custody-delay." and the step in milliseconds. Where that
+// queue's name, delayQueueInfix and the step in milliseconds. Where that
 // would pass the 255 bytes of an AMQP short string (queue names of more
 // than about 230 bytes), it keeps as much of the queue's name as fits, cut
 // at a character boundary, then "~" and a hash of the whole name, so that
@@ -276,7 +288,7 @@ func delayStep(d time.Duration) time.Duration {
 // the broker, a longer name made every such retry wait in place, and cost
 // the channel each time.)
 func delayQueueName(queue string, step time.Duration) string {
-	suffix := ".custody-delay." + strconv.FormatInt(step.Milliseconds(), 10) + "ms"
+	suffix := delayQueueInfix + strconv.FormatInt(step.Milliseconds(), 10) + "ms"
 	if len(queue)+len(suffix) <= maxShortstr {
 		return queue + suffix
 	}

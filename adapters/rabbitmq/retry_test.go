@@ -31,14 +31,14 @@ func TestNackWithoutDelayRequeuesAndCountsAttempts(t *testing.T) {
 			if d.Attempt != 1 {
 				t.Fatalf("first delivery has Attempt %d", d.Attempt)
 			}
-			if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+			if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 				t.Fatal(err)
 			}
 			d = receiveN(t, s, 1)[0]
 			if d.Attempt != 2 {
 				t.Fatalf("after one requeue Attempt is %d, want 2", d.Attempt)
 			}
-			if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+			if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 				t.Fatal(err)
 			}
 			d = receiveN(t, s, 1)[0]
@@ -81,7 +81,7 @@ func TestRetryInPlaceRepublishesNextAttempt(t *testing.T) {
 					break
 				}
 				nacked := time.Now()
-				if err := s.Nack(ctx, []*adapters.Delivery{d}, 150*time.Millisecond); err != nil {
+				if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 150*time.Millisecond)); err != nil {
 					t.Fatal(err)
 				}
 				d = receiveN(t, s, 1)[0]
@@ -125,9 +125,9 @@ func TestRetryThroughDelayQueueOfALongQueueName(t *testing.T) {
 	q += strings.Repeat("q", maxShortstr-len(q))
 	a.declare(q, ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -150,11 +150,11 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -170,7 +170,7 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 	}
 	// And again: the broker's x-death from the first trip must not make it
 	// drop the second one as a dead-letter cycle.
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -186,30 +186,46 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 }
 
 // When the delay queue cannot be declared (here: it exists with other
-// arguments), the retry waits in place instead of being lost.
+// arguments), the retry waits in place instead of being lost. The broker's
+// refusal is remembered: the next retry waits in place without declaring
+// it again, which would cost a failed declare and a new connection each
+// time.
 func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.declare(delayQueueName(q, 250*time.Millisecond), ClassicQueue, amqp.Table{"x-max-length": int64(5)})
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	var dials atomic.Int32
+	counted := func(network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return net.Dial(network, addr)
+	}
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
-	d = receiveN(t, s, 1)[0]
-	if d.Attempt != 2 {
-		t.Fatalf("Attempt %d, want 2", d.Attempt)
+	for attempt := 2; attempt <= 3; attempt++ {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
+			t.Fatal(err)
+		}
+		d = receiveN(t, s, 1)[0]
+		if d.Attempt != attempt {
+			t.Fatalf("Attempt %d, want %d", d.Attempt, attempt)
+		}
 	}
 	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
-	// The in-place retry is counted after its original's ack is sent.
-	waitUntil(t, "both tries counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 2 })
-	if st := s.Stats(); st.RetryFailures != 1 || st.RetriedInPlace != 1 {
-		t.Fatalf("stats %+v: want one failed delay-queue publish and one in-place retry", st)
+	// The in-place retries are counted after their originals' acks are sent.
+	waitUntil(t, "every try counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 4 })
+	if st := s.Stats(); st.RetryFailures != 2 || st.RetriedInPlace != 2 {
+		t.Fatalf("stats %+v: want two failed delay-queue publishes and two in-place retries", st)
+	}
+	// The consumer's connection, the publisher's for the refused declare
+	// (which the broker's channel error ends), and the publisher's again
+	// for the copies.
+	if n := dials.Load(); n != 3 {
+		t.Fatalf("%d connections dialed, want 3: the refused declare was tried again", n)
 	}
 }
 
@@ -270,7 +286,7 @@ func (r *recordingHandler) contains(s string) bool {
 	return false
 }
 
-// Without delay queues, an in-place wait is cut short, with a warning, so the
+// Without delay queues (the default), an in-place wait is cut short, with a warning, so the
 // delivery is never held to the broker's consumer timeout (which would close
 // the channel and lose every delivery on it).
 func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
@@ -278,10 +294,10 @@ func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
 	logs := &recordingHandler{}
-	s := openSource(t, q, WithPrefetch(10), WithoutDelayQueues(), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
+	s := openSource(t, q, WithPrefetch(10), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, time.Hour); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	d = receiveN(t, s, 1)[0]
@@ -326,7 +342,7 @@ func TestCloseWaitsForAnInPlaceRetryBetweenCopyAndAck(t *testing.T) {
 		// Give Close every chance to close the channel under the retry.
 		time.Sleep(200 * time.Millisecond)
 	}
-	if err := s.Nack(context.Background(), []*adapters.Delivery{d}, 10*time.Millisecond); err != nil {
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if err := <-closed; err != nil {
@@ -408,7 +424,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 		mu.Unlock()
 		return c, nil
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0), WithConfig(amqp.Config{Dial: counted}))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
 	// Runs before the Source's own cleanup: a publish stuck on a blocked
 	// connection must not also hang Close when this test fails.
 	t.Cleanup(func() {
@@ -423,7 +439,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 	ds := receiveN(t, s, 2)
 	// A first retry opens the publishing connection and declares the delay
 	// queue; then the broker blocks that connection.
-	if err := s.Nack(ctx, ds[:1], 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(ds[:1], 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	mu.Lock()
@@ -434,7 +450,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 	conns[1].block()
 	mu.Unlock()
 	done := make(chan error, 1)
-	go func() { done <- s.Nack(ctx, ds[1:], 100*time.Millisecond) }()
+	go func() { done <- s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)) }()
 	select {
 	case err := <-done:
 		if err != nil {
@@ -547,13 +563,13 @@ func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
 func (sr *stallingRelay) block() { sr.stalled.Store(true) }
 
 // holdOne publishes one message to a fresh classic queue and returns a
-// Source (prefetch 10) holding its delivery.
-func holdOne(t *testing.T) (*admin, string, *Source, *adapters.Delivery) {
+// Source (prefetch 10, and opts) holding its delivery.
+func holdOne(t *testing.T, opts ...Option) (*admin, string, *Source, *adapters.Delivery) {
 	t.Helper()
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, append([]Option{WithPrefetch(10)}, opts...)...)
 	return a, q, s, receiveN(t, s, 1)[0]
 }
 
@@ -565,17 +581,17 @@ func holdOne(t *testing.T) (*admin, string, *Source, *adapters.Delivery) {
 func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 	a, q, s, d := holdOne(t)
 	ctx := context.Background()
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, 0); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
 		t.Fatalf("requeue of a delivery waiting in place: %v", err)
 	}
 	again := receiveN(t, s, 1)[0]
 	if again.Attempt != 2 || again.Headers[HeaderAttempt] != "" {
 		t.Fatalf("after the requeue: attempt %d, %s %q; want the broker's redelivery, attempt 2", again.Attempt, HeaderAttempt, again.Headers[HeaderAttempt])
 	}
-	if err := s.Nack(ctx, []*adapters.Delivery{again}, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{again}, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	next := receiveN(t, s, 1)[0]
@@ -603,9 +619,9 @@ func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
 // look like a repeated one and return nil. A second Nack fails likewise,
 // rather than publish a second copy.
 func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
-	_, _, s, d := holdOne(t)
+	_, _, s, d := holdOne(t, WithDelayQueues(5*time.Second))
 	ctx := context.Background()
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 {
@@ -614,7 +630,7 @@ func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
 	if err := s.Ack(ctx, []*adapters.Delivery{d}); adapters.EntryError(err, 0) == nil {
 		t.Fatalf("Ack of a delivery nacked through a delay queue returned %v, want its entry failed", err)
 	}
-	if err := s.Nack(ctx, []*adapters.Delivery{d}, time.Minute); adapters.EntryError(err, 0) == nil {
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, time.Minute)); adapters.EntryError(err, 0) == nil {
 		t.Fatalf("a second Nack returned %v, want its entry failed", err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 {
@@ -636,13 +652,13 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 	if err != nil || !dc.Wait() {
 		t.Fatalf("publish through %s: %v", ex, err)
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(200*time.Millisecond))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(200*time.Millisecond))
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	// Two in place, then two through a delay queue.
 	for _, delay := range []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond, 250 * time.Millisecond} {
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, delay); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, delay)); err != nil {
 			t.Fatal(err)
 		}
 		d = receiveN(t, s, 1)[0]
@@ -679,7 +695,7 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
 	ctx := context.Background()
 	delayQueue := delayQueueName(q, 250*time.Millisecond)
 	d := receiveN(t, s, 1)[0]
@@ -689,7 +705,7 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, 200*time.Millisecond); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 			t.Fatal(err)
 		}
 		d = receiveN(t, s, 1)[0]
@@ -719,16 +735,14 @@ func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueueThreshold(0),
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0),
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	// The delay queue exists whether or not a copy goes to it.
 	const delay = 30 * time.Second
-	a.declare(delayQueueName(q, delayStep(delay)), ClassicQueue, amqp.Table{
-		"x-message-ttl": delayStep(delay).Milliseconds(), "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q,
-	})
+	a.declare(delayQueueName(q, delayStep(delay)), QuorumQueue, delayQueueArgs(delayStep(delay), q))
 	d := receiveN(t, s, 1)[0]
 	release := killConnectionAndHoldSupervisor(t, s)
-	err := s.Nack(context.Background(), []*adapters.Delivery{d}, delay)
+	err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, delay))
 	release()
 	if !errors.Is(adapters.EntryError(err, 0), adapters.ErrConnectionLost) {
 		t.Errorf("Nack on the closed connection returned %v, want ErrConnectionLost", err)
@@ -752,7 +766,7 @@ func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	a.publish(q, "m1")
 	r := startMuteRelay(t)
 	var dials atomic.Int32
-	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueueThreshold(0),
+	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueues(0),
 		WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
 			if dials.Add(1) == 1 {
 				return amqp.Dial(brokerURL) // the consumer's connection
@@ -771,7 +785,9 @@ func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	s.publishTimeout = 300 * time.Millisecond
 	d := receiveN(t, s, 1)[0]
 	done := make(chan error, 1)
-	go func() { done <- s.Nack(context.Background(), []*adapters.Delivery{d}, 100*time.Millisecond) }()
+	go func() {
+		done <- s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond))
+	}()
 	select {
 	case err := <-done:
 		if err != nil {

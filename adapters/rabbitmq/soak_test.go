@@ -67,22 +67,21 @@ func TestSoakKeepsTheInvariants(t *testing.T) {
 }
 
 type soakConfig struct {
-	quorum        bool
-	native        bool // dead letters go through the queue's own dead-letter exchange
-	concurrency   int
-	prefetch      int
-	inFlight      int // 0: the runtime's default
-	maxAttempts   int
-	backoff       time.Duration // the retry policy's, constant
-	threshold     time.Duration // WithDelayQueueThreshold; below zero, the default
-	noDelayQueues bool
-	linger        time.Duration // WithAckCoalescing's linger; 0: the default
-	timeout       time.Duration // WithHandlerTimeout; 0: none
-	leave         bool          // WithLeaveUnfinishedOnShutdown
-	lag           time.Duration // the longest pause before each write to the broker
-	shutdown      time.Duration // WithShutdownTimeout
-	cutEvery      time.Duration // the mean time between cut connections; 0: none
-	phases        int           // consumer generations before the last, which runs to the end
+	quorum      bool
+	native      bool // dead letters go through the queue's own dead-letter exchange
+	concurrency int
+	prefetch    int
+	inFlight    int // 0: the runtime's default
+	maxAttempts int
+	backoff     time.Duration // the retry policy's, constant
+	threshold   time.Duration // WithDelayQueues; below zero, none (the default)
+	linger      time.Duration // WithAckCoalescing's linger; 0: the default
+	timeout     time.Duration // WithHandlerTimeout; 0: none
+	leave       bool          // WithLeaveUnfinishedOnShutdown
+	lag         time.Duration // the longest pause before each write to the broker
+	shutdown    time.Duration // WithShutdownTimeout
+	cutEvery    time.Duration // the mean time between cut connections; 0: none
+	phases      int           // consumer generations before the last, which runs to the end
 }
 
 // soakMessages are published in each round: the first soakUpFront before
@@ -99,8 +98,8 @@ const (
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v noDelayQueues=%t linger=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.noDelayQueues, c.linger, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v linger=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.linger, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -122,7 +121,7 @@ func soakRound(t *testing.T, seed uint64) {
 		phases:      rng.IntN(4),
 	}
 	if chance(0.1) {
-		// Every delayed retry through a delay queue, unless there are none.
+		// With delay queues, every delayed retry goes through one.
 		cfg.concurrency, cfg.prefetch = 1, 1
 	} else {
 		cfg.prefetch = cfg.concurrency + rng.IntN(40)
@@ -132,7 +131,7 @@ func soakRound(t *testing.T, seed uint64) {
 	}
 	switch r := rng.Float64(); {
 	case r < 0.2:
-		cfg.noDelayQueues = true
+		cfg.threshold = 5 * time.Second
 	case r < 0.6:
 		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
 	}
@@ -186,6 +185,7 @@ func soakRound(t *testing.T, seed uint64) {
 		successes:    make(map[string]int),
 		deadIDs:      make(map[string]bool),
 		okDeliveries: make(map[*adapters.Delivery]bool),
+		delivered:    make(map[soakKey]*adapters.Delivery),
 		cuts:         make(map[int]bool),
 		dropped:      make(map[int]bool),
 		faulters:     make(map[int]*soakFaults),
@@ -343,8 +343,9 @@ type soakRun struct {
 	deadIDs      map[string]bool        // message IDs with a confirmed dead letter
 	deadSends    int                    // confirmed dead letters
 	okDeliveries map[*adapters.Delivery]bool
-	faults       map[string]int // faults injected so far, by kind
-	cuts         map[int]bool   // consumers that had a connection cut
+	delivered    map[soakKey]*adapters.Delivery // by what a handler sees (see deliveryOf)
+	faults       map[string]int                 // faults injected so far, by kind
+	cuts         map[int]bool                   // consumers that had a connection cut
 	dropped      map[int]bool
 	faulters     map[int]*soakFaults // the consumers injecting faults now
 	violations   []string
@@ -441,10 +442,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.native {
 		opts = append(opts, WithDeclare(s.typ, s.args))
 	}
-	if cfg.noDelayQueues {
-		opts = append(opts, WithoutDelayQueues())
-	} else if cfg.threshold >= 0 {
-		opts = append(opts, WithDelayQueueThreshold(cfg.threshold))
+	if cfg.threshold >= 0 {
+		opts = append(opts, WithDelayQueues(cfg.threshold))
 	}
 	switch {
 	case cfg.linger == time.Millisecond:
@@ -757,7 +756,7 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 		s.violate("unexpected message %q, body %q", m.ID, m.Body)
 		return consumer.Permanent(fmt.Errorf("unexpected body %q", m.Body))
 	}
-	call := &soakCall{gen: gen, ctx: ctx, d: m.Delivery()}
+	call := &soakCall{gen: gen, ctx: ctx, d: s.deliveryOf(m)}
 	s.mu.Lock()
 	var older []*soakCall
 	for _, c := range s.running[m.ID] {
@@ -808,7 +807,7 @@ func (s *soakRun) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	s.mu.Lock()
 	s.succeeded[m.ID] = true
 	s.successes[m.ID]++
-	s.okDeliveries[m.Delivery()] = true
+	s.okDeliveries[call.d] = true
 	s.mu.Unlock()
 	return nil
 }
@@ -837,7 +836,7 @@ func (s *soakRun) checkOverlap(id string, o *soakCall, gen int) {
 		return
 	case <-time.After(2 * time.Second):
 	}
-	if cause := o.d.LostCause(); cause != nil {
+	if cause := o.d.Signal.LostCause(); cause != nil {
 		s.violate("message %s: the handler in consumer %d still had a live context two seconds after its delivery was lost (%v)", id, o.gen, cause)
 		return
 	}
@@ -857,13 +856,48 @@ type soakSource struct {
 	gen int
 }
 
+// soakKey names a delivery by what its handler can see of it: the channel
+// that delivered it (amqp091's Acknowledger) and its tag.
+type soakKey struct {
+	ch  amqp.Acknowledger
+	tag uint64
+}
+
+func soakKeyOf(native amqp.Delivery) soakKey { return soakKey{native.Acknowledger, native.DeliveryTag} }
+
+// Receive records each delivery, for the handler to find by its message.
+func (w soakSource) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	ds, err := w.Source.Receive(ctx, max)
+	w.s.mu.Lock()
+	for _, d := range ds {
+		w.s.delivered[soakKeyOf(d.Native.(amqp.Delivery))] = d
+	}
+	w.s.mu.Unlock()
+	return ds, err
+}
+
+// deliveryOf returns the delivery behind a handler's message.
+func (s *soakRun) deliveryOf(m *consumer.Message) *adapters.Delivery {
+	var native amqp.Delivery
+	if !m.As(&native) {
+		panic("soak: a message without its amqp091 delivery")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.delivered[soakKeyOf(native)]
+}
+
 // Nack cuts the retry publisher's connection now and then, while it
 // publishes a retry's copy to a delay queue.
-func (w soakSource) Nack(ctx context.Context, ds []*adapters.Delivery, delay time.Duration) error {
-	if f := w.s.faulter(w.gen); f != nil && delay > 0 && w.s.float() < 0.15 {
+func (w soakSource) Nack(ctx context.Context, ns []adapters.Nack) error {
+	delayed := false
+	for _, n := range ns {
+		delayed = delayed || n.After > 0
+	}
+	if f := w.s.faulter(w.gen); f != nil && delayed && w.s.float() < 0.15 {
 		f.soon(soakCutPublisher)
 	}
-	return w.Source.Nack(ctx, ds, delay)
+	return w.Source.Nack(ctx, ns)
 }
 
 func (w soakSource) Ack(ctx context.Context, ds []*adapters.Delivery) error {

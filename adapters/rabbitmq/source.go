@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -28,10 +29,14 @@ type Source struct {
 	ctx    context.Context // cancelled by Close: ends waits and publishes
 	cancel context.CancelFunc
 
-	mu          sync.Mutex
-	gen         *generation // current generation; nil while reconnecting
-	genSeq      uint64
+	mu     sync.Mutex
+	gen    *generation // current generation; nil while reconnecting
+	genSeq uint64
+	// lastDialErr is the last reconnection failure; dialErrNew says that
+	// Receive has yet to report it (its kind, dialErrKind, is new).
 	lastDialErr error
+	dialErrKind string
+	dialErrNew  bool
 	closed      bool
 	closing     chan struct{}
 	// republishing counts in-place retries between their copy and the
@@ -69,6 +74,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	if err != nil {
 		return nil, err
 	}
+	if len(st.sinkOnly) > 0 {
+		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetterExchange; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
+	}
 	tag := st.consumerTag
 	if tag == "" {
 		tag = defaultConsumerTag(queue)
@@ -97,7 +105,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		publishTimeout: republishTimeout,
 	}
 	s.republished.L = &s.mu
-	if st.delayThreshold >= st.consumerTimeout/2 {
+	if st.delayQueues && st.delayThreshold >= st.consumerTimeout/2 {
 		st.logger.Warn("rabbitmq: the in-place retry threshold is at least half the consumer timeout; the broker closes channels whose deliveries stay unacked that long",
 			"queue", queue, "threshold", st.delayThreshold, "consumer_timeout", st.consumerTimeout)
 	}
@@ -166,8 +174,10 @@ func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 
 // Receive implements adapters.Source. It waits up to the poll wait (default
 // 1 s) for a first delivery, then takes what else is buffered, up to max.
-// While the adapter reconnects it returns the last reconnection error after
-// the poll wait, so the runtime can report it.
+// While the adapter fails to reconnect, it returns the reconnection error
+// after the poll wait, so the runtime can report it: once, and again only
+// when the failure changes kind (a refused connection, then refused
+// credentials, say), not once per attempt.
 func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	if max < 1 {
 		max = 1
@@ -189,7 +199,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	for len(ds) == 0 {
 		select {
 		case d := <-s.out:
-			if d.LostCause() == nil {
+			if d.Signal.LostCause() == nil {
 				ds = append(ds, d)
 			}
 		case <-ctx.Done():
@@ -197,10 +207,10 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		case <-s.closing:
 			return nil, adapters.ErrClosed
 		case <-t.C:
+			var err error
 			s.mu.Lock()
-			err := s.lastDialErr
-			if s.gen != nil {
-				err = nil
+			if s.gen == nil && s.dialErrNew {
+				err, s.dialErrNew = s.lastDialErr, false
 			}
 			s.mu.Unlock()
 			return nil, err
@@ -209,7 +219,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	for len(ds) < max {
 		select {
 		case d := <-s.out:
-			if d.LostCause() == nil {
+			if d.Signal.LostCause() == nil {
 				ds = append(ds, d)
 			}
 		default:
@@ -283,7 +293,7 @@ func (s *Source) Close() error {
 	if g != nil {
 		held := g.die(true)
 		for _, d := range held {
-			d.Lose(adapters.ErrClosed)
+			d.Signal.Lose(adapters.ErrClosed)
 		}
 		s.stats.lost.Add(uint64(len(held)))
 		// amqp091 waits for the broker's channel.close-ok with no limit of

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"strconv"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -89,7 +92,7 @@ func (s *Source) install(g *generation) bool {
 	s.genSeq++
 	g.id = s.genSeq
 	s.gen = g
-	s.lastDialErr = nil
+	s.lastDialErr, s.dialErrKind, s.dialErrNew = nil, "", false
 	s.wg.Add(1)
 	s.mu.Unlock()
 	s.stats.generations.Add(1)
@@ -177,11 +180,11 @@ func (s *Source) kill(g *generation, cause error) {
 	}
 	s.mu.Unlock()
 	if len(held) > 0 || cause != nil {
-		s.s.logger.Warn("rabbitmq: lost the channel; reconnecting", "queue", s.queue, "generation", g.id, "cause", cause, "deliveries_lost", len(held))
+		s.s.logger.Warn("rabbitmq: lost the channel; reconnecting", "queue", s.queue, "address", s.s.address(), "generation", g.id, "cause", cause, "deliveries_lost", len(held))
 	}
 	lost := fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause)
 	for _, d := range held {
-		d.Lose(lost)
+		d.Signal.Lose(lost)
 	}
 	s.stats.lost.Add(uint64(len(held)))
 	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
@@ -190,8 +193,15 @@ func (s *Source) kill(g *generation, cause error) {
 // reconnect dials until a new generation is consuming, backing off between
 // attempts, from a first wait that grows with flaps (see supervise). It
 // returns nil when the Source closes first.
+//
+// Failed attempts are not logged one by one: Receive hands the runtime the
+// first failure, and a failure of another kind (see errorKind), so the
+// trouble is reported once per change, and the reconnection is logged with
+// how many attempts and how long it took.
 func (s *Source) reconnect(flaps int) *generation {
 	bo := backoff.Exponential{Initial: s.s.reconnectMin, Max: s.s.reconnectMax, Multiplier: 2, Jitter: 0.2}
+	down := time.Now()
+	var last error
 	for attempt := 1; ; attempt++ {
 		wait := bo.Delay(flaps - 1 + attempt)
 		t := time.NewTimer(wait)
@@ -205,17 +215,45 @@ func (s *Source) reconnect(flaps int) *generation {
 		g, err := s.connect(ctx)
 		cancel()
 		if err != nil {
+			last = err
 			s.mu.Lock()
-			s.lastDialErr = fmt.Errorf("rabbitmq: reconnecting to queue %q (attempt %d): %w", s.queue, attempt, err)
+			s.lastDialErr = fmt.Errorf("rabbitmq: reconnecting queue %q, with backoff: %w", s.queue, err)
+			if addr := s.s.address(); !strings.Contains(err.Error(), addr) {
+				s.lastDialErr = fmt.Errorf("rabbitmq: reconnecting queue %q to %s, with backoff: %w", s.queue, addr, err)
+			}
+			if kind := errorKind(err); kind != s.dialErrKind {
+				s.dialErrKind, s.dialErrNew = kind, true
+			}
 			s.mu.Unlock()
-			s.s.logger.Warn("rabbitmq: reconnect failed", "queue", s.queue, "attempt", attempt, "error", err)
 			continue
 		}
 		if !s.install(g) {
 			return nil
 		}
-		s.s.logger.Info("rabbitmq: reconnected", "queue", s.queue, "generation", g.id, "attempts", attempt, "waited", wait)
+		s.s.logger.Info("rabbitmq: reconnected", "queue", s.queue, "address", s.s.address(), "generation", g.id,
+			"attempts", attempt, "waited", wait, "down", time.Since(down).Round(time.Millisecond), "last_error", last)
 		return g
+	}
+}
+
+// errorKind names what kind of failure err is, without what changes from
+// one attempt to the next (a local port, say), so that a reconnection
+// failing the same way again is not reported again.
+func errorKind(err error) string {
+	var ae *amqp.Error
+	var oe *net.OpError
+	switch {
+	case errors.As(err, &ae):
+		return "amqp " + strconv.Itoa(ae.Code)
+	case errors.As(err, &oe):
+		if oe.Err != nil {
+			return "net " + oe.Op + ": " + oe.Err.Error()
+		}
+		return "net " + oe.Op
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	default:
+		return err.Error()
 	}
 }
 

@@ -8,19 +8,19 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// TestInPlaceRetriesLeaveRoomInThePrefetchWindow: short retries wait in
-// place only up to half the prefetch window; the rest go to a delay queue,
-// so that a burst of failures never stops the consumer from receiving new
-// messages while the retries wait.
+// TestInPlaceRetriesLeaveRoomInThePrefetchWindow: with delay queues, short
+// retries wait in place only up to half the prefetch window; the rest go to a
+// delay queue, so that a burst of failures never stops the consumer from
+// receiving new messages while the retries wait.
 func TestInPlaceRetriesLeaveRoomInThePrefetchWindow(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "bad1", "bad2", "bad3", "bad4")
-	s := openSource(t, q, WithPrefetch(4))
+	s := openSource(t, q, WithPrefetch(4), WithDelayQueues(5*time.Second))
 	ctx := context.Background()
 	bad := receiveN(t, s, 4)
 	for _, d := range bad {
-		if err := s.Nack(ctx, []*adapters.Delivery{d}, 3*time.Second); err != nil {
+		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 3*time.Second)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -64,15 +64,15 @@ func TestAckPressureFlushesStragglersBeforeTheWindowFills(t *testing.T) {
 
 // TestPrefetchOneNeverWaitsInPlace: with a prefetch of 1 a retry waiting in
 // place would be the whole window, and the broker would send nothing else
-// until it ended. Short retries go through a delay queue instead.
+// until it ended. With delay queues, short retries go through one instead.
 func TestPrefetchOneNeverWaitsInPlace(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "bad", "good")
-	s := openSource(t, q, WithPrefetch(1))
+	s := openSource(t, q, WithPrefetch(1), WithDelayQueues(5*time.Second))
 	ctx := context.Background()
 	bad := receiveN(t, s, 1)
-	if err := s.Nack(ctx, bad, 100*time.Millisecond); err != nil {
+	if err := s.Nack(ctx, adapters.NackAll(bad, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedInPlace != 0 {

@@ -111,12 +111,13 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	}
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	src, err := kafka.NewSource(
+	src, err := kafka.NewSource(ctx,
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup(group),
 		kafka.WithTopics(cfg.topic),
 		kafka.WithOrdering(kafka.ByKey),
 		kafka.WithCommitInterval(500*time.Millisecond),
+		kafka.WithLogger(logger),
 	)
 	if err != nil {
 		return err

@@ -1,15 +1,17 @@
 // Command rabbitmq runs custody on a RabbitMQ queue: a few hundred orders
 // handled at concurrency 16, a flaky dependency retried with backoff (the
-// adapter waits in place for short delays and uses a delay queue for long
-// ones, so no worker sits idle), and a malformed order dead-lettered, with
-// its diagnostics, to a dead-letter queue through publisher confirms.
+// adapter holds a failed delivery through its delay and republishes it, so
+// no worker sits idle and the message never leaves its custody), and a
+// malformed order dead-lettered, with its diagnostics, to a dead-letter queue
+// through publisher confirms.
 //
 // It needs a broker; by default the local one with the guest account:
 //
 //	go run ./examples/rabbitmq -url amqp://guest:guest@127.0.0.1:5672/
 //
-// It declares its queues (custody-example-orders, its dead-letter queue and
-// delay queues), and deletes them when it is done unless -keep is given.
+// The adapter declares the queue (custody-example-orders), and the
+// dead-letter sink its exchange, queue and binding; the program deletes them
+// when it is done unless -keep is given.
 package main
 
 import (
@@ -63,24 +65,28 @@ const (
 )
 
 func run(ctx context.Context, cfg config, out *os.File) error {
-	dlq := cfg.queue + ".dlq"
-	if err := setUp(cfg, dlq); err != nil {
+	dlx, dlq := cfg.queue+".dlx", cfg.queue+".dlq"
+	if err := emptyKept(cfg, dlq); err != nil {
 		return err
 	}
 	if !cfg.keep {
-		defer tearDown(cfg, dlq)
+		defer tearDown(cfg, dlx, dlq)
 	}
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
 	src, err := rabbitmq.New(ctx, cfg.queue,
 		rabbitmq.WithURL(cfg.url),
-		rabbitmq.WithPrefetch(64),
-		rabbitmq.WithDelayQueueThreshold(time.Second), // waits up to 1s in place, longer through a delay queue
+		rabbitmq.WithDeclare(rabbitmq.ClassicQueue, nil), // or QuorumQueue
+		rabbitmq.WithPrefetch(64),                        // retries waiting their delay hold a slot each
 		rabbitmq.WithLogger(logger))
 	if err != nil {
 		return err
 	}
-	sink, err := rabbitmq.NewDeadLetterExchange(ctx, "", dlq, rabbitmq.WithURL(cfg.url))
+	// Dead letters go to the exchange dlx with routing key "poison", and
+	// from there to the queue dlq: the sink declares all three.
+	sink, err := rabbitmq.NewDeadLetterExchange(ctx, dlx, "poison",
+		rabbitmq.WithURL(cfg.url),
+		rabbitmq.WithDeclareDeadLetter(dlq, rabbitmq.ClassicQueue, nil))
 	if err != nil {
 		src.Close()
 		return err
@@ -104,8 +110,6 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 		attempts[o.ID] = m.Attempt
 		mu.Unlock()
 		if o.ID%flakyMod == 0 && m.Attempt < 3 {
-			// The second retry asks for 2s: more than the in-place threshold,
-			// so it travels through a delay queue.
 			return consumer.RetryAfter(errors.New("payment service unavailable"), time.Duration(m.Attempt)*time.Second)
 		}
 		time.Sleep(2 * time.Millisecond) // the work
@@ -155,10 +159,10 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 	st := src.Stats()
 	fmt.Fprintf(out, "handled %d orders in %v\n", handled.Load(), took.Round(time.Millisecond))
 	mu.Lock()
-	fmt.Fprintf(out, "order %d succeeded on attempt %d after two retries (one in place, one through a delay queue)\n", flakyMod, attempts[flakyMod])
+	fmt.Fprintf(out, "order %d succeeded on attempt %d after two retries, each waited out in place\n", flakyMod, attempts[flakyMod])
 	mu.Unlock()
 	fmt.Fprintf(out, "acks: %d deliveries settled with %d ack frames (%d of them multiple=true)\n", st.Acked, st.AckFrames, st.MultipleAcks)
-	fmt.Fprintf(out, "retries: %d in place, %d through a delay queue\n", st.RetriedInPlace, st.DelayQueued)
+	fmt.Fprintf(out, "retries: %d republished after waiting in place\n", st.RetriedInPlace)
 	for _, m := range dead {
 		fmt.Fprintf(out, "dead-lettered %q: %s=%v %s=%v %s=%v\n", m.Body,
 			"custody-error", m.Headers["custody-error"],
@@ -171,12 +175,13 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 	return nil
 }
 
-// setUp declares the queue and its dead-letter queue, empty.
-func setUp(cfg config, dlq string) error {
+// emptyKept empties the queues an earlier run with -keep left, if any, so
+// that the counts below are this run's.
+func emptyKept(cfg config, dlq string) error {
 	return withChannel(cfg, func(ch *amqp.Channel) error {
 		for _, q := range []string{cfg.queue, dlq} {
-			if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
-				return err
+			if _, err := ch.QueueDeclarePassive(q, true, false, false, false, nil); err != nil {
+				return nil // not there: this is the first run (the failure closed the channel)
 			}
 			if _, err := ch.QueuePurge(q, false); err != nil {
 				return err
@@ -186,12 +191,12 @@ func setUp(cfg config, dlq string) error {
 	})
 }
 
-func tearDown(cfg config, dlq string) {
+func tearDown(cfg config, dlx, dlq string) {
 	_ = withChannel(cfg, func(ch *amqp.Channel) error {
-		for _, q := range []string{cfg.queue, dlq, cfg.queue + ".custody-delay.2000ms"} {
+		for _, q := range []string{cfg.queue, dlq} {
 			_, _ = ch.QueueDelete(q, false, false, false)
 		}
-		return nil
+		return ch.ExchangeDelete(dlx, false, false)
 	})
 }
 

@@ -117,7 +117,7 @@ func run(ctx context.Context, client *sqs.Client, cfg config, out io.Writer) err
 	if cfg.redrive {
 		dlq, err = src.Redrive(maxAttempts)
 	} else {
-		dlq, err = awssqs.NewDeadLetterQueue(client, dlqURL)
+		dlq, err = awssqs.NewDeadLetterQueue(ctx, client, dlqURL)
 	}
 	if err != nil {
 		src.Close()

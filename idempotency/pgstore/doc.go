@@ -3,9 +3,10 @@
 //
 // # Table
 //
-// One row per key. [Store.CreateSchema] creates the table and its index if
-// they do not exist; [Store.DDL] returns the same statements for a migration
-// tool. With the default table name they are:
+// One row per key. [CreateSchema] creates the table and its index if they
+// do not exist; [DDL] returns the same statements for a migration tool.
+// Either comes before [New], which checks that the table is there. With
+// the default table name they are:
 //
 //	CREATE TABLE IF NOT EXISTS custody_idempotency (
 //	    key         text        PRIMARY KEY,

@@ -47,13 +47,30 @@ func WithTable(name string) Option {
 	}
 }
 
-// New returns a Store over db. It does not touch the database: call
-// CreateSchema, or apply DDL with your migrations, first.
-func New(db DB, opts ...Option) (*Store, error) {
+// New returns a Store over db. It checks that the database answers and
+// that the store's table is there, with the columns the store uses, so
+// that a wrong connection string or a table not yet created fails here,
+// saying what to do, rather than leave every message waiting on a store
+// that cannot serve it. Create the table first with [CreateSchema], or
+// apply [DDL] with your migrations. ctx bounds that one round trip.
+func New(ctx context.Context, db DB, opts ...Option) (*Store, error) {
 	if db == nil {
 		return nil, errors.New("pgstore: New(nil): pass a *pgxpool.Pool")
 	}
-	s := &Store{db: db}
+	s, err := configure(opts)
+	if err != nil {
+		return nil, err
+	}
+	s.db = db
+	if err := s.check(ctx); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// configure applies opts to a Store without a database.
+func configure(opts []Option) (*Store, error) {
+	s := &Store{}
 	s.t, _ = pgsql.ParseTable(DefaultTable)
 	for _, o := range opts {
 		if err := o(s); err != nil {
@@ -62,6 +79,28 @@ func New(db DB, opts ...Option) (*Store, error) {
 	}
 	s.prepareSQL()
 	return s, nil
+}
+
+// check reads nothing from the table, but names every column the store
+// uses: it fails as the store's statements would.
+func (s *Store) check(ctx context.Context) error {
+	_, err := s.db.Exec(ctx, `SELECT key, token, state, fingerprint, expires_at FROM `+s.t.Quoted+` WHERE false`)
+	if err == nil {
+		return nil
+	}
+	var ce *pgconn.ConnectError
+	var pe *pgconn.PgError
+	switch {
+	case errors.As(err, &ce) || !errors.As(err, &pe):
+		return fmt.Errorf("pgstore: New: PostgreSQL does not answer; check the connection string, the credentials and that the server runs: %w", err)
+	case pe.Code == "42P01" || pe.Code == "3F000": // undefined_table, invalid_schema_name
+		return fmt.Errorf("pgstore: New: the table %s does not exist; create it with pgstore.CreateSchema(ctx, db) (given the same options as New), or apply pgstore.DDL() with your migrations: %w", s.t.Quoted, err)
+	case pe.Code == "42703": // undefined_column
+		return fmt.Errorf("pgstore: New: the table %s lacks the store's columns (is it another table of the same name?); name another with WithTable, or see pgstore.DDL() for the store's: %w", s.t.Quoted, err)
+	case pe.Code == "42501": // insufficient_privilege
+		return fmt.Errorf("pgstore: New: the role may not use the table %s; grant it SELECT, INSERT, UPDATE and DELETE: %w", s.t.Quoted, err)
+	}
+	return fmt.Errorf("pgstore: New: checking the table %s: %w", s.t.Quoted, err)
 }
 
 func (s *Store) prepareSQL() {

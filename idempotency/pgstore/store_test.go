@@ -21,14 +21,7 @@ import (
 func newStore(t testing.TB, pool *pgxpool.Pool) (*pgstore.Store, string) {
 	t.Helper()
 	table := pgsql.TestTable(t, pool, "custody_idem_test")
-	s, err := pgstore.New(pool, pgstore.WithTable(table))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.CreateSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	return s, table
+	return teststores.PostgresOn(t, pool, table), table
 }
 
 func TestContract(t *testing.T) {
@@ -37,9 +30,57 @@ func TestContract(t *testing.T) {
 
 func TestCreateSchemaIsRepeatable(t *testing.T) {
 	pool := pgsql.TestPool(t)
-	s, _ := newStore(t, pool)
-	if err := s.CreateSchema(context.Background()); err != nil {
+	_, table := newStore(t, pool)
+	if err := pgstore.CreateSchema(context.Background(), pool, pgstore.WithTable(table)); err != nil {
 		t.Fatalf("second CreateSchema: %v", err)
+	}
+}
+
+// New fails when the table is missing, and says how to create it, rather
+// than hand out a store on which every message would wait.
+func TestNewChecksTheTable(t *testing.T) {
+	ctx := context.Background()
+	pool := pgsql.TestPool(t)
+	table := pgsql.TestTable(t, pool, "custody_idem_test")
+	_, err := pgstore.New(ctx, pool, pgstore.WithTable(table))
+	if err == nil || !strings.Contains(err.Error(), "does not exist") || !strings.Contains(err.Error(), "pgstore.CreateSchema") {
+		t.Fatalf("New on a missing table = %v, want an error saying to call CreateSchema", err)
+	}
+	if _, err := pool.Exec(ctx, "CREATE TABLE "+table+" (key text PRIMARY KEY, value text)"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = pgstore.New(ctx, pool, pgstore.WithTable(table))
+	if err == nil || !strings.Contains(err.Error(), "lacks the store's columns") {
+		t.Fatalf("New on another table of the same name = %v, want an error saying so", err)
+	}
+}
+
+// New fails when PostgreSQL does not answer, saying what to check.
+func TestNewChecksThatPostgresAnswers(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=10") // nothing listens there
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	_, err = pgstore.New(ctx, pool)
+	if err == nil || !strings.Contains(err.Error(), "does not answer") || !strings.Contains(err.Error(), "check the connection string") {
+		t.Fatalf("New with an unreachable PostgreSQL = %v, want an error saying it does not answer and what to check", err)
+	}
+}
+
+// DDL returns what CreateSchema runs, for the table the options name.
+func TestDDLNamesTheTable(t *testing.T) {
+	ddl, err := pgstore.DDL(pgstore.WithTable("billing.keys"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ddl) != 2 || !strings.Contains(ddl[0], `CREATE TABLE IF NOT EXISTS "billing"."keys"`) || !strings.Contains(ddl[1], `"keys_expires_at_idx"`) {
+		t.Fatalf("DDL = %q", ddl)
+	}
+	if _, err := pgstore.DDL(pgstore.WithTable("a.b.c")); err == nil || !strings.Contains(err.Error(), "WithTable") {
+		t.Fatalf("DDL with a bad table name = %v, want an error naming the option", err)
 	}
 }
 
@@ -124,15 +165,20 @@ func TestRunCleanupStopsWithContext(t *testing.T) {
 }
 
 func TestWithTableRejectsBadNames(t *testing.T) {
+	ctx := context.Background()
 	pool := pgsql.TestPool(t)
 	for _, name := range []string{"", "a.b.c", "x; DROP TABLE y", "1abc", `a"b`} {
-		_, err := pgstore.New(pool, pgstore.WithTable(name))
+		_, err := pgstore.New(ctx, pool, pgstore.WithTable(name))
 		if err == nil || !strings.Contains(err.Error(), "WithTable") {
 			t.Errorf("WithTable(%q) = %v, want an error naming the option", name, err)
 		}
 	}
-	if _, err := pgstore.New(pool, pgstore.WithTable("public.my_keys")); err != nil {
-		t.Errorf("WithTable(public.my_keys) = %v", err)
+	table := "public." + pgsql.TestTable(t, pool, "custody_idem_test")
+	if err := pgstore.CreateSchema(ctx, pool, pgstore.WithTable(table)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pgstore.New(ctx, pool, pgstore.WithTable(table)); err != nil {
+		t.Errorf("WithTable(%s) = %v", table, err)
 	}
 }
 

@@ -24,7 +24,8 @@
 //     If it returns nil the transaction commits, and only then does Handle
 //     return nil so that the runtime acks. If it returns an error (or
 //     panics), the transaction rolls back, the key row with it, and the
-//     error goes to the runtime to retry or dead-letter.
+//     error goes to the runtime to retry or dead-letter (marked
+//     consumer.Unavailable when the database failed under it: see below).
 //   - The key was already there, committed: the message was processed
 //     before (a sequential duplicate), even if another delivery of the key
 //     holds its lock right now. The transaction rolls back, the function
@@ -75,6 +76,22 @@
 // WithConflictRetries times (3 by default), and only then returns the
 // error for the runtime to retry or dead-letter. Every run but the last
 // rolled back, so the function's writes through tx still commit once.
+//
+// # When the database fails
+//
+// A failure of the database around the function's transaction is no fault
+// of the message: BEGIN that cannot connect, a key claim, fingerprint read
+// or COMMIT that fails for any reason but the data (a lost connection, a
+// server shutting down or out of resources, a missing table, a role
+// refused), and a function whose error came with its session gone (the
+// connection closed under it: terminated, crashed, or dropped by the
+// network). Handle returns such an error marked consumer.Unavailable: the
+// runtime uses up no attempt and never dead-letters the message for it;
+// the message waits in place with a growing backoff until the database
+// answers. The function's own errors go to the runtime unchanged, a failed
+// statement of its own or a statement timeout included, and so does a
+// network error from anything else it calls: only the state of the
+// transaction's connection tells, not the type of the error.
 //
 // # Connections that vanish
 //

@@ -190,9 +190,10 @@ func WithName(name string) Option {
 }
 
 // WithMeterProvider sets where duplicates are counted (the same metric names
-// as the idempotency middleware; a failed BEGIN or claim statement counts as
-// a store error with op "claim"), and transactions run again after a
-// conflict (MetricConflictRetries). Default otel.GetMeterProvider().
+// as the idempotency middleware; a failed BEGIN, claim statement or
+// fingerprint read counts as a store error with op "claim"), and
+// transactions run again after a conflict (MetricConflictRetries). Default
+// otel.GetMeterProvider().
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
@@ -311,8 +312,7 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
 	if err != nil {
 		// BEGIN is where an unreachable database shows first.
-		h.countStoreError(ctx)
-		return fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err)
+		return h.ownFailure(ctx, fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err))
 	}
 	committed := false
 	defer func() {
@@ -325,10 +325,7 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 
 	var held, inserted, done bool
 	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.table.Quoted).Scan(&held, &inserted, &done); err != nil {
-		if !isConflict(err) {
-			h.countStoreError(ctx)
-		}
-		return fmt.Errorf("pgtx: record key %q: %w", key, err)
+		return h.ownFailure(ctx, fmt.Errorf("pgtx: record key %q: %w", key, err))
 	}
 	if !held && !done {
 		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
@@ -338,7 +335,7 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 		if fp != "" {
 			var old string
 			if err := tx.QueryRow(ctx, h.fingerprintSQL, key).Scan(&old); err != nil {
-				return fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err)
+				return h.ownFailure(ctx, fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err))
 			}
 			if old != "" && old != fp {
 				h.m.Mismatches.Add(ctx, 1, h.m.Plain)
@@ -350,24 +347,39 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 	}
 
 	if err := h.fn(ctx, tx, m); err != nil {
+		if ctx.Err() == nil && !isConflict(err) && !consumer.IsPermanent(err) && connectionLost(tx, err) {
+			return consumer.Unavailable(fmt.Errorf("pgtx: key %q: the connection to the database was lost while the function ran: %w", key, err))
+		}
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
 		// If the commit did happen and only its reply was lost, the
 		// retry finds the key and is skipped.
-		return fmt.Errorf("pgtx: commit key %q: %w", key, err)
+		err = fmt.Errorf("pgtx: commit key %q: %w", key, err)
+		if ctx.Err() == nil && !isConflict(err) && ownStatementFailed(err) {
+			return consumer.Unavailable(err)
+		}
+		return err
 	}
 	committed = true
 	return nil
 }
 
-// countStoreError counts a failed begin or claim, as the middleware counts
-// a failed Claim: not when the delivery's own context ended, which is not
-// the database's fault.
-func (h *Handler) countStoreError(ctx context.Context) {
-	if ctx.Err() == nil {
-		h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
+// ownFailure is what a failed BEGIN, claim or fingerprint read returns: the
+// error marked consumer.Unavailable when the database failed (see
+// ownStatementFailed), and counted as a store error with op "claim", as the
+// middleware counts a failed Claim. A conflict is left to Handle to run
+// again, and a delivery whose own context ended is none of the database's
+// doing: neither is counted or marked.
+func (h *Handler) ownFailure(ctx context.Context, err error) error {
+	if ctx.Err() != nil || isConflict(err) {
+		return err
 	}
+	h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
+	if ownStatementFailed(err) {
+		return consumer.Unavailable(err)
+	}
+	return err
 }
 
 // DDL returns the statements CreateSchema runs, for a migration tool.

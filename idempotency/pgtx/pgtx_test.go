@@ -425,8 +425,8 @@ func (f *fixture) claimStoreErrors(t testing.TB) int64 {
 }
 
 // A database that cannot be reached fails the delivery at BEGIN, before the
-// claim statement: operators must see it in store_errors, as they do with
-// the middleware's stores.
+// claim statement, as unavailable: the message is not at fault. Operators
+// must see it in store_errors, as they do with the middleware's stores.
 func TestUnreachableDatabaseIsCountedAsStoreError(t *testing.T) {
 	f := newFixture(t)
 	ctx := context.Background()
@@ -440,8 +440,8 @@ func TestUnreachableDatabaseIsCountedAsStoreError(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Handle(ctx, msg("m", "a")); err == nil {
-		t.Fatal("Handle succeeded against an unreachable database")
+	if err := h.Handle(ctx, msg("m", "a")); !consumer.IsUnavailable(err) {
+		t.Fatalf("Handle against an unreachable database = %v, want it marked unavailable (the message waits, using up no attempt)", err)
 	}
 	if n := f.claimStoreErrors(t); n != 1 {
 		t.Fatalf("store errors (claim) = %d after BEGIN failed on an unreachable database, want 1", n)
@@ -676,8 +676,8 @@ func TestCommitWithUnknownOutcomeIsRetriedExactlyOnce(t *testing.T) {
 			}
 			ctx := context.Background()
 			cutter.armed.Store(true)
-			if err := h.Handle(ctx, msg("pay-1", "a")); err == nil {
-				t.Fatal("Handle returned nil for a COMMIT whose answer never came: the message would be acked unknowing")
+			if err := h.Handle(ctx, msg("pay-1", "a")); !consumer.IsUnavailable(err) {
+				t.Fatalf("Handle for a COMMIT whose answer never came = %v, want it marked unavailable (never nil: the message would be acked unknowing)", err)
 			}
 			cutter.armed.Store(false)
 			if cutter.cuts.Load() != 1 {

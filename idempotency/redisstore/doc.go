@@ -1,6 +1,10 @@
 // Package redisstore is an idempotency.Store in Redis (go-redis v9), shared
 // by every consumer that connects to the same Redis.
 //
+// [New] checks that Redis answers and accepts the claim command, so a wrong
+// address, missing credentials or a server older than 7.0 fail there, with
+// what to check, instead of at the first message.
+//
 // # Records
 //
 // Each key is one Redis string, named prefix + key, holding the state, the

@@ -17,6 +17,7 @@ import (
 type Client interface {
 	redis.Scripter
 	SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd
+	Ping(ctx context.Context) *redis.StatusCmd
 }
 
 // Store is an idempotency.Store in Redis. It is safe for concurrent use.
@@ -43,8 +44,13 @@ func WithPrefix(p string) Option {
 	}
 }
 
-// New returns a Store that keeps its records in c.
-func New(c Client, opts ...Option) (*Store, error) {
+// New returns a Store that keeps its records in c. It checks that Redis
+// answers (PING) and accepts the claim command, which needs Redis 7.0 or
+// later (SET with both NX and GET), so that a wrong address, a missing
+// password or an old server fails here, with what to do, rather than leave
+// every message waiting on a store that cannot serve it. ctx bounds those
+// two round trips only.
+func New(ctx context.Context, c Client, opts ...Option) (*Store, error) {
 	if c == nil {
 		return nil, errors.New("redisstore: New(nil): pass a go-redis client")
 	}
@@ -54,7 +60,32 @@ func New(c Client, opts ...Option) (*Store, error) {
 			return nil, err
 		}
 	}
+	if err := s.check(ctx); err != nil {
+		return nil, err
+	}
 	return s, nil
+}
+
+// check makes sure Redis answers and understands the claim: a SET with NX
+// and GET on a probe key of the store's own, which expires at once.
+func (s *Store) check(ctx context.Context) error {
+	if err := s.c.Ping(ctx).Err(); err != nil {
+		return fmt.Errorf("redisstore: New: Redis%s does not answer PING; check the address, the credentials and that the server runs: %w", where(s.c), err)
+	}
+	probe := s.prefix + "custody-probe:" + string(idempotency.NewToken())
+	err := s.c.SetArgs(ctx, probe, "", redis.SetArgs{Mode: "NX", TTL: time.Millisecond, Get: true}).Err()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("redisstore: New: Redis%s refused the claim command SET NX GET, which needs Redis 7.0 or later: %w", where(s.c), err)
+	}
+	return nil
+}
+
+// where names the server c talks to, when c says.
+func where(c Client) string {
+	if o, ok := c.(interface{ Options() *redis.Options }); ok && o.Options() != nil {
+		return " at " + o.Options().Addr
+	}
+	return ""
 }
 
 // Record values are "<state>:<token>:<fingerprint>" with state 'p' (in

@@ -24,7 +24,7 @@ func TestRecordsExpireInRedis(t *testing.T) {
 	ctx := context.Background()
 	c := teststores.RedisClient(t)
 	prefix := "custody-test:" + storetest.Key(t) + ":"
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	s, err := redisstore.New(ctx, c, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +48,7 @@ func TestForeignValueIsReportedNotOverwritten(t *testing.T) {
 	ctx := context.Background()
 	c := teststores.RedisClient(t)
 	prefix := "custody-test:" + storetest.Key(t) + ":"
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	s, err := redisstore.New(ctx, c, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func TestRetriedClaimFindsItsOwnRecord(t *testing.T) {
 	ctx := context.Background()
 	c := teststores.RedisClient(t)
 	prefix := "custody-test:" + storetest.Key(t) + ":"
-	s, err := redisstore.New(replayingClient{c}, redisstore.WithPrefix(prefix))
+	s, err := redisstore.New(ctx, replayingClient{c}, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,13 +139,13 @@ func (h *expiryHook) add(v any) {
 func TestLeasesAreNeverShortenedForRedis(t *testing.T) {
 	ctx := context.Background()
 	c := teststores.RedisClient(t)
-	hook := &expiryHook{}
-	c.AddHook(hook)
 	prefix := "custody-test:" + storetest.Key(t) + ":"
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	s, err := redisstore.New(ctx, c, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
+	hook := &expiryHook{} // after New: its probe is no claim
+	c.AddHook(hook)
 	t.Cleanup(func() { c.Del(ctx, prefix+"k") })
 	const lease = 10*time.Second + 999*time.Microsecond
 	_, tok, err := s.Claim(ctx, "k", "", lease)
@@ -168,13 +168,56 @@ func TestLeasesAreNeverShortenedForRedis(t *testing.T) {
 }
 
 func TestInvalidOptions(t *testing.T) {
-	if _, err := redisstore.New(nil); err == nil {
+	ctx := context.Background()
+	if _, err := redisstore.New(ctx, nil); err == nil {
 		t.Fatal("New(nil) succeeded")
 	}
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	defer c.Close()
-	if _, err := redisstore.New(c, redisstore.WithPrefix("")); err == nil || !strings.Contains(err.Error(), "WithPrefix") {
+	if _, err := redisstore.New(ctx, c, redisstore.WithPrefix("")); err == nil || !strings.Contains(err.Error(), "WithPrefix") {
 		t.Fatalf("WithPrefix(\"\") = %v, want an error naming the option", err)
+	}
+}
+
+// New fails when Redis does not answer, saying so and what to check,
+// rather than hand out a store on which every message would wait.
+func TestNewChecksThatRedisAnswers(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1}) // nothing listens there
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := redisstore.New(ctx, c)
+	if err == nil {
+		t.Fatal("New with an unreachable Redis succeeded")
+	}
+	for _, want := range []string{"127.0.0.1:1", "does not answer", "check the address", "connection refused"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("New with an unreachable Redis = %q, want it to say %q", err, want)
+		}
+	}
+}
+
+// The probe New makes leaves nothing behind in Redis.
+func TestNewLeavesNoKeys(t *testing.T) {
+	ctx := context.Background()
+	c := teststores.RedisClient(t)
+	prefix := "custody-test:" + storetest.Key(t) + ":"
+	if _, err := redisstore.New(ctx, c, redisstore.WithPrefix(prefix)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		keys, err := c.Keys(ctx, prefix+"*").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(keys) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("New left %v in Redis", keys)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 

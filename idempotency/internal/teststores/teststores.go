@@ -57,7 +57,7 @@ func Redis(t testing.TB) idempotency.Store {
 	t.Helper()
 	c := RedisClient(t)
 	prefix := "custody-test:" + storetest.Key(t) + ":"
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	s, err := redisstore.New(context.Background(), c, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,11 +80,18 @@ func Redis(t testing.TB) idempotency.Store {
 func Postgres(t testing.TB) idempotency.Store {
 	t.Helper()
 	pool := pgsql.TestPool(t)
-	s, err := pgstore.New(pool, pgstore.WithTable(pgsql.TestTable(t, pool, "custody_idem_test")))
-	if err != nil {
+	return PostgresOn(t, pool, pgsql.TestTable(t, pool, "custody_idem_test"))
+}
+
+// PostgresOn creates table in db and returns a Store over it.
+func PostgresOn(t testing.TB, db pgstore.DB, table string) *pgstore.Store {
+	t.Helper()
+	ctx := context.Background()
+	if err := pgstore.CreateSchema(ctx, db, pgstore.WithTable(table)); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.CreateSchema(context.Background()); err != nil {
+	s, err := pgstore.New(ctx, db, pgstore.WithTable(table))
+	if err != nil {
 		t.Fatal(err)
 	}
 	return s

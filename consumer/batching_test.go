@@ -24,13 +24,12 @@ type lingeringSource struct {
 
 func (s lingeringSource) Capabilities() adapters.Capabilities {
 	c := s.Source.Capabilities()
-	c.AckLinger = s.linger
-	c.MaxAckBatch = s.maxBatch
+	c.Ack = adapters.Batching{MaxEntries: s.maxBatch, Linger: s.linger, MaxCalls: 4}
 	return c
 }
 
 // TestAckLingerBoundsTheWaitOfTheFirstAck: an ack waits at most the
-// adapter's AckLinger for others to fill its batch, however many others
+// adapter's Capabilities.Ack.Linger for others to fill its batch, however many others
 // trickle in meanwhile. The linger started again with every ack that joined
 // the batch, so under a steady trickle the first ack waited until the batch
 // was full: here, with acks coming faster than the linger, until the stream
@@ -126,7 +125,7 @@ type batchLimitSource struct {
 
 func (s *batchLimitSource) Capabilities() adapters.Capabilities {
 	c := s.Source.Capabilities()
-	c.MaxAckBatch = s.limit
+	c.Ack.MaxEntries = s.limit
 	return c
 }
 
@@ -153,7 +152,7 @@ func (s *batchLimitSource) Ack(ctx context.Context, ds []*adapters.Delivery) err
 
 // TestAcksPiledUpBehindACallKeepTheBatchLimit: acks that gather while an
 // ack call is on the wire are sent in calls of at most the adapter's
-// MaxAckBatch (SQS: ten per DeleteMessageBatch), not in one call.
+// Ack.MaxEntries (SQS: ten per DeleteMessageBatch), not in one call.
 func TestAcksPiledUpBehindACallKeepTheBatchLimit(t *testing.T) {
 	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
 	const n = 10

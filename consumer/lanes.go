@@ -1,0 +1,163 @@
+package consumer
+
+import (
+	"sync"
+	"time"
+)
+
+// laneRun bounds how many jobs of one lane a worker runs back to back before
+// it hands the lane's next job to whichever worker is free: long enough to
+// skip a channel hand-off for most jobs of a busy lane, short enough that
+// lanes share the workers fairly when there are fewer workers than lanes.
+const laneRun = 16
+
+// keyLanePrefix begins the lanes OrderByKey makes of Message.Key, apart from
+// the adapters' ordering keys.
+const keyLanePrefix = "\x00key:"
+
+// dispatchLaned hands each job to a worker, or queues it behind its lane's
+// running job. The lanes are sorted under one lock per batch; the jobs that
+// start lanes are handed on once it is released. heads is scratch, returned
+// for the next call.
+func (r *run) dispatchLaned(jobs []job, heads []*job) []*job {
+	heads = heads[:0]
+	r.lanesMu.Lock()
+	for i := range jobs {
+		j := &jobs[i]
+		if j.lane == "" {
+			heads = append(heads, j)
+			continue
+		}
+		if q, busy := r.lanes[j.lane]; busy {
+			j.queued = true
+			r.lanes[j.lane] = append(q, j)
+			continue
+		}
+		r.lanes[j.lane] = nil
+		heads = append(heads, j)
+	}
+	r.lanesMu.Unlock()
+	for _, j := range heads {
+		r.work <- j // never blocks: see newRun
+	}
+	clear(heads)
+	return heads
+}
+
+// startWorker starts a worker, which runs jobs until r.work is closed. A
+// handler that ends its worker with runtime.Goexit (see handlerExited) gets
+// it replaced, so that the run keeps its concurrency and drains.
+func (r *run) startWorker(wg *sync.WaitGroup) {
+	wg.Add(1)
+	go func() {
+		closed := false
+		defer func() {
+			if !closed {
+				r.startWorker(wg) // before Done: the count never touches zero
+			}
+			wg.Done()
+		}()
+		for {
+			var j *job
+			select {
+			case j = <-r.work:
+			default:
+				// Nothing to do right now: send the acks and nacks that
+				// wait for company before waiting for work.
+				r.acks.flush()
+				r.nacks.flush()
+				j = <-r.work
+			}
+			if j == nil {
+				closed = true // r.work closed
+				return
+			}
+			r.runLane(j)
+		}
+	}()
+}
+
+// runLane processes j and then, on the same worker, the jobs queued behind
+// it in its lane, up to laneRun of them.
+func (r *run) runLane(j *job) {
+	defer func() {
+		if j.exiting {
+			// j's handler called runtime.Goexit: this worker is ending.
+			r.handlerExited(j)
+		}
+	}()
+	for n := 1; ; n++ {
+		r.process(j)
+		s := j.successor
+		if s == nil {
+			return
+		}
+		j.successor = nil
+		if n == laneRun {
+			r.work <- s // never blocks: see newRun
+			return
+		}
+		j = s
+	}
+}
+
+// next passes j's lane on to the job queued behind it, if any: the worker
+// that ran j runs it next (see runLane). Called once j no longer runs.
+//
+// It takes up to laneRun queued jobs at once and links them through their
+// successor fields, so a busy lane costs one lock per run of jobs rather
+// than one per job; the lane stays busy until the last of them is done.
+// It takes only the next job when the source recalls deliveries: a job
+// linked behind another is out of reach of releaseRecalled until the one
+// before it ends, and a handler running on past a Kafka revoke's drain
+// would keep the recalled jobs linked behind it, and their in-flight
+// credit, until it returned.
+func (r *run) next(j *job) {
+	if j.lane == "" || j.queued || j.successor != nil {
+		return // no lane, not its lane's running job, or its successor was taken with it
+	}
+	r.lanesMu.Lock()
+	q := r.lanes[j.lane]
+	if len(q) == 0 {
+		delete(r.lanes, j.lane)
+		r.lanesMu.Unlock()
+		return
+	}
+	n := min(len(q), laneRun)
+	if r.recalledOnArrival != nil {
+		n = 1
+	}
+	for i := 0; i < n-1; i++ {
+		q[i].successor = q[i+1]
+	}
+	for _, s := range q[:n] {
+		s.queued = false
+	}
+	j.successor = q[0]
+	clear(q[:n])
+	r.lanes[j.lane] = q[n:]
+	r.lanesMu.Unlock()
+}
+
+// giveBackBehind marks the jobs of j's lane queued behind it for which
+// behind holds to be given back instead of run.
+func (r *run) giveBackBehind(j *job, behind func(*job) bool) {
+	for s := j.successor; s != nil; s = s.successor {
+		s.giveBack = s.giveBack || behind(s) // taken with j by this worker (see next)
+	}
+	r.lanesMu.Lock()
+	for _, q := range r.lanes[j.lane] {
+		q.giveBack = q.giveBack || behind(q)
+	}
+	r.lanesMu.Unlock()
+}
+
+// receivedBefore reports, for j lost at lostAt, which jobs were received
+// before the loss, or with j. Every job is, when the time is unknown.
+func (r *run) receivedBefore(j *job, lostAt time.Time) func(*job) bool {
+	if lostAt.IsZero() {
+		return func(*job) bool { return true }
+	}
+	cut := max(lostAt.Sub(r.started), j.accepted)
+	return func(q *job) bool { return q.accepted <= cut }
+}

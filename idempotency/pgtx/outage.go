@@ -1,0 +1,58 @@
+package pgtx
+
+import (
+	"errors"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Telling the database's failures from the message's. An error the runtime
+// gets marked consumer.Unavailable waits for the database without using up
+// the message's attempts; any other error uses one up, and enough of them
+// dead-letter the message. So an outage (no connection, a connection lost,
+// a server shutting down or out of resources) must be told apart from what
+// a message can cause (the function's own errors, its data refused by a
+// constraint), which goes to the runtime unchanged.
+
+// ownStatementFailed reports whether err, from a statement of the handler's
+// own (BEGIN, the key's claim, the fingerprint read, COMMIT), is a failure
+// of the database rather than of the data. Those statements are fixed and
+// their key already checked, so any failure but a SQL error about the data
+// is the database's: no connection (the pool closed, refused, timed out),
+// a connection lost, the server shutting down, out of resources, missing
+// the table, or refusing the role. Errors about the data (SQLSTATE classes
+// 22 and 23, such as a deferred constraint at COMMIT) stay the message's.
+// Conflicts and the delivery's own context are handled before this.
+func ownStatementFailed(err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		class := pe.Code[:min(2, len(pe.Code))]
+		return class != "22" && class != "23"
+	}
+	return true
+}
+
+// connectionLost reports whether the function's error err came with the
+// transaction's connection gone: the server ended the session (terminated,
+// shutting down, crashed) or the network dropped it, and pgx closed the
+// connection. Nothing the function did can commit then, and the failure is
+// the database's. An error of the function's own making leaves the
+// connection open (a failed statement only aborts the transaction), and a
+// network error from anything else the function calls (an HTTP request,
+// say) says nothing about the database: those go to the runtime unchanged.
+func connectionLost(tx pgx.Tx, err error) bool {
+	if c := tx.Conn(); c != nil && c.IsClosed() {
+		return true
+	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		switch pe.Code[:min(2, len(pe.Code))] {
+		case "08": // connection exception
+			return true
+		case "57": // operator intervention: admin or crash shutdown, cannot connect now
+			return pe.Code != "57014" // query_canceled: a statement timeout is the function's
+		}
+	}
+	return false
+}
