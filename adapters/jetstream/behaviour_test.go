@@ -111,6 +111,30 @@ func TestMaxAckPendingBoundsConcurrency(t *testing.T) {
 	}
 }
 
+// TestCapabilities: the lease is the consumer's AckWait; naks take a delay
+// and the server counts deliveries; acks and naks, each a round trip, are
+// made by the runtime's own goroutines, several at once, after a short
+// linger, so that no worker waits for the server's reply.
+func TestCapabilities(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	src, err := New(e.ctx(), e.js, name, "caps", WithCreate(jetstream.ConsumerConfig{AckWait: 7 * time.Second, MaxAckPending: 300}), WithMaxFetch(50))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	c := src.Capabilities()
+	if c.Lease != 7*time.Second || !c.NackDelay || !c.CountsDeliveries || c.MaxUnacked != 300 || c.MaxReceive != 50 || c.Ordered {
+		t.Errorf("Capabilities %+v: want Lease 7s, NackDelay, CountsDeliveries, MaxUnacked 300, MaxReceive 50, not Ordered", c)
+	}
+	for op, b := range map[string]adapters.Batching{"Ack": c.Ack, "Nack": c.Nack} {
+		if b.Linger <= 0 || b.Linger > time.Millisecond || b.MaxCalls < 2 {
+			t.Errorf("Capabilities.%s = %+v: want a linger of at most 1ms, so that the runtime's goroutines make the calls, and several calls at once", op, b)
+		}
+	}
+}
+
 // TestPoisonMessageDeadLettered: a message failing MaxAttempts times is in
 // the dead-letter stream with its diagnostics and the subject it came from,
 // is terminated (not acked), and is never delivered again.

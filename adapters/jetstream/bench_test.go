@@ -14,6 +14,7 @@ import (
 	wmjs "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/jetstream"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
 )
 
@@ -434,4 +435,54 @@ func custodyConsumeAckWait(b *testing.B, stream string, n, concurrency int, work
 		b.Fatal(fmt.Errorf("Run: %w", err))
 	}
 	return took, src.Stats()
+}
+
+// What Capabilities.Ack and Receivers were chosen against: the same runs
+// (a no-op handler at concurrency 64; a 1 ms handler at concurrency 1 and
+// 64) as declared, without a linger, and with two Receive calls at once, on
+// fresh streams of the same contents, in the same run. An acknowledged ack
+// is a round trip: without a linger the worker that sends a batch waits for
+// its replies; with one, the runtime's own goroutines send and wait.
+func BenchmarkAckBatching(b *testing.B) {
+	variants := []struct {
+		name      string
+		ack       *adapters.Batching // nil: as declared
+		receivers int                // 0: as declared
+	}{
+		{"declared", nil, 0},
+		{"nolinger", &adapters.Batching{}, 0},
+		{"receivers2", nil, 2},
+	}
+	const nNoop, n1, n64 = benchMessages, 1000, 30000
+	e := newEnv(b)
+	type result struct{ noop, one, many time.Duration }
+	results := make([]result, len(variants))
+	for i := 0; i < b.N; i++ {
+		for j := range variants {
+			k := (i + j) % len(variants) // the machine's load drifts: rotate
+			v := variants[k]
+			b.StopTimer()
+			sNoop, s1, s64 := benchStream(b, e, nNoop), benchStream(b, e, n1), benchStream(b, e, n64)
+			b.StartTimer()
+			knobs := func(o *options) error {
+				o.ackBatching, o.receivers = v.ack, v.receivers
+				return nil
+			}
+			r := &results[k]
+			took, _ := custodyConsume(b, sNoop, nNoop, 64, 0, 0, knobs)
+			r.noop += took
+			took, _ = custodyConsume(b, s1, n1, 1, 0, time.Millisecond, knobs)
+			r.one += took
+			took, _ = custodyConsume(b, s64, n64, 64, 0, time.Millisecond, knobs)
+			r.many += took
+		}
+	}
+	for k, v := range variants {
+		r := results[k]
+		rate := func(n int, d time.Duration) float64 { return float64(n*b.N) / d.Seconds() }
+		b.ReportMetric(rate(nNoop, r.noop), v.name+"-noop-msg/s")
+		b.ReportMetric(rate(n1, r.one), v.name+"-1ms-c1-msg/s")
+		b.ReportMetric(rate(n64, r.many), v.name+"-1ms-c64-msg/s")
+		b.ReportMetric(rate(n64, r.many)/rate(n1, r.one), v.name+"-speedup")
+	}
 }

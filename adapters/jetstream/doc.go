@@ -65,7 +65,10 @@
 // an entry succeeds only once the server replied that it processed it.
 // JetStream has no batched ack, so n acks are n requests and n replies;
 // Ack sends them all at once and awaits the replies together, on one
-// subscription. An ack that is not answered within WithRequestTimeout (10 s)
+// subscription. The Source asks the runtime (Capabilities.Ack and Nack) to
+// make these calls on goroutines of its own, up to 8 at once, each with
+// what gathered within 200 µs, so that no handler's worker waits for a
+// reply. An ack that is not answered within WithRequestTimeout (10 s)
 // fails, and the message may come back. The fire-and-forget ack would save
 // the reply; docs/jetstream.md measures what it costs.
 //

@@ -7,6 +7,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/custody-go/custody/adapters"
 )
 
 // Defaults for the Source's options.
@@ -41,9 +43,12 @@ type options struct {
 	ordered        bool
 	maxAttempts    int // 0: not checked against MaxDeliver
 	meterProvider  metric.MeterProvider
-	// unconfirmedAcks sends fire-and-forget acks instead of acknowledged
-	// ones: for the benchmark that measures what the confirmation costs.
+	// Benchmark knobs: fire-and-forget acks instead of acknowledged ones
+	// (what the confirmation costs), and other Capabilities.Ack and
+	// Receivers than the Source declares (what they were chosen against).
 	unconfirmedAcks bool
+	ackBatching     *adapters.Batching
+	receivers       int
 }
 
 func defaultOptions() options {

@@ -92,20 +92,14 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 		h.mu.Lock()
 		switch h.state {
 		case stateHeld:
-			if op == opNak {
+			if op == opNak && !now.Before(h.leasedUntil) {
 				// A nak names the message by stream sequence: sent for a
 				// delivery whose lease may have run out, it would act on
 				// the redelivery another consumer now runs (redeliver it
 				// beside that run, or reset its timer to the delay). The
 				// message comes back by itself.
-				if cause := d.Signal.LostCause(); cause != nil {
-					reqs[i].skip = cause
-					break
-				}
-				if !now.Before(h.leasedUntil) {
-					reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, d.ID, s.caps.Lease)
-					break
-				}
+				reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, d.ID, s.caps.Lease)
+				break
 			}
 			h.state = stateSettling
 			hs[i] = h
@@ -208,10 +202,6 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 		h, ok := dl.Handle.(*handle)
 		if !ok || h.src != s {
 			reqs[i].skip = errForeign
-			continue
-		}
-		if cause := dl.Signal.LostCause(); cause != nil {
-			reqs[i].skip = cause
 			continue
 		}
 		h.mu.Lock()

@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -142,6 +143,14 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 		Ordered:          o.ordered,
 		MaxUnacked:       info.Config.MaxAckPending,
 		MaxReceive:       o.maxFetch,
+		Ack:              ackBatching,
+		Nack:             ackBatching,
+	}
+	if o.ackBatching != nil {
+		s.caps.Ack = *o.ackBatching
+	}
+	if o.receivers > 0 {
+		s.caps.Receivers = o.receivers
 	}
 	s.stats.pending.Store(int64(info.NumPending))
 	mp := o.meterProvider
@@ -154,6 +163,17 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 	}
 	return s, nil
 }
+
+// How the runtime batches the Source's acks and naks. Each is a round trip
+// (the Source waits for the server's reply), so the runtime's own goroutines
+// make the calls, up to 8 at once, each with what gathered within 200 µs: no
+// worker waits for a reply, and acks stay pipelined. Measured against no
+// linger (the workers sending, one call at a time) in BenchmarkAckBatching:
+// 1.2 to 1.5 times the no-op throughput, and no less with a 1 ms handler.
+// JetStream has no batched ack, so the linger does not save requests, and
+// is kept short beside the ack's round trip. Renewals take the runtime's
+// defaults; one Receive at a time measured no worse than two.
+var ackBatching = adapters.Batching{Linger: 200 * time.Microsecond, MaxCalls: 8}
 
 // minServer is the oldest server with every feature the Source uses: naks
 // with a delay (2.7.1).
