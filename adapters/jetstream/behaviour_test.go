@@ -143,7 +143,7 @@ func TestPoisonMessageDeadLettered(t *testing.T) {
 	name := uniqueName(t)
 	e.stream(name, false)
 	e.stream(name+"_dlq", false)
-	dlq, err := NewDeadLetterSubject(e.ctx(), e.js, name+"_dlq.orders")
+	dlq, err := NewDeadLetter(e.ctx(), e.js, name+"_dlq.orders")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,7 +233,7 @@ func TestDeadLetterPublishFailureKeepsOriginal(t *testing.T) {
 	e.stream(name, false)
 	dlqStream := name + "_dlq"
 	e.stream(dlqStream, false)
-	dlq, err := NewDeadLetterSubject(e.ctx(), e.js, dlqStream+".x")
+	dlq, err := NewDeadLetter(e.ctx(), e.js, dlqStream+".x")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -275,6 +275,98 @@ func TestDeadLetterPublishFailureKeepsOriginal(t *testing.T) {
 	t.Logf("handler calls: %d (a permanent error is not retried; the failed writes waited in place)", calls.Load())
 }
 
+// TestDeadLetterStreamAndSettlement: NewDeadLetter finds the stream that
+// captures its subject, or creates it with WithCreateStream, and says what
+// to do when neither works. After Send, the original of a Source's delivery
+// is terminated and SettlesOriginal says so (the runtime does not ack it);
+// another broker's delivery is only copied, and left to the runtime.
+func TestDeadLetterStreamAndSettlement(t *testing.T) {
+	e := newEnv(t)
+	name := uniqueName(t)
+	e.stream(name, false)
+	dlqStream := name + "_dlq"
+	subject := dlqStream + ".copies"
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		e.js.DeleteStream(ctx, dlqStream)
+	})
+	if _, err := NewDeadLetter(e.ctx(), e.js, subject); err == nil || !strings.Contains(err.Error(), "WithCreateStream") {
+		t.Errorf("NewDeadLetter with no stream capturing the subject: %v, want an error naming WithCreateStream", err)
+	}
+	if _, err := NewDeadLetter(e.ctx(), e.js, subject, WithCreateStream(jetstream.StreamConfig{})); err == nil || !strings.Contains(err.Error(), "Name") {
+		t.Errorf("WithCreateStream without a name: %v, want an error asking for one", err)
+	}
+	if _, err := NewDeadLetter(e.ctx(), e.js, subject, WithCreateStream(jetstream.StreamConfig{Name: dlqStream, Subjects: []string{dlqStream + ".other"}})); err == nil || !strings.Contains(err.Error(), "Subjects") {
+		t.Errorf("WithCreateStream with subjects leaving the dead-letter subject out: %v, want an error saying so", err)
+	}
+	e.js.DeleteStream(e.ctx(), dlqStream)
+	dl, err := NewDeadLetter(e.ctx(), e.js, subject, WithCreateStream(jetstream.StreamConfig{Name: dlqStream, Storage: jetstream.MemoryStorage}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dl.Stream() != dlqStream {
+		t.Errorf("Stream() = %q, want the stream created, %q", dl.Stream(), dlqStream)
+	}
+	again, err := NewDeadLetter(e.ctx(), e.js, subject, WithCreateStream(jetstream.StreamConfig{Name: dlqStream, Subjects: []string{"ignored"}}))
+	if err != nil || again.Stream() != dlqStream {
+		t.Errorf("NewDeadLetter with the stream already there: %v, %v; want it used as it is", again, err)
+	}
+
+	e.publish(name+".a", []byte("poison"), nil)
+	src, err := New(e.ctx(), e.js, name, "settle", WithCreate(jetstream.ConsumerConfig{AckWait: 30 * time.Second}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	ds := receiveN(t, src, 1)
+	foreign := &adapters.Delivery{ID: "sqs-1", Body: []byte("foreign"), Queue: "orders"}
+	f := adapters.Failure{Err: errors.New("malformed"), Attempts: 1}
+	for _, d := range []*adapters.Delivery{ds[0], foreign} {
+		if err := dl.Send(e.ctx(), d, f); err != nil {
+			t.Fatalf("Send %s: %v", d.ID, err)
+		}
+	}
+	if !dl.SettlesOriginal(ds[0]) {
+		t.Error("SettlesOriginal is false for the Source's delivery Send terminated: the runtime would ack it")
+	}
+	if dl.SettlesOriginal(foreign) {
+		t.Error("SettlesOriginal is true for another broker's delivery: the runtime would not ack it")
+	}
+	if st := src.Stats(); st.Terms != 1 {
+		t.Errorf("%d terms, want the original terminated", st.Terms)
+	}
+	ci, err := src.cons.Info(e.ctx())
+	if err != nil || ci.NumAckPending != 0 {
+		t.Errorf("consumer info %+v, %v: want nothing unacked after the term", ci, err)
+	}
+	ms, err := e.readAll(e.ctx(), dlqStream, "")
+	if err != nil || len(ms) != 2 {
+		t.Fatalf("the created stream holds %d copies (%v), want 2", len(ms), err)
+	}
+}
+
+// ackFailures returns the runtime's custody.ack.failures as reader last
+// collected it.
+func ackFailures(t *testing.T, reader *sdkmetric.ManualReader) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if sum, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "custody.ack.failures" {
+				for _, dp := range sum.DataPoints {
+					n += dp.Value
+				}
+			}
+		}
+	}
+	return n
+}
+
 // TestNativeDeadLetter: with the consumer's MaxDeliver equal to MaxAttempts,
 // a poison message is left to the server, which stops delivering it and
 // publishes its MAX_DELIVERIES advisory; a permanent error terminates at
@@ -303,6 +395,9 @@ func TestNativeDeadLetter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
 	var calls sync.Map
 	h := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		n, _ := calls.LoadOrStore(string(m.Body), new(atomic.Int64))
@@ -326,7 +421,11 @@ func TestNativeDeadLetter(t *testing.T) {
 				return seen["MAX_DELIVERIES"] && seen["MSG_TERMINATED"]
 			}
 		}
-	}, consumer.WithDeadLetter(dl), consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(10 * time.Millisecond)}))
+	}, consumer.WithDeadLetter(dl), consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(10 * time.Millisecond)}),
+		consumer.WithMeterProvider(mp))
+	if n := ackFailures(t, reader); n != 0 {
+		t.Errorf("%d acks failed: the runtime acked messages the native dead letter had settled", n)
+	}
 	for body, want := range map[string]int64{"retried": 3, "permanent": 1} {
 		n, _ := calls.Load(body)
 		if got := n.(*atomic.Int64).Load(); got != want {

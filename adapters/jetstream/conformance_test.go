@@ -27,7 +27,7 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 	e.stream(name, false)
 	dlqName := name + "_dlq"
 	e.stream(dlqName, false)
-	dlq, err := NewDeadLetterSubject(e.ctx(), e.js, dlqName+".copies")
+	dlq, err := NewDeadLetter(e.ctx(), e.js, dlqName+".copies")
 	if err != nil {
 		t.Fatal(err)
 	}

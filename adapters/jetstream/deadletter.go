@@ -19,7 +19,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// Header names the DeadLetterSubject adds beside package adapters'
+// Header names the DeadLetter adds beside package adapters'
 // diagnostic headers.
 const (
 	// HeaderOriginalSubject is the subject the original message was
@@ -42,9 +42,9 @@ const (
 	headerBudget = 56 << 10
 )
 
-// DeadLetterSubject is an adapters.DeadLetter that publishes failed messages
-// to a subject a JetStream stream captures. The copy has the original's body
-// and headers and the diagnostic headers (package adapters' Header* names:
+// DeadLetter is an adapters.DeadLetter that publishes failed messages to a
+// subject a JetStream stream captures. The copy has the original's body and
+// headers and the diagnostic headers (package adapters' Header* names:
 // custody-error, custody-attempts, custody-first-failure, ...; line breaks in
 // the error text written as \r and \n), plus custody-original-subject;
 // headers that cannot travel as they are go into custody-original-headers
@@ -55,7 +55,8 @@ const (
 // For a delivery of a [Source], Send then terminates the original (+TERM,
 // answered by the server, which publishes a MSG_TERMINATED advisory), and
 // SettlesOriginal reports it, so the runtime does not ack it; if the term
-// fails, the runtime acks it instead. A delivery from another broker is only copied.
+// fails, the runtime acks it instead. A delivery from another broker is only
+// copied.
 //
 // Each copy carries a Nats-Msg-Id derived from the delivery (its stream
 // sequence and delivery count for a Source's delivery; everything it carries
@@ -64,41 +65,87 @@ const (
 // and replayed gets fresh diagnostics: the earlier trip's diagnostic headers
 // are dropped, and what custody-original-headers held of the message itself
 // is kept.
-type DeadLetterSubject struct {
+type DeadLetter struct {
 	js      jetstream.JetStream
 	subject string
 	stream  string
 }
 
 var (
-	_ adapters.DeadLetter      = (*DeadLetterSubject)(nil)
-	_ adapters.OriginalSettler = (*DeadLetterSubject)(nil)
+	_ adapters.DeadLetter      = (*DeadLetter)(nil)
+	_ adapters.OriginalSettler = (*DeadLetter)(nil)
 )
 
-// NewDeadLetterSubject returns a DeadLetter publishing to subject. It checks
-// that a stream captures the subject (ctx bounds that call); a publish
-// nothing captures fails (no responders), and the original is kept.
-func NewDeadLetterSubject(ctx context.Context, js jetstream.JetStream, subject string) (*DeadLetterSubject, error) {
+// DeadLetterOption configures a [DeadLetter].
+type DeadLetterOption func(*deadLetterOptions) error
+
+type deadLetterOptions struct {
+	create *jetstream.StreamConfig // nil: a stream must capture the subject
+}
+
+// WithCreateStream makes NewDeadLetter create a stream with cfg when no
+// stream captures the subject, instead of failing. cfg.Name is required;
+// cfg.Subjects, when empty, is the dead-letter subject alone, and must
+// otherwise include it. A stream that already captures the subject is used
+// as it is, whatever cfg says. Default: the stream must exist.
+func WithCreateStream(cfg jetstream.StreamConfig) DeadLetterOption {
+	return func(o *deadLetterOptions) error {
+		if cfg.Name == "" {
+			return errors.New("jetstream.WithCreateStream: name the dead-letter stream (StreamConfig.Name)")
+		}
+		c := cfg
+		o.create = &c
+		return nil
+	}
+}
+
+// NewDeadLetter returns a DeadLetter publishing to subject. It checks that a
+// stream captures the subject, or creates one (WithCreateStream); ctx bounds
+// those calls. A stream that stops capturing the subject later makes each
+// Send fail (no responders), and the original is kept.
+func NewDeadLetter(ctx context.Context, js jetstream.JetStream, subject string, opts ...DeadLetterOption) (*DeadLetter, error) {
 	if js == nil {
-		return nil, errors.New("jetstream.NewDeadLetterSubject: nil JetStream; pass jetstream.New(nc)")
+		return nil, errors.New("jetstream.NewDeadLetter: nil JetStream; pass jetstream.New(nc)")
 	}
 	if subject == "" || strings.ContainsAny(subject, " \t\r\n*>") {
-		return nil, fmt.Errorf("jetstream.NewDeadLetterSubject(%q): name one subject, without wildcards or white space", subject)
+		return nil, fmt.Errorf("jetstream.NewDeadLetter(%q): name one subject, without wildcards or white space", subject)
+	}
+	var o deadLetterOptions
+	for _, opt := range opts {
+		if opt == nil {
+			continue
+		}
+		if err := opt(&o); err != nil {
+			return nil, err
+		}
 	}
 	stream, err := js.StreamNameBySubject(ctx, subject)
-	if err != nil {
-		return nil, fmt.Errorf("jetstream.NewDeadLetterSubject(%q): no stream captures the subject (create one whose subjects include it): %w", subject, err)
+	if errors.Is(err, jetstream.ErrStreamNotFound) && o.create != nil {
+		cfg := *o.create
+		if len(cfg.Subjects) == 0 {
+			cfg.Subjects = []string{subject}
+		}
+		if _, cerr := js.CreateStream(ctx, cfg); cerr != nil {
+			return nil, fmt.Errorf("jetstream.NewDeadLetter(%q): creating stream %q (WithCreateStream): %w", subject, cfg.Name, cerr)
+		}
+		stream, err = js.StreamNameBySubject(ctx, subject)
+		if err != nil {
+			return nil, fmt.Errorf("jetstream.NewDeadLetter(%q): stream %q, created by WithCreateStream, does not capture the subject; include it in StreamConfig.Subjects: %w", subject, cfg.Name, err)
+		}
 	}
-	return &DeadLetterSubject{js: js, subject: subject, stream: stream}, nil
+	if err != nil {
+		return nil, fmt.Errorf("jetstream.NewDeadLetter(%q): no stream captures the subject (create one whose subjects include it, or pass WithCreateStream): %w", subject, err)
+	}
+	return &DeadLetter{js: js, subject: subject, stream: stream}, nil
 }
 
 // Subject returns the subject copies are published to.
-func (q *DeadLetterSubject) Subject() string { return q.subject }
+func (q *DeadLetter) Subject() string { return q.subject }
 
 // SettlesOriginal reports whether Send terminated d: true for a delivery of
 // a Source whose term the server answered, false otherwise (the runtime then
 // acks it).
-func (q *DeadLetterSubject) SettlesOriginal(d *adapters.Delivery) bool {
+func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	h, ok := d.Handle.(*handle)
 	if !ok {
 		return false
@@ -109,11 +156,11 @@ func (q *DeadLetterSubject) SettlesOriginal(d *adapters.Delivery) bool {
 }
 
 // Stream returns the stream that stores the copies.
-func (q *DeadLetterSubject) Stream() string { return q.stream }
+func (q *DeadLetter) Stream() string { return q.stream }
 
 // Send publishes a copy of d with the failure's diagnostics, waits for the
 // stream's PubAck, then terminates the original if it came from a Source.
-func (q *DeadLetterSubject) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	msg := q.message(d, f)
 	if _, err := q.js.PublishMsg(ctx, msg, jetstream.WithMsgID(deduplicationID(d))); err != nil {
 		return fmt.Errorf("jetstream: publishing message %s to dead-letter subject %q (the original is kept): %w", d.ID, q.subject, err)
@@ -127,7 +174,7 @@ func (q *DeadLetterSubject) Send(ctx context.Context, d *adapters.Delivery, f ad
 }
 
 // message builds the copy of d.
-func (q *DeadLetterSubject) message(d *adapters.Delivery, f adapters.Failure) *nats.Msg {
+func (q *DeadLetter) message(d *adapters.Delivery, f adapters.Failure) *nats.Msg {
 	m := &nats.Msg{Subject: q.subject, Data: d.Body, Header: nats.Header{}}
 	refused := map[string]string{}
 	// What an earlier trip kept of the message's own headers stays, unless
@@ -313,7 +360,7 @@ func (s *Source) NativeDeadLetter(maxAttempts int) (adapters.DeadLetter, error) 
 		return nil, fmt.Errorf("jetstream: Source.NativeDeadLetter(%d): maxAttempts must be the consumer's Retry.MaxAttempts, at least 1", maxAttempts)
 	}
 	if md := s.info.MaxDeliver; md != maxAttempts {
-		return nil, fmt.Errorf("jetstream: Source.NativeDeadLetter(%d): consumer %q has MaxDeliver %d; set it to the runtime's MaxAttempts (%d) so that the server stops delivering a message exactly when the runtime gives up on it, or use NewDeadLetterSubject",
+		return nil, fmt.Errorf("jetstream: Source.NativeDeadLetter(%d): consumer %q has MaxDeliver %d; set it to the runtime's MaxAttempts (%d) so that the server stops delivering a message exactly when the runtime gives up on it, or use NewDeadLetter",
 			maxAttempts, s.consumer, md, maxAttempts)
 	}
 	return &nativeDeadLetter{s: s, maxDeliver: maxAttempts}, nil

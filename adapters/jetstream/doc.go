@@ -8,7 +8,7 @@
 //	js, err := jetstream.New(nc)
 //	src, err := custodyjs.New(ctx, js, "ORDERS", "shipper",
 //		custodyjs.WithCreate(jetstream.ConsumerConfig{AckWait: 30 * time.Second}))
-//	dlq, err := custodyjs.NewDeadLetterSubject(ctx, js, "ORDERS_DLQ.shipper")
+//	dlq, err := custodyjs.NewDeadLetter(ctx, js, "ORDERS_DLQ.shipper")
 //	c, err := consumer.New(src, handler,
 //		consumer.WithConcurrency(64),
 //		consumer.WithDeadLetter(dlq))
@@ -89,9 +89,10 @@
 //
 // Two ways, pick one per consumer:
 //
-//   - [DeadLetterSubject] publishes a copy (body, headers, diagnostics) to a
-//     subject a stream captures and waits for the stream's PubAck; it then
-//     terminates the original (+TERM). A failed publish keeps the original.
+//   - [NewDeadLetter] publishes a copy (body, headers, diagnostics) to a
+//     subject a stream captures (or that it creates, WithCreateStream) and
+//     waits for the stream's PubAck; it then terminates the original
+//     (+TERM). A failed publish keeps the original.
 //   - [Source.NativeDeadLetter] leaves poison messages in the stream, to the
 //     consumer's MaxDeliver (which must equal the runtime's MaxAttempts,
 //     checked at start-up) and the server's MAX_DELIVERIES advisory.

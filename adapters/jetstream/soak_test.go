@@ -197,7 +197,7 @@ func (s *jsSoak) consume(gen int, life time.Duration, crash bool) {
 	if s.cfg.native {
 		dl, err = src.NativeDeadLetter(s.cfg.MaxAttempts)
 	} else {
-		dl, err = NewDeadLetterSubject(conn.ctx(), conn.js, s.dlq+".copies")
+		dl, err = NewDeadLetter(conn.ctx(), conn.js, s.dlq+".copies")
 	}
 	if err != nil {
 		s.log.Violate("consumer %d: dead letter: %v", gen, err)

@@ -106,7 +106,7 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	sink, err := custodyjs.NewDeadLetterSubject(ctx, js, dlqStream+".shipper")
+	sink, err := custodyjs.NewDeadLetter(ctx, js, dlqStream+".shipper")
 	if err != nil {
 		src.Close()
 		return err
