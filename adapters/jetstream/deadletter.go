@@ -355,6 +355,13 @@ func deduplicationID(d *adapters.Delivery) string {
 // text, failure times) are only logged and counted. Send returns nil only
 // once the server answered, and the DeadLetter settles the original itself
 // (adapters.OriginalSettler): the runtime does not ack it.
+//
+// MaxDeliver counts deliveries, not handler runs: a delivery given back
+// before its handler started (at shutdown, or queued behind a lost message
+// of its ordering key) or lost with its connection uses one up. Such a
+// message can reach MaxDeliver, and be left in the stream, after fewer
+// handler runs than maxAttempts, or none. The copying DeadLetter does not
+// have this limit: the runtime dead-letters only after running the handler.
 func (s *Source) NativeDeadLetter(maxAttempts int) (adapters.DeadLetter, error) {
 	if maxAttempts < 1 {
 		return nil, fmt.Errorf("jetstream: Source.NativeDeadLetter(%d): maxAttempts must be the consumer's Retry.MaxAttempts, at least 1", maxAttempts)

@@ -96,6 +96,9 @@
 //   - [Source.NativeDeadLetter] leaves poison messages in the stream, to the
 //     consumer's MaxDeliver (which must equal the runtime's MaxAttempts,
 //     checked at start-up) and the server's MAX_DELIVERIES advisory.
+//     MaxDeliver counts deliveries, including those given back unstarted at
+//     shutdown or lost with a connection, so a message may be left there
+//     after fewer handler runs than MaxAttempts.
 //
 // New refuses a consumer with a MaxDeliver limit unless WithMaxAttempts says
 // the runtime's MaxAttempts and MaxDeliver is not below it: the server would
