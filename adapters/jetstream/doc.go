@@ -113,6 +113,21 @@
 // with the connection. A server that restarts keeps the consumer's state in
 // file storage, and redelivers what was unacked once its AckWait ran out.
 //
+// # Deleting and recreating a stream
+//
+// Do not delete a stream and create it again under the same name while a
+// Source reads it: stop the consumers first (Run has returned), or give the
+// new stream another name. An ack, nak or renewal names its message by
+// stream name, consumer name and stream sequence, and the new stream numbers
+// its messages from 1 again, so one sent for a delivery of the old stream
+// acts on the new stream's message of that sequence: an ack settles a
+// message no handler ran, which is then never delivered. Nothing in the
+// acknowledgement tells the two streams apart, so the Source could only
+// guard against this with a request to the server before every Ack, Nack
+// and Extend, and would still race with the deletion. (A durable consumer
+// deleted and created again on the same stream is harmless: a sequence
+// still names the same message.)
+//
 // # Metrics
 //
 // custody.jetstream.pending (gauge: the consumer's backlog as of the latest
