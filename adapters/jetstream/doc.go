@@ -38,7 +38,8 @@
 // it, and it did no earlier). Key is the subject, or a header
 // (WithKeyHeader), so consumer.OrderByKey runs one message per subject at
 // a time, in stream order; WithOrderedKeys makes that the Source's own
-// ordering. [Message] (or consumer.Message.As) reaches the jetstream.Msg.
+// ordering. A handler reaches the jetstream.Msg with m.As(&msg) (do not ack
+// it yourself); [Message] does the same from a Delivery.
 //
 // # Leases
 //

@@ -17,9 +17,8 @@ const (
 	// consumer before it returns none.
 	DefaultPollWait = 5 * time.Second
 	// DefaultMaxFetch is the most messages one Receive fetches. Smaller
-	// pulls let the runtime ask again sooner: with a 1 ms handler at
-	// concurrency 64, pulls of at most 64 kept the workers fed about a fifth
-	// better than pulls of up to 128 (see docs/jetstream.md).
+	// pulls let the runtime ask again sooner, which keeps its workers fed
+	// when handlers take time (see docs/jetstream.md).
 	DefaultMaxFetch = 64
 	// DefaultRequestTimeout bounds each ack, nak, renewal and term, and the
 	// wait for their replies.

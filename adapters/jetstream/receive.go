@@ -213,9 +213,9 @@ const (
 	stateTermed
 )
 
-// Message returns the JetStream message a delivery was made from. From a
-// handler: m.As(&msg) with msg a jetstream.Msg. Do not ack it yourself: the
-// runtime does.
+// Message returns the JetStream message a delivery was made from (for a
+// DeadLetter of your own; a handler uses m.As(&msg) with msg a
+// jetstream.Msg). Do not ack it yourself: the runtime does.
 func Message(d *adapters.Delivery) (jetstream.Msg, bool) {
 	m, ok := d.Native.(jetstream.Msg)
 	return m, ok

@@ -39,11 +39,11 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 
 // Nack gives each delivery back to be redelivered after its After: a nak
 // with that delay (NakWithDelay), or a plain nak for zero or less. A delay is
-// cut to a year. The server's reply is awaited, as for Ack. A delivery that
-// is lost, or whose lease may have run out by this process's clock (see
-// Extend), fails with adapters.ErrLeaseLost and is not sent: the nak would
-// act on the redelivery another consumer may hold, and the message comes
-// back by itself.
+// cut to a year. The server's reply is awaited, as for Ack. A delivery whose
+// lease may have run out by this process's clock (see Extend) fails with
+// adapters.ErrLeaseLost and is not sent: the nak would act on the
+// redelivery another consumer may hold, and the message comes back by
+// itself.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ds := make([]*adapters.Delivery, len(ns))
 	for i, n := range ns {

@@ -46,21 +46,14 @@ var (
 // New returns a Source over the durable pull consumer named consumer of
 // stream, through js (whose connection you own: Close never closes it). It
 // binds to the consumer, which must exist, or creates or updates it with
-// WithCreate. ctx bounds the calls New makes.
+// WithCreate; ctx bounds the calls New makes.
 //
 // New fails, saying what to change, when the server is older than 2.7.1
-// (delayed naks), when the consumer is a push consumer, does not ack
-// explicitly, or has a BackOff list (the server would time redeliveries by
-// it, shifting every delayed nak of the runtime by the difference between
-// the list's entry and AckWait, and giving later deliveries leases of other
-// lengths than AckWait), and when it has a MaxDeliver limit that is not
-// checked against the runtime's MaxAttempts (WithMaxAttempts) or is below
-// it: the server would stop delivering a message, leaving it in the stream
-// with only an advisory, before the runtime dead-letters it.
-//
-// The consumer's AckWait is the lease, and its MaxAckPending is reported as
-// Capabilities.MaxUnacked: the runtime refuses a concurrency above it and
-// holds no more than it by default.
+// (delayed naks), and when the consumer is a push consumer, does not ack
+// explicitly, has a BackOff list, or has a MaxDeliver limit that
+// WithMaxAttempts does not vouch for (see the package documentation for
+// why each would fight the runtime). The consumer's AckWait is the lease,
+// and its MaxAckPending is reported as Capabilities.MaxUnacked.
 func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, opts ...Option) (*Source, error) {
 	if js == nil {
 		return nil, errors.New("jetstream.New: nil JetStream; pass jetstream.New(nc)")
