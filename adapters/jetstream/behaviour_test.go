@@ -139,6 +139,7 @@ func TestCapabilities(t *testing.T) {
 // the dead-letter stream with its diagnostics and the subject it came from,
 // is terminated (not acked), and is never delivered again.
 func TestPoisonMessageDeadLettered(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	name := uniqueName(t)
 	e.stream(name, false)
@@ -149,7 +150,8 @@ func TestPoisonMessageDeadLettered(t *testing.T) {
 	}
 	e.publish(name+".orders.eu", []byte("poison"), map[string]string{"origin": "test", "Nats-Msg-Id": "publisher-id"})
 	e.publish(name+".orders.eu", []byte("good"), nil)
-	src, err := New(e.ctx(), e.js, name, "poison", WithCreate(jetstream.ConsumerConfig{AckWait: 5 * time.Second}), WithPollWait(200*time.Millisecond))
+	const ackWait = 2 * time.Second
+	src, err := New(e.ctx(), e.js, name, "poison", WithCreate(jetstream.ConsumerConfig{AckWait: ackWait}), WithPollWait(200*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,7 +219,7 @@ func TestPoisonMessageDeadLettered(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runUntil(t, src2, h, "a quiet period past AckWait", func() bool { time.Sleep(6 * time.Second); return true })
+	runUntil(t, src2, h, "a quiet period past AckWait", func() bool { time.Sleep(ackWait + 500*time.Millisecond); return true })
 	if n := count("poison"); n != 3 {
 		t.Errorf("poison message handled %d times after its dead letter, want 3", n)
 	}
@@ -228,6 +230,7 @@ func TestPoisonMessageDeadLettered(t *testing.T) {
 // consumer (not acked, not terminated); once the stream is back the copy
 // is stored and the original terminated.
 func TestDeadLetterPublishFailureKeepsOriginal(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	name := uniqueName(t)
 	e.stream(name, false)

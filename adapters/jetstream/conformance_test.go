@@ -13,6 +13,7 @@ import (
 )
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	adaptertest.Run(t, adaptertest.Harness{NewQueue: newConformanceQueue})
 }
 

@@ -30,6 +30,7 @@ func reconnecting() []nats.Option {
 // ack that landed on a message other than the one handled would leave that
 // one acked unhandled (lost), and one lost would never be handled.
 func TestConnectionKilledAndServerRestarted(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	px := newProxy(t, fmt.Sprintf("127.0.0.1:%d", srv.port))
 	pub := connect(t, srv.url(), reconnecting()...)
@@ -112,6 +113,7 @@ func TestConnectionKilledAndServerRestarted(t *testing.T) {
 // consumer on the same durable consumer, connected all along, never gets
 // the message while the handler runs.
 func TestLeaseRenewedAcrossOutage(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	px := newProxy(t, fmt.Sprintf("127.0.0.1:%d", srv.port))
 	direct := connect(t, srv.url())
@@ -159,11 +161,11 @@ func TestLeaseRenewedAcrossOutage(t *testing.T) {
 	stopB := run(srcB)
 	time.Sleep(ackWait / 2)
 	px.outage(ackWait / 2)
+	// Acked: nothing pending or unacked is left to redeliver to B.
 	waitFor(t, "the handler to finish and its ack to land", func() bool {
 		ci, err := srcB.cons.Info(direct.ctx())
 		return err == nil && ci.NumAckPending == 0 && ci.NumPending == 0
 	})
-	time.Sleep(ackWait)
 	if err := stopA(); err != nil {
 		t.Errorf("Run A: %v", err)
 	}
@@ -186,6 +188,7 @@ func TestLeaseRenewedAcrossOutage(t *testing.T) {
 // (adapters.ErrLeaseLost), before the server hands the message to a second
 // consumer, connected all along.
 func TestOutageLongerThanAckWaitLosesTheLease(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	px := newProxy(t, fmt.Sprintf("127.0.0.1:%d", srv.port))
 	direct := connect(t, srv.url())
@@ -242,15 +245,15 @@ func TestOutageLongerThanAckWaitLosesTheLease(t *testing.T) {
 	stopA := run(srcA)
 	<-running
 	stopB := run(srcB)
-	var outage sync.WaitGroup
-	outage.Go(func() { px.outage(3 * ackWait) })
+	// The outage lasts until the server has handed the message to B.
+	end := px.down()
 	waitFor(t, "the message handled by the second consumer", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(started) >= 2
 	})
 	stopB()
-	outage.Wait()
+	end()
 	stopA()
 	mu.Lock()
 	defer mu.Unlock()

@@ -111,7 +111,7 @@ type proxy struct {
 	onPub  func(subject string, payload []byte)
 	mu     sync.Mutex
 	conns  []net.Conn
-	down   bool // refuse new connections
+	refuse bool // refuse new connections
 	wg     sync.WaitGroup
 }
 
@@ -142,9 +142,9 @@ func (p *proxy) accept() {
 			return
 		}
 		p.mu.Lock()
-		down := p.down
+		refuse := p.refuse
 		p.mu.Unlock()
-		if down {
+		if refuse {
 			c.Close()
 			continue
 		}
@@ -191,14 +191,22 @@ func (p *proxy) cut() {
 
 // outage cuts every connection and refuses new ones for d.
 func (p *proxy) outage(d time.Duration) {
+	end := p.down()
+	time.Sleep(d)
+	end()
+}
+
+// down cuts every connection and refuses new ones until end is called.
+func (p *proxy) down() (end func()) {
 	p.mu.Lock()
-	p.down = true
+	p.refuse = true
 	p.mu.Unlock()
 	p.cut()
-	time.Sleep(d)
-	p.mu.Lock()
-	p.down = false
-	p.mu.Unlock()
+	return func() {
+		p.mu.Lock()
+		p.refuse = false
+		p.mu.Unlock()
+	}
 }
 
 func (p *proxy) close() {

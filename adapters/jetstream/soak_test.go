@@ -54,6 +54,7 @@ import (
 // (default 2, a few seconds each), CUSTODY_JS_SOAK_LOG=1 shows the runtime's
 // log.
 func TestSoakJetStreamKeepsTheInvariants(t *testing.T) {
+	t.Parallel()
 	soaktest.Rounds(t, "CUSTODY_JS_SOAK", 2, jsSoakRound)
 }
 
@@ -272,10 +273,7 @@ func (s *jsSoak) consume(gen int, life time.Duration, crash bool) {
 				s.mu.Lock()
 				s.crashed[gen] = true
 				s.mu.Unlock()
-				px.mu.Lock()
-				px.down = true
-				px.mu.Unlock()
-				px.cut()
+				px.down() // for good
 			}
 		}
 		cancel()
