@@ -2,9 +2,10 @@ package jetstream
 
 import "sync/atomic"
 
-// Stats are a Source's counters since it was created. JetStream acks one
-// message per request, so the request counts divided by Received are the
-// cost per message.
+// Stats are a Source's counters since it was created, an aid for tests and
+// benchmarks (in production, read the metrics: see the package
+// documentation). JetStream acks one message per request, so the request
+// counts divided by Received are the cost per message.
 type Stats struct {
 	// Fetches counts pull requests; EmptyFetches those that brought
 	// nothing; FetchErrors those that failed (and messages without
