@@ -23,36 +23,32 @@
 // with arguments. New fails if the first connection or the check fails;
 // later failures are repaired in the background.
 //
-// # Acks are coalesced, and never cover an unfinished delivery
+// # Acks go out at once, and never cover an unfinished delivery
 //
 // Delivery tags on a channel grow one by one, and a basic.ack with
 // multiple=true settles every outstanding tag up to the one it names. The
-// adapter tracks each channel's tags with a completion-prefix tracker: when
-// the runtime acks a delivery the adapter only records it, and once a
-// contiguous run of finished tags from the oldest outstanding one is long
-// enough (a quarter of the prefetch, at most 64) or a short linger passed
-// (5 ms), it sends one multiple=true ack naming the last tag of the run. A
-// tag whose handler has not finished stops the run, so no ack ever covers
-// it. A finished delivery stuck behind it is acked on its own once it has
-// waited as long (5 ms, counted from its own ack), and all of them at once
-// when they fill three quarters of the prefetch window: so one slow message
-// does not stall the channel, and every ack reaches the broker about 5 ms
-// after its handler succeeded, which bounds what a crash delivers again.
-// The next multiple ack then names the highest tag of its run still
-// outstanding, since the broker closes the channel on one naming a tag
-// already settled. Rejects
-// (requeues and native dead letters) go out at once, one by one. Close sends
-// every ack already decided before closing the channel; a broker that does
-// not answer the channel's close within 5 s has its connection closed
-// instead, and Close reports it (the broker redelivers what it did not get
-// the acks for). See WithAckCoalescing.
+// adapter tracks each channel's tags with a completion-prefix tracker. Ack
+// turns the batch it is given into frames before it returns: one
+// multiple=true ack for the contiguous run of finished tags from the oldest
+// outstanding one, naming the highest tag of the run still outstanding (the
+// broker closes the channel on a multiple ack naming a tag it no longer
+// holds), and one ack each for the deliveries of the batch left behind a
+// tag whose handler has not finished, which no multiple ack may cover. The
+// adapter keeps no ack back and has no timer: gathering acks into batches
+// is the runtime's work (Capabilities.Ack is the zero Batching, so the
+// runtime's workers send what gathered at once, within a millisecond, as
+// group commit). Rejects (requeues and native dead letters) go out one by
+// one. A second ack or nack of a delivery is never sent.
 //
-// Ack returns once the ack is recorded: AMQP acks are not confirmed by the
-// broker, so sending it a few milliseconds later changes no guarantee. If
-// the channel dies first, the message is redelivered (at least once). An
-// Ack for a delivery whose channel or connection the client already knows
-// to be closed reports adapters.ErrConnectionLost, since it can no longer
-// reach the broker.
+// When Ack returns, its frames are written to the connection: a process
+// killed right after does not get those messages back. AMQP acks have no
+// reply, so a connection that dies before the broker reads them still
+// loses them, and the broker delivers those messages again (at least
+// once). An Ack for a delivery whose channel or connection the client
+// already knows to be closed, or whose frame could not be written, reports
+// adapters.ErrConnectionLost. Close closes the channel; a broker that does
+// not answer the channel's close within 5 s has its connection closed
+// instead, and Close reports it.
 //
 // # Reconnecting without stale acks
 //
@@ -60,10 +56,10 @@
 // the generation it came from. When the connection or channel dies (or the
 // broker cancels the consumer), every delivery of that generation is lost:
 // its handler's context is cancelled with a cause wrapping
-// adapters.ErrConnectionLost, its pending ack is dropped and counted (the
-// broker redelivers the message), and an Ack or Nack that arrives later for
-// it is refused with ErrConnectionLost instead of being sent on the new
-// channel, where the same tag names a different message. The adapter then
+// adapters.ErrConnectionLost, and an Ack or Nack that arrives later for it
+// is refused with ErrConnectionLost (and counted as a dropped ack: the
+// broker redelivers the message) instead of being sent on the new channel,
+// where the same tag names a different message. The adapter then
 // redials with exponential backoff (WithReconnectBackoff) and resumes. It
 // logs the lost channel and the reconnection, not each failed attempt:
 // Receive hands the runtime the reconnection error (the address tried and
@@ -96,9 +92,8 @@
 // end it), the original is requeued instead (basic.nack, requeue=true). So
 // custody of the message never leaves the adapter before a confirmed copy
 // replaces it, whatever limits the queue has or is given later. A delivery
-// waiting in place also holds back the coalesced run behind it, so
-// deliveries finished after it are acked one by one after their straggler
-// wait. Nack with no delay requeues (basic.nack, requeue=true). The adapter
+// waiting in place also stops the run of finished tags, so deliveries
+// finished after it are acked one by one. Nack with no delay requeues (basic.nack, requeue=true). The adapter
 // never holds a delivery past three quarters of the consumer timeout
 // (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
 // close the channel: it cuts such a wait short and logs a warning. It also

@@ -59,9 +59,6 @@ type settings struct {
 	queueType       QueueType
 	queueArgs       amqp.Table
 	dlxByPolicy     bool
-	ackBatch        int
-	ackLinger       time.Duration
-	stragglerWait   time.Duration
 	delayThreshold  time.Duration
 	delayQueues     bool
 	consumerTimeout time.Duration
@@ -80,8 +77,6 @@ func defaultSettings() *settings {
 	return &settings{
 		url:             DefaultURL,
 		prefetch:        256,
-		ackLinger:       5 * time.Millisecond,
-		stragglerWait:   5 * time.Millisecond,
 		consumerTimeout: 30 * time.Minute,
 		reconnectMin:    100 * time.Millisecond,
 		reconnectMax:    10 * time.Second,
@@ -108,9 +103,6 @@ func apply(opts []Option) (*settings, error) {
 	}
 	if s.logger == nil {
 		s.logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	}
-	if s.ackBatch == 0 {
-		s.ackBatch = min(64, max(1, s.prefetch/4))
 	}
 	return s, nil
 }
@@ -275,34 +267,6 @@ func WithDeadLetterByPolicy() Option {
 	return func(s *settings) error {
 		sourceOnly("WithDeadLetterByPolicy", s)
 		s.dlxByPolicy = true
-		return nil
-	}
-}
-
-// WithAckCoalescing tunes how acks are coalesced: a contiguous run of
-// finished deliveries is acked with one multiple=true ack once batch of them
-// are ready or linger has passed since the first (defaults: a quarter of the
-// prefetch, at most 64; 5 ms). A finished delivery stuck behind an
-// unfinished one, which no multiple ack may cover, is acked on its own once
-// it has waited stragglerWait (default: 5 ms, the default linger) for the
-// run to reach it, or at once when such deliveries fill three quarters of
-// the prefetch window. Every ack thus reaches the broker within about
-// stragglerWait of the handler's success, which bounds what a crash makes
-// the broker deliver again; a longer wait sends fewer ack frames when
-// handlers finish out of order.
-func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
-	return func(s *settings) error {
-		sourceOnly("WithAckCoalescing", s)
-		if batch < 1 {
-			return fmt.Errorf("rabbitmq: WithAckCoalescing: batch %d must be at least 1", batch)
-		}
-		if linger <= 0 || linger > time.Second {
-			return fmt.Errorf("rabbitmq: WithAckCoalescing: linger %v must be above zero and at most 1s", linger)
-		}
-		if stragglerWait < linger {
-			return fmt.Errorf("rabbitmq: WithAckCoalescing: stragglerWait %v must be at least the linger %v", stragglerWait, linger)
-		}
-		s.ackBatch, s.ackLinger, s.stragglerWait = batch, linger, stragglerWait
 		return nil
 	}
 }

@@ -120,40 +120,6 @@ func TestReconnectNeverAcksAcrossGenerations(t *testing.T) {
 	}
 }
 
-// Acks decided but not yet sent when the channel dies are dropped and
-// counted; their messages come back.
-func TestReconnectDropsPendingAcks(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, names("m", 4)...)
-	s := openSource(t, q, WithPrefetch(10), WithAckCoalescing(64, time.Second, time.Hour),
-		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
-	ds := receiveN(t, s, 4)
-	if err := s.Ack(context.Background(), ds[1:]); err != nil { // held behind m1
-		t.Fatal(err)
-	}
-	killConnection(t, s)
-	waitGenerations(t, s, 2)
-	if st := s.Stats(); st.DroppedAcks != 3 {
-		t.Fatalf("dropped %d pending acks, want 3", st.DroppedAcks)
-	}
-	again := receiveN(t, s, 4)
-	for _, d := range again {
-		if d.Attempt < 2 {
-			t.Fatalf("redelivered %s has Attempt %d, want at least 2", d.Body, d.Attempt)
-		}
-	}
-	if err := s.Ack(context.Background(), again); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if n := a.ready(q); n != 0 {
-		t.Fatalf("%d messages left", n)
-	}
-}
-
 // While the broker cannot be reached, Receive reports the reconnection error
 // (so the runtime logs it) and consumption resumes once it can.
 func TestReceiveReportsReconnectFailureAndResumes(t *testing.T) {

@@ -246,7 +246,7 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	defer g.mu.Unlock()
 	// If the channel died meanwhile the original comes back as well as the
 	// copy: a duplicate, never a loss.
-	return g.ackLocked(h)
+	return g.ackReplacedLocked(d)
 }
 
 // delayLadder holds the delay-queue steps. A delay is rounded up to the next

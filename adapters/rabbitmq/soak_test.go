@@ -28,12 +28,12 @@ import (
 // the real broker, through rounds of random configurations (classic or
 // quorum queue, prefetch and in-flight bounds, retries waiting in place or
 // through delay queues, a dead-letter exchange or the queue's own
-// dead-letter exchange, ack coalescing, handler and shutdown timeouts),
+// dead-letter exchange, handler and shutdown timeouts),
 // handler behaviours (failures, panics, permanent errors, RetryAfter,
 // Defer, slow handlers, poison messages that always fail) and faults: TCP
 // connections cut under the consumer, its retry publisher and its
-// dead-letter sink while handlers run, acks wait to be sent and copies wait
-// for their confirm; the consumer's connection or channel closed by the
+// dead-letter sink while handlers run, acks are being written and copies
+// wait for their confirm; the consumer's connection or channel closed by the
 // client or by the broker; consumers stopped gracefully (at times while
 // connections are being cut) or dropped (every connection cut and no
 // reconnection allowed); two consumers on the queue at once. Whatever
@@ -76,7 +76,6 @@ type soakConfig struct {
 	maxAttempts int
 	backoff     time.Duration // the retry policy's, constant
 	threshold   time.Duration // WithDelayQueues; below zero, none (the default)
-	linger      time.Duration // WithAckCoalescing's linger; 0: the default
 	timeout     time.Duration // WithHandlerTimeout; 0: none
 	leave       bool          // WithLeaveUnfinishedOnShutdown
 	lag         time.Duration // the longest pause before each write to the broker
@@ -99,8 +98,8 @@ const (
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v linger=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.linger, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -136,20 +135,13 @@ func soakRound(t *testing.T, seed uint64) {
 	case r < 0.6:
 		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
 	}
-	switch r := rng.Float64(); {
-	case r < 0.2:
-		cfg.linger = time.Millisecond // acks in small batches, soon
-	case r < 0.4:
-		// Acks held back for long: stops and cuts find many waiting.
-		cfg.linger = time.Duration(200+rng.IntN(800)) * time.Millisecond
-	}
 	cfg.leave = chance(0.2)
 	if chance(0.2) {
 		cfg.timeout = time.Duration(50+rng.IntN(200)) * time.Millisecond
 	}
 	if chance(0.3) {
-		// Slow writes widen the windows a cut can fall into: acks decided
-		// but not yet on the wire, publishes waiting for their confirm.
+		// Slow writes widen the windows a cut can fall into: acks being
+		// written, publishes waiting for their confirm.
 		cfg.lag = time.Duration(1+rng.IntN(2000)) * time.Microsecond
 	}
 	if chance(0.6) {
@@ -445,12 +437,6 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	}
 	if cfg.threshold >= 0 {
 		opts = append(opts, WithDelayQueues(cfg.threshold))
-	}
-	switch {
-	case cfg.linger == time.Millisecond:
-		opts = append(opts, WithAckCoalescing(1+cfg.prefetch/8, cfg.linger, 10*time.Millisecond))
-	case cfg.linger > 0:
-		opts = append(opts, WithAckCoalescing(cfg.prefetch, cfg.linger, cfg.linger))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -93,6 +94,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 			CountsDeliveries: true,
 			MaxReceive:       st.prefetch,
 			MaxUnacked:       st.prefetch,
+			// An ack has no reply and costs one frame at most: the
+			// runtime's workers send what gathered at once (group commit).
+			Ack: adapters.Batching{},
 		},
 		// Room for a full window from the live channel plus one left over
 		// from a channel that just died (those are skipped).
@@ -145,12 +149,6 @@ func (s *Source) Queue() string { return s.queue }
 // channel rather than on a lease (Lease 0); Nack honours its delay (in place
 // or through a delay queue); Attempt comes from the broker.
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
-
-// pressure is how many finished-but-unacked deliveries make the adapter ack
-// stragglers at once: three quarters of the prefetch window. Much lower and
-// a worker briefly descheduled on a busy machine sets off hundreds of single
-// acks; at the full window the broker would stop delivering.
-func (s *Source) pressure() int { return max(1, s.s.prefetch*3/4) }
 
 // delivery converts an amqp091 delivery.
 func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
@@ -238,42 +236,41 @@ func (s *Source) own(d *adapters.Delivery) (*handle, error) {
 	return h, nil
 }
 
-// Ack implements adapters.Source. It records the deliveries as finished and
-// returns; their acks go out coalesced (see the package documentation).
-// Deliveries whose channel died are reported in a *adapters.BatchError with
-// ErrConnectionLost: the broker redelivers them. So are deliveries already
-// nacked, whose messages come back whatever the Ack says; acking a delivery
-// again is no error.
+// Ack implements adapters.Source. It writes the acks of ds to the broker
+// before it returns: one multiple=true ack for the run of finished
+// deliveries from the oldest outstanding one, and one ack each for the
+// finished deliveries behind one still running (see the package
+// documentation). Gathering acks into batches is the runtime's work. An
+// entry whose channel died, or died while its ack was written, fails with
+// ErrConnectionLost: the broker redelivers it. So does one already nacked,
+// whose message comes back whatever the Ack says; acking a delivery again
+// is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	var failed map[int]error
+	var failed entryErrors
+	// The generations ds holds, nearly always one: the current one.
+	var buf [2]*generation
+	gens := buf[:0]
 	for i, d := range ds {
 		h, err := s.own(d)
-		if err == nil {
-			g := h.gen
-			g.mu.Lock()
-			if h.gaveBack {
-				err = errGaveBack
-			} else {
-				err = g.ackLocked(h)
-			}
-			g.mu.Unlock()
-		}
 		if err != nil {
-			if failed == nil {
-				failed = map[int]error{}
-			}
-			failed[i] = err
+			failed.set(i, err)
+			continue
+		}
+		if !slices.Contains(gens, h.gen) {
+			gens = append(gens, h.gen)
 		}
 	}
-	if failed != nil {
-		return &adapters.BatchError{Failed: failed}
+	for _, g := range gens {
+		g.mu.Lock()
+		g.ackLocked(ds, &failed, false)
+		g.mu.Unlock()
 	}
-	return nil
+	return failed.err()
 }
 
-// Close implements adapters.Source: it sends every ack already decided,
-// closes the channel and the connection (the broker requeues what was not
-// acked), and waits for the adapter's goroutines to end.
+// Close implements adapters.Source: it closes the channel and the
+// connection (the broker requeues what was not acked), and waits for the
+// adapter's goroutines to end.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -291,7 +288,7 @@ func (s *Source) Close() error {
 	s.cancel()
 	var err error
 	if g != nil {
-		held := g.die(true)
+		held := g.die()
 		for _, d := range held {
 			d.Signal.Lose(adapters.ErrClosed)
 		}
@@ -300,7 +297,7 @@ func (s *Source) Close() error {
 		// its own, only its heartbeat timeout (some 30 s): a broker that
 		// stopped answering would hold Close past a deployment's grace
 		// period. At the close timeout, closing the connection ends that
-		// wait (the acks flushed above are already written).
+		// wait (every ack is written already).
 		late := time.AfterFunc(s.s.closeTimeout, func() { _ = g.conn.CloseDeadline(time.Now()) })
 		cerr := g.ch.Close()
 		if !late.Stop() {

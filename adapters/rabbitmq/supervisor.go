@@ -85,7 +85,7 @@ func (s *Source) install(g *generation) bool {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
-		g.die(false)
+		g.die()
 		_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
 		return false
 	}
@@ -173,7 +173,7 @@ func closeCause(what string, e *amqp.Error) error {
 // are cancelled with ErrConnectionLost), its pending acks dropped and
 // counted, its connection closed.
 func (s *Source) kill(g *generation, cause error) {
-	held := g.die(false)
+	held := g.die()
 	s.mu.Lock()
 	if s.gen == g {
 		s.gen = nil

@@ -40,28 +40,6 @@ func TestInPlaceRetriesLeaveRoomInThePrefetchWindow(t *testing.T) {
 	}
 }
 
-// TestAckPressureFlushesStragglersBeforeTheWindowFills: with one slow
-// delivery at the head, finished deliveries behind it are acked one by one as
-// soon as they fill most of the prefetch window, without waiting for the
-// linger or straggler timers; otherwise the broker stops delivering.
-func TestAckPressureFlushesStragglersBeforeTheWindowFills(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, names("m", 8)...)
-	s := openSource(t, q, WithPrefetch(8), WithAckCoalescing(64, time.Second, time.Hour))
-	ds := receiveN(t, s, 8)
-	// ds[0] still runs; six finish behind it, which is the pressure mark
-	// (three quarters of the window); ds[7] is still being handled.
-	if err := s.Ack(context.Background(), ds[1:7]); err != nil {
-		t.Fatal(err)
-	}
-	// Sent by the Ack call itself, not by the linger timer a second later.
-	if st := s.Stats(); st.Acked != 6 {
-		t.Fatalf("right after Ack, %d deliveries acked on the wire; want the 6 finished ones", st.Acked)
-	}
-	waitUnacked(t, q, 2)
-}
-
 // TestPrefetchOneNeverWaitsInPlace: with a prefetch of 1 a retry waiting in
 // place would be the whole window, and the broker would send nothing else
 // until it ended. With delay queues, short retries go through one instead.
