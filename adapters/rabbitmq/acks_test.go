@@ -224,7 +224,7 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1", "m2")
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	ds := receiveN(t, s, 2)
 	if err := s.Ack(ctx, ds[:1]); err != nil {
@@ -237,7 +237,7 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)); err == nil {
-		t.Fatal("second Nack of a waiting delivery succeeded")
+		t.Fatal("second Nack of a retried delivery succeeded")
 	}
 	again := receiveN(t, s, 1)
 	if err := s.Ack(ctx, again); err != nil {
@@ -247,7 +247,7 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	if n := a.ready(q); n != 0 {
 		t.Fatalf("%d copies on the queue, want none", n)
 	}
-	if st := s.Stats(); st.RetriedInPlace != 1 || st.DelayQueued != 0 {
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedAtOnce != 0 {
 		t.Fatalf("stats %+v: want exactly one retry copy", st)
 	}
 }
@@ -283,8 +283,8 @@ func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
 	q1 := a.queue(ClassicQueue, nil)
 	q2 := a.queue(ClassicQueue, nil)
 	a.publish(q2, "m1")
-	s1 := openSource(t, q1, WithPrefetch(10))
-	s2 := openSource(t, q2, WithPrefetch(10))
+	s1 := openSource(t, q1, WithPrefetch(10), WithDelayQueues())
+	s2 := openSource(t, q2, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	d := receiveN(t, s2, 1)
 	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, adapters.NackAll(d, 0)), s1.Nack(ctx, adapters.NackAll(d, time.Second))} {
@@ -297,7 +297,7 @@ func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.waitReady(q2, 1)
-	if st := s2.Stats(); st.Acked != 0 || st.Rejects != 0 || st.RetriedInPlace != 0 {
+	if st := s2.Stats(); st.Acked != 0 || st.Rejects != 0 || st.DelayQueued != 0 || st.RetriedAtOnce != 0 {
 		t.Fatalf("the delivery was settled through the other Source: %+v", st)
 	}
 }

@@ -41,7 +41,12 @@ func harnessQueue(typ QueueType) func(t *testing.T, cfg adaptertest.QueueConfig)
 				return nil
 			},
 			Open: func(t *testing.T) adapters.Source {
-				return openSource(t, q, WithPrefetch(64), WithPollWait(200*time.Millisecond))
+				opts := []Option{WithPrefetch(64), WithPollWait(200 * time.Millisecond)}
+				if typ == QuorumQueue {
+					// Declared, the Source knows the broker counts deliveries.
+					opts = append(opts, WithDeclare(QuorumQueue, nil))
+				}
+				return openSource(t, q, opts...)
 			},
 			DeadLetter: openSink(t, "", dlq),
 			DeadLettered: func(ctx context.Context) ([]adaptertest.Message, error) {

@@ -71,56 +71,59 @@
 //
 // # Attempts
 //
-// Delivery.Attempt counts deliveries, 1 on the first. Quorum queues count
-// redeliveries in x-delivery-count; classic queues only flag a redelivery,
-// which counts as one more attempt (a lower bound). Retries are republished
-// copies carrying HeaderAttempt, so their count is exact on both queue types.
-// Like the broker, the count includes deliveries that were prefetched but
-// never handled before a shutdown or a lost connection.
+// Delivery.Attempt is 1 on the first delivery where the Source counts
+// deliveries (Capabilities.CountsDeliveries): on a quorum queue it declares
+// (WithDeclare(QuorumQueue, ...)), which counts redeliveries in
+// x-delivery-count, and with WithDelayQueues, whose copies carry the next
+// attempt in HeaderAttempt. A redelivery a classic queue only flags then
+// counts as one more attempt, a lower bound. Otherwise (a classic queue, or
+// one the Source only checks) Attempt is 0 unless the message carries a
+// count (x-delivery-count, HeaderAttempt), and the runtime counts the
+// attempts it makes itself. Like the broker, a count includes deliveries
+// that were prefetched but never handled before a shutdown or a lost
+// connection.
 //
-// # Retries wait in place
+// # Retries
 //
-// Capabilities report NackDelay, so the runtime hands a failed delivery back
-// with Nack(delay) and frees its worker at once. The adapter keeps the
-// delivery unacked for the delay (it holds a prefetch slot, no worker), then
-// publishes its next attempt to the queue and acks the original after the
-// broker confirmed the copy. When the queue refuses the copy (full, with
-// x-overflow reject-publish or reject-publish-dlx, whether an argument or a
-// policy says so) or does not confirm it within 30 s (a resource alarm
-// blocks publishers; the broker then stops reading, so even the write of a
-// large copy can block, and the adapter closes the publishing connection to
-// end it), the original is requeued instead (basic.nack, requeue=true). So
-// custody of the message never leaves the adapter before a confirmed copy
-// replaces it, whatever limits the queue has or is given later. A delivery
-// waiting in place also stops the run of finished tags, so deliveries
-// finished after it are acked one by one. Nack with no delay requeues (basic.nack, requeue=true). The adapter
-// never holds a delivery past three quarters of the consumer timeout
-// (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
-// close the channel: it cuts such a wait short and logs a warning. It also
-// warns when deliveries stay unacked for more than half the consumer
-// timeout.
+// Without delay queues, the default, the broker cannot hold a message back,
+// so the Source reports NackDelay=false and the runtime waits out a retry in
+// place: the delivery stays unacked (a prefetch slot, no worker) and its
+// handler runs again on it after the backoff. The message never leaves the
+// Source meanwhile, whatever limits its queue has. Nack gives deliveries
+// back at once (basic.nack, requeue=true), whatever their delay. A delivery
+// waiting in place stops the run of finished tags, so deliveries finished
+// after it are acked one by one. The broker closes the channel of a
+// delivery unacked for its consumer timeout (WithConsumerTimeout, RabbitMQ's
+// default 30 min), which the Source reports, less a margin, as
+// Capabilities.MaxLeaseAge; it also warns when deliveries stay unacked for
+// more than half of it.
 //
 // Waiting retries hold prefetch slots: while many wait, the broker sends
 // fewer new messages, and with a prefetch of 1 none until the wait ends.
-// WithDelayQueues frees those slots: delays longer than its threshold
-// publish the copy at once to a delay queue and ack the original after the
-// confirm; shorter delays go there too once half the prefetch window
-// already waits in place (with a prefetch of 1, every delay), and so does a
-// delay that would near the consumer timeout. A delay queue (named
-// "<queue>.custody-retry.<ms>ms", or for a queue name too long for that
-// "<prefix of the queue name>~<hash>.custody-retry.<ms>ms", created on first
-// use) is a durable quorum queue whose message TTL is the delay rounded up
-// to a fixed ladder of steps and which dead-letters expired copies back to
-// the queue at least once: the broker keeps a copy the queue refuses (full,
-// or missing) and offers it again every
-// dead_letter_worker_publisher_confirm_timeout (3 minutes by default). When
-// the delay queue cannot be declared (RabbitMQ before 3.10, a user who may
-// not declare queues) or does not confirm the copy, the retry waits in place.
-// Once confirmed into the delay queue the copy is out of the adapter's
-// hands: a policy that sets overflow on the delay queue (it overrides the
-// argument, and anything but reject-publish makes the dead-lettering
-// at-most-once), a deleted or expired delay queue, or a delay queue that
-// loses its quorum loses it. See docs/rabbitmq.md.
+// WithDelayQueues frees those slots. The Source then reports NackDelay and
+// Nack publishes each delayed delivery's next attempt to a delay queue and
+// acks the original after the broker confirmed the copy, never before. A
+// delay queue (named "<queue>.custody-retry.<ms>ms", or for a queue name too
+// long for that "<prefix of the queue name>~<hash>.custody-retry.<ms>ms",
+// created on first use) is a durable quorum queue whose message TTL is the
+// delay rounded up to a fixed ladder of steps and which dead-letters expired
+// copies back to the queue at least once: the broker keeps a copy the queue
+// refuses (full, or missing) and offers it again every
+// dead_letter_worker_publisher_confirm_timeout (3 minutes by default). New
+// declares one to check that the broker (RabbitMQ 3.10 or later) and the
+// user allow them. When a delay queue does not take a copy (not declared,
+// deleted, full by a policy, or not confirming within 30 s under a resource
+// alarm: the broker then stops reading, so even the write of a large copy
+// can block, and the adapter closes the publishing connection to end it),
+// the copy is published to the queue itself at once, losing its delay but
+// keeping its attempt count; when the queue refuses it too (full, with
+// x-overflow reject-publish or reject-publish-dlx, whether an argument or a
+// policy says so), the original is requeued. Once confirmed into the delay
+// queue the copy is out of the adapter's hands: a policy that sets overflow
+// on the delay queue (it overrides the argument, and anything but
+// reject-publish makes the dead-lettering at-most-once), a deleted or
+// expired delay queue, or a delay queue that loses its quorum loses it. See
+// docs/rabbitmq.md.
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers
@@ -157,10 +160,10 @@
 // fit, it leaves out HeaderFirstReceived, then the original route (they
 // only feed dead-letter diagnostics), but never the message's own headers,
 // which its handler sees again. A copy for a delay queue that still does not
-// fit waits in place instead, and one that does not fit even then is not
-// published: the original is requeued after the delay (basic.nack,
-// requeue=true), whole. A quorum queue counts those requeues
-// (x-delivery-count), so the message still reaches the dead-letter
+// fit goes to the queue itself, where one hop fewer adds headers, and one
+// that does not fit even then is not published: the original is requeued
+// at once (basic.nack, requeue=true), whole. A quorum queue counts those
+// requeues (x-delivery-count), so the message still reaches the dead-letter
 // destination after MaxAttempts; a classic queue only flags them, so its
 // attempt count stays at the lower bound and it is retried until it
 // succeeds (each time with a warning). Only a message whose properties and

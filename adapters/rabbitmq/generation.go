@@ -40,7 +40,6 @@ type generation struct {
 	// sentFrontier is the highest tag up to which everything is settled on
 	// the wire.
 	sentFrontier uint64
-	waiting      int // deliveries held in place for a delayed retry
 }
 
 // state of one delivery in its generation.
@@ -48,7 +47,6 @@ type state uint8
 
 const (
 	stateHeld    state = iota // with the runtime
-	stateWaiting              // held by the adapter for an in-place retry
 	stateAcking               // done in the tracker; its ack frame is being written
 	stateSettled              // acked or rejected on the wire
 	stateDropped              // its ack could not be written; the broker redelivers it
@@ -136,9 +134,6 @@ func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, rep
 		case h.state == stateAcking || h.state == stateSettled:
 			// Acked already, or earlier in ds: nothing more to send.
 		default:
-			if h.state == stateWaiting {
-				g.waiting--
-			}
 			h.state = stateAcking
 			g.tracker.Done(int64(h.tag))
 			marked = true
@@ -240,9 +235,6 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 		// The channel is closing: the delivery stays held, to be lost with
 		// its generation, and the broker redelivers it.
 		return fmt.Errorf("%w: %v", adapters.ErrConnectionLost, err)
-	}
-	if h.state == stateWaiting {
-		g.waiting--
 	}
 	h.state = stateSettled
 	h.gaveBack = true

@@ -59,7 +59,6 @@ type settings struct {
 	queueType       QueueType
 	queueArgs       amqp.Table
 	dlxByPolicy     bool
-	delayThreshold  time.Duration
 	delayQueues     bool
 	consumerTimeout time.Duration
 	reconnectMin    time.Duration
@@ -105,6 +104,21 @@ func apply(opts []Option) (*settings, error) {
 		s.logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 	return s, nil
+}
+
+// countsDeliveries reports whether Delivery.Attempt survives a redelivery:
+// a quorum queue counts deliveries, and a retry through a delay queue
+// carries its attempt in HeaderAttempt. A classic queue only flags a
+// redelivery, and a queue the Source only checks may be either.
+func (s *settings) countsDeliveries() bool {
+	return s.delayQueues || s.queueType == QuorumQueue
+}
+
+// maxHold is how long a delivery may stay unacked: the broker closes the
+// channel of one held for its consumer timeout. A margin (a quarter of it,
+// at most a minute) leaves time to give it back first.
+func (s *settings) maxHold() time.Duration {
+	return s.consumerTimeout - min(s.consumerTimeout/4, time.Minute)
 }
 
 func sourceOnly(name string, s *settings) { s.sourceOnly = append(s.sourceOnly, name) }
@@ -181,7 +195,8 @@ func WithLogger(l *slog.Logger) Option {
 // WithPrefetch sets the channel's QoS prefetch count: how many unacked
 // deliveries the broker lets this consumer hold (default 256). It must be at
 // least the consumer's concurrency, or workers idle while the window is full;
-// deliveries waiting in place for a retry also occupy it. At most 65535.
+// deliveries the runtime holds while their retry waits in place also occupy
+// it. At most 65535.
 //
 // Every delivery in the window waits its turn unacked, and the broker closes
 // the channel (redelivering them all) when one waits past its
@@ -271,30 +286,30 @@ func WithDeadLetterByPolicy() Option {
 	}
 }
 
-// WithDelayQueues lets retries whose delay is longer than threshold travel
-// through delay queues instead of waiting in place (default: off, every
-// retry waits in place). With it, a retry publishes a copy to a quorum queue
-// whose message TTL is the delay (rounded up to a ladder step) and which
-// dead-letters it back to the source queue at least once, then acks the
-// original; shorter delays go the same way once half the prefetch window
-// already waits in place (with a prefetch of 1, all of them, so that
-// waiting retries never starve the channel), and so does any delay that
-// would bring an in-place wait near the consumer timeout. A threshold of
-// zero sends every delayed retry through a delay queue. It needs RabbitMQ
-// 3.10 or later; where the delay queue cannot be declared, retries wait in
-// place.
+// WithDelayQueues makes the broker hold retries back (default: off). Without
+// it the Source reports NackDelay=false and the runtime waits out each retry
+// in place: the delivery stays unacked, holding a prefetch slot but no
+// worker, and its handler runs again on it after the backoff.
+//
+// With it, the Source reports NackDelay=true, and a retry publishes a copy
+// of the message, carrying its next attempt, to a quorum queue whose message
+// TTL is the delay (rounded up to a ladder step) and which dead-letters it
+// back to the source queue at least once; the original is acked once the
+// broker confirmed the copy. The retry then holds no prefetch slot. It
+// needs RabbitMQ 3.10 or later and a user who may declare queues: New
+// declares one delay queue to check. A copy the delay queue does not take
+// is published to the source queue at once instead (the delay is lost, the
+// attempt count kept), or, if the source queue refuses it too, the original
+// is requeued.
 //
 // Read what delay queues leave to the broker before turning them on
 // (docs/rabbitmq.md): once the copy is confirmed into the delay queue, a
 // policy that sets overflow on it, deleting or expiring it, or losing its
 // quorum loses the copy.
-func WithDelayQueues(threshold time.Duration) Option {
+func WithDelayQueues() Option {
 	return func(s *settings) error {
 		sourceOnly("WithDelayQueues", s)
-		if threshold < 0 {
-			return fmt.Errorf("rabbitmq: WithDelayQueues(%v): the threshold must not be negative", threshold)
-		}
-		s.delayQueues, s.delayThreshold = true, threshold
+		s.delayQueues = true
 		return nil
 	}
 }
@@ -302,8 +317,8 @@ func WithDelayQueues(threshold time.Duration) Option {
 // WithConsumerTimeout tells the adapter the broker's consumer_timeout
 // (default 30 min, RabbitMQ's default). The broker closes a channel whose
 // delivery stays unacked that long, so the adapter warns about deliveries
-// held for more than half of it and never waits in place beyond three
-// quarters of it.
+// held for more than half of it and reports it, less a margin (a quarter,
+// at most a minute), as Capabilities.MaxLeaseAge.
 func WithConsumerTimeout(d time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithConsumerTimeout", s)

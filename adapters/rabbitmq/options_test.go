@@ -31,7 +31,6 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithDeclare(QueueType(9), nil), "WithDeclare"},
 		{WithDeclare(CheckQueue, amqp.Table{"x-max-length": 1}), "WithDeclare"},
 		{WithDeclare(ClassicQueue, amqp.Table{"x-queue-type": "quorum"}), "WithDeclare"},
-		{WithDelayQueues(-1), "WithDelayQueues"},
 		{WithConsumerTimeout(0), "WithConsumerTimeout"},
 		{WithReconnectBackoff(0, time.Second), "WithReconnectBackoff"},
 		{WithReconnectBackoff(time.Second, time.Millisecond), "WithReconnectBackoff"},
@@ -140,7 +139,7 @@ func TestDeclareQuorumQueue(t *testing.T) {
 	q := uniqueName(t, "quorum")
 	t.Cleanup(func() { deleteQueues(q) })
 	s := openSource(t, q, WithDeclare(QuorumQueue, amqp.Table{"x-delivery-limit": int64(10)}))
-	if c := s.Capabilities(); !c.CountsDeliveries || !c.NackDelay || c.Lease != 0 || c.Name != "rabbitmq:"+q {
+	if c := s.Capabilities(); !c.CountsDeliveries || c.NackDelay || c.Lease != 0 || c.Name != "rabbitmq:"+q {
 		t.Fatalf("capabilities %+v", c)
 	}
 	a.publish(q, "m1")

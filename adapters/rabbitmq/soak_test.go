@@ -75,7 +75,7 @@ type soakConfig struct {
 	inFlight    int // 0: the runtime's default
 	maxAttempts int
 	backoff     time.Duration // the retry policy's, constant
-	threshold   time.Duration // WithDelayQueues; below zero, none (the default)
+	delayQueues bool          // WithDelayQueues
 	timeout     time.Duration // WithHandlerTimeout; 0: none
 	leave       bool          // WithLeaveUnfinishedOnShutdown
 	lag         time.Duration // the longest pause before each write to the broker
@@ -92,14 +92,12 @@ const (
 	soakUpFront  = 80
 )
 
-// soakDelays are the delays handlers ask for with RetryAfter and Defer: one
-// waited out in place, the others through a delay queue under a low
-// threshold.
+// soakDelays are the delays handlers ask for with RetryAfter and Defer.
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v delayQueues=%t timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.delayQueues, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -116,7 +114,6 @@ func soakRound(t *testing.T, seed uint64) {
 		concurrency: 1 + rng.IntN(8),
 		maxAttempts: 2 + rng.IntN(3),
 		backoff:     time.Duration(1+rng.IntN(50)) * time.Millisecond,
-		threshold:   -1,
 		shutdown:    time.Duration(rng.IntN(400)) * time.Millisecond,
 		phases:      rng.IntN(4),
 	}
@@ -129,12 +126,7 @@ func soakRound(t *testing.T, seed uint64) {
 	if chance(0.5) {
 		cfg.inFlight = cfg.concurrency + rng.IntN(cfg.prefetch-cfg.concurrency+1)
 	}
-	switch r := rng.Float64(); {
-	case r < 0.2:
-		cfg.threshold = 5 * time.Second
-	case r < 0.6:
-		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
-	}
+	cfg.delayQueues = chance(0.6)
 	cfg.leave = chance(0.2)
 	if chance(0.2) {
 		cfg.timeout = time.Duration(50+rng.IntN(200)) * time.Millisecond
@@ -435,8 +427,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.native {
 		opts = append(opts, WithDeclare(s.typ, s.args))
 	}
-	if cfg.threshold >= 0 {
-		opts = append(opts, WithDelayQueues(cfg.threshold))
+	if cfg.delayQueues {
+		opts = append(opts, WithDelayQueues())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -577,8 +569,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 		AckFrames: s.stats.AckFrames + st.AckFrames, MultipleAcks: s.stats.MultipleAcks + st.MultipleAcks,
 		Acked: s.stats.Acked + st.Acked, AckErrors: s.stats.AckErrors + st.AckErrors, Rejects: s.stats.Rejects + st.Rejects,
 		DroppedAcks: s.stats.DroppedAcks + st.DroppedAcks, Lost: s.stats.Lost + st.Lost,
-		RetriedInPlace: s.stats.RetriedInPlace + st.RetriedInPlace, DelayQueued: s.stats.DelayQueued + st.DelayQueued,
-		RetryFailures: s.stats.RetryFailures + st.RetryFailures,
+		DelayQueued: s.stats.DelayQueued + st.DelayQueued, RetryFailures: s.stats.RetryFailures + st.RetryFailures,
+		RetriedAtOnce: s.stats.RetriedAtOnce + st.RetriedAtOnce,
 	}
 	for id, calls := range s.running {
 		for _, c := range calls {

@@ -40,16 +40,12 @@ type Source struct {
 	dialErrNew  bool
 	closed      bool
 	closing     chan struct{}
-	// republishing counts in-place retries between their copy and the
-	// original's ack; republished is signalled when it falls to zero.
-	republishing int
-	republished  sync.Cond
-	wg           sync.WaitGroup // supervisor, pumps, in-place retries
+	wg          sync.WaitGroup // supervisor, pumps
 
 	stats counters
 
-	// publishTimeout bounds the publish and confirm of a retry's copy
-	// (republishTimeout; tests shorten it).
+	// publishTimeout bounds the publishes of one retry (republishTimeout;
+	// tests shorten it).
 	publishTimeout time.Duration
 
 	// testHookRepublished, when set by a test, runs between a retry's
@@ -90,8 +86,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		caps: adapters.Capabilities{
 			Name:             "rabbitmq:" + queue,
 			System:           "rabbitmq",
-			NackDelay:        true,
-			CountsDeliveries: true,
+			NackDelay:        st.delayQueues,
+			CountsDeliveries: st.countsDeliveries(),
+			MaxLeaseAge:      st.maxHold(),
 			MaxReceive:       st.prefetch,
 			MaxUnacked:       st.prefetch,
 			// An ack has no reply and costs one frame at most: the
@@ -108,15 +105,23 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 
 		publishTimeout: republishTimeout,
 	}
-	s.republished.L = &s.mu
-	if st.delayQueues && st.delayThreshold >= st.consumerTimeout/2 {
-		st.logger.Warn("rabbitmq: the in-place retry threshold is at least half the consumer timeout; the broker closes channels whose deliveries stay unacked that long",
-			"queue", queue, "threshold", st.delayThreshold, "consumer_timeout", st.consumerTimeout)
-	}
 	g, err := s.connect(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
+	}
+	if st.delayQueues {
+		// Whether this broker and user can have delay queues at all: found
+		// out here, rather than by every retry publishing its copy to the
+		// queue at once, without its delay.
+		step := delayLadder[0]
+		if err := s.pub.declareDelayQueue(ctx, delayQueueName(queue, step), step, queue); err != nil {
+			g.die()
+			_ = g.conn.CloseDeadline(time.Now().Add(st.closeTimeout))
+			s.pub.close()
+			cancel()
+			return nil, fmt.Errorf("rabbitmq: New: WithDelayQueues: %w", err)
+		}
 	}
 	s.install(g)
 	s.wg.Add(1)
@@ -146,8 +151,12 @@ func randomSuffix() string {
 func (s *Source) Queue() string { return s.queue }
 
 // Capabilities implements adapters.Source. RabbitMQ holds deliveries on the
-// channel rather than on a lease (Lease 0); Nack honours its delay (in place
-// or through a delay queue); Attempt comes from the broker.
+// channel rather than on a lease (Lease 0), for at most the consumer
+// timeout (MaxLeaseAge, a margin less). Nack honours its delay only through
+// delay queues (NackDelay with WithDelayQueues); otherwise the runtime waits
+// out retries in place. Attempt comes from the broker where it counts
+// deliveries, a quorum queue the Source declares, or from the copies
+// retries publish (CountsDeliveries with either).
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 
 // delivery converts an amqp091 delivery.
@@ -158,7 +167,7 @@ func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 		ID:              m.MessageId,
 		Body:            m.Body,
 		Headers:         stringHeaders(m.Headers),
-		Attempt:         attemptOf(&m),
+		Attempt:         attemptOf(&m, s.caps.CountsDeliveries),
 		Queue:           s.queue,
 		Partition:       -1,
 		Offset:          -1,
@@ -279,9 +288,6 @@ func (s *Source) Close() error {
 	}
 	s.closed = true
 	close(s.closing)
-	for s.republishing > 0 {
-		s.republished.Wait() // bounded by republishTimeout
-	}
 	g := s.gen
 	s.gen = nil
 	s.mu.Unlock()
