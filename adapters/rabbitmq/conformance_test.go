@@ -20,7 +20,7 @@ func TestConformanceQuorum(t *testing.T) {
 }
 
 // harnessQueue gives each conformance test a fresh queue of the given type
-// with a dead-letter queue beside it, fed by a DeadLetterExchange sink.
+// with a dead-letter queue beside it, fed by a DeadLetter sink.
 func harnessQueue(typ QueueType) func(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue {
 	return func(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue {
 		if cfg.Ordered {

@@ -267,7 +267,7 @@ func TestPublisherRefusesAContentHeaderBeyondFrameMax(t *testing.T) {
 // would never leave its stream. The copy keeps them in one JSON header,
 // merged with one an earlier trip left; the others arrive byte for byte,
 // spaces, Unicode, empty and invalid UTF-8 values included.
-func TestDeadLetterExchangeKeepsLongHeaderNamesInJSON(t *testing.T) {
+func TestDeadLetterKeepsLongHeaderNamesInJSON(t *testing.T) {
 	a := newAdmin(t)
 	dlq := a.queue(ClassicQueue, nil)
 	x := openSink(t, "", dlq)
@@ -312,7 +312,7 @@ func TestDeadLetterExchangeKeepsLongHeaderNamesInJSON(t *testing.T) {
 
 // A message id longer than the message-id property (a short string) is
 // carried by the diagnostics only.
-func TestDeadLetterExchangeTakesALongForeignID(t *testing.T) {
+func TestDeadLetterTakesALongForeignID(t *testing.T) {
 	a := newAdmin(t)
 	dlq := a.queue(ClassicQueue, nil)
 	x := openSink(t, "", dlq)
@@ -332,7 +332,7 @@ func TestDeadLetterExchangeTakesALongForeignID(t *testing.T) {
 // a text x-death would be silently replaced by the broker when the
 // dead-letter queue dead-letters the copy in turn. The copy keeps them as
 // custody-original-<name>.
-func TestDeadLetterExchangeSetsAsideForeignBrokerHeaders(t *testing.T) {
+func TestDeadLetterSetsAsideForeignBrokerHeaders(t *testing.T) {
 	a := newAdmin(t)
 	final := a.queue(ClassicQueue, nil)
 	dlq := a.queue(ClassicQueue, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": final})
@@ -384,7 +384,7 @@ func TestDeadLetterExchangeSetsAsideForeignBrokerHeaders(t *testing.T) {
 // its dead-letter queue down when that queue dead-letters it (a TTL, a
 // length limit, a reject). The copy keeps such an x-death aside; the
 // broker's own history stays x-death.
-func TestDeadLetterExchangeSetsAsideMalformedXDeath(t *testing.T) {
+func TestDeadLetterSetsAsideMalformedXDeath(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	final := a.queue(ClassicQueue, nil)
@@ -433,7 +433,7 @@ func TestDeadLetterExchangeSetsAsideMalformedXDeath(t *testing.T) {
 // never leave its stream. Here: a message that arrived within the frame but
 // whose copy, with the diagnostics, would not fit; another adapter's
 // oversized header; and another adapter's oversized key (a diagnostic).
-func TestDeadLetterExchangeDropsHeadersBeyondFrameMax(t *testing.T) {
+func TestDeadLetterDropsHeadersBeyondFrameMax(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	q := a.queue(ClassicQueue, nil)
@@ -559,7 +559,7 @@ func TestRetryCopyBeyondFrameMaxRequeuesTheOriginal(t *testing.T) {
 // its earlier trip; a new dead-letter copy describes the new failure only.
 // The original route survives: retries keep it in the headers, and the
 // copy reads it before it drops the old diagnostics.
-func TestDeadLetterExchangeReplacesStaleDiagnostics(t *testing.T) {
+func TestDeadLetterReplacesStaleDiagnostics(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	dlq := a.queue(ClassicQueue, nil)

@@ -1,13 +1,13 @@
 // Package rabbitmq is the custody adapter for RabbitMQ, over
 // github.com/rabbitmq/amqp091-go: a [Source] that consumes one queue, a
-// [DeadLetterExchange] sink, and a native dead-letter mode that rejects into
+// [DeadLetter] sink, and a native dead-letter mode that rejects into
 // the queue's own dead-letter exchange.
 //
 //	src, err := rabbitmq.New(ctx, "orders",
 //		rabbitmq.WithURL("amqp://user:pass@rabbit:5672/"),
 //		rabbitmq.WithPrefetch(128),
 //		rabbitmq.WithDeclare(rabbitmq.QuorumQueue, nil))
-//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "orders.dlx", "orders", rabbitmq.WithURL(...),
+//	dlq, err := rabbitmq.NewDeadLetter(ctx, "orders.dlx", "orders", rabbitmq.WithURL(...),
 //		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(64), consumer.WithDeadLetter(dlq))
 //
@@ -173,13 +173,13 @@
 //
 // # Dead letters
 //
-// NewDeadLetterExchange checks its destination when it is made (the
+// NewDeadLetter checks its destination when it is made (the
 // exchange exists; through the default exchange, the queue the routing key
 // names), so that a wrong name fails there and not at the first poison
 // message. WithDeclareDeadLetter declares the exchange, the queue and their
 // binding instead, on every new connection and after an unroutable copy.
 //
-// A [DeadLetterExchange] publishes the original body and properties with
+// A [DeadLetter] publishes the original body and properties with
 // the shared diagnostic headers (adapters.Diagnostics: error, attempts,
 // first and last failure, original queue and id) plus the original exchange
 // and routing key, persistent and mandatory, with publisher confirms: Send
@@ -194,7 +194,7 @@
 // read first.
 //
 // A sink that refuses a message makes the runtime keep the original and try
-// again for ever, so a DeadLetterExchange stores whatever another broker's
+// again for ever, so a DeadLetter stores whatever another broker's
 // adapter can hand it, and keeps recoverable what AMQP cannot carry as it
 // is:
 //

@@ -17,7 +17,7 @@ import (
 const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
 // Option configures a Source (New) or a dead-letter exchange sink
-// (NewDeadLetterExchange). Connection options (WithURL, WithConfig, WithTLS,
+// (NewDeadLetter). Connection options (WithURL, WithConfig, WithTLS,
 // WithDialFunc, WithLogger) apply to both; WithDeclareDeadLetter only to the
 // sink, the others only to a Source, and each constructor rejects the other's
 // by name.

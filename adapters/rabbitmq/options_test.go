@@ -59,7 +59,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		t.Errorf("256-byte queue name: %v", err)
 	}
 	for _, c := range []struct{ exchange, key, what string }{{long, "k", "exchange name"}, {"", long, "routing key"}} {
-		_, err := NewDeadLetterExchange(context.Background(), c.exchange, c.key, WithURL("amqp://nowhere.invalid:1/"))
+		_, err := NewDeadLetter(context.Background(), c.exchange, c.key, WithURL("amqp://nowhere.invalid:1/"))
 		if err == nil || !strings.Contains(err.Error(), c.what) {
 			t.Errorf("256-byte %s: %v", c.what, err)
 		}
@@ -183,7 +183,7 @@ func TestDialsLeaveTheCallersConfigAlone(t *testing.T) {
 		}()
 		go func() {
 			defer wg.Done()
-			x, err := NewDeadLetterExchange(ctx, "", q, WithURL(brokerURL), WithConfig(cfg))
+			x, err := NewDeadLetter(ctx, "", q, WithURL(brokerURL), WithConfig(cfg))
 			if err != nil {
 				t.Error(err)
 				return

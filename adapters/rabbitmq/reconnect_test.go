@@ -675,7 +675,7 @@ func TestCloseOnALiveConnectionToABrokerThatStopsAnswering(t *testing.T) {
 				}
 				c, closeTimeout = s, s.s.closeTimeout
 			} else {
-				x, err := NewDeadLetterExchange(context.Background(), "", q, dial)
+				x, err := NewDeadLetter(context.Background(), "", q, dial)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -441,8 +441,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.native {
 		sink, err = src.NativeDeadLetter()
 	} else {
-		var x *DeadLetterExchange
-		x, err = NewDeadLetterExchange(ctx, "", s.dlq, WithDialFunc(sinkDial.dial), WithLogger(logger))
+		var x *DeadLetter
+		x, err = NewDeadLetter(ctx, "", s.dlq, WithDialFunc(sinkDial.dial), WithLogger(logger))
 		if err == nil {
 			defer x.Close()
 			sink = x

@@ -72,7 +72,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		return nil, err
 	}
 	if len(st.sinkOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetterExchange; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
+		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetter; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
 	}
 	tag := st.consumerTag
 	if tag == "" {

@@ -84,7 +84,7 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 	}
 	// Dead letters go to the exchange dlx with routing key "poison", and
 	// from there to the queue dlq: the sink declares all three.
-	sink, err := rabbitmq.NewDeadLetterExchange(ctx, dlx, "poison",
+	sink, err := rabbitmq.NewDeadLetter(ctx, dlx, "poison",
 		rabbitmq.WithURL(cfg.url),
 		rabbitmq.WithDeclareDeadLetter(dlq, rabbitmq.ClassicQueue, nil))
 	if err != nil {
