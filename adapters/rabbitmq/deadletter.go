@@ -53,6 +53,7 @@ type DeadLetter struct {
 	exchange, key string
 	pub           *publisher
 	reserve       int // room kept for the headers the broker adds (brokerAdditions)
+	tel           *telemetry
 }
 
 // NewDeadLetter connects and checks where dead letters will go, so
@@ -88,7 +89,11 @@ func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Opt
 	if exchange == "" {
 		dlq = routingKey
 	}
-	x := &DeadLetter{exchange: exchange, key: routingKey, pub: newPublisher(st), reserve: brokerAdditions(dlq, exchange, routingKey)}
+	tel, err := sinkTelemetry(st.meters, exchange, routingKey)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: telemetry: %w", err)
+	}
+	x := &DeadLetter{exchange: exchange, key: routingKey, pub: newPublisher(st), reserve: brokerAdditions(dlq, exchange, routingKey), tel: tel}
 	if dd := st.deadLetterDeclare; dd != nil {
 		switch {
 		case exchange == "" && dd.queue == "":
@@ -237,7 +242,10 @@ func (x *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.
 	}
 	p.Headers[HeaderOriginalExchange] = exchange
 	p.Headers[HeaderOriginalRoutingKey] = key
-	if err := x.pub.publish(ctx, x.exchange, x.key, p, x.reserve, fitDeadLetter); err != nil {
+	start := time.Now()
+	err := x.pub.publish(ctx, x.exchange, x.key, p, x.reserve, fitDeadLetter)
+	x.tel.published(copyDeadLetter, time.Since(start), err != nil)
+	if err != nil {
 		return fmt.Errorf("rabbitmq: dead-letter message %q: %w", d.ID, err)
 	}
 	return nil

@@ -236,6 +236,22 @@
 // and nothing confirms the move: a dead-letter exchange that does not exist
 // or routes the message nowhere drops it.
 //
+// # Telemetry
+//
+// Through the MeterProvider of [WithMeterProvider] (the global one by
+// default) a Source reports custody.rabbitmq.acked (deliveries acked on the
+// wire), custody.rabbitmq.ack.frames (basic.ack frames, by
+// rabbitmq.multiple), custody.rabbitmq.acks.dropped (acks not written
+// because their channel died first), custody.rabbitmq.rejects (basic.nack
+// frames, by rabbitmq.requeue), custody.rabbitmq.deliveries.lost,
+// custody.rabbitmq.reconnects, and for its retries' copies
+// custody.rabbitmq.publishes and custody.rabbitmq.publish.duration (by
+// custody.rabbitmq.copy, delay_queue or queue, and error), all with
+// messaging.destination.name, its queue. A DeadLetter sink reports the
+// last two for its copies (copy dead_letter), with its exchange and
+// messaging.rabbitmq.destination.routing_key. Logs go to WithLogger's
+// logger, slog.Default() by default.
+//
 // # Tracing
 //
 // AMQP headers become Delivery.Headers as strings (text as is, numbers in

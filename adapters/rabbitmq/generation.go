@@ -126,6 +126,7 @@ func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, rep
 			// supervisor is about to mark the generation dead: the broker
 			// redelivers the message.
 			g.src.stats.droppedAcks.Add(1)
+			g.src.tel.add(g.src.tel.dropped, 1)
 			failed.set(i, g.lostErr())
 		case h.gaveBack && !replaced:
 			failed.set(i, errGaveBack)
@@ -194,6 +195,7 @@ func (g *generation) writeAck(tag uint64, n int) error {
 	if err != nil {
 		// The channel is closing: the broker redelivers the messages.
 		s.stats.ackErrors.Add(uint64(n))
+		s.tel.add(s.tel.dropped, n)
 		return err
 	}
 	s.stats.ackFrames.Add(1)
@@ -201,6 +203,7 @@ func (g *generation) writeAck(tag uint64, n int) error {
 		s.stats.multipleAcks.Add(1)
 	}
 	s.stats.acked.Add(uint64(n))
+	s.tel.ackFrame(n)
 	return nil
 }
 
@@ -240,6 +243,7 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 	h.gaveBack = true
 	delete(g.held, h.tag)
 	g.src.stats.rejects.Add(1)
+	g.src.tel.rejected(requeue)
 	if g.tracker.Done(int64(h.tag)) {
 		// Every finished tag the frontier passed is settled on the wire
 		// already: finished tags are acked when they finish.

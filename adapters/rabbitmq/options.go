@@ -5,11 +5,12 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // DefaultURL is the broker address used when neither WithURL nor WithDialFunc
@@ -18,9 +19,9 @@ const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
 // Option configures a Source (New) or a dead-letter exchange sink
 // (NewDeadLetter). Connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc, WithLogger) apply to both; WithDeclareDeadLetter only to the
-// sink, the others only to a Source, and each constructor rejects the other's
-// by name.
+// WithDialFunc), WithLogger and WithMeterProvider apply to both;
+// WithDeclareDeadLetter only to the sink, the others only to a Source, and
+// each constructor rejects the other's by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -53,6 +54,7 @@ type settings struct {
 	configSet bool
 	dialFunc  func(ctx context.Context) (*amqp.Connection, error)
 	logger    *slog.Logger
+	meters    metric.MeterProvider
 
 	prefetch        int
 	consumerTag     string
@@ -101,7 +103,10 @@ func apply(opts []Option) (*settings, error) {
 		return nil, errors.New("rabbitmq: WithConfig: Config.Recovery must be nil; the adapter reconnects by itself and must see every new channel to keep delivery tags apart")
 	}
 	if s.logger == nil {
-		s.logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		s.logger = slog.Default()
+	}
+	if s.meters == nil {
+		s.meters = otel.GetMeterProvider()
 	}
 	return s, nil
 }
@@ -180,14 +185,28 @@ func WithDialFunc(dial func(ctx context.Context) (*amqp.Connection, error)) Opti
 	}
 }
 
-// WithLogger sets where the adapter logs reconnections and warnings (default:
-// nowhere).
+// WithLogger sets where the adapter logs reconnections and warnings.
+// Default: slog.Default(), like the consumer's own.
 func WithLogger(l *slog.Logger) Option {
 	return func(s *settings) error {
 		if l == nil {
 			return errors.New("rabbitmq: WithLogger: the logger is nil")
 		}
 		s.logger = l
+		return nil
+	}
+}
+
+// WithMeterProvider sets where the adapter's metrics go: a Source's acks,
+// ack frames, dropped acks, rejects, lost deliveries, reconnections and
+// retry copies; a sink's dead-letter copies (see the package
+// documentation). Default: the global OpenTelemetry MeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(s *settings) error {
+		if mp == nil {
+			return errors.New("rabbitmq: WithMeterProvider: the provider is nil")
+		}
+		s.meters = mp
 		return nil
 	}
 }

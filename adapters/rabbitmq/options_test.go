@@ -38,6 +38,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithTLS(nil), "WithTLS"},
 		{WithDialFunc(nil), "WithDialFunc"},
 		{WithLogger(nil), "WithLogger"},
+		{WithMeterProvider(nil), "WithMeterProvider"},
 		{WithConfig(amqp.Config{Recovery: &amqp.Recovery{}}), "Recovery"},
 	}
 	for _, c := range cases {

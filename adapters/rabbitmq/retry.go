@@ -90,7 +90,7 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 	}
 	s.s.logger.Log(ctx, level, "rabbitmq: could not publish a retry to its delay queue; publishing it to the queue at once",
 		"queue", s.queue, "id", d.ID, "delay", delay, "error", err)
-	err = s.republish(ctx, d, h, "", s.queue, brokerAdditions(s.queue, "", s.queue))
+	err = s.republish(ctx, d, h, copyQueue, s.queue, brokerAdditions(s.queue, "", s.queue))
 	if err == nil || errors.Is(err, adapters.ErrConnectionLost) {
 		if err == nil {
 			s.stats.retriedAtOnce.Add(1)
@@ -115,7 +115,7 @@ func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *hand
 	}
 	// The copy passes two queues that may dead-letter it: the delay queue
 	// always does, adding x-death, and the queue itself may.
-	err := s.republish(ctx, d, h, "", name, brokerAdditions(name, "", name)+brokerAdditions(s.queue, "", s.queue))
+	err := s.republish(ctx, d, h, copyDelayQueue, name, brokerAdditions(name, "", name)+brokerAdditions(s.queue, "", s.queue))
 	if errors.Is(err, errUnroutable) {
 		s.pub.forget(name) // deleted behind our back: declare it again next time
 	}
@@ -125,10 +125,11 @@ func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *hand
 	return err
 }
 
-// republish publishes d's next attempt to exchange/key, leaving reserve
-// bytes of its content header frame for what the broker adds on the way,
-// waits for the confirm, and then acks the original.
-func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, exchange, key string, reserve int) error {
+// republish publishes d's next attempt, a copy of kind (copyDelayQueue or
+// copyQueue), to queue through the default exchange, leaving reserve bytes
+// of its content header frame for what the broker adds on the way, waits
+// for the confirm, and then acks the original.
+func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, kind, queue string, reserve int) error {
 	m, ok := d.Native.(amqp.Delivery)
 	if !ok {
 		return errors.New("rabbitmq: the delivery has no AMQP message to republish")
@@ -144,7 +145,10 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	}
 	var shed []string
 	fit := func(p *amqp.Publishing, budget, _ int) { shed = fitRetry(p, budget) }
-	if err := s.pub.publish(ctx, exchange, key, p, reserve, fit); err != nil {
+	start := time.Now()
+	err := s.pub.publish(ctx, "", queue, p, reserve, fit)
+	s.tel.published(kind, time.Since(start), err != nil)
+	if err != nil {
 		return err
 	}
 	if len(shed) > 0 {

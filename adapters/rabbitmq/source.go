@@ -43,6 +43,7 @@ type Source struct {
 	wg          sync.WaitGroup // supervisor, pumps
 
 	stats counters
+	tel   *telemetry
 
 	// publishTimeout bounds the publishes of one retry (republishTimeout;
 	// tests shorten it).
@@ -78,6 +79,10 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	if tag == "" {
 		tag = defaultConsumerTag(queue)
 	}
+	tel, err := sourceTelemetry(st.meters, queue)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: New: telemetry: %w", err)
+	}
 	bg, cancel := context.WithCancel(context.Background())
 	s := &Source{
 		s:     st,
@@ -102,6 +107,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		ctx:     bg,
 		cancel:  cancel,
 		closing: make(chan struct{}),
+		tel:     tel,
 
 		publishTimeout: republishTimeout,
 	}
@@ -299,6 +305,7 @@ func (s *Source) Close() error {
 			d.Signal.Lose(adapters.ErrClosed)
 		}
 		s.stats.lost.Add(uint64(len(held)))
+		s.tel.add(s.tel.lost, len(held))
 		// amqp091 waits for the broker's channel.close-ok with no limit of
 		// its own, only its heartbeat timeout (some 30 s): a broker that
 		// stopped answering would hold Close past a deployment's grace
