@@ -207,8 +207,8 @@ func (l *recordLog) with(s string) []string {
 // reported once, with the address tried and the error, by the adapter and
 // the runtime together (sharing one logger, as a service does), and once
 // more when the attempts start failing another way; so are the loss of the
-// connection and the reconnection. Each failed attempt was logged by the
-// adapter, and again by the runtime from Receive.
+// connection and the reconnection. Not once per failed attempt, by the
+// adapter and again by the runtime from Receive.
 func TestReconnectTroubleIsLoggedOncePerChange(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
@@ -350,9 +350,8 @@ func (l *waitLog) snapshot() []time.Duration {
 
 // Connections that die soon after they start, one after another (the broker
 // closing each at once: a message it cannot deliver, an operator's policy),
-// are redialled after a growing wait. The backoff started over after every
-// connection that came up, so such a loop redialled about ten times a
-// second for ever, the prefetch window redelivered each time.
+// are redialled after a growing wait, not about ten times a second for
+// ever, the prefetch window redelivered each time.
 func TestConnectionsDyingAtOnceBackOff(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
@@ -571,8 +570,9 @@ func (r *muteRelay) pass(dst, src net.Conn) {
 // Close during a reconnect returns at once, even while the reconnect waits
 // for a broker that accepted the connection and does not answer: in the AMQP
 // handshake, or (the connection made) in opening the channel and the
-// consumer. Those waits have no context; Close waited for their timeouts
-// (the handshake's 30 s, three heartbeats), and so did Run's return.
+// consumer. Those waits have no context of their own; Close must not wait
+// for their timeouts (the handshake's 30 s, three heartbeats), nor must
+// Run's return.
 func TestCloseDuringAReconnectToABrokerThatDoesNotAnswer(t *testing.T) {
 	for _, hang := range []string{"handshake", "channel"} {
 		t.Run(hang, func(t *testing.T) {
