@@ -49,9 +49,11 @@ type telemetry struct {
 	acked, frames, dropped, rejects, lost, reconnects, publishes metric.Int64Counter
 	publishDur                                                   metric.Float64Histogram
 
-	dest             metric.MeasurementOption // the destination alone
-	single, multiple metric.MeasurementOption
-	requeue, reject  metric.MeasurementOption
+	// Attributes, as the variadic arguments of Add and Record, made once:
+	// passing a slice made per call would cost an allocation per ack.
+	dest             []metric.AddOption // the destination alone
+	single, multiple []metric.AddOption
+	requeue, reject  []metric.AddOption
 	pubOK, pubErr    map[string]metric.MeasurementOption // by kind of copy
 }
 
@@ -73,11 +75,14 @@ func newTelemetry(mp metric.MeterProvider, dest ...attribute.KeyValue) (*telemet
 	with := func(kv ...attribute.KeyValue) attribute.Set {
 		return attribute.NewSet(append(append([]attribute.KeyValue(nil), dest...), kv...)...)
 	}
-	t.dest = metric.WithAttributeSet(with())
-	t.single = metric.WithAttributeSet(with(attribute.Bool("rabbitmq.multiple", false)))
-	t.multiple = metric.WithAttributeSet(with(attribute.Bool("rabbitmq.multiple", true)))
-	t.requeue = metric.WithAttributeSet(with(attribute.Bool("rabbitmq.requeue", true)))
-	t.reject = metric.WithAttributeSet(with(attribute.Bool("rabbitmq.requeue", false)))
+	opts := func(set attribute.Set) []metric.AddOption {
+		return []metric.AddOption{metric.WithAttributeSet(set)}
+	}
+	t.dest = opts(with())
+	t.single = opts(with(attribute.Bool("rabbitmq.multiple", false)))
+	t.multiple = opts(with(attribute.Bool("rabbitmq.multiple", true)))
+	t.requeue = opts(with(attribute.Bool("rabbitmq.requeue", true)))
+	t.reject = opts(with(attribute.Bool("rabbitmq.requeue", false)))
 	t.pubOK, t.pubErr = map[string]metric.MeasurementOption{}, map[string]metric.MeasurementOption{}
 	for _, kind := range []string{copyDelayQueue, copyQueue, copyDeadLetter} {
 		t.pubOK[kind] = metric.WithAttributeSet(with(attribute.String("custody.rabbitmq.copy", kind), attribute.Bool("error", false)))
@@ -114,11 +119,11 @@ func newTelemetry(mp metric.MeterProvider, dest ...attribute.KeyValue) (*telemet
 func (t *telemetry) ackFrame(n int) {
 	ctx := context.Background()
 	if n > 1 {
-		t.frames.Add(ctx, 1, t.multiple)
+		t.frames.Add(ctx, 1, t.multiple...)
 	} else {
-		t.frames.Add(ctx, 1, t.single)
+		t.frames.Add(ctx, 1, t.single...)
 	}
-	t.acked.Add(ctx, int64(n), t.dest)
+	t.acked.Add(ctx, int64(n), t.dest...)
 }
 
 // published counts one copy of kind, published in d, confirmed unless
@@ -135,14 +140,14 @@ func (t *telemetry) published(kind string, d time.Duration, failed bool) {
 
 func (t *telemetry) add(c metric.Int64Counter, n int) {
 	if n > 0 {
-		c.Add(context.Background(), int64(n), t.dest)
+		c.Add(context.Background(), int64(n), t.dest...)
 	}
 }
 
 func (t *telemetry) rejected(requeue bool) {
 	if requeue {
-		t.rejects.Add(context.Background(), 1, t.requeue)
+		t.rejects.Add(context.Background(), 1, t.requeue...)
 	} else {
-		t.rejects.Add(context.Background(), 1, t.reject)
+		t.rejects.Add(context.Background(), 1, t.reject...)
 	}
 }
