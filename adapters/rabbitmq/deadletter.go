@@ -260,8 +260,10 @@ func (x *DeadLetter) Close() error {
 // NativeDeadLetter returns a dead-letter destination that rejects a failed
 // delivery without requeueing it (basic.nack, requeue=false), so the broker
 // moves it to the queue's own dead-letter exchange, adding an x-death header
-// (queue, reason "rejected", count, time, exchange, routing keys). It then
-// marks the delivery settled, so the runtime does not ack it.
+// (queue, reason "rejected", count, time, exchange, routing keys). It
+// reports that it settles the original (adapters.OriginalSettler), so the
+// runtime does not ack it; an Ack or Nack of it that comes all the same
+// (through a wrapper that hides that) succeeds without effect.
 //
 // The broker adds nothing else: the error text and attempt count are not on
 // the dead-lettered message (they are logged at warning level, with the
@@ -295,6 +297,9 @@ func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adap
 	g := h.gen
 	g.mu.Lock()
 	err = g.rejectLocked(h, false)
+	if err == nil {
+		h.disposed = true
+	}
 	g.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("rabbitmq: reject message %q into the dead-letter exchange: %w", d.ID, err)

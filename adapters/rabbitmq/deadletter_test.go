@@ -224,8 +224,10 @@ func deleteExchange(exchange string) {
 }
 
 // Native mode rejects into the queue's own dead-letter exchange; the broker
-// adds x-death, and the delivery is marked settled so the runtime does not
-// ack it.
+// adds x-death, and the destination says it settles the original so the
+// runtime does not ack it. An Ack or a Nack of it all the same (a wrapper
+// around the destination hides that) succeeds and sends nothing: a second
+// frame for the tag would close the channel.
 func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 	for _, typ := range []QueueType{ClassicQueue, QuorumQueue} {
 		t.Run(typ.String(), func(t *testing.T) {
@@ -249,7 +251,14 @@ func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 			if os, ok := dl.(adapters.OriginalSettler); !ok || !os.SettlesOriginal(ds[0]) {
 				t.Fatal("the native dead letter does not say it settles the original")
 			}
-			if err := s.Ack(context.Background(), ds[1:]); err != nil {
+			ctx := context.Background()
+			if err := s.Ack(ctx, ds[:1]); err != nil {
+				t.Fatalf("Ack after the native dead letter: %v, want nil", err)
+			}
+			if err := s.Nack(ctx, adapters.NackAll(ds[:1], 0)); err != nil {
+				t.Fatalf("Nack after the native dead letter: %v, want nil", err)
+			}
+			if err := s.Ack(ctx, ds[1:]); err != nil {
 				t.Fatal(err)
 			}
 			a.waitReady(dlq, 1)
@@ -265,11 +274,14 @@ func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 			if n := a.ready(q); n != 0 {
 				t.Fatalf("%d left on the source queue", n)
 			}
+			if st := s.Stats(); st.Generations != 1 || st.Rejects != 1 || st.Acked != 1 {
+				t.Fatalf("stats %+v: want one reject and one ack on one channel", st)
+			}
 		})
 	}
 }
 
-func TestNativeDeadLetterNeedsADeadLetter(t *testing.T) {
+func TestNativeDeadLetterNeedsADeadLetterExchange(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	s := openSource(t, q)

@@ -231,7 +231,8 @@
 //
 // [Source.NativeDeadLetter] instead rejects the delivery without requeue,
 // so the broker moves it to the queue's own dead-letter exchange and adds
-// x-death; it marks the delivery settled so the runtime does not ack it.
+// x-death; it reports that it settles the original, so the runtime does
+// not ack it (an Ack or Nack of it all the same succeeds without effect).
 // The broker keeps no custody diagnostics in that mode (they are logged),
 // and nothing confirms the move: a dead-letter exchange that does not exist
 // or routes the message nowhere drops it.

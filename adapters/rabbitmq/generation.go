@@ -63,6 +63,12 @@ type handle struct {
 	// delivery: its message comes back (requeued, or republished as a
 	// copy), so an Ack of it must fail rather than report it settled.
 	gaveBack bool
+	// disposed is set, under gen.mu, once the Source's own native dead
+	// letter rejected the delivery into the queue's dead-letter exchange:
+	// an Ack or Nack of it then succeeds without effect (adapters.OriginalSettler),
+	// since a wrapper around the destination may hide that it settles the
+	// original, and the runtime then acks it.
+	disposed bool
 }
 
 // errGaveBack fails an Ack of a delivery already given back.
@@ -121,6 +127,8 @@ func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, rep
 			continue
 		}
 		switch {
+		case h.disposed:
+			// Settled by its dead-letter destination: nothing to send.
 		case !reachable:
 			// Dead, or amqp091 saw the channel or connection close and the
 			// supervisor is about to mark the generation dead: the broker
@@ -228,6 +236,9 @@ func (e entryErrors) err() error {
 // rejectLocked sends basic.nack for h at once, one tag only: a
 // multiple=true nack would also reject deliveries still running.
 func (g *generation) rejectLocked(h *handle, requeue bool) error {
+	if h.disposed {
+		return nil // settled by its dead-letter destination: nothing to send
+	}
 	if g.dead {
 		return g.lostErr()
 	}

@@ -62,6 +62,10 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
 	g := h.gen
 	g.mu.Lock()
+	if h.disposed {
+		g.mu.Unlock()
+		return nil // settled by its dead-letter destination: nothing to send
+	}
 	dead, state, gaveBack := g.dead, h.state, h.gaveBack
 	if !dead && state == stateHeld && !gaveBack {
 		// Decided under the lock: from here the message comes back (as a
