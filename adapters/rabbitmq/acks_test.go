@@ -3,32 +3,34 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"net"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters"
 )
 
-// A run of finished deliveries in tag order goes out as few multiple=true
-// acks, and the broker forgets every one of them.
-func TestAckCoalescesContiguousRun(t *testing.T) {
+// A run of finished deliveries in tag order, acked in one call, is one
+// multiple=true ack, written before Ack returns, and the broker forgets
+// every one of them.
+func TestAckOfARunIsOneMultipleAck(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, names("m", 40)...)
-	s := openSource(t, q, WithPrefetch(64), WithAckCoalescing(16, 5*time.Millisecond, time.Second))
+	s := openSource(t, q, WithPrefetch(64))
 	ds := receiveN(t, s, 40)
 	if err := s.Ack(context.Background(), ds); err != nil {
 		t.Fatal(err)
 	}
+	if st := s.Stats(); st.Acked != 40 || st.AckFrames != 1 || st.MultipleAcks != 1 {
+		t.Fatalf("when Ack returned: stats %+v; want 40 acked in one multiple ack", st)
+	}
 	waitUnacked(t, q, 0)
-	st := s.Stats()
-	if st.Acked != 40 {
-		t.Fatalf("acked %d deliveries, want 40", st.Acked)
-	}
-	if st.AckFrames > 3 || st.MultipleAcks != st.AckFrames {
-		t.Fatalf("sent %d ack frames (%d multiple) for 40 deliveries in order; want at most 3, all multiple", st.AckFrames, st.MultipleAcks)
-	}
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -37,14 +39,16 @@ func TestAckCoalescesContiguousRun(t *testing.T) {
 	}
 }
 
-// While the first delivery is still running, the finished ones behind it are
-// not covered by a multiple ack: with a long straggler wait nothing is sent,
-// and once the slow one finishes a single multiple ack settles all of them.
-func TestAckNeverCoversUnfinishedTag(t *testing.T) {
+// Finished deliveries behind one still running are acked one by one when
+// their Ack is called, never by a multiple ack, which would cover the one
+// still running. When it finishes, its ack names its own tag only: a
+// multiple ack naming the last tag would name one the broker no longer
+// holds, and the broker would close the channel.
+func TestAckBehindAnUnfinishedDeliveryIsWrittenAtOnce(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, names("m", 10)...)
-	s := openSource(t, q, WithPrefetch(20), WithAckCoalescing(4, 5*time.Millisecond, time.Hour))
+	s := openSource(t, q, WithPrefetch(20))
 	ds := receiveN(t, s, 10)
 	if string(ds[0].Body) != "m1" {
 		t.Fatalf("first delivery is %q", ds[0].Body)
@@ -52,26 +56,66 @@ func TestAckNeverCoversUnfinishedTag(t *testing.T) {
 	if err := s.Ack(context.Background(), ds[1:]); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(50 * time.Millisecond) // several lingers: nothing may go out
-	if n := unacked(t, q); n != 10 {
-		t.Fatalf("broker shows %d unacked with the first delivery unfinished and stragglers held; want 10", n)
+	if st := s.Stats(); st.Acked != 9 || st.AckFrames != 9 || st.MultipleAcks != 0 {
+		t.Fatalf("when Ack returned: stats %+v; want the 9 behind the running one acked one by one", st)
 	}
-	if st := s.Stats(); st.AckFrames != 0 {
-		t.Fatalf("sent %d ack frames while tag 1 was unfinished", st.AckFrames)
-	}
+	waitUnacked(t, q, 1)
 	if err := s.Ack(context.Background(), ds[:1]); err != nil {
 		t.Fatal(err)
 	}
+	if st := s.Stats(); st.Acked != 10 || st.AckFrames != 10 {
+		t.Fatalf("stats %+v: want the last one acked in one frame of its own", st)
+	}
 	waitUnacked(t, q, 0)
-	if st := s.Stats(); st.AckFrames != 1 || st.MultipleAcks != 1 {
-		t.Fatalf("sent %d ack frames (%d multiple), want one multiple ack", st.AckFrames, st.MultipleAcks)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.Generations != 1 {
+		t.Fatalf("stats %+v: the channel was replaced; the broker refused an ack", st)
+	}
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages came back after they were acked", n)
 	}
 }
 
-// With the default straggler wait, finished deliveries stuck behind a slow
-// one are acked one by one, freeing the prefetch window, and the slow one
-// stays unacked until it finishes: closing without finishing it gives it
-// back, and only it.
+// One Ack call holding both a delivery at the head and one behind a
+// delivery still running writes a multiple ack for the run and a single ack
+// beyond it, and leaves the running ones unacked.
+func TestAckOfARunAndAStragglerInOneCall(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, names("m", 6)...)
+	s := openSource(t, q, WithPrefetch(20))
+	ds := receiveN(t, s, 6)
+	ctx := context.Background()
+	if err := s.Ack(ctx, ds[1:2]); err != nil { // m2, behind m1
+		t.Fatal(err)
+	}
+	// m1 and m3 join m2 in a run (m2 is settled already: the multiple ack
+	// names m3); m5 is behind m4, still running.
+	if err := s.Ack(ctx, []*adapters.Delivery{ds[2], ds[4], ds[0]}); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.Acked != 4 || st.AckFrames != 3 || st.MultipleAcks != 1 {
+		t.Fatalf("stats %+v: want m2 alone, then one multiple ack for m1 and m3 and one ack for m5", st)
+	}
+	waitUnacked(t, q, 2)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(q, 2)
+	var back []string
+	for _, m := range a.drain(q) {
+		back = append(back, string(m.Body))
+	}
+	if len(back) != 2 || back[0] != "m4" || back[1] != "m6" {
+		t.Fatalf("after close the queue holds %v, want the unfinished m4 and m6", back)
+	}
+}
+
+// With one delivery still running, finished deliveries behind it are acked
+// one by one and the slow one stays unacked until it finishes: closing
+// without finishing it gives it back, and only it.
 func TestStragglersAckedIndividuallyWhileSlowOneRuns(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
@@ -102,68 +146,48 @@ func TestStragglersAckedIndividuallyWhileSlowOneRuns(t *testing.T) {
 	}
 }
 
-// A finished delivery behind an unfinished one goes out on its own once it
-// has waited its linger, even while the run before it keeps growing: with
-// the defaults the ack is on the wire in about 5 ms, not when the frontier
-// reaches it. (The straggler wait started again at every move of the
-// frontier, so an ack waited for as long as the deliveries before it kept
-// finishing, and a crash meanwhile repeated its effect.)
-func TestAckBehindAnUnfinishedDeliveryGoesOutAfterItsLinger(t *testing.T) {
+// An ack is on its way to the broker when Ack returns: a consumer whose
+// socket is closed right after (as when its process is killed) does not get
+// back what it acked, only what it had not.
+func TestAckIsWrittenBeforeItReturns(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
-	a.publish(q, names("m", 42)...)
-	s := openSource(t, q, WithPrefetch(64))
-	ds := receiveN(t, s, 42)
-	ctx := context.Background()
-	slow, behind := ds[40], ds[41]
-	if err := s.Ack(ctx, []*adapters.Delivery{behind}); err != nil {
-		t.Fatal(err)
-	}
-	// The deliveries before the slow one finish one by one, 20 ms apart:
-	// each moves the frontier, and none reaches the finished one behind.
-	settled := false
-	for _, d := range ds[:40] {
-		if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
-			t.Fatal(err)
+	a.publish(q, names("m", 4)...)
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	dial := func(network, addr string) (net.Conn, error) {
+		c, err := net.Dial(network, addr)
+		if err == nil {
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
 		}
-		time.Sleep(20 * time.Millisecond)
-		g := handleOf(behind).gen
-		g.mu.Lock()
-		settled = settled || handleOf(behind).state == stateSettled
-		g.mu.Unlock()
+		return c, err
 	}
-	if !settled {
-		t.Fatalf("the finished delivery behind the slow one was not acked while 40 deliveries before it finished over 800 ms; stats %+v", s.Stats())
-	}
-	if st := s.Stats(); st.AckFrames == st.MultipleAcks {
-		t.Fatalf("stats %+v: want the delivery behind the slow one acked on its own", st)
-	}
-	if err := s.Ack(ctx, []*adapters.Delivery{slow}); err != nil {
+	s := openSource(t, q, WithPrefetch(10), WithConfig(amqp.Config{Dial: dial}),
+		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
+	ds := receiveN(t, s, 4)
+	// m1 at the head, m3 behind m2, which is still running.
+	if err := s.Ack(context.Background(), []*adapters.Delivery{ds[0], ds[2]}); err != nil {
 		t.Fatal(err)
 	}
-	waitUnacked(t, q, 0)
-	if st := s.Stats(); st.Generations != 1 || st.Acked != 42 {
-		t.Fatalf("stats %+v: want 42 acked on one channel (a multiple ack naming a tag acked on its own closes it)", st)
-	}
-}
-
-// Close sends acks still lingering, so nothing finished comes back.
-func TestCloseFlushesLingeringAcks(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, names("m", 5)...)
-	s := openSource(t, q, WithPrefetch(20), WithAckCoalescing(64, time.Second, time.Hour))
-	ds := receiveN(t, s, 5)
-	if err := s.Ack(context.Background(), append(ds[:1:1], ds[2:]...)); err != nil {
-		t.Fatal(err)
-	}
+	mu.Lock()
+	_ = conns[0].Close()
+	mu.Unlock()
+	waitGenerations(t, s, 2)
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	a.waitReady(q, 1)
-	back := a.drain(q)
-	if len(back) != 1 || string(back[0].Body) != "m2" {
-		t.Fatalf("after close the queue holds %d messages, want only the unfinished m2", len(back))
+	a.waitReady(q, 2)
+	var back []string
+	for _, m := range a.drain(q) {
+		back = append(back, string(m.Body))
+	}
+	slices.Sort(back)
+	if len(back) != 2 || back[0] != "m2" || back[1] != "m4" {
+		t.Fatalf("after the socket was closed the queue holds %v, want only the unacked m2 and m4", back)
 	}
 }
 
@@ -200,7 +224,7 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1", "m2")
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	ds := receiveN(t, s, 2)
 	if err := s.Ack(ctx, ds[:1]); err != nil {
@@ -213,7 +237,7 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := s.Nack(ctx, adapters.NackAll(ds[1:], 100*time.Millisecond)); err == nil {
-		t.Fatal("second Nack of a waiting delivery succeeded")
+		t.Fatal("second Nack of a retried delivery succeeded")
 	}
 	again := receiveN(t, s, 1)
 	if err := s.Ack(ctx, again); err != nil {
@@ -223,31 +247,8 @@ func TestRetryAfterSettleIsRefused(t *testing.T) {
 	if n := a.ready(q); n != 0 {
 		t.Fatalf("%d copies on the queue, want none", n)
 	}
-	if st := s.Stats(); st.RetriedInPlace != 1 || st.DelayQueued != 0 {
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedAtOnce != 0 {
 		t.Fatalf("stats %+v: want exactly one retry copy", st)
-	}
-}
-
-// A run of finished deliveries at the frontier goes out after the linger
-// even when the ack timer was already armed for the (here one hour) straggler
-// wait of deliveries that finished before the head: a timer armed for later
-// must not hold back a run that is ready now.
-func TestRunAtFrontierNotHeldBackByStragglerTimer(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, names("m", 3)...)
-	s := openSource(t, q, WithPrefetch(20), WithAckCoalescing(16, 5*time.Millisecond, time.Hour))
-	ds := receiveN(t, s, 3)
-	ctx := context.Background()
-	if err := s.Ack(ctx, ds[1:]); err != nil { // stragglers: the timer is armed for an hour
-		t.Fatal(err)
-	}
-	if err := s.Ack(ctx, ds[:1]); err != nil { // the head: a run of 3, below the batch of 16
-		t.Fatal(err)
-	}
-	waitUnacked(t, q, 0) // within the linger, not the hour
-	if st := s.Stats(); st.AckFrames != 1 || st.MultipleAcks != 1 {
-		t.Fatalf("sent %d ack frames (%d multiple), want one multiple ack", st.AckFrames, st.MultipleAcks)
 	}
 }
 
@@ -282,8 +283,8 @@ func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
 	q1 := a.queue(ClassicQueue, nil)
 	q2 := a.queue(ClassicQueue, nil)
 	a.publish(q2, "m1")
-	s1 := openSource(t, q1, WithPrefetch(10))
-	s2 := openSource(t, q2, WithPrefetch(10))
+	s1 := openSource(t, q1, WithPrefetch(10), WithDelayQueues())
+	s2 := openSource(t, q2, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	d := receiveN(t, s2, 1)
 	for _, err := range []error{s1.Ack(ctx, d), s1.Nack(ctx, adapters.NackAll(d, 0)), s1.Nack(ctx, adapters.NackAll(d, time.Second))} {
@@ -296,7 +297,7 @@ func TestSettlingAnotherSourcesDeliveryIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.waitReady(q2, 1)
-	if st := s2.Stats(); st.Acked != 0 || st.Rejects != 0 || st.RetriedInPlace != 0 {
+	if st := s2.Stats(); st.Acked != 0 || st.Rejects != 0 || st.DelayQueued != 0 || st.RetriedAtOnce != 0 {
 		t.Fatalf("the delivery was settled through the other Source: %+v", st)
 	}
 }

@@ -20,7 +20,7 @@ func TestConformanceQuorum(t *testing.T) {
 }
 
 // harnessQueue gives each conformance test a fresh queue of the given type
-// with a dead-letter queue beside it, fed by a DeadLetterExchange sink.
+// with a dead-letter queue beside it, fed by a DeadLetter sink.
 func harnessQueue(typ QueueType) func(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue {
 	return func(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue {
 		if cfg.Ordered {
@@ -41,7 +41,12 @@ func harnessQueue(typ QueueType) func(t *testing.T, cfg adaptertest.QueueConfig)
 				return nil
 			},
 			Open: func(t *testing.T) adapters.Source {
-				return openSource(t, q, WithPrefetch(64), WithPollWait(200*time.Millisecond))
+				opts := []Option{WithPrefetch(64), WithPollWait(200 * time.Millisecond)}
+				if typ == QuorumQueue {
+					// Declared, the Source knows the broker counts deliveries.
+					opts = append(opts, WithDeclare(QuorumQueue, nil))
+				}
+				return openSource(t, q, opts...)
 			},
 			DeadLetter: openSink(t, "", dlq),
 			DeadLettered: func(ctx context.Context) ([]adaptertest.Message, error) {

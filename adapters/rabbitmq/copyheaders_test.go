@@ -267,7 +267,7 @@ func TestPublisherRefusesAContentHeaderBeyondFrameMax(t *testing.T) {
 // would never leave its stream. The copy keeps them in one JSON header,
 // merged with one an earlier trip left; the others arrive byte for byte,
 // spaces, Unicode, empty and invalid UTF-8 values included.
-func TestDeadLetterExchangeKeepsLongHeaderNamesInJSON(t *testing.T) {
+func TestDeadLetterKeepsLongHeaderNamesInJSON(t *testing.T) {
 	a := newAdmin(t)
 	dlq := a.queue(ClassicQueue, nil)
 	x := openSink(t, "", dlq)
@@ -312,7 +312,7 @@ func TestDeadLetterExchangeKeepsLongHeaderNamesInJSON(t *testing.T) {
 
 // A message id longer than the message-id property (a short string) is
 // carried by the diagnostics only.
-func TestDeadLetterExchangeTakesALongForeignID(t *testing.T) {
+func TestDeadLetterTakesALongForeignID(t *testing.T) {
 	a := newAdmin(t)
 	dlq := a.queue(ClassicQueue, nil)
 	x := openSink(t, "", dlq)
@@ -332,7 +332,7 @@ func TestDeadLetterExchangeTakesALongForeignID(t *testing.T) {
 // a text x-death would be silently replaced by the broker when the
 // dead-letter queue dead-letters the copy in turn. The copy keeps them as
 // custody-original-<name>.
-func TestDeadLetterExchangeSetsAsideForeignBrokerHeaders(t *testing.T) {
+func TestDeadLetterSetsAsideForeignBrokerHeaders(t *testing.T) {
 	a := newAdmin(t)
 	final := a.queue(ClassicQueue, nil)
 	dlq := a.queue(ClassicQueue, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": final})
@@ -345,11 +345,12 @@ func TestDeadLetterExchangeSetsAsideForeignBrokerHeaders(t *testing.T) {
 	if err := x.Send(context.Background(), d, foreignFailure()); err != nil {
 		t.Fatal(err)
 	}
-	// Replayed: the copy's first delivery is its first attempt.
+	// Replayed: the copy's first delivery is its first attempt (0 from a
+	// classic queue, which counts nothing), not the foreign count's.
 	s := openSource(t, dlq, WithPrefetch(10), WithDeadLetterByPolicy())
 	r := receiveN(t, s, 1)[0]
-	if r.Attempt != 1 {
-		t.Errorf("a copy read back from the dead-letter queue is at attempt %d, want 1", r.Attempt)
+	if r.Attempt > 1 {
+		t.Errorf("a copy read back from the dead-letter queue is at attempt %d, want its first", r.Attempt)
 	}
 	// Dead-lettered by the broker in turn, it keeps the foreign values.
 	native, err := s.NativeDeadLetter()
@@ -383,7 +384,7 @@ func TestDeadLetterExchangeSetsAsideForeignBrokerHeaders(t *testing.T) {
 // its dead-letter queue down when that queue dead-letters it (a TTL, a
 // length limit, a reject). The copy keeps such an x-death aside; the
 // broker's own history stays x-death.
-func TestDeadLetterExchangeSetsAsideMalformedXDeath(t *testing.T) {
+func TestDeadLetterSetsAsideMalformedXDeath(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	final := a.queue(ClassicQueue, nil)
@@ -432,7 +433,7 @@ func TestDeadLetterExchangeSetsAsideMalformedXDeath(t *testing.T) {
 // never leave its stream. Here: a message that arrived within the frame but
 // whose copy, with the diagnostics, would not fit; another adapter's
 // oversized header; and another adapter's oversized key (a diagnostic).
-func TestDeadLetterExchangeDropsHeadersBeyondFrameMax(t *testing.T) {
+func TestDeadLetterDropsHeadersBeyondFrameMax(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	q := a.queue(ClassicQueue, nil)
@@ -492,27 +493,28 @@ func TestDeadLetterExchangeDropsHeadersBeyondFrameMax(t *testing.T) {
 // A retry's copy adds the attempt, the first receive time and the original
 // route to the message. When that would push a content header that arrived
 // within the frame over frame_max (less the room kept for the headers the
-// broker adds), the copy leaves out the diagnostic bookkeeping, never the
-// message's own headers, and is still published.
+// broker adds on the copy's way through the delay queue and back), the copy
+// leaves out the diagnostic bookkeeping, never the message's own headers,
+// and is still published.
 func TestRetryCopyNearFrameMaxKeepsTheMessage(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	q := a.queue(ClassicQueue, nil)
+	name := delayQueueName(q, delayStep(10*time.Millisecond))
 	m := amqp.Publishing{MessageId: "near", Body: []byte("near"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{"kept": "yes"}}
-	padTo(t, &m, "big", budget-brokerAdditions(q, "", q)-30)
+	padTo(t, &m, "big", budget-brokerAdditions(name, "", name)-brokerAdditions(q, "", q)-30)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	before := connect(t, s.pub)
 	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	d = receiveN(t, s, 1)[0]
-	waitUntil(t, "the retry counted", func() bool { st := s.Stats(); return st.RetriedInPlace+st.RetryFailures == 1 })
-	if st := s.Stats(); st.RetriedInPlace != 1 || st.RetryFailures != 0 {
-		t.Fatalf("stats %+v: want the retry's copy published", st)
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 0 {
+		t.Fatalf("stats %+v: want the retry's copy published to the delay queue", st)
 	}
+	d = receiveN(t, s, 1)[0]
 	checkConnSurvived(t, s.pub, before)
 	if d.Attempt != 2 || d.Headers[HeaderAttempt] != "2" || d.Headers["kept"] != "yes" || d.Headers["big"] != m.Headers["big"] {
 		t.Fatalf("retry: attempt %d, %s %q, kept %q, big intact %v", d.Attempt, HeaderAttempt, d.Headers[HeaderAttempt], d.Headers["kept"], d.Headers["big"] == m.Headers["big"])
@@ -522,9 +524,10 @@ func TestRetryCopyNearFrameMaxKeepsTheMessage(t *testing.T) {
 	}
 }
 
-// When not even the attempt counter fits, the retry's copy is not sent (the
-// broker would close the publishing connection over it, on every retry):
-// the original is requeued whole, and the connection survives.
+// When not even the attempt counter fits, the retry's copy is sent neither
+// to the delay queue nor to the queue (the broker would close the
+// publishing connection over it, on every retry): the original is requeued
+// whole, and the connection survives.
 func TestRetryCopyBeyondFrameMaxRequeuesTheOriginal(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
@@ -532,15 +535,17 @@ func TestRetryCopyBeyondFrameMaxRequeuesTheOriginal(t *testing.T) {
 	m := amqp.Publishing{MessageId: "full", Body: []byte("full"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{"kept": "yes"}}
 	padTo(t, &m, "big", budget-10)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	before := connect(t, s.pub)
 	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
+	if st := s.Stats(); st.RetryFailures != 1 || st.RetriedAtOnce != 0 || st.Rejects != 1 {
+		t.Fatalf("stats %+v: want the copy refused everywhere and the original requeued", st)
+	}
 	d = receiveN(t, s, 1)[0]
-	waitUntil(t, "the retry counted", func() bool { return s.Stats().RetryFailures == 1 })
 	checkConnSurvived(t, s.pub, before)
 	if d.Headers["kept"] != "yes" || d.Headers["big"] != m.Headers["big"] || d.Attempt != 2 {
 		t.Fatalf("requeued original: attempt %d, kept %q, big intact %v", d.Attempt, d.Headers["kept"], d.Headers["big"] == m.Headers["big"])
@@ -554,7 +559,7 @@ func TestRetryCopyBeyondFrameMaxRequeuesTheOriginal(t *testing.T) {
 // its earlier trip; a new dead-letter copy describes the new failure only.
 // The original route survives: retries keep it in the headers, and the
 // copy reads it before it drops the old diagnostics.
-func TestDeadLetterExchangeReplacesStaleDiagnostics(t *testing.T) {
+func TestDeadLetterReplacesStaleDiagnostics(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	dlq := a.queue(ClassicQueue, nil)
@@ -567,14 +572,14 @@ func TestDeadLetterExchangeReplacesStaleDiagnostics(t *testing.T) {
 	if err != nil || !dc.Wait() {
 		t.Fatalf("publish: %v", err)
 	}
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	d = receiveN(t, s, 1)[0] // the retry's copy, through the default exchange
+	d = receiveN(t, s, 1)[0] // the retry's copy, through a delay queue and the default exchange
 	if err := x.Send(ctx, d, foreignFailure()); err != nil {
 		t.Fatal(err)
 	}
@@ -695,13 +700,14 @@ func TestFitDeadLetter(t *testing.T) {
 // without them would reach the consumer larger than the frame: its client
 // refuses the frame and closes the connection, the broker redelivers the
 // message, and so on for ever, stalling the queue. The copy must leave room
-// for them; one that cannot waits in place instead (where the broker adds
-// nothing on the way) or, failing that, the original is requeued whole.
+// for them; one that cannot is published to the queue at once instead
+// (where the broker adds nothing on the way) or, failing that, the original
+// is requeued whole.
 func TestDelayedRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	q := a.queue(ClassicQueue, nil)
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(10*time.Millisecond),
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(),
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	ctx := context.Background()
 	// Measure what the delay queue's hop adds, with a small probe.
@@ -799,14 +805,15 @@ func TestDeadLetterCopyLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	}
 }
 
-// A retry's copy republished in place may later be dead-lettered by the
-// queue itself (Source.NativeDeadLetter, a TTL, a length limit), where the
-// broker adds x-death and x-first-death-*. Here the original leaves room for
-// them and its copy, with the attempt counter added, would not: the copy is
-// not published, and the original is requeued and dead-lettered readable.
-// Published, the copy would reach the dead-letter queue larger than a frame,
-// and every client reading it would refuse it and lose its connection.
-func TestInPlaceRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
+// A retry's copy published to the queue itself (when the delay queue does
+// not take it) may later be dead-lettered by the queue (Source.NativeDeadLetter,
+// a TTL, a length limit), where the broker adds x-death and x-first-death-*.
+// Here the original leaves room for them and its copy, with the attempt
+// counter added, would not: the copy is not published, and the original is
+// requeued and dead-lettered readable. Published, the copy would reach the
+// dead-letter queue larger than a frame, and every client reading it would
+// refuse it and lose its connection.
+func TestRetryCopyLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
 	final := a.queue(ClassicQueue, nil)
@@ -829,7 +836,7 @@ func TestInPlaceRetryLeavesRoomForTheBrokersHeaders(t *testing.T) {
 	m := amqp.Publishing{MessageId: "near", Body: []byte("near"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{"kept": "yes"}}
 	padTo(t, &m, "big", budget-added-10)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10), WithDeadLetterByPolicy())
+	s := openSource(t, q, WithPrefetch(10), WithDeadLetterByPolicy(), WithDelayQueues())
 	native, err := s.NativeDeadLetter()
 	if err != nil {
 		t.Fatal(err)
@@ -867,14 +874,18 @@ func TestRetryCopyShedsOnlyWhatItMust(t *testing.T) {
 	first, _ := entrySize(HeaderFirstReceived, "2006-01-02T15:04:05Z") // the shortest time it writes
 	// Room for the attempt and the route, not for the first receive time.
 	slack := attempt + exchange + key + first/2
+	name := delayQueueName(q, delayStep(10*time.Millisecond))
 	m := amqp.Publishing{MessageId: "near", Body: []byte("near"), DeliveryMode: amqp.Persistent, Headers: amqp.Table{"kept": "yes"}}
-	padTo(t, &m, "big", budget-brokerAdditions(q, "", q)-slack)
+	padTo(t, &m, "big", budget-brokerAdditions(name, "", name)-brokerAdditions(q, "", q)-slack)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
 		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DelayQueued != 1 {
+		t.Fatalf("stats %+v: want the copy through the delay queue", st)
 	}
 	d = receiveN(t, s, 1)[0]
 	if d.Attempt != 2 || d.Headers["big"] != m.Headers["big"] {
@@ -898,8 +909,8 @@ func TestRetryCopyShedsOnlyWhatItMust(t *testing.T) {
 // copy, the delay queue (always) and the source queue, so its copy leaves
 // room for the headers both add. One that fits beside the source queue's
 // alone is not sent through the delay queue, where the headers of the
-// second hop could take it past frame_max, but waits in place, where it
-// fits.
+// second hop could take it past frame_max, but to the queue at once, where
+// it fits.
 func TestDelayQueueCopyLeavesRoomForBothHops(t *testing.T) {
 	a := newAdmin(t)
 	budget := budgetOf(t, a.conn)
@@ -913,14 +924,14 @@ func TestDelayQueueCopyLeavesRoomForBothHops(t *testing.T) {
 	// source queue's headers and not beside both queues'.
 	padTo(t, &m, "big", budget-source-attempt-delay/2)
 	a.publishMsg(q, m)
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	if st := s.Stats(); st.DelayQueued != 0 || st.RetryFailures != 1 {
-		t.Fatalf("stats %+v: want the delay queue refused for the copy, and the retry waiting in place", st)
+	if st := s.Stats(); st.DelayQueued != 0 || st.RetryFailures != 1 || st.RetriedAtOnce != 1 {
+		t.Fatalf("stats %+v: want the delay queue refused for the copy, and the copy published to the queue", st)
 	}
 	d = receiveN(t, s, 1)[0]
 	if d.Attempt != 2 || d.Headers["kept"] != "yes" || d.Headers["big"] != m.Headers["big"] {
@@ -929,5 +940,4 @@ func TestDelayQueueCopyLeavesRoomForBothHops(t *testing.T) {
 	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the in-place retry counted", func() bool { return s.Stats().RetriedInPlace == 1 })
 }

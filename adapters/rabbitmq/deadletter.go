@@ -12,7 +12,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// DeadLetterExchange is a dead-letter sink that publishes each failed
+// DeadLetter is a dead-letter sink that publishes each failed
 // message to an exchange, with publisher confirms, over its own connection.
 // It implements adapters.DeadLetter.
 //
@@ -49,46 +49,51 @@ import (
 // with the message (key, id, queue, route, consumer) only if it would not
 // fit even without those. The body and the other diagnostics always stay.
 // See the package documentation.
-type DeadLetterExchange struct {
+type DeadLetter struct {
 	exchange, key string
 	pub           *publisher
 	reserve       int // room kept for the headers the broker adds (brokerAdditions)
+	tel           *telemetry
 }
 
-// NewDeadLetterExchange connects and checks where dead letters will go, so
+// NewDeadLetter connects and checks where dead letters will go, so
 // that a wrong name fails here rather than at the first poison message
 // (whose original would then be kept and retried for ever): that exchange
 // exists ("" is the default exchange, which routes by queue name:
-// NewDeadLetterExchange(ctx, "", "orders.dlq") publishes straight to the
+// NewDeadLetter(ctx, "", "orders.dlq") publishes straight to the
 // queue orders.dlq), and with the default exchange that the queue exists.
 // AMQP does not show bindings, so a named exchange that routes routingKey to
 // no queue is found out only by the first Send (an error: the original is
 // kept); WithDeclareDeadLetter declares the exchange, the queue and the
 // binding instead. The connection options (WithURL, WithConfig, WithTLS,
 // WithDialFunc, WithLogger) and WithDeclareDeadLetter apply.
-func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetterExchange, error) {
+func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetter, error) {
 	st, err := apply(opts)
 	if err != nil {
 		return nil, err
 	}
 	if len(st.sourceOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetterExchange: %s only apply to a Source", strings.Join(st.sourceOnly, ", "))
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to a Source", strings.Join(st.sourceOnly, ", "))
 	}
 	if exchange == "" && routingKey == "" {
-		return nil, errors.New("rabbitmq: NewDeadLetterExchange: with the default exchange the routing key names the dead-letter queue and must not be empty")
+		return nil, errors.New("rabbitmq: NewDeadLetter: with the default exchange the routing key names the dead-letter queue and must not be empty")
 	}
 	// Both travel as AMQP short strings: longer ones would fail every send.
 	if len(exchange) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetterExchange: exchange name of %d bytes; AMQP allows at most %d", len(exchange), maxShortstr)
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: exchange name of %d bytes; AMQP allows at most %d", len(exchange), maxShortstr)
 	}
 	if len(routingKey) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetterExchange: routing key of %d bytes; AMQP allows at most %d", len(routingKey), maxShortstr)
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: routing key of %d bytes; AMQP allows at most %d", len(routingKey), maxShortstr)
 	}
 	dlq := "" // unknown behind a named exchange
 	if exchange == "" {
 		dlq = routingKey
 	}
-	x := &DeadLetterExchange{exchange: exchange, key: routingKey, pub: newPublisher(st), reserve: brokerAdditions(dlq, exchange, routingKey)}
+	tel, err := sinkTelemetry(st.meters, exchange, routingKey)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: telemetry: %w", err)
+	}
+	x := &DeadLetter{exchange: exchange, key: routingKey, pub: newPublisher(st), reserve: brokerAdditions(dlq, exchange, routingKey), tel: tel}
 	if dd := st.deadLetterDeclare; dd != nil {
 		switch {
 		case exchange == "" && dd.queue == "":
@@ -116,7 +121,7 @@ func NewDeadLetterExchange(ctx context.Context, exchange, routingKey string, opt
 	return x, nil
 }
 
-func (x *DeadLetterExchange) checkQueue(ctx context.Context, queue string) error {
+func (x *DeadLetter) checkQueue(ctx context.Context, queue string) error {
 	p := x.pub
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -137,7 +142,7 @@ type deadLetterDeclare struct {
 	args  amqp.Table
 }
 
-// WithDeclareDeadLetter makes NewDeadLetterExchange declare where its dead
+// WithDeclareDeadLetter makes NewDeadLetter declare where its dead
 // letters go, on its first connection and again on every new one (after a
 // lost connection, or a copy the broker could not route): the exchange,
 // durable and direct, unless it is the default exchange or already exists
@@ -145,10 +150,10 @@ type deadLetterDeclare struct {
 // checks that it exists; see WithDeclare for the arguments); and a binding
 // of the queue to the exchange with the sink's routing key. With the
 // default exchange the routing key names the queue: leave queue empty (or
-// give the same name). Only for NewDeadLetterExchange; a Source's queue is
+// give the same name). Only for NewDeadLetter; a Source's queue is
 // declared with WithDeclare.
 //
-//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "orders.dlx", "orders", rabbitmq.WithURL(url),
+//	dlq, err := rabbitmq.NewDeadLetter(ctx, "orders.dlx", "orders", rabbitmq.WithURL(url),
 //		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 func WithDeclareDeadLetter(queue string, t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
@@ -200,7 +205,7 @@ func (dd *deadLetterDeclare) declare(conn *amqp.Connection, exchange, key string
 }
 
 // Send implements adapters.DeadLetter.
-func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+func (x *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	var p amqp.Publishing
 	exchange, key := "", d.Queue
 	if m, ok := d.Native.(amqp.Delivery); ok {
@@ -237,14 +242,17 @@ func (x *DeadLetterExchange) Send(ctx context.Context, d *adapters.Delivery, f a
 	}
 	p.Headers[HeaderOriginalExchange] = exchange
 	p.Headers[HeaderOriginalRoutingKey] = key
-	if err := x.pub.publish(ctx, x.exchange, x.key, p, x.reserve, fitDeadLetter); err != nil {
+	start := time.Now()
+	err := x.pub.publish(ctx, x.exchange, x.key, p, x.reserve, fitDeadLetter)
+	x.tel.published(copyDeadLetter, time.Since(start), err != nil)
+	if err != nil {
 		return fmt.Errorf("rabbitmq: dead-letter message %q: %w", d.ID, err)
 	}
 	return nil
 }
 
 // Close closes the sink's connection.
-func (x *DeadLetterExchange) Close() error {
+func (x *DeadLetter) Close() error {
 	x.pub.close()
 	return nil
 }
@@ -252,12 +260,14 @@ func (x *DeadLetterExchange) Close() error {
 // NativeDeadLetter returns a dead-letter destination that rejects a failed
 // delivery without requeueing it (basic.nack, requeue=false), so the broker
 // moves it to the queue's own dead-letter exchange, adding an x-death header
-// (queue, reason "rejected", count, time, exchange, routing keys). It then
-// marks the delivery settled, so the runtime does not ack it.
+// (queue, reason "rejected", count, time, exchange, routing keys). It
+// reports that it settles the original (adapters.OriginalSettler), so the
+// runtime does not ack it; an Ack or Nack of it that comes all the same
+// (through a wrapper that hides that) succeeds without effect.
 //
 // The broker adds nothing else: the error text and attempt count are not on
 // the dead-lettered message (they are logged at warning level, with the
-// message id). Use a DeadLetterExchange to keep them.
+// message id). Use a DeadLetter to keep them.
 //
 // The queue must have a dead-letter exchange, or the broker discards what
 // is rejected: NativeDeadLetter fails unless the Source declared the queue
@@ -265,7 +275,7 @@ func (x *DeadLetterExchange) Close() error {
 // sets one (WithDeadLetterByPolicy). Even then nothing confirms the move:
 // an exchange that does not exist, or that routes the message nowhere, drops
 // it (quorum queues offer at-least-once dead-lettering; classic queues do
-// not). A DeadLetterExchange writes a confirmed copy before the ack.
+// not). A DeadLetter writes a confirmed copy before the ack.
 func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
 	if _, ok := s.s.queueArgs["x-dead-letter-exchange"]; !ok && !s.s.dlxByPolicy {
 		return nil, fmt.Errorf("rabbitmq: NativeDeadLetter: queue %q has no known dead-letter exchange, so rejected messages would be discarded; declare it with an x-dead-letter-exchange argument (WithDeclare) or, if a policy sets one, say so with WithDeadLetterByPolicy", s.queue)
@@ -287,6 +297,9 @@ func (n nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adap
 	g := h.gen
 	g.mu.Lock()
 	err = g.rejectLocked(h, false)
+	if err == nil {
+		h.disposed = true
+	}
 	g.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("rabbitmq: reject message %q into the dead-letter exchange: %w", d.ID, err)

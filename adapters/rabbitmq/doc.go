@@ -1,13 +1,13 @@
 // Package rabbitmq is the custody adapter for RabbitMQ, over
 // github.com/rabbitmq/amqp091-go: a [Source] that consumes one queue, a
-// [DeadLetterExchange] sink, and a native dead-letter mode that rejects into
+// [DeadLetter] sink, and a native dead-letter mode that rejects into
 // the queue's own dead-letter exchange.
 //
 //	src, err := rabbitmq.New(ctx, "orders",
 //		rabbitmq.WithURL("amqp://user:pass@rabbit:5672/"),
 //		rabbitmq.WithPrefetch(128),
 //		rabbitmq.WithDeclare(rabbitmq.QuorumQueue, nil))
-//	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "orders.dlx", "orders", rabbitmq.WithURL(...),
+//	dlq, err := rabbitmq.NewDeadLetter(ctx, "orders.dlx", "orders", rabbitmq.WithURL(...),
 //		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(64), consumer.WithDeadLetter(dlq))
 //
@@ -23,36 +23,32 @@
 // with arguments. New fails if the first connection or the check fails;
 // later failures are repaired in the background.
 //
-// # Acks are coalesced, and never cover an unfinished delivery
+// # Acks go out at once, and never cover an unfinished delivery
 //
 // Delivery tags on a channel grow one by one, and a basic.ack with
 // multiple=true settles every outstanding tag up to the one it names. The
-// adapter tracks each channel's tags with a completion-prefix tracker: when
-// the runtime acks a delivery the adapter only records it, and once a
-// contiguous run of finished tags from the oldest outstanding one is long
-// enough (a quarter of the prefetch, at most 64) or a short linger passed
-// (5 ms), it sends one multiple=true ack naming the last tag of the run. A
-// tag whose handler has not finished stops the run, so no ack ever covers
-// it. A finished delivery stuck behind it is acked on its own once it has
-// waited as long (5 ms, counted from its own ack), and all of them at once
-// when they fill three quarters of the prefetch window: so one slow message
-// does not stall the channel, and every ack reaches the broker about 5 ms
-// after its handler succeeded, which bounds what a crash delivers again.
-// The next multiple ack then names the highest tag of its run still
-// outstanding, since the broker closes the channel on one naming a tag
-// already settled. Rejects
-// (requeues and native dead letters) go out at once, one by one. Close sends
-// every ack already decided before closing the channel; a broker that does
-// not answer the channel's close within 5 s has its connection closed
-// instead, and Close reports it (the broker redelivers what it did not get
-// the acks for). See WithAckCoalescing.
+// adapter tracks each channel's tags with a completion-prefix tracker. Ack
+// turns the batch it is given into frames before it returns: one
+// multiple=true ack for the contiguous run of finished tags from the oldest
+// outstanding one, naming the highest tag of the run still outstanding (the
+// broker closes the channel on a multiple ack naming a tag it no longer
+// holds), and one ack each for the deliveries of the batch left behind a
+// tag whose handler has not finished, which no multiple ack may cover. The
+// adapter keeps no ack back and has no timer: gathering acks into batches
+// is the runtime's work (Capabilities.Ack is the zero Batching, so the
+// runtime's workers send what gathered at once, within a millisecond, as
+// group commit). Rejects (requeues and native dead letters) go out one by
+// one. A second ack or nack of a delivery is never sent.
 //
-// Ack returns once the ack is recorded: AMQP acks are not confirmed by the
-// broker, so sending it a few milliseconds later changes no guarantee. If
-// the channel dies first, the message is redelivered (at least once). An
-// Ack for a delivery whose channel or connection the client already knows
-// to be closed reports adapters.ErrConnectionLost, since it can no longer
-// reach the broker.
+// When Ack returns, its frames are written to the connection: a process
+// killed right after does not get those messages back. AMQP acks have no
+// reply, so a connection that dies before the broker reads them still
+// loses them, and the broker delivers those messages again (at least
+// once). An Ack for a delivery whose channel or connection the client
+// already knows to be closed, or whose frame could not be written, reports
+// adapters.ErrConnectionLost. Close closes the channel; a broker that does
+// not answer the channel's close within 5 s has its connection closed
+// instead, and Close reports it.
 //
 // # Reconnecting without stale acks
 //
@@ -60,10 +56,10 @@
 // the generation it came from. When the connection or channel dies (or the
 // broker cancels the consumer), every delivery of that generation is lost:
 // its handler's context is cancelled with a cause wrapping
-// adapters.ErrConnectionLost, its pending ack is dropped and counted (the
-// broker redelivers the message), and an Ack or Nack that arrives later for
-// it is refused with ErrConnectionLost instead of being sent on the new
-// channel, where the same tag names a different message. The adapter then
+// adapters.ErrConnectionLost, and an Ack or Nack that arrives later for it
+// is refused with ErrConnectionLost (and counted as a dropped ack: the
+// broker redelivers the message) instead of being sent on the new channel,
+// where the same tag names a different message. The adapter then
 // redials with exponential backoff (WithReconnectBackoff) and resumes. It
 // logs the lost channel and the reconnection, not each failed attempt:
 // Receive hands the runtime the reconnection error (the address tried and
@@ -75,57 +71,59 @@
 //
 // # Attempts
 //
-// Delivery.Attempt counts deliveries, 1 on the first. Quorum queues count
-// redeliveries in x-delivery-count; classic queues only flag a redelivery,
-// which counts as one more attempt (a lower bound). Retries are republished
-// copies carrying HeaderAttempt, so their count is exact on both queue types.
-// Like the broker, the count includes deliveries that were prefetched but
-// never handled before a shutdown or a lost connection.
+// Delivery.Attempt is 1 on the first delivery where the Source counts
+// deliveries (Capabilities.CountsDeliveries): on a quorum queue it declares
+// (WithDeclare(QuorumQueue, ...)), which counts redeliveries in
+// x-delivery-count, and with WithDelayQueues, whose copies carry the next
+// attempt in HeaderAttempt. A redelivery a classic queue only flags then
+// counts as one more attempt, a lower bound. Otherwise (a classic queue, or
+// one the Source only checks) Attempt is 0 unless the message carries a
+// count (x-delivery-count, HeaderAttempt), and the runtime counts the
+// attempts it makes itself. Like the broker, a count includes deliveries
+// that were prefetched but never handled before a shutdown or a lost
+// connection.
 //
-// # Retries wait in place
+// # Retries
 //
-// Capabilities report NackDelay, so the runtime hands a failed delivery back
-// with Nack(delay) and frees its worker at once. The adapter keeps the
-// delivery unacked for the delay (it holds a prefetch slot, no worker), then
-// publishes its next attempt to the queue and acks the original after the
-// broker confirmed the copy. When the queue refuses the copy (full, with
-// x-overflow reject-publish or reject-publish-dlx, whether an argument or a
-// policy says so) or does not confirm it within 30 s (a resource alarm
-// blocks publishers; the broker then stops reading, so even the write of a
-// large copy can block, and the adapter closes the publishing connection to
-// end it), the original is requeued instead (basic.nack, requeue=true). So
-// custody of the message never leaves the adapter before a confirmed copy
-// replaces it, whatever limits the queue has or is given later. A delivery
-// waiting in place also holds back the coalesced run behind it, so
-// deliveries finished after it are acked one by one after their straggler
-// wait. Nack with no delay requeues (basic.nack, requeue=true). The adapter
-// never holds a delivery past three quarters of the consumer timeout
-// (WithConsumerTimeout, RabbitMQ's default 30 min), where the broker would
-// close the channel: it cuts such a wait short and logs a warning. It also
-// warns when deliveries stay unacked for more than half the consumer
-// timeout.
+// Without delay queues, the default, the broker cannot hold a message back,
+// so the Source reports NackDelay=false and the runtime waits out a retry in
+// place: the delivery stays unacked (a prefetch slot, no worker) and its
+// handler runs again on it after the backoff. The message never leaves the
+// Source meanwhile, whatever limits its queue has. Nack gives deliveries
+// back at once (basic.nack, requeue=true), whatever their delay. A delivery
+// waiting in place stops the run of finished tags, so deliveries finished
+// after it are acked one by one. The broker closes the channel of a
+// delivery unacked for its consumer timeout (WithConsumerTimeout, RabbitMQ's
+// default 30 min), which the Source reports, less a margin, as
+// Capabilities.MaxLeaseAge; it also warns when deliveries stay unacked for
+// more than half of it.
 //
 // Waiting retries hold prefetch slots: while many wait, the broker sends
 // fewer new messages, and with a prefetch of 1 none until the wait ends.
-// WithDelayQueues frees those slots: delays longer than its threshold
-// publish the copy at once to a delay queue and ack the original after the
-// confirm; shorter delays go there too once half the prefetch window
-// already waits in place (with a prefetch of 1, every delay), and so does a
-// delay that would near the consumer timeout. A delay queue (named
-// "<queue>.custody-retry.<ms>ms", or for a queue name too long for that
-// "<prefix of the queue name>~<hash>.custody-retry.<ms>ms", created on first
-// use) is a durable quorum queue whose message TTL is the delay rounded up
-// to a fixed ladder of steps and which dead-letters expired copies back to
-// the queue at least once: the broker keeps a copy the queue refuses (full,
-// or missing) and offers it again every
-// dead_letter_worker_publisher_confirm_timeout (3 minutes by default). When
-// the delay queue cannot be declared (RabbitMQ before 3.10, a user who may
-// not declare queues) or does not confirm the copy, the retry waits in place.
-// Once confirmed into the delay queue the copy is out of the adapter's
-// hands: a policy that sets overflow on the delay queue (it overrides the
-// argument, and anything but reject-publish makes the dead-lettering
-// at-most-once), a deleted or expired delay queue, or a delay queue that
-// loses its quorum loses it. See docs/rabbitmq.md.
+// WithDelayQueues frees those slots. The Source then reports NackDelay and
+// Nack publishes each delayed delivery's next attempt to a delay queue and
+// acks the original after the broker confirmed the copy, never before. A
+// delay queue (named "<queue>.custody-retry.<ms>ms", or for a queue name too
+// long for that "<prefix of the queue name>~<hash>.custody-retry.<ms>ms",
+// created on first use) is a durable quorum queue whose message TTL is the
+// delay rounded up to a fixed ladder of steps and which dead-letters expired
+// copies back to the queue at least once: the broker keeps a copy the queue
+// refuses (full, or missing) and offers it again every
+// dead_letter_worker_publisher_confirm_timeout (3 minutes by default). New
+// declares one to check that the broker (RabbitMQ 3.10 or later) and the
+// user allow them. When a delay queue does not take a copy (not declared,
+// deleted, full by a policy, or not confirming within 30 s under a resource
+// alarm: the broker then stops reading, so even the write of a large copy
+// can block, and the adapter closes the publishing connection to end it),
+// the copy is published to the queue itself at once, losing its delay but
+// keeping its attempt count; when the queue refuses it too (full, with
+// x-overflow reject-publish or reject-publish-dlx, whether an argument or a
+// policy says so), the original is requeued. Once confirmed into the delay
+// queue the copy is out of the adapter's hands: a policy that sets overflow
+// on the delay queue (it overrides the argument, and anything but
+// reject-publish makes the dead-lettering at-most-once), a deleted or
+// expired delay queue, or a delay queue that loses its quorum loses it. See
+// docs/rabbitmq.md.
 //
 // Republished copies go through the default exchange; they keep the body,
 // the properties and the headers, drop the broker's own headers
@@ -162,10 +160,10 @@
 // fit, it leaves out HeaderFirstReceived, then the original route (they
 // only feed dead-letter diagnostics), but never the message's own headers,
 // which its handler sees again. A copy for a delay queue that still does not
-// fit waits in place instead, and one that does not fit even then is not
-// published: the original is requeued after the delay (basic.nack,
-// requeue=true), whole. A quorum queue counts those requeues
-// (x-delivery-count), so the message still reaches the dead-letter
+// fit goes to the queue itself, where one hop fewer adds headers, and one
+// that does not fit even then is not published: the original is requeued
+// at once (basic.nack, requeue=true), whole. A quorum queue counts those
+// requeues (x-delivery-count), so the message still reaches the dead-letter
 // destination after MaxAttempts; a classic queue only flags them, so its
 // attempt count stays at the lower bound and it is retried until it
 // succeeds (each time with a warning). Only a message whose properties and
@@ -175,13 +173,13 @@
 //
 // # Dead letters
 //
-// NewDeadLetterExchange checks its destination when it is made (the
+// NewDeadLetter checks its destination when it is made (the
 // exchange exists; through the default exchange, the queue the routing key
 // names), so that a wrong name fails there and not at the first poison
 // message. WithDeclareDeadLetter declares the exchange, the queue and their
 // binding instead, on every new connection and after an unroutable copy.
 //
-// A [DeadLetterExchange] publishes the original body and properties with
+// A [DeadLetter] publishes the original body and properties with
 // the shared diagnostic headers (adapters.Diagnostics: error, attempts,
 // first and last failure, original queue and id) plus the original exchange
 // and routing key, persistent and mandatory, with publisher confirms: Send
@@ -196,7 +194,7 @@
 // read first.
 //
 // A sink that refuses a message makes the runtime keep the original and try
-// again for ever, so a DeadLetterExchange stores whatever another broker's
+// again for ever, so a DeadLetter stores whatever another broker's
 // adapter can hand it, and keeps recoverable what AMQP cannot carry as it
 // is:
 //
@@ -233,10 +231,27 @@
 //
 // [Source.NativeDeadLetter] instead rejects the delivery without requeue,
 // so the broker moves it to the queue's own dead-letter exchange and adds
-// x-death; it marks the delivery settled so the runtime does not ack it.
+// x-death; it reports that it settles the original, so the runtime does
+// not ack it (an Ack or Nack of it all the same succeeds without effect).
 // The broker keeps no custody diagnostics in that mode (they are logged),
 // and nothing confirms the move: a dead-letter exchange that does not exist
 // or routes the message nowhere drops it.
+//
+// # Telemetry
+//
+// Through the MeterProvider of [WithMeterProvider] (the global one by
+// default) a Source reports custody.rabbitmq.acked (deliveries acked on the
+// wire), custody.rabbitmq.ack.frames (basic.ack frames, by
+// rabbitmq.multiple), custody.rabbitmq.acks.dropped (acks not written
+// because their channel died first), custody.rabbitmq.rejects (basic.nack
+// frames, by rabbitmq.requeue), custody.rabbitmq.deliveries.lost,
+// custody.rabbitmq.reconnects, and for its retries' copies
+// custody.rabbitmq.publishes and custody.rabbitmq.publish.duration (by
+// custody.rabbitmq.copy, delay_queue or queue, and error), all with
+// messaging.destination.name, its queue. A DeadLetter sink reports the
+// last two for its copies (copy dead_letter), with its exchange and
+// messaging.rabbitmq.destination.routing_key. Logs go to WithLogger's
+// logger, slog.Default() by default.
 //
 // # Tracing
 //

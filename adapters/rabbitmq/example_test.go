@@ -24,7 +24,7 @@ func ExampleNew() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := rabbitmq.NewDeadLetterExchange(ctx, "", "orders.dlq", rabbitmq.WithURL(url),
+	dlq, err := rabbitmq.NewDeadLetter(ctx, "", "orders.dlq", rabbitmq.WithURL(url),
 		rabbitmq.WithDeclareDeadLetter("", rabbitmq.QuorumQueue, nil))
 	if err != nil {
 		log.Fatal(err)

@@ -2,15 +2,18 @@ package rabbitmq
 
 import (
 	"context"
+	"errors"
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testbroker"
 )
 
@@ -112,14 +115,12 @@ func keys(m map[string]bool) []string {
 }
 
 // A retry never gives up custody of its message to a queue that may refuse
-// it. The scenario of issue 18: a classic queue limited to 2 messages with
-// x-overflow reject-publish (by argument, or by a policy set after the
-// Source started), prefetch 1; A fails and asks for a retry in 500 ms, then
-// the queue fills. With the retry's copy in a delay queue (where a prefetch
-// of 1 used to send every retry) and the original acked, the broker dropped
-// the copy when it expired into the full queue: A was gone, never handled.
-// Waiting in place, the adapter holds A until its copy is confirmed, and
-// requeues it when the full queue refuses the copy.
+// it: a classic queue limited to 2 messages with x-overflow reject-publish
+// (by argument, or by a policy set after the Source started), prefetch 1; A
+// fails and asks for a retry in 500 ms, then the queue fills. Without delay
+// queues the runtime waits out the retry in place, holding A: no copy is
+// published for the full queue to refuse, and A is handled on its second
+// attempt, counted by the runtime, with everything the queue took.
 func TestRetryIntoAFullQueueKeepsTheMessage(t *testing.T) {
 	limit := amqp.Table{"x-max-length": int64(2), "x-overflow": "reject-publish"}
 	for _, by := range []string{"argument", "policy"} {
@@ -136,28 +137,42 @@ func TestRetryIntoAFullQueueKeepsTheMessage(t *testing.T) {
 			if by == "policy" {
 				setPolicy(t, q, `{"max-length":2,"overflow":"reject-publish"}`)
 			}
-			d := receiveN(t, s, 1)[0]
-			if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 500*time.Millisecond)); err != nil {
-				t.Fatal(err)
-			}
+			var (
+				seen     handled
+				failed   = make(chan struct{})
+				attempts sync.Map
+			)
+			r := runConsumer(t, s, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+				seen.add(m.ID)
+				if m.ID == "A" {
+					attempts.Store(m.Attempt, true)
+					if m.Attempt == 1 {
+						close(failed)
+						return consumer.RetryAfter(errors.New("not yet"), 500*time.Millisecond)
+					}
+				}
+				return nil
+			}), consumer.WithConcurrency(1))
+			<-failed
 			took := a.offer(q, "B", "C", "D")
 			if len(took) < 2 {
 				t.Fatalf("the queue took %v of B, C, D; want it full", took)
 			}
-			// The retry's wait ends with the queue full: waiting in place,
-			// the adapter's copy is refused and A is requeued; through a
-			// delay queue, the copy expires into the full queue.
-			waitUntil(t, "the retry's wait to end", func() bool {
-				st := s.Stats()
-				if st.DelayQueued > 0 {
-					n, _ := a.length(delayQueueName(q, delayStep(500*time.Millisecond)))
-					return n == 0
+			waitUntil(t, "A and what the queue took handled", func() bool {
+				c := seen.snapshot()
+				for _, id := range append([]string{"A"}, took...) {
+					if c[id] == 0 {
+						return false
+					}
 				}
-				return st.RetryFailures+st.RetriedInPlace > 0
+				return c["A"] == 2
 			})
-			back := receiveAll(t, s, append([]string{"A"}, took...)...)
-			if back[0].Attempt < 2 {
-				t.Fatalf("A came back with attempt %d, want at least 2", back[0].Attempt)
+			r.stop(t)
+			if _, ok := attempts.Load(2); !ok {
+				t.Fatalf("A was not handled at attempt 2; handled %v", seen.snapshot())
+			}
+			if st := s.Stats(); st.Delivered != uint64(1+len(took)) || st.Rejects != 0 || st.DelayQueued+st.RetriedAtOnce != 0 {
+				t.Fatalf("stats %+v: want A delivered once and retried in place, with no copy and no requeue", st)
 			}
 			waitUnacked(t, q, 0)
 			if n := a.ready(q); n != 0 {
@@ -194,15 +209,13 @@ func retryDeadLettersEvery(t *testing.T, d time.Duration) {
 
 // With delay queues, a retry's copy waits in a quorum queue that
 // dead-letters it back at least once: when the copy expires into a full
-// queue (issue 18's scenario, prefetch 1 sending every retry to the delay
-// queue), the broker keeps it and offers it again until the queue takes it.
-// Through a classic delay queue, the broker dropped it.
+// queue, the broker keeps it and offers it again until the queue takes it.
 func TestRetryThroughDelayQueueIntoAFullQueueComesBack(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, amqp.Table{"x-max-length": int64(2), "x-overflow": "reject-publish"})
 	retryDeadLettersEvery(t, time.Second)
 	a.publish(q, "A")
-	s := openSource(t, q, WithPrefetch(1), WithDelayQueues(10*time.Millisecond))
+	s := openSource(t, q, WithPrefetch(1), WithDelayQueues())
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 500*time.Millisecond)); err != nil {
 		t.Fatal(err)

@@ -385,9 +385,10 @@ func fuzzIntHeader(kind uint8, n int64, s string) any {
 // attemptModel is the reference reading of a delivery's attempt, in
 // arbitrary precision: the base is custody-attempt when it is an integer
 // above 1 (else 1); a quorum queue's x-delivery-count (integer, at least 0)
-// adds to it; without one, a redelivery flag adds 1. The result saturates at
-// maxAttempt.
-func attemptModel(attempt, count any, redelivered bool) int64 {
+// adds to it; without one, a redelivery flag adds 1 where the Source counts
+// deliveries. The result saturates at maxAttempt. A Source that does not
+// count deliveries reports 0 for a message that carries neither count.
+func attemptModel(attempt, count any, redelivered, counts bool) int64 {
 	asInt := func(v any) (int64, bool) {
 		switch v := v.(type) {
 		case int8:
@@ -410,14 +411,16 @@ func attemptModel(attempt, count any, redelivered bool) int64 {
 		}
 		return 0, false
 	}
-	base := 1.0
+	base, copied := 1.0, false
 	if n, ok := asInt(attempt); ok && n > 1 {
-		base = float64(n)
+		base, copied = float64(n), true
 	}
 	sum := base
 	if n, ok := asInt(count); ok && n >= 0 {
 		sum += float64(n)
-	} else if redelivered {
+	} else if !counts && !copied {
+		return 0
+	} else if redelivered && counts {
 		sum++
 	}
 	return int64(min(sum, float64(maxAttempt)))
@@ -425,7 +428,8 @@ func attemptModel(attempt, count any, redelivered bool) int64 {
 
 // FuzzAttemptOf checks attemptOf against attemptModel: whatever a publisher
 // puts in custody-attempt and whatever x-delivery-count says, the attempt is
-// at least 1, at most maxAttempt, and never lower than the model's sum.
+// the model's, at most maxAttempt, and at least 1 where the Source counts
+// deliveries.
 func FuzzAttemptOf(f *testing.F) {
 	f.Add(uint8(0), int64(0), "", uint8(0), int64(0), "", false)
 	f.Add(uint8(4), int64(3), "", uint8(0), int64(0), "", true)
@@ -437,6 +441,8 @@ func FuzzAttemptOf(f *testing.F) {
 	f.Add(uint8(4), int64(1)<<32+1, "", uint8(0), int64(0), "", false)               // int truncation on 32-bit
 	f.Add(uint8(9), int64(5), "", uint8(1), int64(-1), "", false)
 	f.Fuzz(func(t *testing.T, aKind uint8, aN int64, aS string, cKind uint8, cN int64, cS string, redelivered bool) {
+		// The flag's value chooses whether the Source counts deliveries too.
+		counts := aN%2 == 0
 		h := amqp.Table{}
 		if v := fuzzIntHeader(aKind, aN, aS); v != nil {
 			h[HeaderAttempt] = v
@@ -445,15 +451,15 @@ func FuzzAttemptOf(f *testing.F) {
 			h["x-delivery-count"] = v
 		}
 		m := &amqp.Delivery{Headers: h, Redelivered: redelivered}
-		got := attemptOf(m)
-		want := attemptModel(h[HeaderAttempt], h["x-delivery-count"], redelivered)
-		if int64(got) != want || got < 1 || got > maxAttempt {
-			t.Fatalf("attemptOf(headers %#v, redelivered %v) = %d, want %d", h, redelivered, got, want)
+		got := attemptOf(m, counts)
+		want := attemptModel(h[HeaderAttempt], h["x-delivery-count"], redelivered, counts)
+		if int64(got) != want || got < 0 || (counts && got < 1) || got > maxAttempt {
+			t.Fatalf("attemptOf(headers %#v, redelivered %v, counts %v) = %d, want %d", h, redelivered, counts, got, want)
 		}
 		// The attempt a retry republishes is the next one, and reads back.
 		next := amqp.Table{HeaderAttempt: int64(max(got, 1) + 1)}
-		if back := attemptOf(&amqp.Delivery{Headers: next}); back != min(got+1, maxAttempt) {
-			t.Fatalf("republished attempt %v reads back as %d, want %d", next[HeaderAttempt], back, min(got+1, maxAttempt))
+		if back := attemptOf(&amqp.Delivery{Headers: next}, counts); back != min(max(got, 1)+1, maxAttempt) {
+			t.Fatalf("republished attempt %v reads back as %d, want %d", next[HeaderAttempt], back, min(max(got, 1)+1, maxAttempt))
 		}
 	})
 }

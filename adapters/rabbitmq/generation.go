@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -32,30 +31,25 @@ type generation struct {
 
 	mu   sync.Mutex
 	dead bool
-	// tracker holds every delivered tag until the durable prefix passes it;
-	// a tag is done once its outcome is decided (ack pending, nacked,
-	// republished and ack pending).
+	// tracker holds every delivered tag until the run of finished tags from
+	// the oldest passes it; a tag is done once it is acked or rejected on
+	// the wire.
 	tracker *prefix.Tracker
 	// held maps every tag not yet settled on the wire to its delivery.
 	held map[uint64]*adapters.Delivery
 	// sentFrontier is the highest tag up to which everything is settled on
 	// the wire.
 	sentFrontier uint64
-	pending      int // acks decided but not yet sent
-	waiting      int // deliveries held in place for a delayed retry
-	timer        *time.Timer
-	timerArmed   bool
-	timerAt      time.Time // when the armed timer fires
 }
 
 // state of one delivery in its generation.
 type state uint8
 
 const (
-	stateHeld       state = iota // with the runtime
-	stateWaiting                 // held by the adapter for an in-place retry
-	stateAckPending              // finished; its ack is waiting to be coalesced
-	stateSettled                 // acked or rejected on the wire
+	stateHeld    state = iota // with the runtime
+	stateAcking               // done in the tracker; its ack frame is being written
+	stateSettled              // acked or rejected on the wire
+	stateDropped              // its ack could not be written; the broker redelivers it
 )
 
 // handle is the adapter-private part of a Delivery (Delivery.Handle).
@@ -65,13 +59,16 @@ type handle struct {
 	// signal loses the delivery when its channel dies.
 	signal adapters.Signal
 	state  state // guarded by gen.mu
-	// decided is when the delivery's ack was decided (stateAckPending),
-	// from which its wait for company is counted.
-	decided time.Time
 	// gaveBack is set, under gen.mu, once a Nack or reject took the
 	// delivery: its message comes back (requeued, or republished as a
 	// copy), so an Ack of it must fail rather than report it settled.
 	gaveBack bool
+	// disposed is set, under gen.mu, once the Source's own native dead
+	// letter rejected the delivery into the queue's dead-letter exchange:
+	// an Ack or Nack of it then succeeds without effect (adapters.OriginalSettler),
+	// since a wrapper around the destination may hide that it settles the
+	// original, and the runtime then acks it.
+	disposed bool
 }
 
 // errGaveBack fails an Ack of a delivery already given back.
@@ -83,7 +80,7 @@ func handleOf(d *adapters.Delivery) *handle {
 }
 
 // errTagOrder means the broker's delivery tags did not grow; the channel is
-// abandoned, since coalesced acks could otherwise cover the wrong deliveries.
+// abandoned, since a multiple ack could otherwise cover the wrong deliveries.
 var errTagOrder = errors.New("rabbitmq: delivery tags arrived out of order")
 
 // admit records a new delivery. It returns false when the generation died
@@ -109,56 +106,143 @@ func (g *generation) lostErr() error {
 	return fmt.Errorf("%w (channel generation %d closed)", adapters.ErrConnectionLost, g.id)
 }
 
-// ackLocked marks h finished and coalesces its ack.
-func (g *generation) ackLocked(h *handle) error {
-	if g.dead {
-		g.src.stats.droppedAcks.Add(1)
-		return g.lostErr()
-	}
-	switch h.state {
-	case stateAckPending, stateSettled:
-		return nil // already decided; a second ack must not reach the wire
-	}
-	if g.ch.IsClosed() || g.conn.IsClosed() {
-		// amqp091 saw the channel or the connection close and the
-		// supervisor is about to mark the generation dead: an ack recorded
-		// now would never be sent, and the broker redelivers the message.
-		// Report the loss rather than a settled delivery; the generation's
-		// death loses the delivery as it does every other one it holds.
-		g.src.stats.droppedAcks.Add(1)
-		return g.lostErr()
-	}
-	if h.state == stateWaiting {
-		g.waiting--
-	}
-	h.state = stateAckPending
-	h.decided = time.Now()
-	g.pending++
-	g.tracker.Done(int64(h.tag))
-	f, _ := g.tracker.Frontier()
-	if uint64(f)-g.sentFrontier >= uint64(g.src.s.ackBatch) || g.pending >= g.src.pressure() {
-		g.flushLocked(false)
-	}
-	if g.pending > 0 {
-		// In the run at the frontier, the ack waits for company for the
-		// linger; behind an unfinished delivery, for the straggler wait,
-		// then it goes out on its own.
-		wait := g.src.s.ackLinger
-		if int64(h.tag) > f {
-			wait = g.src.s.stragglerWait
+// ackLocked acks on the wire, before it returns, the deliveries of ds that
+// belong to g (the others are left to their own generation): one
+// multiple=true ack for the run of finished tags the frontier passed, named
+// by the highest tag of the run still outstanding on the wire, since the
+// broker closes the channel on a multiple ack naming a tag it no longer
+// holds; and one ack each for the deliveries of ds left beyond the
+// frontier, behind a tag not finished, which no multiple ack may cover. Every
+// finished tag is thus settled on the wire when the call that finished it
+// returns, and no tag is ever settled twice. Entries that cannot be acked
+// are reported in failed. Deliveries already given back fail, unless
+// replaced says they were given back as the copies confirmed meanwhile,
+// whose originals this ack retires.
+func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, replaced bool) {
+	reachable := !g.dead && !g.ch.IsClosed() && !g.conn.IsClosed()
+	marked := false
+	for i, d := range ds {
+		h := handleOf(d)
+		if h == nil || h.gen != g {
+			continue
 		}
-		g.armLocked(h.decided.Add(wait))
+		switch {
+		case h.disposed:
+			// Settled by its dead-letter destination: nothing to send.
+		case !reachable:
+			// Dead, or amqp091 saw the channel or connection close and the
+			// supervisor is about to mark the generation dead: the broker
+			// redelivers the message.
+			g.src.stats.droppedAcks.Add(1)
+			g.src.tel.add(g.src.tel.dropped, 1)
+			failed.set(i, g.lostErr())
+		case h.gaveBack && !replaced:
+			failed.set(i, errGaveBack)
+		case h.state == stateDropped:
+			failed.set(i, g.lostErr())
+		case h.state == stateAcking || h.state == stateSettled:
+			// Acked already, or earlier in ds: nothing more to send.
+		default:
+			h.state = stateAcking
+			g.tracker.Done(int64(h.tag))
+			marked = true
+		}
 	}
+	if !marked {
+		return
+	}
+	f, _ := g.tracker.Frontier()
+	front := uint64(f)
+	var runErr error
+	if front > g.sentFrontier {
+		var last uint64
+		n := 0
+		for tag := g.sentFrontier + 1; tag <= front; tag++ {
+			if _, ok := g.held[tag]; ok {
+				delete(g.held, tag)
+				last, n = tag, n+1
+			}
+		}
+		g.sentFrontier = front
+		if n > 0 {
+			runErr = g.writeAck(last, n)
+		}
+	}
+	for i, d := range ds {
+		h := handleOf(d)
+		if h == nil || h.gen != g || h.state != stateAcking {
+			continue
+		}
+		err := runErr
+		if h.tag > front {
+			delete(g.held, h.tag)
+			err = g.writeAck(h.tag, 1)
+		}
+		if err != nil {
+			h.state = stateDropped
+			failed.set(i, fmt.Errorf("%w: %v", g.lostErr(), err))
+			continue
+		}
+		h.state = stateSettled
+	}
+}
+
+// ackReplacedLocked acks d, whose confirmed copy replaces it, as ackLocked
+// does.
+func (g *generation) ackReplacedLocked(d *adapters.Delivery) error {
+	var failed entryErrors
+	g.ackLocked([]*adapters.Delivery{d}, &failed, true)
+	return failed[0]
+}
+
+// writeAck writes one basic.ack naming tag, covering n outstanding tags
+// (multiple=true when n > 1), and counts it.
+func (g *generation) writeAck(tag uint64, n int) error {
+	s := g.src
+	err := g.ch.Ack(tag, n > 1)
+	if err != nil {
+		// The channel is closing: the broker redelivers the messages.
+		s.stats.ackErrors.Add(uint64(n))
+		s.tel.add(s.tel.dropped, n)
+		return err
+	}
+	s.stats.ackFrames.Add(1)
+	if n > 1 {
+		s.stats.multipleAcks.Add(1)
+	}
+	s.stats.acked.Add(uint64(n))
+	s.tel.ackFrame(n)
 	return nil
 }
 
-// rejectLocked sends basic.nack for h at once: rejects are never coalesced,
-// since a multiple=true nack would also reject deliveries still running.
+// entryErrors collects the failed entries of a batch call, made on the first.
+type entryErrors map[int]error
+
+func (e *entryErrors) set(i int, err error) {
+	if *e == nil {
+		*e = map[int]error{}
+	}
+	(*e)[i] = err
+}
+
+// err returns the errors as the result of a batch call.
+func (e entryErrors) err() error {
+	if e == nil {
+		return nil
+	}
+	return &adapters.BatchError{Failed: e}
+}
+
+// rejectLocked sends basic.nack for h at once, one tag only: a
+// multiple=true nack would also reject deliveries still running.
 func (g *generation) rejectLocked(h *handle, requeue bool) error {
+	if h.disposed {
+		return nil // settled by its dead-letter destination: nothing to send
+	}
 	if g.dead {
 		return g.lostErr()
 	}
-	if h.state == stateAckPending || h.state == stateSettled {
+	if h.state == stateAcking || h.state == stateSettled || h.state == stateDropped {
 		return errors.New("rabbitmq: the delivery was already settled")
 	}
 	if err := g.ch.Nack(h.tag, false, requeue); err != nil {
@@ -166,164 +250,35 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 		// its generation, and the broker redelivers it.
 		return fmt.Errorf("%w: %v", adapters.ErrConnectionLost, err)
 	}
-	if h.state == stateWaiting {
-		g.waiting--
-	}
 	h.state = stateSettled
 	h.gaveBack = true
 	delete(g.held, h.tag)
 	g.src.stats.rejects.Add(1)
+	g.src.tel.rejected(requeue)
 	if g.tracker.Done(int64(h.tag)) {
+		// Every finished tag the frontier passed is settled on the wire
+		// already: finished tags are acked when they finish.
 		f, _ := g.tracker.Frontier()
-		if uint64(f)-g.sentFrontier >= uint64(g.src.s.ackBatch) {
-			g.flushLocked(false)
-		}
-		if g.pending > 0 {
-			// The frontier moved: acks that waited behind this delivery
-			// are a run now, due after the linger.
-			g.armLocked(time.Now().Add(g.src.s.ackLinger))
-		}
+		g.sentFrontier = uint64(f)
 	}
 	return nil
 }
 
-// flushLocked sends what the coalescing policy allows: one multiple=true ack
-// for the finished run up to the frontier, then one ack each for the
-// finished deliveries behind an unfinished one that waited the straggler
-// wait since their ack was decided (all of them when they fill most of the
-// window, or with force). A delivery acked on its own is settled on the
-// wire: the next multiple ack names a tag still outstanding.
-func (g *generation) flushLocked(force bool) {
-	if g.dead {
-		return
-	}
-	s := g.src
-	if f, ok := g.tracker.Frontier(); ok && uint64(f) > g.sentFrontier {
-		// Name the highest tag in the run that is still outstanding on the
-		// wire: the broker rejects a multiple ack naming a tag it no longer
-		// holds (one rejected or acked on its own) and closes the channel.
-		var last uint64
-		n := 0
-		for tag := g.sentFrontier + 1; tag <= uint64(f); tag++ {
-			d, ok := g.held[tag]
-			if !ok {
-				continue // settled on its own earlier
-			}
-			h := handleOf(d)
-			h.state = stateSettled
-			delete(g.held, tag)
-			last = tag
-			n++
-		}
-		g.sentFrontier = uint64(f)
-		if last > 0 {
-			g.pending -= n
-			if err := g.ch.Ack(last, true); err != nil {
-				s.stats.ackErrors.Add(uint64(n))
-			}
-			s.stats.ackFrames.Add(1)
-			s.stats.multipleAcks.Add(1)
-			s.stats.acked.Add(uint64(n))
-		}
-	}
-	if g.pending == 0 {
-		return
-	}
-	all := force || g.pending >= s.pressure()
-	now := time.Now()
-	g.tracker.DoneBeyond(func(pos int64) {
-		tag := uint64(pos)
-		d, ok := g.held[tag]
-		if !ok {
-			return
-		}
-		h := handleOf(d)
-		if h.state != stateAckPending || !all && now.Sub(h.decided) < s.s.stragglerWait {
-			return
-		}
-		h.state = stateSettled
-		delete(g.held, tag)
-		g.pending--
-		if err := g.ch.Ack(tag, false); err != nil {
-			s.stats.ackErrors.Add(1)
-		}
-		s.stats.ackFrames.Add(1)
-		s.stats.acked.Add(1)
-	})
-}
-
-// armLocked makes sure the timer fires by at, when a pending ack is due.
-func (g *generation) armLocked(at time.Time) {
-	if g.dead || g.pending == 0 {
-		return
-	}
-	if g.timerArmed && !at.Before(g.timerAt) {
-		return
-	}
-	// Not armed, or armed for later than this ack may wait. (Should the
-	// timer have fired already and its callback wait for the lock, it runs
-	// twice: harmless.)
-	g.timerArmed, g.timerAt = true, at
-	wait := time.Until(at)
-	if g.timer == nil {
-		g.timer = time.AfterFunc(wait, g.onTimer)
-	} else {
-		g.timer.Reset(wait)
-	}
-}
-
-// onTimer sends what is due and arms the timer for the acks still waiting
-// behind an unfinished delivery: for the earliest of their straggler waits.
-func (g *generation) onTimer() {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	g.timerArmed = false
-	if g.dead {
-		return
-	}
-	g.flushLocked(false)
-	if g.pending == 0 {
-		return
-	}
-	var next time.Time
-	g.tracker.DoneBeyond(func(pos int64) {
-		if d, ok := g.held[uint64(pos)]; ok {
-			if h := handleOf(d); h.state == stateAckPending && (next.IsZero() || h.decided.Before(next)) {
-				next = h.decided
-			}
-		}
-	})
-	if !next.IsZero() {
-		g.armLocked(next.Add(g.src.s.stragglerWait))
-	}
-}
-
 // die marks the generation dead and returns the deliveries it still held;
-// the caller loses them outside the lock. Pending acks are dropped and
-// counted: their messages come back from the broker.
-func (g *generation) die(flush bool) []*adapters.Delivery {
+// the caller loses them outside the lock.
+func (g *generation) die() []*adapters.Delivery {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.dead {
 		return nil
 	}
-	if flush {
-		g.flushLocked(true)
-	}
 	g.dead = true
 	close(g.stopped)
-	if g.timer != nil {
-		g.timer.Stop()
-	}
 	held := make([]*adapters.Delivery, 0, len(g.held))
 	for _, d := range g.held {
-		if handleOf(d).state == stateAckPending {
-			g.src.stats.droppedAcks.Add(1)
-		}
 		held = append(held, d)
 	}
 	g.held = nil
-	g.pending = 0
 	return held
 }
 

@@ -323,21 +323,26 @@ func headerInt(t amqp.Table, k string) (int64, bool) {
 // attemptOf computes which attempt a delivery is. The base is the attempt a
 // republished retry starts at (HeaderAttempt, else 1). Quorum queues count
 // the redeliveries of this copy in x-delivery-count; classic queues only say
-// whether it was redelivered at all, which counts as one more attempt: a
-// lower bound.
+// whether it was redelivered at all. Where the Source counts deliveries
+// (counts: a quorum queue, or retries through delay queues) a redelivery
+// counts as one more attempt, a lower bound; where it does not, a message
+// that carries no count is attempt 0, unknown, and the runtime counts the
+// attempts it makes.
 //
 // Any publisher can set HeaderAttempt, so the sum saturates at maxAttempt:
 // an overflow would otherwise wrap to a negative attempt, which the runtime
 // reads as a first attempt.
-func attemptOf(m *amqp.Delivery) int {
-	base := int64(1)
+func attemptOf(m *amqp.Delivery, counts bool) int {
+	base, copied := int64(1), false
 	if n, ok := headerInt(m.Headers, HeaderAttempt); ok && n > 1 {
-		base = min(n, maxAttempt)
+		base, copied = min(n, maxAttempt), true
 	}
-	if n, ok := headerInt(m.Headers, "x-delivery-count"); ok && n >= 0 {
+	switch n, ok := headerInt(m.Headers, "x-delivery-count"); {
+	case ok && n >= 0:
 		return int(min(base+min(n, maxAttempt), maxAttempt))
-	}
-	if m.Redelivered {
+	case !counts && !copied:
+		return 0
+	case counts && m.Redelivered:
 		return int(min(base+1, maxAttempt))
 	}
 	return int(base)

@@ -6,8 +6,8 @@ import (
 	"go.uber.org/goleak"
 )
 
-// Every goroutine the adapter starts (supervisor, pumps, in-place retries,
-// ack timers) must end by the time its Source is closed.
+// Every goroutine the adapter starts (supervisor, pumps, in-place retries)
+// must end by the time its Source is closed.
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }

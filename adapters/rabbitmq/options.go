@@ -5,11 +5,12 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // DefaultURL is the broker address used when neither WithURL nor WithDialFunc
@@ -17,10 +18,10 @@ import (
 const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
 // Option configures a Source (New) or a dead-letter exchange sink
-// (NewDeadLetterExchange). Connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc, WithLogger) apply to both; WithDeclareDeadLetter only to the
-// sink, the others only to a Source, and each constructor rejects the other's
-// by name.
+// (NewDeadLetter). Connection options (WithURL, WithConfig, WithTLS,
+// WithDialFunc), WithLogger and WithMeterProvider apply to both;
+// WithDeclareDeadLetter only to the sink, the others only to a Source, and
+// each constructor rejects the other's by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -53,16 +54,13 @@ type settings struct {
 	configSet bool
 	dialFunc  func(ctx context.Context) (*amqp.Connection, error)
 	logger    *slog.Logger
+	meters    metric.MeterProvider
 
 	prefetch        int
 	consumerTag     string
 	queueType       QueueType
 	queueArgs       amqp.Table
 	dlxByPolicy     bool
-	ackBatch        int
-	ackLinger       time.Duration
-	stragglerWait   time.Duration
-	delayThreshold  time.Duration
 	delayQueues     bool
 	consumerTimeout time.Duration
 	reconnectMin    time.Duration
@@ -80,8 +78,6 @@ func defaultSettings() *settings {
 	return &settings{
 		url:             DefaultURL,
 		prefetch:        256,
-		ackLinger:       5 * time.Millisecond,
-		stragglerWait:   5 * time.Millisecond,
 		consumerTimeout: 30 * time.Minute,
 		reconnectMin:    100 * time.Millisecond,
 		reconnectMax:    10 * time.Second,
@@ -107,12 +103,27 @@ func apply(opts []Option) (*settings, error) {
 		return nil, errors.New("rabbitmq: WithConfig: Config.Recovery must be nil; the adapter reconnects by itself and must see every new channel to keep delivery tags apart")
 	}
 	if s.logger == nil {
-		s.logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		s.logger = slog.Default()
 	}
-	if s.ackBatch == 0 {
-		s.ackBatch = min(64, max(1, s.prefetch/4))
+	if s.meters == nil {
+		s.meters = otel.GetMeterProvider()
 	}
 	return s, nil
+}
+
+// countsDeliveries reports whether Delivery.Attempt survives a redelivery:
+// a quorum queue counts deliveries, and a retry through a delay queue
+// carries its attempt in HeaderAttempt. A classic queue only flags a
+// redelivery, and a queue the Source only checks may be either.
+func (s *settings) countsDeliveries() bool {
+	return s.delayQueues || s.queueType == QuorumQueue
+}
+
+// maxHold is how long a delivery may stay unacked: the broker closes the
+// channel of one held for its consumer timeout. A margin (a quarter of it,
+// at most a minute) leaves time to give it back first.
+func (s *settings) maxHold() time.Duration {
+	return s.consumerTimeout - min(s.consumerTimeout/4, time.Minute)
 }
 
 func sourceOnly(name string, s *settings) { s.sourceOnly = append(s.sourceOnly, name) }
@@ -174,8 +185,8 @@ func WithDialFunc(dial func(ctx context.Context) (*amqp.Connection, error)) Opti
 	}
 }
 
-// WithLogger sets where the adapter logs reconnections and warnings (default:
-// nowhere).
+// WithLogger sets where the adapter logs reconnections and warnings.
+// Default: slog.Default(), like the consumer's own.
 func WithLogger(l *slog.Logger) Option {
 	return func(s *settings) error {
 		if l == nil {
@@ -186,10 +197,25 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
+// WithMeterProvider sets where the adapter's metrics go: a Source's acks,
+// ack frames, dropped acks, rejects, lost deliveries, reconnections and
+// retry copies; a sink's dead-letter copies (see the package
+// documentation). Default: the global OpenTelemetry MeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(s *settings) error {
+		if mp == nil {
+			return errors.New("rabbitmq: WithMeterProvider: the provider is nil")
+		}
+		s.meters = mp
+		return nil
+	}
+}
+
 // WithPrefetch sets the channel's QoS prefetch count: how many unacked
 // deliveries the broker lets this consumer hold (default 256). It must be at
 // least the consumer's concurrency, or workers idle while the window is full;
-// deliveries waiting in place for a retry also occupy it. At most 65535.
+// deliveries the runtime holds while their retry waits in place also occupy
+// it. At most 65535.
 //
 // Every delivery in the window waits its turn unacked, and the broker closes
 // the channel (redelivering them all) when one waits past its
@@ -279,58 +305,30 @@ func WithDeadLetterByPolicy() Option {
 	}
 }
 
-// WithAckCoalescing tunes how acks are coalesced: a contiguous run of
-// finished deliveries is acked with one multiple=true ack once batch of them
-// are ready or linger has passed since the first (defaults: a quarter of the
-// prefetch, at most 64; 5 ms). A finished delivery stuck behind an
-// unfinished one, which no multiple ack may cover, is acked on its own once
-// it has waited stragglerWait (default: 5 ms, the default linger) for the
-// run to reach it, or at once when such deliveries fill three quarters of
-// the prefetch window. Every ack thus reaches the broker within about
-// stragglerWait of the handler's success, which bounds what a crash makes
-// the broker deliver again; a longer wait sends fewer ack frames when
-// handlers finish out of order.
-func WithAckCoalescing(batch int, linger, stragglerWait time.Duration) Option {
-	return func(s *settings) error {
-		sourceOnly("WithAckCoalescing", s)
-		if batch < 1 {
-			return fmt.Errorf("rabbitmq: WithAckCoalescing: batch %d must be at least 1", batch)
-		}
-		if linger <= 0 || linger > time.Second {
-			return fmt.Errorf("rabbitmq: WithAckCoalescing: linger %v must be above zero and at most 1s", linger)
-		}
-		if stragglerWait < linger {
-			return fmt.Errorf("rabbitmq: WithAckCoalescing: stragglerWait %v must be at least the linger %v", stragglerWait, linger)
-		}
-		s.ackBatch, s.ackLinger, s.stragglerWait = batch, linger, stragglerWait
-		return nil
-	}
-}
-
-// WithDelayQueues lets retries whose delay is longer than threshold travel
-// through delay queues instead of waiting in place (default: off, every
-// retry waits in place). With it, a retry publishes a copy to a quorum queue
-// whose message TTL is the delay (rounded up to a ladder step) and which
-// dead-letters it back to the source queue at least once, then acks the
-// original; shorter delays go the same way once half the prefetch window
-// already waits in place (with a prefetch of 1, all of them, so that
-// waiting retries never starve the channel), and so does any delay that
-// would bring an in-place wait near the consumer timeout. A threshold of
-// zero sends every delayed retry through a delay queue. It needs RabbitMQ
-// 3.10 or later; where the delay queue cannot be declared, retries wait in
-// place.
+// WithDelayQueues makes the broker hold retries back (default: off). Without
+// it the Source reports NackDelay=false and the runtime waits out each retry
+// in place: the delivery stays unacked, holding a prefetch slot but no
+// worker, and its handler runs again on it after the backoff.
+//
+// With it, the Source reports NackDelay=true, and a retry publishes a copy
+// of the message, carrying its next attempt, to a quorum queue whose message
+// TTL is the delay (rounded up to a ladder step) and which dead-letters it
+// back to the source queue at least once; the original is acked once the
+// broker confirmed the copy. The retry then holds no prefetch slot. It
+// needs RabbitMQ 3.10 or later and a user who may declare queues: New
+// declares one delay queue to check. A copy the delay queue does not take
+// is published to the source queue at once instead (the delay is lost, the
+// attempt count kept), or, if the source queue refuses it too, the original
+// is requeued.
 //
 // Read what delay queues leave to the broker before turning them on
 // (docs/rabbitmq.md): once the copy is confirmed into the delay queue, a
 // policy that sets overflow on it, deleting or expiring it, or losing its
 // quorum loses the copy.
-func WithDelayQueues(threshold time.Duration) Option {
+func WithDelayQueues() Option {
 	return func(s *settings) error {
 		sourceOnly("WithDelayQueues", s)
-		if threshold < 0 {
-			return fmt.Errorf("rabbitmq: WithDelayQueues(%v): the threshold must not be negative", threshold)
-		}
-		s.delayQueues, s.delayThreshold = true, threshold
+		s.delayQueues = true
 		return nil
 	}
 }
@@ -338,8 +336,8 @@ func WithDelayQueues(threshold time.Duration) Option {
 // WithConsumerTimeout tells the adapter the broker's consumer_timeout
 // (default 30 min, RabbitMQ's default). The broker closes a channel whose
 // delivery stays unacked that long, so the adapter warns about deliveries
-// held for more than half of it and never waits in place beyond three
-// quarters of it.
+// held for more than half of it and reports it, less a margin (a quarter,
+// at most a minute), as Capabilities.MaxLeaseAge.
 func WithConsumerTimeout(d time.Duration) Option {
 	return func(s *settings) error {
 		sourceOnly("WithConsumerTimeout", s)

@@ -31,11 +31,6 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithDeclare(QueueType(9), nil), "WithDeclare"},
 		{WithDeclare(CheckQueue, amqp.Table{"x-max-length": 1}), "WithDeclare"},
 		{WithDeclare(ClassicQueue, amqp.Table{"x-queue-type": "quorum"}), "WithDeclare"},
-		{WithAckCoalescing(0, time.Millisecond, time.Second), "WithAckCoalescing"},
-		{WithAckCoalescing(8, 0, time.Second), "WithAckCoalescing"},
-		{WithAckCoalescing(8, 10*time.Millisecond, time.Millisecond), "WithAckCoalescing"},
-		{WithAckCoalescing(8, 2*time.Second, time.Hour), "WithAckCoalescing"},
-		{WithDelayQueues(-1), "WithDelayQueues"},
 		{WithConsumerTimeout(0), "WithConsumerTimeout"},
 		{WithReconnectBackoff(0, time.Second), "WithReconnectBackoff"},
 		{WithReconnectBackoff(time.Second, time.Millisecond), "WithReconnectBackoff"},
@@ -43,6 +38,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithTLS(nil), "WithTLS"},
 		{WithDialFunc(nil), "WithDialFunc"},
 		{WithLogger(nil), "WithLogger"},
+		{WithMeterProvider(nil), "WithMeterProvider"},
 		{WithConfig(amqp.Config{Recovery: &amqp.Recovery{}}), "Recovery"},
 	}
 	for _, c := range cases {
@@ -64,7 +60,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		t.Errorf("256-byte queue name: %v", err)
 	}
 	for _, c := range []struct{ exchange, key, what string }{{long, "k", "exchange name"}, {"", long, "routing key"}} {
-		_, err := NewDeadLetterExchange(context.Background(), c.exchange, c.key, WithURL("amqp://nowhere.invalid:1/"))
+		_, err := NewDeadLetter(context.Background(), c.exchange, c.key, WithURL("amqp://nowhere.invalid:1/"))
 		if err == nil || !strings.Contains(err.Error(), c.what) {
 			t.Errorf("256-byte %s: %v", c.what, err)
 		}
@@ -144,7 +140,7 @@ func TestDeclareQuorumQueue(t *testing.T) {
 	q := uniqueName(t, "quorum")
 	t.Cleanup(func() { deleteQueues(q) })
 	s := openSource(t, q, WithDeclare(QuorumQueue, amqp.Table{"x-delivery-limit": int64(10)}))
-	if c := s.Capabilities(); !c.CountsDeliveries || !c.NackDelay || c.Lease != 0 || c.Name != "rabbitmq:"+q {
+	if c := s.Capabilities(); !c.CountsDeliveries || c.NackDelay || c.Lease != 0 || c.Name != "rabbitmq:"+q {
 		t.Fatalf("capabilities %+v", c)
 	}
 	a.publish(q, "m1")
@@ -188,7 +184,7 @@ func TestDialsLeaveTheCallersConfigAlone(t *testing.T) {
 		}()
 		go func() {
 			defer wg.Done()
-			x, err := NewDeadLetterExchange(ctx, "", q, WithURL(brokerURL), WithConfig(cfg))
+			x, err := NewDeadLetter(ctx, "", q, WithURL(brokerURL), WithConfig(cfg))
 			if err != nil {
 				t.Error(err)
 				return

@@ -148,7 +148,7 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 // A declare the broker refuses (a broker older than 3.10, which has no
 // message TTL on quorum queues; a user who may not declare queues; a queue
 // of that name with other arguments) is not tried again for a minute, so
-// that retries wait in place meanwhile without a failed declare, and the
+// that retries meanwhile go to the queue without a failed declare, and the
 // new connection it costs, each.
 func (p *publisher) declareDelayQueue(ctx context.Context, name string, ttl time.Duration, target string) error {
 	p.mu.Lock()

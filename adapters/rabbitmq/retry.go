@@ -17,61 +17,55 @@ import (
 
 // Nack implements adapters.Source.
 //
-// With no delay the deliveries are requeued at once (basic.nack,
-// requeue=true): the runtime does this at shutdown. With a delay, each
-// delivery is kept unacked for the delay (it holds a prefetch slot, not a
-// worker); then its next attempt is published to the queue as a copy
-// carrying HeaderAttempt, and the original is acked only after the broker
-// confirmed the copy. When the queue refuses the copy (full, with x-overflow
-// reject-publish), the original is requeued instead. Custody of the message
-// never leaves the adapter: the original stays unacked until a confirmed
-// copy replaces it.
+// Without delay queues (the default) the Source reports NackDelay=false:
+// the runtime waits out a retry in place itself, holding the delivery, and
+// nacks only to give a delivery back. Nack then requeues every delivery at
+// once (basic.nack, requeue=true), whatever its delay.
 //
-// With WithDelayQueues, delays over its threshold publish the copy at once
-// to a delay queue that dead-letters it back to the queue after the delay,
-// and ack the original after the confirm.
-//
-// Republishing rather than requeueing keeps an exact attempt count on
-// classic queues, which only flag a redelivery.
+// With WithDelayQueues, a delivery with a delay is retried through a delay
+// queue: its next attempt is published, as a copy carrying HeaderAttempt,
+// to a quorum queue that dead-letters it back to the queue once the delay
+// has passed, and the original is acked only after the broker confirmed
+// the copy. When the delay queue does not take the copy, the copy is
+// published to the queue itself, at once (the delay is lost, the attempt
+// count kept), and when the queue refuses it too, the original is requeued.
+// Either way the original is never acked before a confirmed copy replaces
+// it. A delivery with no delay is requeued.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
-	var failed map[int]error
-	fail := func(i int, err error) {
-		if failed == nil {
-			failed = map[int]error{}
-		}
-		failed[i] = err
-	}
+	var failed entryErrors
 	for i, n := range ns {
-		d, redeliverAfter := n.Delivery, n.After
-		h, err := s.own(d)
+		h, err := s.own(n.Delivery)
 		if err != nil {
-			fail(i, err)
+			failed.set(i, err)
 			continue
 		}
-		if redeliverAfter <= 0 {
+		if n.After <= 0 || !s.s.delayQueues {
 			g := h.gen
 			g.mu.Lock()
 			err = g.rejectLocked(h, true)
 			g.mu.Unlock()
-			if err != nil {
-				fail(i, err)
-			}
-			continue
+		} else {
+			err = s.retryLater(ctx, n.Delivery, h, n.After)
 		}
-		if err := s.retryLater(ctx, d, h, redeliverAfter); err != nil {
-			fail(i, err)
+		if err != nil {
+			failed.set(i, err)
 		}
 	}
-	if failed != nil {
-		return &adapters.BatchError{Failed: failed}
-	}
-	return nil
+	return failed.err()
 }
 
-// retryLater chooses between waiting in place and a delay queue.
+// retryLater retries d through a delay queue, or failing that through the
+// queue itself, or requeues it (see Nack). The publishes of one retry share
+// one timeout: the runtime's context never ends, and a broker that blocks
+// publishers under a resource alarm would otherwise hold the Nack until the
+// alarm cleared.
 func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
 	g := h.gen
 	g.mu.Lock()
+	if h.disposed {
+		g.mu.Unlock()
+		return nil // settled by its dead-letter destination: nothing to send
+	}
 	dead, state, gaveBack := g.dead, h.state, h.gaveBack
 	if !dead && state == stateHeld && !gaveBack {
 		// Decided under the lock: from here the message comes back (as a
@@ -85,113 +79,36 @@ func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle
 	case dead:
 		return g.lostErr()
 	case state != stateHeld || gaveBack:
-		return errors.New("rabbitmq: the delivery was already settled or is already waiting for a retry")
+		return errors.New("rabbitmq: the delivery was already settled or given back")
 	}
-	// Never hold a delivery until the broker's consumer timeout closes the
-	// channel (that would lose every delivery on it).
-	maxHold := max(0, s.s.consumerTimeout*3/4-time.Since(d.ReceivedAt))
-	inPlace := delay <= s.s.delayThreshold || !s.s.delayQueues
-	if inPlace && s.s.delayQueues {
-		// At most half the prefetch window waits in place; with a prefetch
-		// of 1 nothing does, since one waiting delivery would be the whole
-		// window and the broker would send nothing else until it ended.
-		g.mu.Lock()
-		full := g.waiting >= s.s.prefetch/2
-		g.mu.Unlock()
-		if full || delay > maxHold {
-			// Waiting in place would fill the prefetch window or near the
-			// consumer timeout: use the delay queue instead.
-			inPlace = false
+	ctx, cancel := context.WithTimeout(ctx, s.publishTimeout)
+	defer cancel()
+	err := s.toDelayQueue(ctx, d, h, delay)
+	if err == nil || errors.Is(err, adapters.ErrConnectionLost) {
+		return err
+	}
+	s.stats.retryFailures.Add(1)
+	level := slog.LevelWarn
+	if errors.Is(err, errDelayQueueRefused) {
+		level = slog.LevelDebug // warned about when the broker refused it
+	}
+	s.s.logger.Log(ctx, level, "rabbitmq: could not publish a retry to its delay queue; publishing it to the queue at once",
+		"queue", s.queue, "id", d.ID, "delay", delay, "error", err)
+	err = s.republish(ctx, d, h, copyQueue, s.queue, brokerAdditions(s.queue, "", s.queue))
+	if err == nil || errors.Is(err, adapters.ErrConnectionLost) {
+		if err == nil {
+			s.stats.retriedAtOnce.Add(1)
 		}
+		return err
 	}
-	if !inPlace {
-		// Bounded by the adapter, not only by the caller: the runtime's
-		// settle context never ends, and a broker that blocks publishers
-		// under a resource alarm would hold the confirm, this Nack and the
-		// publisher until the alarm cleared.
-		pctx, cancel := context.WithTimeout(ctx, s.publishTimeout)
-		err := s.toDelayQueue(pctx, d, h, delay)
-		cancel()
-		if err == nil || errors.Is(err, adapters.ErrConnectionLost) {
-			return err
-		}
-		s.stats.retryFailures.Add(1)
-		level := slog.LevelWarn
-		if errors.Is(err, errDelayQueueRefused) {
-			level = slog.LevelDebug // warned about when the broker refused it
-		}
-		s.s.logger.Log(ctx, level, "rabbitmq: could not republish a retry to a delay queue; waiting in place instead",
-			"queue", s.queue, "id", d.ID, "delay", delay, "error", err)
-	}
-	if delay > maxHold {
-		s.s.logger.Warn("rabbitmq: retry delay cut short: waiting in place that long would near the broker's consumer timeout",
-			"queue", s.queue, "id", d.ID, "asked", delay, "waiting", maxHold, "consumer_timeout", s.s.consumerTimeout)
-		delay = maxHold
-	}
-	return s.holdInPlace(d, h, delay)
-}
-
-// republishTimeout bounds the publish and confirm of a retry's copy: of an
-// in-place retry, which the runtime's context does not reach (the wait
-// outlived the Nack), and of a delay-queue retry, within the Nack.
-const republishTimeout = 30 * time.Second
-
-// holdInPlace keeps d unacked for delay, then republishes it to the queue.
-func (s *Source) holdInPlace(d *adapters.Delivery, h *handle, delay time.Duration) error {
-	g := h.gen
+	s.s.logger.Warn("rabbitmq: could not publish a retry to the queue; requeueing it", "queue", s.queue, "id", d.ID, "error", err)
 	g.mu.Lock()
-	switch {
-	case g.dead:
-		g.mu.Unlock()
-		return g.lostErr()
-	case h.state != stateHeld:
-		g.mu.Unlock()
-		return errors.New("rabbitmq: the delivery was already settled")
-	}
-	h.state = stateWaiting
-	g.waiting++
-	// Adding to the WaitGroup under g.mu is safe: Close waits only after it
-	// marked the current generation dead, which needs g.mu.
-	s.wg.Add(1)
-	g.mu.Unlock()
-	go func() {
-		defer s.wg.Done()
-		t := time.NewTimer(delay)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-g.stopped:
-			return // lost with its channel; the broker redelivers it
-		case <-s.closing:
-			return // the channel closes; the broker requeues it
-		}
-		g.mu.Lock()
-		still := !g.dead && h.state == stateWaiting
-		g.mu.Unlock()
-		if !still {
-			return // settled meanwhile: a copy now would be a duplicate
-		}
-		if !s.beginRepublish() {
-			return // the channel closes; the broker requeues the original
-		}
-		defer s.endRepublish()
-		ctx, cancel := context.WithTimeout(s.ctx, s.publishTimeout)
-		err := s.republish(ctx, d, h, "", s.queue, brokerAdditions(s.queue, "", s.queue))
-		cancel()
-		switch {
-		case err == nil:
-			s.stats.retriedInPlace.Add(1)
-		case errors.Is(err, adapters.ErrConnectionLost), errors.Is(err, context.Canceled):
-		default:
-			s.stats.retryFailures.Add(1)
-			s.s.logger.Warn("rabbitmq: could not republish a retry; requeueing it", "queue", s.queue, "id", d.ID, "error", err)
-			g.mu.Lock()
-			_ = g.rejectLocked(h, true)
-			g.mu.Unlock()
-		}
-	}()
-	return nil
+	defer g.mu.Unlock()
+	return g.rejectLocked(h, true)
 }
+
+// republishTimeout bounds the publishes and confirms of one retry.
+const republishTimeout = 30 * time.Second
 
 // toDelayQueue republishes d to the delay queue for delay.
 func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
@@ -202,7 +119,7 @@ func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *hand
 	}
 	// The copy passes two queues that may dead-letter it: the delay queue
 	// always does, adding x-death, and the queue itself may.
-	err := s.republish(ctx, d, h, "", name, brokerAdditions(name, "", name)+brokerAdditions(s.queue, "", s.queue))
+	err := s.republish(ctx, d, h, copyDelayQueue, name, brokerAdditions(name, "", name)+brokerAdditions(s.queue, "", s.queue))
 	if errors.Is(err, errUnroutable) {
 		s.pub.forget(name) // deleted behind our back: declare it again next time
 	}
@@ -212,10 +129,11 @@ func (s *Source) toDelayQueue(ctx context.Context, d *adapters.Delivery, h *hand
 	return err
 }
 
-// republish publishes d's next attempt to exchange/key, leaving reserve
-// bytes of its content header frame for what the broker adds on the way,
-// waits for the confirm, and then acks the original.
-func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, exchange, key string, reserve int) error {
+// republish publishes d's next attempt, a copy of kind (copyDelayQueue or
+// copyQueue), to queue through the default exchange, leaving reserve bytes
+// of its content header frame for what the broker adds on the way, waits
+// for the confirm, and then acks the original.
+func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle, kind, queue string, reserve int) error {
 	m, ok := d.Native.(amqp.Delivery)
 	if !ok {
 		return errors.New("rabbitmq: the delivery has no AMQP message to republish")
@@ -231,7 +149,10 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	}
 	var shed []string
 	fit := func(p *amqp.Publishing, budget, _ int) { shed = fitRetry(p, budget) }
-	if err := s.pub.publish(ctx, exchange, key, p, reserve, fit); err != nil {
+	start := time.Now()
+	err := s.pub.publish(ctx, "", queue, p, reserve, fit)
+	s.tel.published(kind, time.Since(start), err != nil)
+	if err != nil {
 		return err
 	}
 	if len(shed) > 0 {
@@ -246,7 +167,7 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	defer g.mu.Unlock()
 	// If the channel died meanwhile the original comes back as well as the
 	// copy: a duplicate, never a loss.
-	return g.ackLocked(h)
+	return g.ackReplacedLocked(d)
 }
 
 // delayLadder holds the delay-queue steps. A delay is rounded up to the next
@@ -273,9 +194,7 @@ func delayStep(d time.Duration) time.Duration {
 	return delayLadder[len(delayLadder)-1]
 }
 
-// delayQueueInfix separates a delay queue's name from its step. (Delay
-// queues were classic queues named with ".custody-delay." before they became
-// quorum queues; a new name keeps the two from clashing in a declare.)
+// delayQueueInfix separates a delay queue's name from its step.
 const delayQueueInfix = ".custody-retry."
 
 // delayQueueName names the delay queue of queue for one ladder step: the
@@ -284,9 +203,7 @@ const delayQueueInfix = ".custody-retry."
 // than about 230 bytes), it keeps as much of the queue's name as fits, cut
 // at a character boundary, then "~" and a hash of the whole name, so that
 // the name is still one every consumer of the queue agrees on, and two
-// queues that share a long prefix do not share delay queues. (Refused by
-// the broker, a longer name made every such retry wait in place, and cost
-// the channel each time.)
+// queues that share a long prefix do not share delay queues.
 func delayQueueName(queue string, step time.Duration) string {
 	suffix := delayQueueInfix + strconv.FormatInt(step.Milliseconds(), 10) + "ms"
 	if len(queue)+len(suffix) <= maxShortstr {
@@ -299,27 +216,4 @@ func delayQueueName(queue string, step time.Duration) string {
 		keep--
 	}
 	return queue[:keep] + tag + suffix
-}
-
-// beginRepublish registers an in-place retry about to publish its copy and
-// ack the original, unless the source is closing. Close waits for those
-// registered, so it never closes the channel between the copy and the ack
-// (which would bring the original back next to its copy).
-func (s *Source) beginRepublish() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return false
-	}
-	s.republishing++
-	return true
-}
-
-func (s *Source) endRepublish() {
-	s.mu.Lock()
-	s.republishing--
-	if s.republishing == 0 {
-		s.republished.Broadcast()
-	}
-	s.mu.Unlock()
 }

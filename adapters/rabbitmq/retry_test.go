@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
 	"net"
 	"slices"
 	"strings"
@@ -17,115 +16,157 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/consumer"
 )
 
+// A requeue (Nack without a delay: the runtime gives a delivery back) comes
+// back with the attempt the broker counts. A quorum queue counts every
+// delivery (x-delivery-count); a classic queue only flags a redelivery,
+// which counts as one more attempt, a lower bound, where the Source counts
+// deliveries (retries through delay queues carry their count) and not at
+// all where it does not (Attempt 0: the runtime counts its own attempts).
 func TestNackWithoutDelayRequeuesAndCountsAttempts(t *testing.T) {
-	for _, typ := range []QueueType{ClassicQueue, QuorumQueue} {
-		t.Run(typ.String(), func(t *testing.T) {
+	cases := []struct {
+		name   string
+		typ    QueueType
+		opts   []Option
+		counts bool
+		want   [3]int
+	}{
+		{"classic", ClassicQueue, nil, false, [3]int{0, 0, 0}},
+		{"classic with delay queues", ClassicQueue, []Option{WithDelayQueues()}, true, [3]int{1, 2, 2}},
+		{"quorum declared", QuorumQueue, []Option{WithDeclare(QuorumQueue, nil)}, true, [3]int{1, 2, 3}},
+		{"quorum checked", QuorumQueue, nil, false, [3]int{0, 2, 3}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
 			a := newAdmin(t)
-			q := a.queue(typ, nil)
+			q := a.queue(c.typ, nil)
 			a.publish(q, "m1")
-			s := openSource(t, q, WithPrefetch(10))
+			s := openSource(t, q, append([]Option{WithPrefetch(10)}, c.opts...)...)
+			if got := s.Capabilities().CountsDeliveries; got != c.counts {
+				t.Fatalf("CountsDeliveries %v, want %v", got, c.counts)
+			}
 			ctx := context.Background()
-			d := receiveN(t, s, 1)[0]
-			if d.Attempt != 1 {
-				t.Fatalf("first delivery has Attempt %d", d.Attempt)
+			var got [3]int
+			for i := range got {
+				d := receiveN(t, s, 1)[0]
+				got[i] = d.Attempt
+				if i == len(got)-1 {
+					if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+						t.Fatal(err)
+					}
+					break
+				}
+				if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
+					t.Fatal(err)
+				}
 			}
-			if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
-				t.Fatal(err)
-			}
-			d = receiveN(t, s, 1)[0]
-			if d.Attempt != 2 {
-				t.Fatalf("after one requeue Attempt is %d, want 2", d.Attempt)
-			}
-			if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
-				t.Fatal(err)
-			}
-			d = receiveN(t, s, 1)[0]
-			want := 3 // quorum queues count every delivery
-			if typ == ClassicQueue {
-				want = 2 // classic queues only flag a redelivery: a lower bound
-			}
-			if d.Attempt != want {
-				t.Fatalf("after two requeues Attempt is %d, want %d", d.Attempt, want)
-			}
-			if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
-				t.Fatal(err)
+			if got != c.want {
+				t.Fatalf("attempts %v over two requeues, want %v", got, c.want)
 			}
 			waitUnacked(t, q, 0)
 		})
 	}
 }
 
-// A short delay is waited out in place, then the message is republished with
-// the next attempt number and the original acked. On a classic queue the
-// attempt count stays exact across retries, which requeueing cannot give.
-func TestRetryInPlaceRepublishesNextAttempt(t *testing.T) {
-	for _, typ := range []QueueType{ClassicQueue, QuorumQueue} {
-		t.Run(typ.String(), func(t *testing.T) {
-			a := newAdmin(t)
-			q := a.queue(typ, nil)
-			a.publishMsg(q, amqp.Publishing{MessageId: "id-1", Body: []byte("m1"), Headers: amqp.Table{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}})
-			s := openSource(t, q, WithPrefetch(10))
-			ctx := context.Background()
-			first := receiveN(t, s, 1)[0]
-			d := first
-			for attempt := 1; attempt <= 3; attempt++ {
-				if d.Attempt != attempt {
-					t.Fatalf("delivery %d has Attempt %d", attempt, d.Attempt)
-				}
-				if d.ID != "id-1" || string(d.Body) != "m1" || d.Headers["traceparent"] == "" {
-					t.Fatalf("retry lost the message's identity: id %q body %q headers %v", d.ID, d.Body, d.Headers)
-				}
-				if attempt == 3 {
-					break
-				}
-				nacked := time.Now()
-				if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 150*time.Millisecond)); err != nil {
-					t.Fatal(err)
-				}
-				d = receiveN(t, s, 1)[0]
-				if waited := time.Since(nacked); waited < 150*time.Millisecond {
-					t.Fatalf("retry came back after %v, before its delay", waited)
-				}
+// Without delay queues the broker cannot hold a message back, so the Source
+// reports NackDelay=false, and a Nack, whatever its delay, gives the
+// delivery back at once: the runtime waits out retries in place itself.
+func TestNackWithoutDelayQueuesRequeuesAtOnce(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publishMsg(q, amqp.Publishing{MessageId: "id-1", Body: []byte("m1"), Headers: amqp.Table{"h": "v"}})
+	s := openSource(t, q, WithPrefetch(10))
+	if c := s.Capabilities(); c.NackDelay {
+		t.Fatalf("capabilities %+v: NackDelay without delay queues", c)
+	}
+	ctx := context.Background()
+	d := receiveN(t, s, 1)[0]
+	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	d = receiveN(t, s, 1)[0] // at once, not in an hour
+	if d.ID != "id-1" || string(d.Body) != "m1" || d.Headers["h"] != "v" {
+		t.Fatalf("requeued message: id %q body %q headers %v", d.ID, d.Body, d.Headers)
+	}
+	if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	waitUnacked(t, q, 0)
+	if st := s.Stats(); st.Rejects != 1 || st.DelayQueued+st.RetriedAtOnce != 0 {
+		t.Fatalf("stats %+v: want one requeue and no copy", st)
+	}
+}
+
+// Under the runtime, without delay queues, a failing message waits out its
+// backoff in place: it is delivered once, never given back nor copied, the
+// runtime counts its attempts, and the worker handles other messages while
+// it waits.
+func TestRetriesWaitInPlaceUnderTheRuntime(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.publish(q, "slow")
+	s := openSource(t, q, WithPrefetch(10))
+	var (
+		mu       sync.Mutex
+		attempts []int
+		other    = make(chan struct{})
+		done     = make(chan struct{})
+	)
+	r := runConsumer(t, s, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if m.ID == "other" {
+			close(other)
+			return nil
+		}
+		mu.Lock()
+		attempts = append(attempts, m.Attempt)
+		n := len(attempts)
+		mu.Unlock()
+		switch n {
+		case 1:
+			// Published now: handled only if the worker is free meanwhile.
+			a.publish(q, "other")
+			return errors.New("not yet")
+		case 2:
+			select {
+			case <-other:
+			default:
+				t.Error("the other message was not handled while the retry waited")
 			}
-			if !d.FirstReceivedAt.Equal(first.ReceivedAt.UTC()) {
-				t.Fatalf("FirstReceivedAt %v, want the first receive %v", d.FirstReceivedAt, first.ReceivedAt)
-			}
-			if d.Headers[HeaderOriginalRoutingKey] != q {
-				t.Fatalf("original routing key header %q, want %q", d.Headers[HeaderOriginalRoutingKey], q)
-			}
-			if err := s.Ack(ctx, []*adapters.Delivery{d}); err != nil {
-				t.Fatal(err)
-			}
-			waitUnacked(t, q, 0)
-			// An in-place retry is counted after its original's ack is
-			// sent, which the broker may report before the count is made.
-			waitUntil(t, "both retries counted", func() bool {
-				st := s.Stats()
-				return st.RetriedInPlace+st.DelayQueued+st.RetryFailures == 2
-			})
-			if st := s.Stats(); st.RetriedInPlace != 2 || st.DelayQueued != 0 {
-				t.Fatalf("stats %+v: want two in-place retries", st)
-			}
-			if n := a.ready(q); n != 0 {
-				t.Fatalf("%d copies left on the queue: an original was not acked", n)
-			}
-		})
+			return errors.New("not yet")
+		}
+		close(done)
+		return nil
+	}), consumer.WithConcurrency(1),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 5, Backoff: consumer.ConstantBackoff(300 * time.Millisecond)}))
+	<-done
+	r.stop(t)
+	mu.Lock()
+	got := slices.Clone(attempts)
+	mu.Unlock()
+	if !slices.Equal(got, []int{1, 2, 3}) {
+		t.Fatalf("attempts %v, want 1, 2, 3", got)
+	}
+	if st := s.Stats(); st.Delivered != 2 || st.Rejects != 0 || st.DelayQueued+st.RetriedAtOnce != 0 {
+		t.Fatalf("stats %+v: want each message delivered once, the retries waiting in place", st)
+	}
+	waitUnacked(t, q, 0)
+	if n := a.ready(q); n != 0 {
+		t.Fatalf("%d messages left on the queue", n)
 	}
 }
 
 // A queue whose name leaves no room for the delay queue's suffix in the 255
 // bytes of an AMQP short string still retries through a delay queue, named
-// with a hash: the broker refused the longer name, and every such retry
-// waited in place and cost the channel.
+// with a hash to fit.
 func TestRetryThroughDelayQueueOfALongQueueName(t *testing.T) {
 	a := newAdmin(t)
 	q := uniqueName(t, "long")
 	q += strings.Repeat("q", maxShortstr-len(q))
 	a.declare(q, ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	d := receiveN(t, s, 1)[0]
 	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 200*time.Millisecond)); err != nil {
 		t.Fatal(err)
@@ -138,19 +179,22 @@ func TestRetryThroughDelayQueueOfALongQueueName(t *testing.T) {
 	if len(name) > maxShortstr || !strings.Contains(d.Headers["x-death"], name) {
 		t.Fatalf("x-death %q does not show the delay queue %q (%d bytes)", d.Headers["x-death"], name, len(name))
 	}
-	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedInPlace != 0 {
-		t.Fatalf("stats %+v: want one retry through the delay queue, none in place", st)
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedAtOnce != 0 {
+		t.Fatalf("stats %+v: want one retry through the delay queue", st)
 	}
 }
 
-// A delay above the threshold goes through a delay queue that dead-letters
-// back to the source queue; the worker is not held and neither is the
-// delivery.
+// With delay queues, a delayed retry goes through a delay queue that
+// dead-letters back to the source queue; the original is acked once the
+// copy is confirmed, so the delivery is not held while it waits.
 func TestRetryThroughDelayQueue(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
+	if c := s.Capabilities(); !c.NackDelay || !c.CountsDeliveries {
+		t.Fatalf("capabilities %+v: want NackDelay and CountsDeliveries with delay queues", c)
+	}
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	nacked := time.Now()
@@ -186,11 +230,11 @@ func TestRetryThroughDelayQueue(t *testing.T) {
 }
 
 // When the delay queue cannot be declared (here: it exists with other
-// arguments), the retry waits in place instead of being lost. The broker's
-// refusal is remembered: the next retry waits in place without declaring
-// it again, which would cost a failed declare and a new connection each
-// time.
-func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
+// arguments), the retry's copy is published to the queue at once, keeping
+// its attempt count, rather than lost. The broker's refusal is remembered:
+// the next retry does not declare it again, which would cost a failed
+// declare and a new connection each time.
+func TestRetryGoesToTheQueueWhenTheDelayQueueFails(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.declare(delayQueueName(q, 250*time.Millisecond), ClassicQueue, amqp.Table{"x-max-length": int64(5)})
@@ -200,7 +244,7 @@ func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 		dials.Add(1)
 		return net.Dial(network, addr)
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(), WithConfig(amqp.Config{Dial: counted}))
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
 	for attempt := 2; attempt <= 3; attempt++ {
@@ -216,16 +260,60 @@ func TestRetryFallsBackInPlaceWhenDelayQueueFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
-	// The in-place retries are counted after their originals' acks are sent.
-	waitUntil(t, "every try counted", func() bool { st := s.Stats(); return st.RetryFailures+st.RetriedInPlace == 4 })
-	if st := s.Stats(); st.RetryFailures != 2 || st.RetriedInPlace != 2 {
-		t.Fatalf("stats %+v: want two failed delay-queue publishes and two in-place retries", st)
+	if st := s.Stats(); st.RetryFailures != 2 || st.RetriedAtOnce != 2 || st.DelayQueued != 0 {
+		t.Fatalf("stats %+v: want two failed delay-queue publishes and two copies to the queue", st)
 	}
-	// The consumer's connection, the publisher's for the refused declare
-	// (which the broker's channel error ends), and the publisher's again
-	// for the copies.
+	// The consumer's connection, the publisher's (New declares a delay
+	// queue on it; the refused declare closes it), and the publisher's
+	// again for the copies.
 	if n := dials.Load(); n != 3 {
 		t.Fatalf("%d connections dialed, want 3: the refused declare was tried again", n)
+	}
+}
+
+// New checks that delay queues can be declared, rather than let every
+// retry find out: here the queue New would declare exists with other
+// arguments.
+func TestNewFailsWhenDelayQueuesCannotBeDeclared(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	a.declare(delayQueueName(q, delayLadder[0]), ClassicQueue, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := New(ctx, q, WithURL(brokerURL), WithDelayQueues())
+	if err == nil {
+		s.Close()
+		t.Fatal("New succeeded with a delay queue the broker refuses")
+	}
+	if !strings.Contains(err.Error(), "WithDelayQueues") {
+		t.Fatalf("New: %v; want the error to name WithDelayQueues", err)
+	}
+}
+
+// The capabilities say who waits out retries and who counts attempts: the
+// runtime in place unless delay queues hold retries back; the broker or the
+// retries' copies where they count. MaxLeaseAge keeps a delivery clear of
+// the broker's consumer timeout.
+func TestCapabilitiesSayWhoWaitsAndWhoCounts(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	for _, c := range []struct {
+		opts              []Option
+		nackDelay, counts bool
+		maxAge            time.Duration
+	}{
+		{nil, false, false, 29 * time.Minute},
+		{[]Option{WithDelayQueues()}, true, true, 29 * time.Minute},
+		{[]Option{WithConsumerTimeout(2 * time.Second)}, false, false, 1500 * time.Millisecond},
+	} {
+		caps := openSource(t, q, c.opts...).Capabilities()
+		if caps.NackDelay != c.nackDelay || caps.CountsDeliveries != c.counts || caps.MaxLeaseAge != c.maxAge {
+			t.Errorf("capabilities %+v, want NackDelay %v, CountsDeliveries %v, MaxLeaseAge %v", caps, c.nackDelay, c.counts, c.maxAge)
+		}
+	}
+	qq := a.queue(QuorumQueue, nil)
+	if caps := openSource(t, qq, WithDeclare(QuorumQueue, nil)).Capabilities(); caps.NackDelay || !caps.CountsDeliveries {
+		t.Errorf("declared quorum queue: capabilities %+v, want CountsDeliveries without NackDelay", caps)
 	}
 }
 
@@ -246,114 +334,6 @@ func TestDelayStepRoundsUp(t *testing.T) {
 		if r := float64(delayLadder[i]) / float64(delayLadder[i-1]); r > 2.5 {
 			t.Errorf("step %v after %v rounds up by %.1fx", delayLadder[i], delayLadder[i-1], r)
 		}
-	}
-}
-
-// recordingHandler keeps the messages of log records, and their duration
-// attributes by key.
-type recordingHandler struct {
-	mu        sync.Mutex
-	msgs      []string
-	durations map[string][]time.Duration
-}
-
-func (r *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
-func (r *recordingHandler) Handle(_ context.Context, rec slog.Record) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.msgs = append(r.msgs, rec.Message)
-	rec.Attrs(func(a slog.Attr) bool {
-		if a.Value.Kind() == slog.KindDuration {
-			if r.durations == nil {
-				r.durations = map[string][]time.Duration{}
-			}
-			r.durations[a.Key] = append(r.durations[a.Key], a.Value.Duration())
-		}
-		return true
-	})
-	return nil
-}
-func (r *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return r }
-func (r *recordingHandler) WithGroup(string) slog.Handler      { return r }
-func (r *recordingHandler) contains(s string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, m := range r.msgs {
-		if strings.Contains(m, s) {
-			return true
-		}
-	}
-	return false
-}
-
-// Without delay queues (the default), an in-place wait is cut short, with a warning, so the
-// delivery is never held to the broker's consumer timeout (which would close
-// the channel and lose every delivery on it).
-func TestInPlaceWaitStaysClearOfConsumerTimeout(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, "m1")
-	logs := &recordingHandler{}
-	s := openSource(t, q, WithPrefetch(10), WithConsumerTimeout(2*time.Second), WithLogger(slog.New(logs)))
-	d := receiveN(t, s, 1)[0]
-	nacked := time.Now()
-	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, time.Hour)); err != nil {
-		t.Fatal(err)
-	}
-	d = receiveN(t, s, 1)[0]
-	if waited := time.Since(nacked); waited > 30*time.Second {
-		t.Fatalf("held for %v", waited)
-	}
-	if d.Attempt != 2 {
-		t.Fatalf("Attempt %d, want 2", d.Attempt)
-	}
-	if !logs.contains("consumer timeout") {
-		t.Fatalf("no warning about the consumer timeout; logged %v", logs.msgs)
-	}
-	// The wait it settled for, not a measured time: three quarters of the
-	// timeout at most, so a slow handler or a loaded broker leaves room.
-	logs.mu.Lock()
-	waits := slices.Clone(logs.durations["waiting"])
-	logs.mu.Unlock()
-	if len(waits) != 1 || waits[0] > 1500*time.Millisecond {
-		t.Fatalf("in-place waits logged %v, want one of at most 1.5s (3/4 of the 2s consumer timeout)", waits)
-	}
-	if st := s.Stats(); st.Generations != 1 {
-		t.Fatalf("the channel was replaced: %+v", st)
-	}
-	if err := s.Ack(context.Background(), []*adapters.Delivery{d}); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// Close during an in-place retry, after the copy was confirmed and before the
-// original was acked, waits for the ack: closing the channel in between
-// would bring the original back beside its copy.
-func TestCloseWaitsForAnInPlaceRetryBetweenCopyAndAck(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10))
-	d := receiveN(t, s, 1)[0]
-
-	closed := make(chan error, 1)
-	s.testHookRepublished = func() {
-		go func() { closed <- s.Close() }()
-		// Give Close every chance to close the channel under the retry.
-		time.Sleep(200 * time.Millisecond)
-	}
-	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{d}, 10*time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-closed; err != nil {
-		t.Fatal(err)
-	}
-	ms := a.drain(q)
-	if len(ms) != 1 {
-		t.Fatalf("%d messages on the queue after Close, want the retry's copy alone", len(ms))
-	}
-	if got := ms[0].Headers[HeaderAttempt]; got != int64(2) {
-		t.Fatalf("the message left is not the copy: %s = %v", HeaderAttempt, got)
 	}
 }
 
@@ -378,8 +358,8 @@ func (c *blockableConn) Write(b []byte) (int, error) {
 
 // Nack must return in bounded time even when the broker does not answer (the
 // adapter contract; the runtime's settle context never ends). A delay-queue
-// retry whose confirm never comes must give up and wait in place instead of
-// holding the runtime's worker, and the publisher, until the alarm clears.
+// retry whose confirm never comes must give up and requeue the original
+// instead of holding the runtime, and the publisher, until the alarm clears.
 func TestNackReturnsWhileThePublisherIsBlocked(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
@@ -405,8 +385,8 @@ func (c *blockableConn) close() { c.Close() }
 
 // nackWhilePublisherBlocked retries the first two deliveries of q through a
 // delay queue, blocking the publishing connection (the second one dial
-// makes) after the first retry opened it. The second Nack must return within
-// within, its retry given up and waiting in place instead; both come back at
+// makes) after the first retry used it. The second Nack must return within
+// within, its retry given up and the original requeued; both come back at
 // attempt 2.
 func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr string) (net.Conn, blocker, error), within time.Duration, stuck string) {
 	t.Helper()
@@ -424,7 +404,7 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 		mu.Unlock()
 		return c, nil
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0), WithConfig(amqp.Config{Dial: counted}))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(), WithConfig(amqp.Config{Dial: counted}))
 	// Runs before the Source's own cleanup: a publish stuck on a blocked
 	// connection must not also hang Close when this test fails.
 	t.Cleanup(func() {
@@ -437,8 +417,8 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 	s.publishTimeout = 300 * time.Millisecond
 	ctx := context.Background()
 	ds := receiveN(t, s, 2)
-	// A first retry opens the publishing connection and declares the delay
-	// queue; then the broker blocks that connection.
+	// A first retry goes through the publishing connection New opened;
+	// then the broker blocks that connection.
 	if err := s.Nack(ctx, adapters.NackAll(ds[:1], 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
@@ -469,13 +449,8 @@ func nackWhilePublisherBlocked(t *testing.T, q string, dial func(network, addr s
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
-	// The in-place retry is counted after its original's ack is sent.
-	waitUntil(t, "every try counted", func() bool {
-		st := s.Stats()
-		return st.DelayQueued+st.RetryFailures+st.RetriedInPlace == 3
-	})
-	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 1 || st.RetriedInPlace != 1 {
-		t.Fatalf("stats %+v: want one delay-queue retry, and one that gave up on the blocked publisher and waited in place", st)
+	if st := s.Stats(); st.DelayQueued != 1 || st.RetryFailures != 1 || st.RetriedAtOnce != 0 || st.Rejects != 1 {
+		t.Fatalf("stats %+v: want one delay-queue retry, and one that gave up on the blocked publisher and was requeued", st)
 	}
 }
 
@@ -541,9 +516,8 @@ func (sr *stallingRelay) close() {
 // A retry's copy too large for the socket buffers, published while the
 // broker blocks the publishing connection, blocks amqp091's write itself,
 // where no context reaches. Nack must return all the same (the adapter
-// contract), and the retry wait in place instead, rather than hold the
-// runtime's worker, the publisher and every later retry until the alarm
-// clears.
+// contract), and the original be requeued, rather than hold the runtime,
+// the publisher and every later retry until the alarm clears.
 func TestNackReturnsWhenALargeCopyBlocksTheWrite(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
@@ -573,53 +547,13 @@ func holdOne(t *testing.T, opts ...Option) (*admin, string, *Source, *adapters.D
 	return a, q, s, receiveN(t, s, 1)[0]
 }
 
-// A delivery waiting in place for its retry and then given back at once
-// (Nack without a delay) is requeued by the broker, and its wait publishes
-// no copy when it ends: the message would be handled twice. A second retry,
-// started after the first wait, is the mark: once its copy is back, the
-// first wait has long ended.
-func TestRequeuedWhileWaitingInPlacePublishesNoCopy(t *testing.T) {
-	a, q, s, d := holdOne(t)
-	ctx := context.Background()
-	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 100*time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, 0)); err != nil {
-		t.Fatalf("requeue of a delivery waiting in place: %v", err)
-	}
-	again := receiveN(t, s, 1)[0]
-	if again.Attempt != 2 || again.Headers[HeaderAttempt] != "" {
-		t.Fatalf("after the requeue: attempt %d, %s %q; want the broker's redelivery, attempt 2", again.Attempt, HeaderAttempt, again.Headers[HeaderAttempt])
-	}
-	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{again}, 100*time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
-	next := receiveN(t, s, 1)[0]
-	if next.Attempt != 3 {
-		t.Fatalf("the next delivery has attempt %d (%s %q), want the second retry's copy, attempt 3", next.Attempt, HeaderAttempt, next.Headers[HeaderAttempt])
-	}
-	if err := s.Ack(ctx, []*adapters.Delivery{next}); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if n := a.ready(q); n != 0 {
-		t.Fatalf("%d messages left: the requeued delivery's wait published a copy", n)
-	}
-	if st := s.Stats(); st.RetriedInPlace != 1 {
-		t.Fatalf("stats %+v: want one copy, the second retry's", st)
-	}
-}
-
 // An Ack of a delivery already nacked fails: the message comes back (as the
 // retry's copy, or requeued), so an Ack returning nil would report settled a
-// message that is delivered again. Through a delay queue the original is
-// acked on the wire with the copy's confirm, which once made the late Ack
-// look like a repeated one and return nil. A second Nack fails likewise,
-// rather than publish a second copy.
+// message that is delivered again, even though through a delay queue the
+// original is acked on the wire with the copy's confirm. A second Nack
+// fails likewise, rather than publish a second copy.
 func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
-	_, _, s, d := holdOne(t, WithDelayQueues(5*time.Second))
+	_, _, s, d := holdOne(t, WithDelayQueues())
 	ctx := context.Background()
 	if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, time.Minute)); err != nil {
 		t.Fatal(err)
@@ -639,10 +573,9 @@ func TestAckOrNackAfterDelayedNackFails(t *testing.T) {
 }
 
 // A message published through a named exchange keeps that route in its
-// retries' copies, which are published through the default exchange (in
-// place) or dead-lettered from a delay queue: after two retries of each
-// kind its dead-letter copy still names the exchange and routing key it was
-// first published with.
+// retries' copies, which are published through the default exchange and
+// dead-lettered from a delay queue: after four retries its dead-letter copy
+// still names the exchange and routing key it was first published with.
 func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
@@ -652,11 +585,10 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 	if err != nil || !dc.Wait() {
 		t.Fatalf("publish through %s: %v", ex, err)
 	}
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(200*time.Millisecond))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	x := openSink(t, "", dlq)
 	ctx := context.Background()
 	d := receiveN(t, s, 1)[0]
-	// Two in place, then two through a delay queue.
 	for _, delay := range []time.Duration{100 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond, 250 * time.Millisecond} {
 		if err := s.Nack(ctx, adapters.NackAll([]*adapters.Delivery{d}, delay)); err != nil {
 			t.Fatal(err)
@@ -667,8 +599,8 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 				d.Headers[HeaderOriginalExchange], d.Headers[HeaderOriginalRoutingKey], ex, "orders.created")
 		}
 	}
-	if st := s.Stats(); st.DelayQueued != 2 {
-		t.Fatalf("stats %+v: want two retries through a delay queue", st)
+	if st := s.Stats(); st.DelayQueued != 4 {
+		t.Fatalf("stats %+v: want four retries through a delay queue", st)
 	}
 	if err := x.Send(ctx, d, adapters.Failure{Err: errors.New("boom"), Attempts: d.Attempt}); err != nil {
 		t.Fatal(err)
@@ -688,14 +620,14 @@ func TestRetriesKeepTheOriginalRoute(t *testing.T) {
 }
 
 // A delay queue deleted behind the adapter's back (by an operator, or a
-// policy) makes the next retry through it unroutable: that one waits in
-// place, and the retry after it declares the delay queue again rather than
-// waiting in place for good.
+// policy) makes the next retry through it unroutable: that one's copy goes
+// to the queue at once, and the retry after it declares the delay queue
+// again rather than losing its delay for good.
 func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0))
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues())
 	ctx := context.Background()
 	delayQueue := delayQueueName(q, 250*time.Millisecond)
 	d := receiveN(t, s, 1)[0]
@@ -720,22 +652,20 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitUnacked(t, q, 0)
-	if st := s.Stats(); st.DelayQueued != 2 || st.RetryFailures != 1 {
-		t.Fatalf("stats %+v: want the first and third retries through the delay queue, the second failed there", st)
+	if st := s.Stats(); st.DelayQueued != 2 || st.RetryFailures != 1 || st.RetriedAtOnce != 1 {
+		t.Fatalf("stats %+v: want the first and third retries through the delay queue, the second to the queue at once", st)
 	}
 }
 
 // A delayed retry of a delivery whose connection amqp091 already saw close,
 // before the adapter marked its generation dead, publishes no copy: the
 // original can no longer be acked and comes back, so a copy would be a
-// second delivery of the message. (A handler failing as the connection
-// drops gets there, and so does a native dead letter whose reject failed
-// on the closing channel: the runtime retries it through Nack at once.)
+// second delivery of the message.
 func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
-	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(0),
+	s := openSource(t, q, WithPrefetch(10), WithDelayQueues(),
 		WithReconnectBackoff(10*time.Millisecond, 100*time.Millisecond))
 	// The delay queue exists whether or not a copy goes to it.
 	const delay = 30 * time.Second
@@ -759,21 +689,21 @@ func TestRetryOnAClosedChannelPublishesNoCopy(t *testing.T) {
 // A delay-queue retry whose publishing connection is made but whose broker
 // then answers nothing (opening the publishing channel waits for ever, or
 // until three heartbeats pass) still returns from Nack in bounded time, the
-// retry waiting in place instead.
+// original requeued.
 func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "m1")
 	r := startMuteRelay(t)
 	var dials atomic.Int32
-	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueues(0),
+	s, err := New(context.Background(), q, WithPrefetch(10), WithDelayQueues(),
 		WithDialFunc(func(ctx context.Context) (*amqp.Connection, error) {
-			if dials.Add(1) == 1 {
-				return amqp.Dial(brokerURL) // the consumer's connection
+			if dials.Add(1) <= 2 {
+				return amqp.Dial(brokerURL) // the consumer's, and the publisher's for New's check
 			}
-			// The publisher's, through the relay, muted once it is made.
-			// Heartbeats an hour apart: amqp091 gives up on a silent broker
-			// only after three of them.
+			// The publisher's next, through the relay, muted once it is
+			// made. Heartbeats an hour apart: amqp091 gives up on a silent
+			// broker only after three of them.
 			c, err := amqp.DialConfig(r.url(), amqp.Config{Heartbeat: time.Hour})
 			r.muted.Store(true)
 			return c, err
@@ -783,6 +713,9 @@ func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	}
 	t.Cleanup(func() { s.Close() })
 	s.publishTimeout = 300 * time.Millisecond
+	s.pub.mu.Lock()
+	s.pub.resetLocked() // the next publish dials again, through the relay
+	s.pub.mu.Unlock()
 	d := receiveN(t, s, 1)[0]
 	done := make(chan error, 1)
 	go func() {
@@ -796,7 +729,10 @@ func TestNackReturnsWhenThePublishingChannelDoesNotOpen(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("Nack still waits for a publishing channel the broker does not open")
 	}
-	if st := s.Stats(); st.RetryFailures != 1 {
-		t.Fatalf("stats %+v: want the delay-queue retry given up", st)
+	if st := s.Stats(); st.RetryFailures != 1 || st.Rejects != 1 {
+		t.Fatalf("stats %+v: want the delay-queue retry given up and the original requeued", st)
+	}
+	if again := receiveN(t, s, 1)[0]; again.ID != "m1" {
+		t.Fatalf("received %q, want m1 back", again.ID)
 	}
 }

@@ -118,8 +118,8 @@ func TestReconnectMidStreamLosesNothing(t *testing.T) {
 		seen      handled
 		cancelled sync.Map
 		// The handler decides when to start holding, not the test: a fast
-		// consumer can handle every message between two polls of the test
-		// (it did, once the runtime got faster), leaving none to hold.
+		// consumer can handle every message between two polls of the test,
+		// leaving none to hold.
 		calls    atomic.Int32
 		released atomic.Bool // set before the gate opens
 		blocked  atomic.Int32

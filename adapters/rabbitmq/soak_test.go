@@ -28,12 +28,12 @@ import (
 // the real broker, through rounds of random configurations (classic or
 // quorum queue, prefetch and in-flight bounds, retries waiting in place or
 // through delay queues, a dead-letter exchange or the queue's own
-// dead-letter exchange, ack coalescing, handler and shutdown timeouts),
+// dead-letter exchange, handler and shutdown timeouts),
 // handler behaviours (failures, panics, permanent errors, RetryAfter,
 // Defer, slow handlers, poison messages that always fail) and faults: TCP
 // connections cut under the consumer, its retry publisher and its
-// dead-letter sink while handlers run, acks wait to be sent and copies wait
-// for their confirm; the consumer's connection or channel closed by the
+// dead-letter sink while handlers run, acks are being written and copies
+// wait for their confirm; the consumer's connection or channel closed by the
 // client or by the broker; consumers stopped gracefully (at times while
 // connections are being cut) or dropped (every connection cut and no
 // reconnection allowed); two consumers on the queue at once. Whatever
@@ -75,8 +75,7 @@ type soakConfig struct {
 	inFlight    int // 0: the runtime's default
 	maxAttempts int
 	backoff     time.Duration // the retry policy's, constant
-	threshold   time.Duration // WithDelayQueues; below zero, none (the default)
-	linger      time.Duration // WithAckCoalescing's linger; 0: the default
+	delayQueues bool          // WithDelayQueues
 	timeout     time.Duration // WithHandlerTimeout; 0: none
 	leave       bool          // WithLeaveUnfinishedOnShutdown
 	lag         time.Duration // the longest pause before each write to the broker
@@ -93,14 +92,12 @@ const (
 	soakUpFront  = 80
 )
 
-// soakDelays are the delays handlers ask for with RetryAfter and Defer: one
-// waited out in place, the others through a delay queue under a low
-// threshold.
+// soakDelays are the delays handlers ask for with RetryAfter and Defer.
 var soakDelays = []time.Duration{3 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond}
 
 func (c soakConfig) String() string {
-	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v threshold=%v linger=%v timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
-		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.threshold, c.linger, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
+	return fmt.Sprintf("quorum=%t native=%t concurrency=%d prefetch=%d inFlight=%d maxAttempts=%d backoff=%v delayQueues=%t timeout=%v leave=%t lag=%v shutdown=%v cutEvery=%v phases=%d",
+		c.quorum, c.native, c.concurrency, c.prefetch, c.inFlight, c.maxAttempts, c.backoff, c.delayQueues, c.timeout, c.leave, c.lag, c.shutdown, c.cutEvery, c.phases)
 }
 
 func soakRound(t *testing.T, seed uint64) {
@@ -117,7 +114,6 @@ func soakRound(t *testing.T, seed uint64) {
 		concurrency: 1 + rng.IntN(8),
 		maxAttempts: 2 + rng.IntN(3),
 		backoff:     time.Duration(1+rng.IntN(50)) * time.Millisecond,
-		threshold:   -1,
 		shutdown:    time.Duration(rng.IntN(400)) * time.Millisecond,
 		phases:      rng.IntN(4),
 	}
@@ -130,26 +126,14 @@ func soakRound(t *testing.T, seed uint64) {
 	if chance(0.5) {
 		cfg.inFlight = cfg.concurrency + rng.IntN(cfg.prefetch-cfg.concurrency+1)
 	}
-	switch r := rng.Float64(); {
-	case r < 0.2:
-		cfg.threshold = 5 * time.Second
-	case r < 0.6:
-		cfg.threshold = time.Duration(rng.IntN(200)) * time.Millisecond
-	}
-	switch r := rng.Float64(); {
-	case r < 0.2:
-		cfg.linger = time.Millisecond // acks in small batches, soon
-	case r < 0.4:
-		// Acks held back for long: stops and cuts find many waiting.
-		cfg.linger = time.Duration(200+rng.IntN(800)) * time.Millisecond
-	}
+	cfg.delayQueues = chance(0.6)
 	cfg.leave = chance(0.2)
 	if chance(0.2) {
 		cfg.timeout = time.Duration(50+rng.IntN(200)) * time.Millisecond
 	}
 	if chance(0.3) {
-		// Slow writes widen the windows a cut can fall into: acks decided
-		// but not yet on the wire, publishes waiting for their confirm.
+		// Slow writes widen the windows a cut can fall into: acks being
+		// written, publishes waiting for their confirm.
 		cfg.lag = time.Duration(1+rng.IntN(2000)) * time.Microsecond
 	}
 	if chance(0.6) {
@@ -443,14 +427,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.native {
 		opts = append(opts, WithDeclare(s.typ, s.args))
 	}
-	if cfg.threshold >= 0 {
-		opts = append(opts, WithDelayQueues(cfg.threshold))
-	}
-	switch {
-	case cfg.linger == time.Millisecond:
-		opts = append(opts, WithAckCoalescing(1+cfg.prefetch/8, cfg.linger, 10*time.Millisecond))
-	case cfg.linger > 0:
-		opts = append(opts, WithAckCoalescing(cfg.prefetch, cfg.linger, cfg.linger))
+	if cfg.delayQueues {
+		opts = append(opts, WithDelayQueues())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -463,8 +441,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 	if cfg.native {
 		sink, err = src.NativeDeadLetter()
 	} else {
-		var x *DeadLetterExchange
-		x, err = NewDeadLetterExchange(ctx, "", s.dlq, WithDialFunc(sinkDial.dial), WithLogger(logger))
+		var x *DeadLetter
+		x, err = NewDeadLetter(ctx, "", s.dlq, WithDialFunc(sinkDial.dial), WithLogger(logger))
 		if err == nil {
 			defer x.Close()
 			sink = x
@@ -591,8 +569,8 @@ func (s *soakRun) consume(gen int, life time.Duration, drop bool) {
 		AckFrames: s.stats.AckFrames + st.AckFrames, MultipleAcks: s.stats.MultipleAcks + st.MultipleAcks,
 		Acked: s.stats.Acked + st.Acked, AckErrors: s.stats.AckErrors + st.AckErrors, Rejects: s.stats.Rejects + st.Rejects,
 		DroppedAcks: s.stats.DroppedAcks + st.DroppedAcks, Lost: s.stats.Lost + st.Lost,
-		RetriedInPlace: s.stats.RetriedInPlace + st.RetriedInPlace, DelayQueued: s.stats.DelayQueued + st.DelayQueued,
-		RetryFailures: s.stats.RetryFailures + st.RetryFailures,
+		DelayQueued: s.stats.DelayQueued + st.DelayQueued, RetryFailures: s.stats.RetryFailures + st.RetryFailures,
+		RetriedAtOnce: s.stats.RetriedAtOnce + st.RetriedAtOnce,
 	}
 	for id, calls := range s.running {
 		for _, c := range calls {

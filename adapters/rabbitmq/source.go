@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -39,16 +40,13 @@ type Source struct {
 	dialErrNew  bool
 	closed      bool
 	closing     chan struct{}
-	// republishing counts in-place retries between their copy and the
-	// original's ack; republished is signalled when it falls to zero.
-	republishing int
-	republished  sync.Cond
-	wg           sync.WaitGroup // supervisor, pumps, in-place retries
+	wg          sync.WaitGroup // supervisor, pumps
 
 	stats counters
+	tel   *telemetry
 
-	// publishTimeout bounds the publish and confirm of a retry's copy
-	// (republishTimeout; tests shorten it).
+	// publishTimeout bounds the publishes of one retry (republishTimeout;
+	// tests shorten it).
 	publishTimeout time.Duration
 
 	// testHookRepublished, when set by a test, runs between a retry's
@@ -75,11 +73,15 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		return nil, err
 	}
 	if len(st.sinkOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetterExchange; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
+		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetter; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
 	}
 	tag := st.consumerTag
 	if tag == "" {
 		tag = defaultConsumerTag(queue)
+	}
+	tel, err := sourceTelemetry(st.meters, queue)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: New: telemetry: %w", err)
 	}
 	bg, cancel := context.WithCancel(context.Background())
 	s := &Source{
@@ -89,10 +91,14 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		caps: adapters.Capabilities{
 			Name:             "rabbitmq:" + queue,
 			System:           "rabbitmq",
-			NackDelay:        true,
-			CountsDeliveries: true,
+			NackDelay:        st.delayQueues,
+			CountsDeliveries: st.countsDeliveries(),
+			MaxLeaseAge:      st.maxHold(),
 			MaxReceive:       st.prefetch,
 			MaxUnacked:       st.prefetch,
+			// An ack has no reply and costs one frame at most: the
+			// runtime's workers send what gathered at once (group commit).
+			Ack: adapters.Batching{},
 		},
 		// Room for a full window from the live channel plus one left over
 		// from a channel that just died (those are skipped).
@@ -101,18 +107,27 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 		ctx:     bg,
 		cancel:  cancel,
 		closing: make(chan struct{}),
+		tel:     tel,
 
 		publishTimeout: republishTimeout,
-	}
-	s.republished.L = &s.mu
-	if st.delayQueues && st.delayThreshold >= st.consumerTimeout/2 {
-		st.logger.Warn("rabbitmq: the in-place retry threshold is at least half the consumer timeout; the broker closes channels whose deliveries stay unacked that long",
-			"queue", queue, "threshold", st.delayThreshold, "consumer_timeout", st.consumerTimeout)
 	}
 	g, err := s.connect(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
+	}
+	if st.delayQueues {
+		// Whether this broker and user can have delay queues at all: found
+		// out here, rather than by every retry publishing its copy to the
+		// queue at once, without its delay.
+		step := delayLadder[0]
+		if err := s.pub.declareDelayQueue(ctx, delayQueueName(queue, step), step, queue); err != nil {
+			g.die()
+			_ = g.conn.CloseDeadline(time.Now().Add(st.closeTimeout))
+			s.pub.close()
+			cancel()
+			return nil, fmt.Errorf("rabbitmq: New: WithDelayQueues: %w", err)
+		}
 	}
 	s.install(g)
 	s.wg.Add(1)
@@ -142,15 +157,13 @@ func randomSuffix() string {
 func (s *Source) Queue() string { return s.queue }
 
 // Capabilities implements adapters.Source. RabbitMQ holds deliveries on the
-// channel rather than on a lease (Lease 0); Nack honours its delay (in place
-// or through a delay queue); Attempt comes from the broker.
+// channel rather than on a lease (Lease 0), for at most the consumer
+// timeout (MaxLeaseAge, a margin less). Nack honours its delay only through
+// delay queues (NackDelay with WithDelayQueues); otherwise the runtime waits
+// out retries in place. Attempt comes from the broker where it counts
+// deliveries, a quorum queue the Source declares, or from the copies
+// retries publish (CountsDeliveries with either).
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
-
-// pressure is how many finished-but-unacked deliveries make the adapter ack
-// stragglers at once: three quarters of the prefetch window. Much lower and
-// a worker briefly descheduled on a busy machine sets off hundreds of single
-// acks; at the full window the broker would stop delivering.
-func (s *Source) pressure() int { return max(1, s.s.prefetch*3/4) }
 
 // delivery converts an amqp091 delivery.
 func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
@@ -160,7 +173,7 @@ func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 		ID:              m.MessageId,
 		Body:            m.Body,
 		Headers:         stringHeaders(m.Headers),
-		Attempt:         attemptOf(&m),
+		Attempt:         attemptOf(&m, s.caps.CountsDeliveries),
 		Queue:           s.queue,
 		Partition:       -1,
 		Offset:          -1,
@@ -238,42 +251,41 @@ func (s *Source) own(d *adapters.Delivery) (*handle, error) {
 	return h, nil
 }
 
-// Ack implements adapters.Source. It records the deliveries as finished and
-// returns; their acks go out coalesced (see the package documentation).
-// Deliveries whose channel died are reported in a *adapters.BatchError with
-// ErrConnectionLost: the broker redelivers them. So are deliveries already
-// nacked, whose messages come back whatever the Ack says; acking a delivery
-// again is no error.
+// Ack implements adapters.Source. It writes the acks of ds to the broker
+// before it returns: one multiple=true ack for the run of finished
+// deliveries from the oldest outstanding one, and one ack each for the
+// finished deliveries behind one still running (see the package
+// documentation). Gathering acks into batches is the runtime's work. An
+// entry whose channel died, or died while its ack was written, fails with
+// ErrConnectionLost: the broker redelivers it. So does one already nacked,
+// whose message comes back whatever the Ack says; acking a delivery again
+// is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	var failed map[int]error
+	var failed entryErrors
+	// The generations ds holds, nearly always one: the current one.
+	var buf [2]*generation
+	gens := buf[:0]
 	for i, d := range ds {
 		h, err := s.own(d)
-		if err == nil {
-			g := h.gen
-			g.mu.Lock()
-			if h.gaveBack {
-				err = errGaveBack
-			} else {
-				err = g.ackLocked(h)
-			}
-			g.mu.Unlock()
-		}
 		if err != nil {
-			if failed == nil {
-				failed = map[int]error{}
-			}
-			failed[i] = err
+			failed.set(i, err)
+			continue
+		}
+		if !slices.Contains(gens, h.gen) {
+			gens = append(gens, h.gen)
 		}
 	}
-	if failed != nil {
-		return &adapters.BatchError{Failed: failed}
+	for _, g := range gens {
+		g.mu.Lock()
+		g.ackLocked(ds, &failed, false)
+		g.mu.Unlock()
 	}
-	return nil
+	return failed.err()
 }
 
-// Close implements adapters.Source: it sends every ack already decided,
-// closes the channel and the connection (the broker requeues what was not
-// acked), and waits for the adapter's goroutines to end.
+// Close implements adapters.Source: it closes the channel and the
+// connection (the broker requeues what was not acked), and waits for the
+// adapter's goroutines to end.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -282,25 +294,23 @@ func (s *Source) Close() error {
 	}
 	s.closed = true
 	close(s.closing)
-	for s.republishing > 0 {
-		s.republished.Wait() // bounded by republishTimeout
-	}
 	g := s.gen
 	s.gen = nil
 	s.mu.Unlock()
 	s.cancel()
 	var err error
 	if g != nil {
-		held := g.die(true)
+		held := g.die()
 		for _, d := range held {
 			d.Signal.Lose(adapters.ErrClosed)
 		}
 		s.stats.lost.Add(uint64(len(held)))
+		s.tel.add(s.tel.lost, len(held))
 		// amqp091 waits for the broker's channel.close-ok with no limit of
 		// its own, only its heartbeat timeout (some 30 s): a broker that
 		// stopped answering would hold Close past a deployment's grace
 		// period. At the close timeout, closing the connection ends that
-		// wait (the acks flushed above are already written).
+		// wait (every ack is written already).
 		late := time.AfterFunc(s.s.closeTimeout, func() { _ = g.conn.CloseDeadline(time.Now()) })
 		cerr := g.ch.Close()
 		if !late.Stop() {

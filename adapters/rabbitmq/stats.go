@@ -5,7 +5,7 @@ import "sync/atomic"
 // counters is the live, atomic form of Stats.
 type counters struct {
 	generations, delivered, ackFrames, multipleAcks, acked, ackErrors,
-	rejects, droppedAcks, lost, retriedInPlace, delayQueued, retryFailures atomic.Uint64
+	rejects, droppedAcks, lost, delayQueued, retriedAtOnce, retryFailures atomic.Uint64
 }
 
 // Stats are counters over the life of a Source, for tests, benchmarks and
@@ -28,12 +28,11 @@ type Stats struct {
 	DroppedAcks uint64
 	// Lost counts deliveries lost to a dead channel or to Close.
 	Lost uint64
-	// RetriedInPlace and DelayQueued count retries republished after an
-	// in-place wait and through a delay queue. RetryFailures counts retries
-	// whose copy could not be published: to a delay queue (the retry then
-	// waits in place) or after an in-place wait (the original is then
-	// requeued).
-	RetriedInPlace, DelayQueued, RetryFailures uint64
+	// DelayQueued counts retries whose copy went through a delay queue.
+	// RetryFailures counts retries whose copy the delay queue did not take;
+	// RetriedAtOnce counts those whose copy went to the queue at once
+	// instead (the others were requeued).
+	DelayQueued, RetryFailures, RetriedAtOnce uint64
 }
 
 // Stats returns the Source's counters.
@@ -43,7 +42,7 @@ func (s *Source) Stats() Stats {
 		Generations: c.generations.Load(), Delivered: c.delivered.Load(),
 		AckFrames: c.ackFrames.Load(), MultipleAcks: c.multipleAcks.Load(), Acked: c.acked.Load(),
 		AckErrors: c.ackErrors.Load(), Rejects: c.rejects.Load(), DroppedAcks: c.droppedAcks.Load(),
-		Lost: c.lost.Load(), RetriedInPlace: c.retriedInPlace.Load(), DelayQueued: c.delayQueued.Load(),
-		RetryFailures: c.retryFailures.Load(),
+		Lost: c.lost.Load(), DelayQueued: c.delayQueued.Load(), RetryFailures: c.retryFailures.Load(),
+		RetriedAtOnce: c.retriedAtOnce.Load(),
 	}
 }

@@ -85,7 +85,7 @@ func (s *Source) install(g *generation) bool {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
-		g.die(false)
+		g.die()
 		_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
 		return false
 	}
@@ -173,7 +173,7 @@ func closeCause(what string, e *amqp.Error) error {
 // are cancelled with ErrConnectionLost), its pending acks dropped and
 // counted, its connection closed.
 func (s *Source) kill(g *generation, cause error) {
-	held := g.die(false)
+	held := g.die()
 	s.mu.Lock()
 	if s.gen == g {
 		s.gen = nil
@@ -187,6 +187,7 @@ func (s *Source) kill(g *generation, cause error) {
 		d.Signal.Lose(lost)
 	}
 	s.stats.lost.Add(uint64(len(held)))
+	s.tel.add(s.tel.lost, len(held))
 	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
 }
 
@@ -230,6 +231,7 @@ func (s *Source) reconnect(flaps int) *generation {
 		if !s.install(g) {
 			return nil
 		}
+		s.tel.add(s.tel.reconnects, 1)
 		s.s.logger.Info("rabbitmq: reconnected", "queue", s.queue, "address", s.s.address(), "generation", g.id,
 			"attempts", attempt, "waited", wait, "down", time.Since(down).Round(time.Millisecond), "last_error", last)
 		return g

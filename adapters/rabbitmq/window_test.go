@@ -8,15 +8,14 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// TestInPlaceRetriesLeaveRoomInThePrefetchWindow: with delay queues, short
-// retries wait in place only up to half the prefetch window; the rest go to a
-// delay queue, so that a burst of failures never stops the consumer from
-// receiving new messages while the retries wait.
-func TestInPlaceRetriesLeaveRoomInThePrefetchWindow(t *testing.T) {
+// TestDelayedRetriesLeaveTheWindow: with delay queues, retries wait in a
+// delay queue, not in the prefetch window, so that a burst of failures
+// never stops the consumer from receiving new messages while they wait.
+func TestDelayedRetriesLeaveTheWindow(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "bad1", "bad2", "bad3", "bad4")
-	s := openSource(t, q, WithPrefetch(4), WithDelayQueues(5*time.Second))
+	s := openSource(t, q, WithPrefetch(4), WithDelayQueues())
 	ctx := context.Background()
 	bad := receiveN(t, s, 4)
 	for _, d := range bad {
@@ -40,42 +39,20 @@ func TestInPlaceRetriesLeaveRoomInThePrefetchWindow(t *testing.T) {
 	}
 }
 
-// TestAckPressureFlushesStragglersBeforeTheWindowFills: with one slow
-// delivery at the head, finished deliveries behind it are acked one by one as
-// soon as they fill most of the prefetch window, without waiting for the
-// linger or straggler timers; otherwise the broker stops delivering.
-func TestAckPressureFlushesStragglersBeforeTheWindowFills(t *testing.T) {
-	a := newAdmin(t)
-	q := a.queue(ClassicQueue, nil)
-	a.publish(q, names("m", 8)...)
-	s := openSource(t, q, WithPrefetch(8), WithAckCoalescing(64, time.Second, time.Hour))
-	ds := receiveN(t, s, 8)
-	// ds[0] still runs; six finish behind it, which is the pressure mark
-	// (three quarters of the window); ds[7] is still being handled.
-	if err := s.Ack(context.Background(), ds[1:7]); err != nil {
-		t.Fatal(err)
-	}
-	// Sent by the Ack call itself, not by the linger timer a second later.
-	if st := s.Stats(); st.Acked != 6 {
-		t.Fatalf("right after Ack, %d deliveries acked on the wire; want the 6 finished ones", st.Acked)
-	}
-	waitUnacked(t, q, 2)
-}
-
-// TestPrefetchOneNeverWaitsInPlace: with a prefetch of 1 a retry waiting in
+// TestPrefetchOneWithDelayQueues: with a prefetch of 1 a retry waiting in
 // place would be the whole window, and the broker would send nothing else
-// until it ended. With delay queues, short retries go through one instead.
-func TestPrefetchOneNeverWaitsInPlace(t *testing.T) {
+// until it ended. With delay queues, even a short retry goes through one.
+func TestPrefetchOneWithDelayQueues(t *testing.T) {
 	a := newAdmin(t)
 	q := a.queue(ClassicQueue, nil)
 	a.publish(q, "bad", "good")
-	s := openSource(t, q, WithPrefetch(1), WithDelayQueues(5*time.Second))
+	s := openSource(t, q, WithPrefetch(1), WithDelayQueues())
 	ctx := context.Background()
 	bad := receiveN(t, s, 1)
 	if err := s.Nack(ctx, adapters.NackAll(bad, 100*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	if st := s.Stats(); st.DelayQueued != 1 || st.RetriedInPlace != 0 {
+	if st := s.Stats(); st.DelayQueued != 1 {
 		t.Fatalf("stats %+v: with prefetch 1 the retry must go through a delay queue, not hold the only slot", st)
 	}
 	var got []*adapters.Delivery

@@ -1,7 +1,7 @@
 // Command rabbitmq runs custody on a RabbitMQ queue: a few hundred orders
 // handled at concurrency 16, a flaky dependency retried with backoff (the
-// adapter holds a failed delivery through its delay and republishes it, so
-// no worker sits idle and the message never leaves its custody), and a
+// runtime holds a failed delivery through its delay without a worker, so no
+// worker sits idle and the message never leaves its custody), and a
 // malformed order dead-lettered, with its diagnostics, to a dead-letter queue
 // through publisher confirms.
 //
@@ -84,7 +84,7 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 	}
 	// Dead letters go to the exchange dlx with routing key "poison", and
 	// from there to the queue dlq: the sink declares all three.
-	sink, err := rabbitmq.NewDeadLetterExchange(ctx, dlx, "poison",
+	sink, err := rabbitmq.NewDeadLetter(ctx, dlx, "poison",
 		rabbitmq.WithURL(cfg.url),
 		rabbitmq.WithDeclareDeadLetter(dlq, rabbitmq.ClassicQueue, nil))
 	if err != nil {
@@ -162,7 +162,7 @@ func run(ctx context.Context, cfg config, out *os.File) error {
 	fmt.Fprintf(out, "order %d succeeded on attempt %d after two retries, each waited out in place\n", flakyMod, attempts[flakyMod])
 	mu.Unlock()
 	fmt.Fprintf(out, "acks: %d deliveries settled with %d ack frames (%d of them multiple=true)\n", st.Acked, st.AckFrames, st.MultipleAcks)
-	fmt.Fprintf(out, "retries: %d republished after waiting in place\n", st.RetriedInPlace)
+	fmt.Fprintf(out, "deliveries: %d for %d orders: the retries waited without the broker delivering again\n", st.Delivered, cfg.orders)
 	for _, m := range dead {
 		fmt.Fprintf(out, "dead-lettered %q: %s=%v %s=%v %s=%v\n", m.Body,
 			"custody-error", m.Headers["custody-error"],

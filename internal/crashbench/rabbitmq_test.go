@@ -108,7 +108,7 @@ func rabbitLeft(tb testing.TB, ch *amqp.Channel, queue string) int {
 
 // rabbitCustody is custody's consumer with the adapter's defaults.
 func rabbitCustody(ctx context.Context, cfg childConfig, effect func(context.Context, []byte) error) error {
-	src, err := rabbitmq.New(ctx, cfg.queue, rabbitmq.WithURL(cfg.addr))
+	src, err := rabbitmq.New(ctx, cfg.queue, rabbitmq.WithURL(cfg.addr), rabbitmq.WithLogger(cfg.logger))
 	if err != nil {
 		return err
 	}
