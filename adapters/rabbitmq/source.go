@@ -96,9 +96,13 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 			MaxLeaseAge:      st.maxHold(),
 			MaxReceive:       st.prefetch,
 			MaxUnacked:       st.prefetch,
-			// An ack has no reply and costs one frame at most: the
-			// runtime's workers send what gathered at once (group commit).
-			Ack: adapters.Batching{},
+			// An ack has no reply, but every call writes a frame or more: a
+			// millisecond's linger lets a run of finished deliveries go out
+			// as one multiple ack (0.06 frames a message in the no-op
+			// benchmark, against 0.96 when each worker sent what gathered
+			// as it went idle), and adds a millisecond to the duplicates a
+			// crash can cause.
+			Ack: adapters.Batching{Linger: time.Millisecond},
 		},
 		// Room for a full window from the live channel plus one left over
 		// from a channel that just died (those are skipped).
