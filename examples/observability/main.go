@@ -80,13 +80,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, watch fun
 		return err
 	}
 	at(phaseIdle)
-	if err := d.traffic(ctx, at); err != nil {
+	// An interrupt (ctx) cuts the traffic or the wait short; the summary
+	// is printed either way.
+	if err := d.traffic(ctx, at); err != nil && ctx.Err() == nil {
 		return fmt.Errorf("traffic: %w", err)
 	}
 	// The backlog gauges are as fresh as their last poll: wait for one
 	// after the traffic, for the summary.
 	polled := time.Now()
-	if err := d.await(ctx, "a backlog poll", func() bool { return d.consumer.Status().BacklogAt.After(polled) }); err != nil {
+	if err := d.await(ctx, "a backlog poll", func() bool { return d.consumer.Status().BacklogAt.After(polled) }); err != nil && ctx.Err() == nil {
 		return err
 	}
 	if err := sleep(ctx, time.Until(end)); err != nil && ctx.Err() == nil {
