@@ -256,7 +256,7 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 		}
 		return err
 	}
-	if c := tx.Conn(); c != nil && !c.IsClosed() && c.PgConn().TxStatus() == 'E' {
+	if aborted(tx) {
 		return errAbortedTx
 	}
 	var failed []string
@@ -279,10 +279,6 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 	committed = true
 	return nil
 }
-
-// errAbortedTx is the error of a batch whose function returned nil with its
-// transaction aborted by a failed statement: nothing it did can commit.
-var errAbortedTx = errors.New("pgtx: the batch function returned nil, but a statement of its transaction had failed, which aborts the transaction; return that error, or run statements that may fail in a savepoint (tx.Begin) and roll it back")
 
 // ownStatementError marks err, from a statement of the handler's own after
 // the function ran, consumer.Unavailable when the database failed.

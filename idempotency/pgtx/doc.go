@@ -139,7 +139,10 @@
 // answers. The function's own errors go to the runtime unchanged, a failed
 // statement of its own or a statement timeout included, and so does a
 // network error from anything else it calls: only the state of the
-// transaction's connection tells, not the type of the error.
+// transaction's connection tells, not the type of the error. A function
+// that returns nil after one of its statements failed (which aborts the
+// transaction) fails too, with an error saying so: its transaction cannot
+// commit, and that is not the database's fault.
 //
 // # Connections that vanish
 //

@@ -383,6 +383,9 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 		}
 		return err
 	}
+	if aborted(tx) {
+		return errAbortedTx
+	}
 	if err := tx.Commit(ctx); err != nil {
 		// If the commit did happen and only its reply was lost, the
 		// retry finds the key and is skipped.
