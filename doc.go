@@ -12,10 +12,10 @@
 //     not complete is delivered again. This is at-least-once delivery, the
 //     default and the only mode that cannot lose work.
 //   - Leases are kept alive while work runs. Where the broker redelivers a
-//     message whose lease runs out (SQS visibility timeout, the memory
-//     broker), custody renews the lease of every held message at a third of
-//     its length, stops before the ack, and cancels the handler's context if
-//     the lease is lost anyway.
+//     message whose lease runs out (SQS visibility timeout, JetStream
+//     AckWait, the memory broker), custody renews the lease of every held
+//     message at a third of its length, stops before the ack, and cancels
+//     the handler's context if the lease is lost anyway.
 //   - Offsets are committed only for durable prefixes. On Kafka the committed
 //     offset never passes a record that is still running, even when later
 //     records finished first.
@@ -50,8 +50,9 @@
 //   - [github.com/custody-go/custody/adapters/memory]: the embedded broker with
 //     real lease semantics, for the quickstart and for testing handlers.
 //   - [github.com/custody-go/custody/adapters/awssqs],
-//     [github.com/custody-go/custody/adapters/rabbitmq] and
-//     [github.com/custody-go/custody/adapters/kafka]: the broker adapters.
+//     [github.com/custody-go/custody/adapters/rabbitmq],
+//     [github.com/custody-go/custody/adapters/kafka] and
+//     [github.com/custody-go/custody/adapters/jetstream]: the broker adapters.
 //   - [github.com/custody-go/custody/adapters/adaptertest]: the conformance
 //     suite every adapter passes.
 //   - [github.com/custody-go/custody/idempotency]: deduplication middleware and
@@ -71,6 +72,7 @@
 // queue or topic, the message id; a Kafka record's partition and offset).
 // The Kafka adapter
 // adds its own (custody.kafka.lag, .commit.duration, .commit.failures,
-// .skipped, .rewinds, .expired), and the idempotency middleware counts duplicates
-// (custody.idempotency.*).
+// .skipped, .rewinds, .expired), the JetStream adapter its backlog and
+// requests (custody.jetstream.pending, .requests), and the idempotency
+// middleware counts duplicates (custody.idempotency.*).
 package custody

@@ -114,6 +114,12 @@ type DeadLetter interface {
 // policy, or acks it in the same step as it writes the copy. When
 // SettlesOriginal reports true for a delivery, the runtime neither acks nor
 // nacks it after Send returned nil.
+//
+// It saves a call; correctness must not depend on it, since a wrapper
+// around the destination (one that logs its writes, say) hides it: the
+// Source's Ack of a delivery its own dead-letter destination disposed of
+// succeeds without effect (it must not delete a message given back to a
+// redrive policy), and so does a Nack. The conformance suite checks it.
 type OriginalSettler interface {
 	SettlesOriginal(d *Delivery) bool
 }

@@ -41,15 +41,10 @@ type Delivery struct {
 	// FirstReceivedAt is when any consumer first received the message, if
 	// the broker says; else the zero time.
 	FirstReceivedAt time.Time
-	// ReceivedAt is when this delivery was received.
+	// ReceivedAt is when this delivery was received. The runtime counts
+	// the lease it keeps alive, and the cap on the total hold time
+	// (Capabilities.MaxLeaseAge), from it.
 	ReceivedAt time.Time
-	// LeasedAt is when the adapter last renewed the delivery's lease before
-	// handing it over (an SQS message kept invisible while it waited in the
-	// Source), or the zero time when it did not. The runtime counts the
-	// lease it keeps alive from the later of ReceivedAt and LeasedAt, and
-	// caps on the total hold time (Capabilities.MaxLeaseAge) from
-	// ReceivedAt.
-	LeasedAt time.Time
 
 	// Native is the broker's own message (for As). Adapters document its
 	// type.

@@ -240,6 +240,8 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 			r.settleBatch(js, attempts, errs) // Goexit: nothing after this runs
 		}
 	}()
+	r.running.Add(int64(len(js)))
+	defer r.running.Add(-int64(len(js)))
 	err = r.batchHandler().HandleBatch(ctx, b)
 	returned = true
 	return errs

@@ -65,6 +65,7 @@ func (r *run) ackCall(batch []*job) {
 		}
 	}
 	if acked > 0 {
+		storeNow(&r.lastAck)
 		r.tel.settled.Add(r.settleCtx, int64(acked), r.tel.outcomes[outcomeAcked]...)
 	}
 	if deadLettered > 0 {
@@ -101,6 +102,7 @@ func (r *run) finishBatch(batch []*job) {
 	n := len(batch)
 	r.tel.inFlight.Add(r.settleCtx, -int64(n), r.tel.source...)
 	r.credit.release(n)
+	r.holding.Add(-int64(n))
 	r.held.Add(-n)
 }
 

@@ -23,6 +23,10 @@ type Consumer struct {
 	batch        int // deliveries asked for per Receive
 	started      atomic.Bool
 
+	state  atomic.Int32        // a State
+	cur    atomic.Pointer[run] // the run under way, or the last one
+	intake gate                // closed by Pause and by a tripped kill switch
+
 	// stop is cancelled by Shutdown: Run stops receiving and drains.
 	stop    context.Context
 	stopRun context.CancelFunc
@@ -102,6 +106,17 @@ func newConsumer(fn string, src adapters.Source, h Handler, bh BatchHandler, opt
 		return nil, fmt.Errorf("%s: creating OpenTelemetry instruments: %w", fn, err)
 	}
 	c.tel = tel
+	if _, ok := src.(adapters.BacklogReporter); ok {
+		err := observeBacklog(&c.cfg, func() *backlogReading {
+			if r := c.cur.Load(); r != nil {
+				return r.backlog.Load()
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("%s: creating OpenTelemetry instruments: %w", fn, err)
+		}
+	}
 	c.batch = receiveBatch(caps, cfg.maxInFlight)
 	if cfg.deadLetter == nil && !cfg.atMostOnce {
 		cfg.logger.Warn("custody: no dead-letter destination (WithDeadLetter); messages that exhaust their retries are given back to the broker after the policy's backoff and may never leave the stream",
@@ -128,6 +143,16 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	defer close(c.done)
 	r := newRun(c, ctx)
+	c.cur.Store(r)
+	if c.intake.closed() {
+		c.state.Store(int32(StatePaused))
+		if p, ok := c.src.(adapters.Pauser); ok {
+			p.Pause()
+		}
+	} else {
+		c.state.Store(int32(StateRunning))
+	}
+	defer c.state.Store(int32(StateStopped))
 	// Shutdown stops receiving as cancelling ctx does; the handlers' and the
 	// acks' contexts do not derive from this one (see newRun).
 	ctx, cancel := context.WithCancel(ctx)

@@ -33,7 +33,13 @@ func (c *credit) acquire(ctx context.Context) (int, bool) {
 		if c.held <= c.lowWater {
 			n := min(c.limit-c.held, c.batch)
 			c.held += n
+			more := c.held <= c.lowWater
 			c.mu.Unlock()
+			if more {
+				// Room for another receiver too: pass the wake-up on, since
+				// a release wakes only one.
+				c.wake()
+			}
 			return n, true
 		}
 		c.mu.Unlock()
@@ -56,9 +62,14 @@ func (c *credit) release(n int) {
 	wake := c.held <= c.lowWater
 	c.mu.Unlock()
 	if wake {
-		select {
-		case c.room <- struct{}{}:
-		default:
-		}
+		c.wake()
+	}
+}
+
+// wake lets one waiting receiver look for room.
+func (c *credit) wake() {
+	select {
+	case c.room <- struct{}{}:
+	default:
 	}
 }

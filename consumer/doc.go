@@ -87,6 +87,24 @@
 // way it is cancelled once the attempt ends: a goroutine the handler left
 // running sees that.
 //
+// # Batches
+//
+// [NewBatch] runs a [BatchHandler] instead: it gets up to [WithBatchSize]
+// messages at once (100 by default, bounded by [WithBatchBytes], gathered
+// for up to [WithBatchLinger]) and records an outcome per message with
+// [Batch.Done] or [Batch.Fail], the latter taking any error a Handler may
+// return. Each message is then settled on its own, as a Handler's attempt
+// would be: its own lease (renewed while the batch runs), attempt count,
+// backoff and dead-lettering. A message left without an outcome is not
+// acked ([ErrNoOutcome]), and an error from HandleBatch fails the whole
+// batch. A batch holds the messages of a lane (an ordering key, a Kafka
+// partition, a FIFO group) in order; when one of them fails, the lane's
+// later messages of the batch are not acked ahead of it: they run again
+// after it. A batch handler that stops handling a lane at its first failure
+// repeats no effect for them. [ChainBatch] wraps a BatchHandler in
+// [BatchMiddleware], as Chain does a Handler (the idempotency package has
+// one for batches).
+//
 // # Concurrency and order
 //
 // [WithConcurrency] handlers run at once. Deliveries the adapter marks with an
@@ -169,6 +187,33 @@
 // dead-letter line a second, however fast messages fail; the metrics count
 // every one (custody.messages.settled by outcome). A line whose level the
 // logger discards costs one Enabled call and no allocation.
+//
+// # Operating a consumer
+//
+// [Consumer.Status] is a snapshot for the person on call: the state
+// (running, paused, draining, stopped), the source's connection (for
+// sources that report one: adapters.Connector), the last receive and ack,
+// what is held and running, leases lost and dead letters over the last
+// minute, a Kafka member's partitions, the backlog as last polled, and the
+// kill switch. [Consumer.LiveHandler] and [Consumer.ReadyHandler] serve it
+// to Kubernetes probes: liveness fails only when Run is not running or a
+// Receive has hung for [StuckAfter]; readiness is false while the source
+// connects or reconnects, while the consumer drains, and while its kill
+// switch is tripped.
+//
+// [Consumer.Pause] stops intake without leaving the group or dropping what
+// is held (leases stay renewed); held messages finish, or those not yet
+// running are given back ([GiveBackWaiting]). [Consumer.Resume] starts it
+// again. [WithKillSwitch] pauses intake by itself when too many attempts
+// fail over a window, holds what waits without using up attempts, and
+// probes with a few attempts before it resumes: a dependency's outage
+// turns into a pause, not into dead letters or retries that hammer it.
+//
+// A source that can tell its backlog (adapters.BacklogReporter) is polled
+// every [WithBacklogInterval] (30 s by default) for the gauges
+// custody.backlog.waiting, .in_flight and .oldest_age. Every counter is
+// reported from the start, at zero, so that it shows on a metrics page
+// before the first message.
 //
 // # Telemetry
 //

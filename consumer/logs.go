@@ -48,6 +48,10 @@ const (
 	logRenewalFailed
 	logReceiveFailed
 	logReceivePartial
+	logKillSwitchOpen
+	logKillSwitchHalfOpen
+	logKillSwitchClosed
+	logBacklogFailed
 	numLogKinds
 )
 
@@ -57,29 +61,33 @@ var logLines = [numLogKinds]struct {
 	level slog.Level
 	msg   string
 }{
-	logRetry:             {slog.LevelDebug, "custody: handler failed; the message is retried after a backoff"},
-	logDeferred:          {slog.LevelDebug, "custody: handler deferred the message; it is tried again later without using up an attempt"},
-	logUnavailable:       {slog.LevelWarn, "custody: a dependency is unavailable; the message waits in place without using up an attempt"},
-	logDeadLettered:      {slog.LevelWarn, "custody: message dead-lettered"},
-	logNoDeadLetter:      {slog.LevelError, "custody: message failed for good and there is no dead-letter destination (WithDeadLetter); it is retried after a backoff"},
-	logDeadLetterFailed:  {slog.LevelError, "custody: dead-letter write failed; the original is kept and the write tried again"},
-	logDeadLetterLost:    {slog.LevelError, "custody: dead-letter write failed and the delivery was lost; the broker redelivers the message"},
-	logDeadLetterCutLost: {slog.LevelWarn, "custody: dead-letter write cut short: the delivery was lost; the broker redelivers the message"},
-	logDeadLetterCut:     {slog.LevelWarn, "custody: dead-letter write cut short by the shutdown deadline; the message is given back"},
-	logPanic:             {slog.LevelError, "custody: handler panicked; the attempt counts as failed"},
-	logErrorPanicked:     {slog.LevelError, "custody: handler returned an error whose Error method panicked; the attempt counts as failed"},
-	logExited:            {slog.LevelError, "custody: handler exited without returning (runtime.Goexit); the message is given back"},
-	logAtMostOnceFailed:  {slog.LevelWarn, "custody: handler failed in at-most-once mode; the message is gone"},
-	logEarlyAckFailed:    {slog.LevelWarn, "custody: ack on receipt failed in at-most-once mode; the message is left to come back, and handled then"},
-	logLeaseLost:         {slog.LevelWarn, "custody: lease lost; expect a redelivery"},
-	logLost:              {slog.LevelInfo, "custody: delivery lost before it was settled; the broker delivers the message again"},
-	logGivenBack:         {slog.LevelDebug, "custody: message given back to the broker"},
-	logLeft:              {slog.LevelDebug, "custody: message left to its lease at shutdown (WithLeaveUnfinishedOnShutdown)"},
-	logAckFailed:         {slog.LevelWarn, "custody: ack failed; expect a redelivery"},
-	logNackFailed:        {slog.LevelWarn, "custody: nack failed; the broker redelivers the message when its lease runs out or its connection closes"},
-	logRenewalFailed:     {slog.LevelWarn, "custody: lease renewal failed; trying again before the lease runs out"},
-	logReceiveFailed:     {slog.LevelWarn, "custody: receive failed; retrying"},
-	logReceivePartial:    {slog.LevelWarn, "custody: receive reported an error with its deliveries"},
+	logRetry:              {slog.LevelDebug, "custody: handler failed; the message is retried after a backoff"},
+	logDeferred:           {slog.LevelDebug, "custody: handler deferred the message; it is tried again later without using up an attempt"},
+	logUnavailable:        {slog.LevelWarn, "custody: a dependency is unavailable; the message waits in place without using up an attempt"},
+	logDeadLettered:       {slog.LevelWarn, "custody: message dead-lettered"},
+	logNoDeadLetter:       {slog.LevelError, "custody: message failed for good and there is no dead-letter destination (WithDeadLetter); it is retried after a backoff"},
+	logDeadLetterFailed:   {slog.LevelError, "custody: dead-letter write failed; the original is kept and the write tried again"},
+	logDeadLetterLost:     {slog.LevelError, "custody: dead-letter write failed and the delivery was lost; the broker redelivers the message"},
+	logDeadLetterCutLost:  {slog.LevelWarn, "custody: dead-letter write cut short: the delivery was lost; the broker redelivers the message"},
+	logDeadLetterCut:      {slog.LevelWarn, "custody: dead-letter write cut short by the shutdown deadline; the message is given back"},
+	logPanic:              {slog.LevelError, "custody: handler panicked; the attempt counts as failed"},
+	logErrorPanicked:      {slog.LevelError, "custody: handler returned an error whose Error method panicked; the attempt counts as failed"},
+	logExited:             {slog.LevelError, "custody: handler exited without returning (runtime.Goexit); the message is given back"},
+	logAtMostOnceFailed:   {slog.LevelWarn, "custody: handler failed in at-most-once mode; the message is gone"},
+	logEarlyAckFailed:     {slog.LevelWarn, "custody: ack on receipt failed in at-most-once mode; the message is left to come back, and handled then"},
+	logLeaseLost:          {slog.LevelWarn, "custody: lease lost; expect a redelivery"},
+	logLost:               {slog.LevelInfo, "custody: delivery lost before it was settled; the broker delivers the message again"},
+	logGivenBack:          {slog.LevelDebug, "custody: message given back to the broker"},
+	logLeft:               {slog.LevelDebug, "custody: message left to its lease at shutdown (WithLeaveUnfinishedOnShutdown)"},
+	logAckFailed:          {slog.LevelWarn, "custody: ack failed; expect a redelivery"},
+	logNackFailed:         {slog.LevelWarn, "custody: nack failed; the broker redelivers the message when its lease runs out or its connection closes"},
+	logRenewalFailed:      {slog.LevelWarn, "custody: lease renewal failed; trying again before the lease runs out"},
+	logReceiveFailed:      {slog.LevelWarn, "custody: receive failed; retrying"},
+	logReceivePartial:     {slog.LevelWarn, "custody: receive reported an error with its deliveries"},
+	logKillSwitchOpen:     {slog.LevelError, "custody: kill switch tripped: intake stopped; held messages wait without using up attempts"},
+	logKillSwitchHalfOpen: {slog.LevelWarn, "custody: kill switch half-open: intake resumed; probing with a few attempts"},
+	logKillSwitchClosed:   {slog.LevelWarn, "custody: kill switch closed: the probes succeeded; every message runs again"},
+	logBacklogFailed:      {slog.LevelWarn, "custody: asking the source for its backlog failed"},
 }
 
 // logSuppressed is the summary line's message.

@@ -55,6 +55,8 @@ type config struct {
 	atMostOnce      bool
 	leaveOnShutdown bool
 	batching        batching
+	killSwitch      *KillSwitch
+	backlogInterval time.Duration
 }
 
 // batching is the configuration of a batch consumer.
@@ -71,6 +73,7 @@ type batching struct {
 func defaultConfig() config {
 	return config{
 		batching:        batching{size: 100},
+		backlogInterval: 30 * time.Second,
 		concurrency:     1,
 		retry:           Retry{MaxAttempts: 5},
 		shutdownTimeout: 30 * time.Second,

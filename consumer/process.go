@@ -75,6 +75,22 @@ func (r *run) prepare(j *job) (run, parked bool) {
 	if j.deadLettering {
 		return false, r.deadLetter(j)
 	}
+	if r.c.intake.givingBack() {
+		// Paused with GiveBackWaiting: what has not started goes back.
+		r.settle(j, released(whyPaused))
+		return false, false
+	}
+	if k := r.kill; k != nil {
+		if !k.admit() {
+			// The kill switch is open (or its probes are taken): the job
+			// waits, its lease kept alive, using up no attempt, until the
+			// switch lets it run.
+			j.heldBySwitch = true
+			r.park(j, k.cfg.Cooldown)
+			return false, true
+		}
+		j.heldBySwitch = false
+	}
 	return true, false
 }
 
@@ -88,6 +104,9 @@ func (r *run) attemptOnce(j *job) (parked bool) {
 // afterAttempt settles or parks j, whose attempt number attempt ended with
 // err.
 func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
+	if r.kill != nil && (err == nil || j.lostCause() == nil && r.handlerCtx.Err() == nil) {
+		r.kill.record(err)
+	}
 	if err == nil {
 		r.settle(j, verdict{how: settleAck})
 		return false
@@ -218,6 +237,7 @@ func (r *run) deadLetter(j *job) (parked bool) {
 	}
 	cut, sendErr := r.sendDeadLetter(dl, j, f)
 	if sendErr == nil {
+		r.deadLettersMin.add(time.Now(), 1)
 		r.logs.log(logDeadLettered, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
 			slog.Int("attempts", attempt), slog.Any("error", err))
 		if os, ok := dl.(adapters.OriginalSettler); ok && os.SettlesOriginal(j.d) {
@@ -305,7 +325,9 @@ func (r *run) attempt(j *job) int {
 // all, the handler's panic(nil) was recovered as nil (GODEBUG panicnil=1):
 // a panic like any other, which must not settle j as well.
 func (r *run) call(j *job, attempt int) error {
+	r.running.Add(1)
 	err := r.callHandler(j, attempt)
+	r.running.Add(-1)
 	if j.exiting {
 		j.exiting = false
 		pe := &PanicError{Value: new(runtime.PanicNilError), Stack: debug.Stack()}

@@ -42,6 +42,18 @@ type run struct {
 	spanName      string
 	batchSpanName string
 
+	// For Status.
+	lastReceive    atomic.Int64 // unix ns
+	lastAck        atomic.Int64
+	receivingSince atomic.Int64 // unix ns of the oldest Receive under way, 0 if none
+	received       atomic.Bool  // a Receive returned without error
+	running        atomic.Int64 // handler calls under way
+	holding        atomic.Int64 // deliveries held
+	leasesLostMin  minuteCount
+	deadLettersMin minuteCount
+	backlog        atomic.Pointer[backlogReading]
+	kill           *killSwitch
+
 	// recalledOnArrival wakes the recall loop (see recall.go); nil when the
 	// source reports no recalls.
 	recalledOnArrival chan struct{}
@@ -78,6 +90,9 @@ type job struct {
 	// batched is set while a batch settles the job: the batch, not the
 	// job's settlement, passes its lane on.
 	batched bool
+	// heldBySwitch is set while the job waits for the kill switch to let
+	// it run.
+	heldBySwitch bool
 	// giveBack is set on the jobs queued behind a lost one in its lane:
 	// they are given back instead of run (see settle).
 	giveBack bool
@@ -133,6 +148,9 @@ func newRun(c *Consumer, ctx context.Context) *run {
 	nack := c.caps.Nack
 	nack.MaxEntries = boundedBatch(nack.MaxEntries, c.batch)
 	r.nacks = newBatcher(nack, r.nackCall)
+	if k := c.cfg.killSwitch; k != nil {
+		r.kill = newKillSwitch(*k, r)
+	}
 	return r
 }
 
@@ -172,6 +190,12 @@ func (r *run) run(ctx context.Context) error {
 		keeperWG.Add(1)
 		go func() { defer keeperWG.Done(); k.Run(keeperCtx) }()
 	}
+	r.tel.announce(r.settleCtx)
+	var pollWG sync.WaitGroup
+	if br, ok := r.c.src.(adapters.BacklogReporter); ok {
+		pollWG.Add(1)
+		go func() { defer pollWG.Done(); r.pollBacklog(keeperCtx, br) }()
+	}
 	for i := 0; i < r.cfg.concurrency; i++ {
 		if r.c.batchHandler != nil {
 			r.startBatchWorker(&workersWG)
@@ -190,6 +214,7 @@ func (r *run) run(ctx context.Context) error {
 	stopRecalls()
 
 	// Drain.
+	r.c.state.Store(int32(StateDraining))
 	r.draining.Store(true)
 	r.unparkAll(func(*job) bool { return true })
 	if !r.cfg.atMostOnce {
@@ -202,8 +227,12 @@ func (r *run) run(ctx context.Context) error {
 	workersWG.Wait()
 	r.acks.close()
 	r.nacks.close()
+	if r.kill != nil {
+		r.kill.stop()
+	}
 	stopKeeper()
 	keeperWG.Wait()
+	pollWG.Wait()
 	r.logs.flush() // nothing of the run logs any more
 	r.cancelHandlers(context.Canceled)
 	if err := r.c.src.Close(); err != nil {
@@ -274,6 +303,8 @@ func (r *run) receiveLoop(ctx context.Context) error {
 	bo := backoff.Exponential{Initial: 50 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.5}
 	failures := 0
 	var heads []*job // dispatchLaned's scratch
+	var gated gatedContext
+	defer gated.release()
 	for {
 		if ctx.Err() != nil {
 			// Shutdown began: ask for nothing more. The contract has
@@ -282,11 +313,37 @@ func (r *run) receiveLoop(ctx context.Context) error {
 			// handlers after shutdown began: the check costs nothing.
 			return nil
 		}
+		if !r.c.intake.wait(ctx) {
+			return nil
+		}
 		n, ok := r.credit.acquire(ctx)
 		if !ok {
 			return nil
 		}
-		ds, err := r.c.src.Receive(ctx, n)
+		if !r.c.intake.wait(ctx) { // paused while waiting for room
+			r.credit.release(n)
+			return nil
+		}
+		r.receivingSince.CompareAndSwap(0, time.Now().UnixNano())
+		rctx := r.c.intake.receiveContext(ctx, &gated)
+		r.c.intake.beginReceive()
+		ds, err := r.c.src.Receive(rctx, n)
+		r.c.intake.endReceive()
+		r.receivingSince.Store(0)
+		if err != nil && rctx.Err() != nil && ctx.Err() == nil {
+			// Paused: the gate ended the Receive, which handed out nothing.
+			r.credit.release(n - len(ds))
+			if len(ds) > 0 {
+				heads = r.accept(ds, heads)
+			}
+			continue
+		}
+		if err == nil {
+			r.received.Store(true)
+		}
+		if len(ds) > 0 {
+			storeNow(&r.lastReceive)
+		}
 		// Keep what was used (more, if an adapter returned more than asked).
 		r.credit.release(n - len(ds))
 		if len(ds) > 0 {
@@ -329,6 +386,7 @@ func (r *run) receiveLoop(ctx context.Context) error {
 func (r *run) accept(ds []*adapters.Delivery, heads []*job) []*job {
 	ctx := r.settleCtx
 	r.held.Add(len(ds))
+	r.holding.Add(int64(len(ds)))
 	r.tel.received.Add(ctx, int64(len(ds)), r.tel.source...)
 	r.tel.inFlight.Add(ctx, int64(len(ds)), r.tel.source...)
 	r.giveSignals(ds)

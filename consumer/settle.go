@@ -71,6 +71,7 @@ const (
 	whyRecalled                     // the adapter recalled it (a Kafka partition being revoked)
 	whyBehindLost                   // queued behind a lost delivery of its ordering key
 	whyExited                       // its handler called runtime.Goexit
+	whyPaused                       // not started when the consumer was paused (GiveBackWaiting)
 )
 
 func (w reason) String() string {
@@ -85,6 +86,8 @@ func (w reason) String() string {
 		return "behind a lost message"
 	case whyExited:
 		return "handler called Goexit"
+	case whyPaused:
+		return "paused"
 	}
 	return ""
 }
@@ -156,6 +159,7 @@ func (r *run) settle(j *job, v verdict) {
 func (r *run) done(j *job, outcome string) {
 	r.tel.settle(r.settleCtx, outcome, 1)
 	r.credit.release(1)
+	r.holding.Add(-1)
 	r.held.Done()
 }
 
@@ -174,6 +178,7 @@ func (r *run) leaseLost(j *job, cause error) {
 		return
 	}
 	j.leaseLostCounted = true
+	r.leasesLostMin.add(time.Now(), 1)
 	r.tel.leasesLost.Add(r.settleCtx, 1, r.tel.source...)
 	r.logs.log(logLeaseLost, slog.String("id", j.d.ID), slog.Any("cause", cause))
 }

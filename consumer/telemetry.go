@@ -49,19 +49,20 @@ type telemetry struct {
 	// newMetricSwitch.
 	timed func() bool
 
-	received    metric.Int64Counter
-	redelivered metric.Int64Counter
-	settled     metric.Int64Counter
-	duration    metric.Float64Histogram
-	panics      metric.Int64Counter
-	extensions  metric.Int64Counter
-	leasesLost  metric.Int64Counter
-	renewFails  metric.Int64Counter
-	ackFailures metric.Int64Counter
-	dlqFailures metric.Int64Counter
-	unavailable metric.Int64Counter
-	inFlight    metric.Int64UpDownCounter
-	batchSize   metric.Int64Histogram
+	received        metric.Int64Counter
+	redelivered     metric.Int64Counter
+	settled         metric.Int64Counter
+	duration        metric.Float64Histogram
+	panics          metric.Int64Counter
+	extensions      metric.Int64Counter
+	leasesLost      metric.Int64Counter
+	renewFails      metric.Int64Counter
+	ackFailures     metric.Int64Counter
+	dlqFailures     metric.Int64Counter
+	unavailable     metric.Int64Counter
+	killSwitchTrips metric.Int64Counter
+	inFlight        metric.Int64UpDownCounter
+	batchSize       metric.Int64Histogram
 
 	// Options are kept as ready slices: passing a slice to a variadic
 	// parameter allocates nothing, building one per call would.
@@ -105,6 +106,7 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	t.renewFails = counter("custody.lease.renewal_failures", "Lease renewals that failed (throttling, network errors) and are tried again while the lease lasts.")
 	t.ackFailures = counter("custody.ack.failures", "Acks that failed (expect a redelivery).")
 	t.dlqFailures = counter("custody.deadletter.failures", "Dead-letter writes that failed (not those cut short by the shutdown deadline or by the loss of the delivery); the original was not acked.")
+	t.killSwitchTrips = counter("custody.killswitch.trips", "Times the kill switch (consumer.WithKillSwitch) tripped and stopped intake.")
 	t.unavailable = counter("custody.handler.unavailable", "Handler attempts that reported a dependency outage (consumer.Unavailable): no attempt used up, the message waits in place.")
 	if err != nil {
 		return nil, err
@@ -291,4 +293,59 @@ func (t *telemetry) batchSpanOptions(p propagation.TextMapPropagator, js []*job)
 		}
 	}
 	return []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...), trace.WithLinks(links...), trace.WithNewRoot()}
+}
+
+// announce adds zero to every counter of the consumer, so that an exporter
+// shows them (a Prometheus page lists a counter only once it has a value)
+// before the first message.
+func (t *telemetry) announce(ctx context.Context) {
+	for _, c := range []metric.Int64Counter{t.received, t.redelivered, t.panics, t.extensions,
+		t.leasesLost, t.renewFails, t.ackFailures, t.dlqFailures, t.unavailable, t.killSwitchTrips} {
+		c.Add(ctx, 0, t.source...)
+	}
+	for _, o := range t.outcomes {
+		t.settled.Add(ctx, 0, o...)
+	}
+	t.inFlight.Add(ctx, 0, t.source...)
+}
+
+// observeBacklog registers the backlog gauges, read from the last poll
+// that reading returns (nil: none yet).
+func observeBacklog(c *config, reading func() *backlogReading) error {
+	m := c.meterProvider.Meter(instrumentationName)
+	waiting, err := m.Int64ObservableGauge("custody.backlog.waiting",
+		metric.WithDescription("Messages waiting to be received, as the broker counts them (SQS visible messages, a RabbitMQ queue's ready messages, a Kafka group's lag)."),
+		metric.WithUnit("{message}"))
+	if err != nil {
+		return err
+	}
+	inFlight, err := m.Int64ObservableGauge("custody.backlog.in_flight",
+		metric.WithDescription("Messages received by any consumer and not yet settled, as the broker counts them."),
+		metric.WithUnit("{message}"))
+	if err != nil {
+		return err
+	}
+	oldest, err := m.Float64ObservableGauge("custody.backlog.oldest_age",
+		metric.WithDescription("Age of the oldest waiting message, where the broker tells it."), metric.WithUnit("s"))
+	if err != nil {
+		return err
+	}
+	attrs := metric.WithAttributeSet(attribute.NewSet(attribute.String("custody.consumer", c.name)))
+	_, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		b := reading()
+		if b == nil {
+			return nil
+		}
+		if b.backlog.Waiting >= 0 {
+			o.ObserveInt64(waiting, b.backlog.Waiting, attrs)
+		}
+		if b.backlog.InFlight >= 0 {
+			o.ObserveInt64(inFlight, b.backlog.InFlight, attrs)
+		}
+		if b.backlog.OldestAge > 0 {
+			o.ObserveFloat64(oldest, b.backlog.OldestAge.Seconds(), attrs)
+		}
+		return nil
+	}, waiting, inFlight, oldest)
+	return err
 }

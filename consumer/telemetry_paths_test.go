@@ -61,6 +61,10 @@ func collectAll(t *testing.T, reader *sdkmetric.ManualReader) collected {
 				for _, dp := range data.DataPoints {
 					add(m.Name, dp.Attributes, int64(dp.Count))
 				}
+			case metricdata.Gauge[int64]:
+				for _, dp := range data.DataPoints {
+					add(m.Name, dp.Attributes, dp.Value)
+				}
 			}
 		}
 	}

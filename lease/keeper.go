@@ -139,9 +139,8 @@ func (k *Keeper) ticks(t time.Time) int64 {
 
 func (k *Keeper) now() int64 { return k.ticks(time.Now()) }
 
-// Track starts keeping d's lease alive, counting from d.ReceivedAt (or now
-// when that is zero), or from d.LeasedAt when the adapter renewed the lease
-// since; MaxHold counts from d.ReceivedAt. The keeper loses a delivery
+// Track starts keeping d's lease alive, counting it and MaxHold from
+// d.ReceivedAt (or now when that is zero). The keeper loses a delivery
 // through its Signal, which it gives d if d has none.
 func (k *Keeper) Track(d *adapters.Delivery) *Lease {
 	l := new(Lease)
@@ -188,16 +187,7 @@ func (k *Keeper) startOne(l *Lease, d *adapters.Delivery) bool {
 	} else {
 		start = k.ticks(d.ReceivedAt)
 	}
-	// A lease the adapter renewed before handing the delivery over
-	// (while it waited in a buffer) runs from that renewal: counted
-	// from the receipt it would pass for expired, and one transient
-	// failure of its first renewal would lose a delivery with most of
-	// its lease left.
-	leased := start
-	if !d.LeasedAt.IsZero() {
-		leased = max(leased, k.ticks(d.LeasedAt))
-	}
-	due := addTicks(leased, k.interval)
+	due := addTicks(start, k.interval)
 	deadline := int64(never)
 	if k.cfg.MaxHold > 0 {
 		deadline = addTicks(start, int64(k.cfg.MaxHold))
@@ -209,7 +199,7 @@ func (k *Keeper) startOne(l *Lease, d *adapters.Delivery) bool {
 	}
 	i := k.t.alloc()
 	s := &k.t.slots[i]
-	s.d, s.expires, s.deadline = d, addTicks(leased, k.lease), deadline
+	s.d, s.expires, s.deadline = d, addTicks(start, k.lease), deadline
 	*l = Lease{k: k, gen: s.gen, slot: i}
 	k.schedule(i, due)
 	return true

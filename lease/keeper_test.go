@@ -250,29 +250,6 @@ func TestTransientRenewalFailureIsRetriedWhileTheLeaseLasts(t *testing.T) {
 	}
 }
 
-// TestLeaseCountsFromTheAdaptersLastRenewal: a delivery the adapter renewed
-// while it waited (Delivery.LeasedAt) has its lease counted from that
-// renewal. Counted from the receipt, long past, the lease passed for
-// expired: a transient failure of its first renewal lost a delivery with
-// most of its lease left.
-func TestLeaseCountsFromTheAdaptersLastRenewal(t *testing.T) {
-	rec := &recorder{callErr: func(call int) error {
-		if call == 1 {
-			return errors.New("throttled")
-		}
-		return nil
-	}}
-	const lease = 3 * time.Second
-	k := start(t, rec, Config{Lease: lease, MaxHold: time.Hour})
-	now := time.Now()
-	d := &adapters.Delivery{ReceivedAt: now.Add(-2 * lease), LeasedAt: now}
-	k.Track(d)
-	eventually(t, "a renewal after the failed one, or a loss", func() bool { return rec.count(d) >= 2 || d.Signal.LostCause() != nil })
-	if cause := d.Signal.LostCause(); cause != nil {
-		t.Fatalf("lost after one transient failure, with its lease renewed by the adapter just before: %v", cause)
-	}
-}
-
 func TestMaxHoldCapsTotalExtension(t *testing.T) {
 	rec := &recorder{}
 	k := start(t, rec, Config{Lease: 30 * time.Millisecond, MaxHold: 100 * time.Millisecond})

@@ -2,14 +2,16 @@ package awssqs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/aws/retry"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	"github.com/aws/smithy-go"
 
 	"github.com/custody-go/custody/adapters"
 )
@@ -20,10 +22,12 @@ import (
 // MessageId can appear twice in one batch.
 type batchCall func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error)
 
-// runBatches splits ds into batches of ten, runs them concurrently through
-// call and returns nil or a *adapters.BatchError naming the failed entries.
-// Entries whose skip error is set are not sent and fail with that error.
-func (s *Source) runBatches(ctx context.Context, ds []*adapters.Delivery, skip []error, call batchCall) error {
+// runBatches sends ds through call, ten entries per request, the requests
+// running concurrently, and returns nil or a *adapters.BatchError naming the
+// failed entries. Entries whose skip error is set are not sent and fail with
+// that error. When every entry went in one request and that request failed
+// whole, it returns the request's error itself.
+func (s *Source) runBatches(ctx context.Context, op operation, ds []*adapters.Delivery, skip []error, call batchCall) error {
 	errs := make([]error, len(ds))
 	copy(errs, skip)
 	var idx []int
@@ -34,9 +38,7 @@ func (s *Source) runBatches(ctx context.Context, ds []*adapters.Delivery, skip [
 	}
 	if len(idx) <= maxBatch {
 		if len(idx) > 0 {
-			if err := s.runBatch(ctx, ds, idx, call, errs); err != nil && len(idx) == len(ds) {
-				// The whole request failed (network, throttling, bad
-				// credentials): say so plainly, so the caller may retry it.
+			if err := s.runBatch(ctx, op, ds, idx, call, errs); err != nil && len(idx) == len(ds) {
 				return err
 			}
 		}
@@ -47,11 +49,7 @@ func (s *Source) runBatches(ctx context.Context, ds []*adapters.Delivery, skip [
 		n := min(len(idx), maxBatch)
 		chunk := idx[:n:n]
 		idx = idx[n:]
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s.runBatch(ctx, ds, chunk, call, errs)
-		}()
+		wg.Go(func() { s.runBatch(ctx, op, ds, chunk, call, errs) })
 	}
 	wg.Wait()
 	return batchResult(errs)
@@ -70,79 +68,60 @@ func batchResult(errs []error) error {
 	return &adapters.BatchError{Failed: failed}
 }
 
-// runBatch sends one batch and handles its failed entries: an invalid or
-// expired receipt handle means the lease was lost (the delivery is marked
-// lost, counted, and will come back); a failure on SQS's side is retried for
-// that entry alone, a few times with a short backoff; anything else is
-// reported for that entry. Each request has its own timeout
-// (requestTimeout).
-// It returns the error of the whole request when the first request itself
-// failed; a retry failing whole is retried in turn, then fails its entries
-// alone.
-func (s *Source) runBatch(ctx context.Context, ds []*adapters.Delivery, idx []int, call batchCall, errs []error) error {
-	backoff := s.opts.entryRetryBackoff
-	for try := 0; ; try++ {
-		// Each request is bounded here: the runtime waits for Ack (and acks
-		// with a context that lives as long as the consumer), so a request
-		// SQS never answers must not hold it, nor shutdown, for ever.
-		cctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
-		failed, err := call(cctx, idx)
-		cancel()
-		if err != nil && (try == 0 || try >= s.opts.entryRetries) {
-			for _, i := range idx {
-				errs[i] = err
-			}
-			if try > 0 {
-				// The first request settled the other entries (deleted,
-				// renewed or refused). A plain error would tell the caller
-				// that none was, and it would send them all again: SQS
-				// refuses the handles of messages it deleted, so they
-				// would be reported lost although they were acked.
-				return nil
-			}
-			return err
+// runBatch sends one request for the entries idx and files the error of
+// each entry that failed in errs: one wrapping adapters.ErrLeaseLost when
+// SQS no longer takes the receipt handle, an *entryError otherwise. A
+// request that fails whole fails every entry with its error, which runBatch
+// returns. The request is bounded by the request timeout: the runtime
+// waits for Ack, Nack and Extend, with contexts that live as long as the
+// consumer.
+func (s *Source) runBatch(ctx context.Context, op operation, ds []*adapters.Delivery, idx []int, call batchCall, errs []error) error {
+	cctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
+	failed, err := call(cctx, idx)
+	cancel()
+	if err != nil {
+		s.tel.request(op, resultError)
+		for _, i := range idx {
+			errs[i] = err
 		}
-		var retry []int
-		if err != nil {
-			// A retry failing whole fails the entries it carried on
-			// SQS's side or on the way: they are tried again alone.
-			retry = idx
-		}
-		for _, f := range failed {
-			pos, err := strconv.Atoi(aws.ToString(f.Id))
-			if err != nil || pos < 0 || pos >= len(idx) {
-				continue // not an id we sent; SQS never does this
-			}
-			i := idx[pos]
-			switch {
-			case receiptInvalid(f):
-				lost := fmt.Errorf("%w (SQS: %s: %s)", adapters.ErrLeaseLost, aws.ToString(f.Code), aws.ToString(f.Message))
-				s.stats.leaseLost.Add(1)
-				ds[i].Signal.Lose(lost)
-				errs[i] = lost
-			case !f.SenderFault && try < s.opts.entryRetries:
-				retry = append(retry, i)
-			default:
-				errs[i] = fmt.Errorf("awssqs: SQS refused the entry for message %s: %s: %s", ds[i].ID, aws.ToString(f.Code), aws.ToString(f.Message))
-			}
-		}
-		if len(retry) == 0 {
-			return nil
-		}
-		s.stats.entryRetries.Add(int64(len(retry)))
-		t := time.NewTimer(backoff)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			for _, i := range retry {
-				errs[i] = fmt.Errorf("awssqs: retrying a failed batch entry: %w", ctx.Err())
-			}
-			return nil
-		}
-		backoff *= 2
-		idx = retry
+		return err
 	}
+	s.tel.request(op, resultOK)
+	for _, f := range failed {
+		pos, err := strconv.Atoi(aws.ToString(f.Id))
+		if err != nil || pos < 0 || pos >= len(idx) {
+			continue // not an id we sent; SQS never does this
+		}
+		i := idx[pos]
+		switch {
+		case receiptInvalid(f):
+			s.stats.leaseLost.Add(1)
+			s.tel.entryFailed(op, reasonLeaseLost)
+			errs[i] = fmt.Errorf("%w (SQS: %s: %s)", adapters.ErrLeaseLost, aws.ToString(f.Code), aws.ToString(f.Message))
+			continue
+		case f.SenderFault:
+			s.tel.entryFailed(op, reasonRefused)
+		default:
+			s.tel.entryFailed(op, reasonSQS)
+		}
+		errs[i] = &entryError{id: ds[i].ID, code: aws.ToString(f.Code), message: aws.ToString(f.Message), senderFault: f.SenderFault}
+	}
+	return nil
+}
+
+// entryError is a batch entry SQS failed, for a reason other than its
+// receipt handle.
+type entryError struct {
+	id, code, message string
+	senderFault       bool
+}
+
+func (e *entryError) Error() string {
+	side := "refused"
+	if !e.senderFault {
+		side = "failed on its side"
+	}
+	return fmt.Sprintf("awssqs: SQS %s the entry for message %s: %s: %s", side, e.id, e.code, e.message)
 }
 
 // receiptInvalid reports whether a failed entry says the receipt handle no
@@ -160,4 +139,38 @@ func receiptInvalid(f types.BatchResultErrorEntry) bool {
 		return strings.Contains(msg, "receipthandle") || strings.Contains(msg, "receipt handle")
 	}
 	return false
+}
+
+// retryables are the SDK's own rules for a request worth sending again:
+// connection errors, throttling, server errors, request timeouts.
+var retryables = retry.IsErrorRetryables(retry.DefaultRetryables)
+
+// IsRetryable reports whether an Ack or Nack entry that failed with err may
+// succeed if sent again (adapters.Retryable): SQS failed the entry on its
+// side, or the request failed whole for a passing reason (the network,
+// throttling, a server error, the request timeout). The runtime then sends
+// the entry again. An entry SQS refused as the sender's fault, a request
+// refused as malformed or forbidden, and a call cut by Close are final.
+func (s *Source) IsRetryable(err error) bool {
+	var ee *entryError
+	switch {
+	case errors.As(err, &ee):
+		return !ee.senderFault
+	case errors.Is(err, adapters.ErrLeaseLost), errors.Is(err, adapters.ErrClosed), errors.Is(err, context.Canceled):
+		return false
+	case errors.Is(err, context.DeadlineExceeded):
+		return true
+	}
+	switch retryables.IsErrorRetryable(err) {
+	case aws.TrueTernary:
+		return true
+	case aws.FalseTernary:
+		return false
+	}
+	var ae smithy.APIError
+	if errors.As(err, &ae) {
+		return ae.ErrorFault() == smithy.FaultServer
+	}
+	// Not an answer from SQS: the request did not complete.
+	return true
 }

@@ -166,7 +166,7 @@ func TestShutdownReleasesUnfinished(t *testing.T) {
 		<-ctx.Done() // never finishes on its own
 		return context.Cause(ctx)
 	})
-	runUntil(t, src, h, "handlers running and messages buffered", func() bool {
+	runUntil(t, src, h, "handlers running and messages waiting for them", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		_, inFlight := e.counts(url)
@@ -188,47 +188,10 @@ func distinctBodies(ms []types.Message) int {
 	return len(seen)
 }
 
-func TestCloseReleasesBufferedDeliveries(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	url, _ := e.queue(false, 5*time.Minute, nil)
-	for i := range 30 {
-		e.send(url, fmt.Sprint(i), "", nil)
-	}
-	src, err := New(e.ctx(), e.client, url, testOptions()...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Room for 30 starts three polls; take what the first brings, let the
-	// others land in the buffer, then close.
-	ds, err := src.Receive(e.ctx(), 30)
-	if err != nil || len(ds) == 0 {
-		t.Fatalf("Receive: %d, %v", len(ds), err)
-	}
-	waitFor(t, "all polls back", func() bool {
-		src.mu.Lock()
-		defer src.mu.Unlock()
-		return src.inflight == 0
-	})
-	if err := src.Close(); err != nil {
-		t.Fatal(err)
-	}
-	held := len(ds)
-	if got := distinctBodies(e.drain(url, time.Second)); got != 30-held {
-		t.Errorf("after Close %d messages are visible; want the %d never handed out", got, 30-held)
-	}
-	if st := src.Stats(); int(st.Released) != 30-held {
-		t.Errorf("Stats.Released = %d, want %d", st.Released, 30-held)
-	}
-	if _, err := src.Receive(e.ctx(), 1); !errors.Is(err, adapters.ErrClosed) {
-		t.Errorf("Receive after Close: %v, want ErrClosed", err)
-	}
-}
-
 // TestStaleReceiptHandle: consumer a's visibility timeout runs out while it
 // holds two messages; consumer b receives and finishes them. a's next
 // heartbeat, batched with a third message a holds validly, must fail for the
-// two stale entries alone: they are marked lost and counted, the valid one is
+// two stale entries alone, as lost leases, counted; the valid one is
 // renewed, and the batch is not resent. In the end each message is deleted
 // once and nothing comes back.
 //
@@ -271,12 +234,9 @@ func TestStaleReceiptHandle(t *testing.T) {
 		t.Fatalf("heartbeat with two stale handles: %v, want a BatchError naming entries 0 and 1", err)
 	}
 	for i := range 2 {
-		if !errors.Is(be.Failed[i], adapters.ErrLeaseLost) || !errors.Is(stale[i].Signal.LostCause(), adapters.ErrLeaseLost) {
-			t.Errorf("stale entry %d: error %v, lost cause %v; want both to wrap ErrLeaseLost", i, be.Failed[i], stale[i].Signal.LostCause())
+		if !errors.Is(be.Failed[i], adapters.ErrLeaseLost) {
+			t.Errorf("stale entry %d: %v, want an error wrapping ErrLeaseLost", i, be.Failed[i])
 		}
-	}
-	if fresh[0].Signal.LostCause() != nil {
-		t.Errorf("the valid delivery was marked lost: %v", fresh[0].Signal.LostCause())
 	}
 	if n := a.Stats().LeaseLost; n != 2 {
 		t.Errorf("Stats.LeaseLost = %d, want 2", n)

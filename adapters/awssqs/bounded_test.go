@@ -43,7 +43,7 @@ func TestAckReturnsWhenSQSDoesNotAnswer(t *testing.T) {
 	ds := receiveAtLeast(t, src, 1)
 	acked := make(chan error, 1)
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel() // lets the unfixed Ack return once the test has failed
+	defer cancel() // ends an Ack that waits for ever, once the test has failed
 	go func() { acked <- src.Ack(ctx, ds) }()
 	select {
 	case err := <-acked:
@@ -76,8 +76,8 @@ func (c *hangingReceiveClient) ReceiveMessage(ctx context.Context, in *sqs.Recei
 
 // TestHungReceiveGivesUpItsPoller: a long poll whose answer never comes
 // gives up after the poll's wait and the request timeout, and the poller
-// polls again. Unbounded, it held its slot for ever; with one poller (a FIFO
-// queue's default) nothing was received again.
+// polls again. Unbounded, it would hold its receiver for ever; with one (a
+// FIFO queue's default) nothing would be received again.
 func TestHungReceiveGivesUpItsPoller(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)

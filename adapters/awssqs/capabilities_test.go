@@ -27,8 +27,10 @@ func TestCapabilities(t *testing.T) {
 		MaxLeaseAge:      12*time.Hour - 5*time.Second, // less the long poll's wait (0 here) and a margin
 		NackDelay:        true,
 		CountsDeliveries: true,
-		MaxReceive:       DefaultPollers * 10,
+		MaxReceive:       10,
+		Receivers:        DefaultPollers,
 		Ack:              adapters.Batching{MaxEntries: 10, Linger: DefaultAckLinger, MaxCalls: 4},
+		Nack:             adapters.Batching{MaxEntries: 10, Linger: DefaultNackLinger, MaxCalls: 4},
 		Extend:           adapters.Batching{MaxEntries: 10, MaxCalls: 4},
 	}
 	if got := src.Capabilities(); got != want {
@@ -38,9 +40,9 @@ func TestCapabilities(t *testing.T) {
 
 // TestRuntimeCapComesBeforeSQSs: SQS's 12 hours start when it picks a
 // message, up to a whole long poll before the answer sets ReceivedAt, from
-// which the runtime counts its cap (MaxLeaseAge). Announced as 12 hours, the
-// runtime kept the handler running for up to a poll's wait after SQS had
-// made the message visible to others.
+// which the runtime counts its cap (MaxLeaseAge). Announced as 12 hours, it
+// would let the handler run for up to a poll's wait after SQS had made the
+// message visible to others.
 func TestRuntimeCapComesBeforeSQSs(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)

@@ -16,7 +16,7 @@ type Client interface {
 	GetQueueAttributes(ctx context.Context, in *sqs.GetQueueAttributesInput, optFns ...func(*sqs.Options)) (*sqs.GetQueueAttributesOutput, error)
 }
 
-// Sender is the part of *sqs.Client a [DeadLetterQueue] uses:
+// Sender is the part of *sqs.Client a [DeadLetter] uses:
 // GetQueueAttributes once, when it is created, and SendMessage for each
 // dead letter.
 type Sender interface {

@@ -38,14 +38,14 @@ func TestConformanceFIFO(t *testing.T) {
 }
 
 // newConformanceQueue creates a queue and a dead-letter queue beside it,
-// with the DeadLetterQueue sink. On a FIFO queue a message without a key
+// with the DeadLetter sink. On a FIFO queue a message without a key
 // gets a group of its own, so unkeyed messages stay independent.
 func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *adaptertest.Queue {
 	e := newEnv(t)
 	lease := max(time.Second, cfg.Lease.Round(time.Second))
 	url, _ := e.queue(fifo, lease, nil)
 	dlqURL, _ := e.queue(fifo, 30*time.Second, nil)
-	dlq, err := NewDeadLetterQueue(e.ctx(), e.client, dlqURL)
+	dlq, err := NewDeadLetter(e.ctx(), e.client, dlqURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -98,7 +98,7 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 	}
 }
 
-// readCopy reads a DeadLetterQueue copy as a user who knows its documented
+// readCopy reads a DeadLetter copy as a user who knows its documented
 // conventions would: the diagnostics JSON gives the diagnostic headers,
 // "custody-original-attribute.NAME" keys in it are the original's header
 // NAME (one SQS would refuse, or past its ten attributes), and
@@ -138,7 +138,7 @@ func readCopy(m types.Message) (adaptertest.Message, error) {
 }
 
 // packHeaders returns headers as SQS message attributes the way a
-// DeadLetterQueue copy carries them, so that publishing a message that holds
+// DeadLetter copy carries them, so that publishing a message that holds
 // an earlier dead-letter trip's diagnostics looks like replaying a real copy:
 // the diagnostic headers inside one JSON attribute (custody-diagnostics), the
 // others as String attributes, those past the ninth inside the JSON as

@@ -22,7 +22,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// Defaults for the DeadLetterQueue's options.
+// Defaults for the DeadLetter's options.
 const (
 	// DefaultDiagnosticsAttribute names the message attribute that carries
 	// the diagnostics as one JSON object.
@@ -32,14 +32,14 @@ const (
 	DefaultMaxMessageSize = 256 << 10
 	// maxAttributes is SQS's limit on message attributes per message.
 	maxAttributes = 10
-	// Extra keys the DeadLetterQueue adds to the diagnostics JSON.
+	// Extra keys the DeadLetter adds to the diagnostics JSON.
 	diagGroupID      = "custody-original-group-id"
 	diagDedupID      = "custody-original-deduplication-id"
 	diagAttrPrefix   = "custody-original-attribute."
 	minErrorTextKept = 64
 )
 
-// DeadLetterQueue is an adapters.DeadLetter that sends failed messages to an
+// DeadLetter is an adapters.DeadLetter that sends failed messages to an
 // SQS queue of your choosing. The copy keeps the original body and message
 // attributes, and the X-Ray trace header SQS keeps beside them (the
 // AWSTraceHeader system attribute, which the Source asks for), and adds one
@@ -49,7 +49,7 @@ const (
 // within SQS's limit of ten per message; when the original already has ten,
 // the ones that do not fit travel inside the JSON as
 // "custody-original-attribute.NAME". To read a copy back as the original
-// message, take those keys as attributes NAME (see also NewDeadLetterQueue
+// message, take those keys as attributes NAME (see also NewDeadLetter
 // for the body of another broker's delivery).
 //
 // A message dead-lettered before and replayed (moved back to its queue with
@@ -81,7 +81,7 @@ const (
 //
 // Send returns nil only when SQS has accepted the copy; the runtime deletes
 // the original only then.
-type DeadLetterQueue struct {
+type DeadLetter struct {
 	client  Sender
 	url     string
 	fifo    bool
@@ -90,17 +90,17 @@ type DeadLetterQueue struct {
 	sizeSet bool // maxSize came from WithMaxMessageSize
 }
 
-var _ adapters.DeadLetter = (*DeadLetterQueue)(nil)
+var _ adapters.DeadLetter = (*DeadLetter)(nil)
 
-// DeadLetterOption configures a [DeadLetterQueue].
-type DeadLetterOption func(*DeadLetterQueue) error
+// DeadLetterOption configures a [DeadLetter].
+type DeadLetterOption func(*DeadLetter) error
 
 // WithDiagnosticsAttribute names the attribute carrying the diagnostics
 // JSON. Default "custody-diagnostics". The name must be one SQS accepts for a
 // message attribute: 1 to 256 letters, digits, '_', '-' and '.', with no
 // leading, trailing or doubled '.', and no AWS. or Amazon. prefix.
 func WithDiagnosticsAttribute(name string) DeadLetterOption {
-	return func(q *DeadLetterQueue) error {
+	return func(q *DeadLetter) error {
 		// SQS would refuse every copy carrying a name it does not allow,
 		// and the originals, never dead-lettered, would stay in their
 		// queues for good: refuse the name here instead.
@@ -115,13 +115,13 @@ func WithDiagnosticsAttribute(name string) DeadLetterOption {
 // WithMaxMessageSize sets the largest copy Send will try, in bytes (body plus
 // attribute names, types and values, as SQS counts them), from 1 KiB to
 // 1 MiB. Default: the dead-letter queue's MaximumMessageSize, which
-// NewDeadLetterQueue reads (DefaultMaxMessageSize if the queue reports
-// none); NewDeadLetterQueue refuses a larger value, since SQS would refuse
+// NewDeadLetter reads (DefaultMaxMessageSize if the queue reports
+// none); NewDeadLetter refuses a larger value, since SQS would refuse
 // the copies in between. When a copy is larger, Send shortens the error
 // text; if it is still too large, Send fails and the original stays in its
 // queue.
 func WithMaxMessageSize(n int) DeadLetterOption {
-	return func(q *DeadLetterQueue) error {
+	return func(q *DeadLetter) error {
 		if n < 1<<10 || n > 1<<20 {
 			return fmt.Errorf("awssqs.WithMaxMessageSize(%d): must be from 1024 to 1048576 bytes", n)
 		}
@@ -131,7 +131,7 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 	}
 }
 
-// NewDeadLetterQueue returns a DeadLetter sending to the queue at queueURL.
+// NewDeadLetter returns a DeadLetter sending to the queue at queueURL.
 // It reads the queue's attributes once (GetQueueAttributes, bounded by ctx),
 // so that a wrong URL, region, endpoint or credentials fail here, with what
 // to check, rather than at the first poison message, whose Send would then
@@ -150,8 +150,8 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 // space; the diagnostics then say so in "custody-body-encoding" ("base64":
 // standard base64 of the original body; "empty": the original body was
 // empty).
-func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetterQueue, error) {
-	q, err := newDeadLetterQueue(client, queueURL, opts)
+func NewDeadLetter(ctx context.Context, client Sender, queueURL string, opts ...DeadLetterOption) (*DeadLetter, error) {
+	q, err := newDeadLetter(client, queueURL, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -162,9 +162,9 @@ func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opt
 	if err != nil {
 		var missing *types.QueueDoesNotExist
 		if errors.As(err, &missing) {
-			return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: dead-letter queue %s does not exist where the client looks (check the queue name and account in the URL, and the client's region and endpoint; create the queue first): %w", queueURL, err)
+			return nil, fmt.Errorf("awssqs.NewDeadLetter: dead-letter queue %s does not exist where the client looks (check the queue name and account in the URL, and the client's region and endpoint; create the queue first): %w", queueURL, err)
 		}
-		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: cannot read the attributes of dead-letter queue %s (check the URL, the client's region, endpoint and credentials; the sink needs sqs:GetQueueAttributes and sqs:SendMessage on the queue): %w", queueURL, err)
+		return nil, fmt.Errorf("awssqs.NewDeadLetter: cannot read the attributes of dead-letter queue %s (check the URL, the client's region, endpoint and credentials; the sink needs sqs:GetQueueAttributes and sqs:SendMessage on the queue): %w", queueURL, err)
 	}
 	if out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" {
 		q.fifo = true
@@ -182,17 +182,17 @@ func NewDeadLetterQueue(ctx context.Context, client Sender, queueURL string, opt
 	return q, nil
 }
 
-// newDeadLetterQueue builds the sink from its arguments and options, without
+// newDeadLetter builds the sink from its arguments and options, without
 // a call to SQS: a FIFO queue is recognised by its name alone.
-func newDeadLetterQueue(client Sender, queueURL string, opts []DeadLetterOption) (*DeadLetterQueue, error) {
+func newDeadLetter(client Sender, queueURL string, opts []DeadLetterOption) (*DeadLetter, error) {
 	if client == nil {
-		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: nil client; pass an *sqs.Client")
+		return nil, fmt.Errorf("awssqs.NewDeadLetter: nil client; pass an *sqs.Client")
 	}
 	name, err := queueName(queueURL)
 	if err != nil {
-		return nil, fmt.Errorf("awssqs.NewDeadLetterQueue: %w", err)
+		return nil, fmt.Errorf("awssqs.NewDeadLetter: %w", err)
 	}
-	q := &DeadLetterQueue{client: client, url: queueURL, fifo: strings.HasSuffix(name, ".fifo"), attr: DefaultDiagnosticsAttribute, maxSize: DefaultMaxMessageSize}
+	q := &DeadLetter{client: client, url: queueURL, fifo: strings.HasSuffix(name, ".fifo"), attr: DefaultDiagnosticsAttribute, maxSize: DefaultMaxMessageSize}
 	for _, opt := range opts {
 		if opt == nil {
 			continue
@@ -208,11 +208,11 @@ func newDeadLetterQueue(client Sender, queueURL string, opts []DeadLetterOption)
 // source's copies keep their group order only in a FIFO dead-letter queue;
 // the sink cannot check the pairing itself, since it takes messages from
 // any source: compare with [Source.FIFO] where both are built.
-func (q *DeadLetterQueue) FIFO() bool { return q.fifo }
+func (q *DeadLetter) FIFO() bool { return q.fifo }
 
 // Send stores a copy of d with the failure's diagnostics in the dead-letter
 // queue and returns nil once SQS has accepted it.
-func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	in, err := q.message(d, f)
 	if err != nil {
 		return err
@@ -224,7 +224,7 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 }
 
 // message builds the SendMessage input for d.
-func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sqs.SendMessageInput, error) {
+func (q *DeadLetter) message(d *adapters.Delivery, f adapters.Failure) (*sqs.SendMessageInput, error) {
 	diag := adapters.Diagnostics(d, f)
 	body := string(d.Body)
 	var (
@@ -326,7 +326,7 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 		}
 		msg := diag[adapters.HeaderError]
 		if len(msg) <= minErrorTextKept {
-			return nil, fmt.Errorf("awssqs: the dead-letter copy of message %s is %d bytes, over the %d-byte limit (WithMaxMessageSize); the original stays in its queue: raise the limit up to the dead-letter queue's MaximumMessageSize, or use Source.Redrive",
+			return nil, fmt.Errorf("awssqs: the dead-letter copy of message %s is %d bytes, over the %d-byte limit (WithMaxMessageSize); the original stays in its queue: raise the limit up to the dead-letter queue's MaximumMessageSize, or use Source.NativeDeadLetter",
 				d.ID, size, q.maxSize)
 		}
 		cut := max(minErrorTextKept, len(msg)-(size-q.maxSize))
@@ -337,7 +337,7 @@ func (q *DeadLetterQueue) message(d *adapters.Delivery, f adapters.Failure) (*sq
 // stale reports whether an attribute or header of the message being copied
 // is diagnostics of an earlier trip to a dead-letter destination, which the
 // copy replaces.
-func (q *DeadLetterQueue) stale(name string) bool {
+func (q *DeadLetter) stale(name string) bool {
 	return name == q.attr || adapters.IsDiagnosticHeader(name)
 }
 
@@ -348,7 +348,7 @@ func (q *DeadLetterQueue) stale(name string) bool {
 // a message received from SQS (whose body is the earlier copy's, unchanged),
 // how its body is encoded. Without it a message dead-lettered a second time
 // would lose them.
-func (q *DeadLetterQueue) carryOver(diag, earlier map[string]string, native bool, has func(name string) bool) {
+func (q *DeadLetter) carryOver(diag, earlier map[string]string, native bool, has func(name string) bool) {
 	for k, v := range earlier {
 		if name, ok := strings.CutPrefix(k, diagAttrPrefix); ok && name != "" && !q.stale(name) && !has(name) {
 			diag[k] = v
@@ -370,16 +370,6 @@ func decodeDiagnostics(raw string) map[string]string {
 	return diag
 }
 
-// deduplicationID returns the MessageDeduplicationId of d's copy in a FIFO
-// dead-letter queue: the same for every Send of one delivery, so that a Send
-// retried after an answer was lost stores one copy, and different for every
-// other delivery, so that SQS, which drops a message whose id it saw in the
-// last five minutes while reporting it sent, never drops a copy whose
-// original the runtime then deletes. An SQS message gets a new receipt
-// handle at every receive; a delivery from another broker is told apart by
-// everything it carries, down to the nanosecond it was received, since its
-// id alone may repeat (an AMQP message-id is the publisher's choice, and
-// often empty).
 // foreignGroup is the FIFO group of the copy of a delivery from another
 // broker: its ordering key, or a digest of it where SQS would refuse it (over
 // 128 characters, or characters other than ASCII letters, digits and
@@ -396,6 +386,16 @@ func foreignGroup(d *adapters.Delivery, dedup string) string {
 	return "custody-lane-" + hex.EncodeToString(sum[:20])
 }
 
+// deduplicationID returns the MessageDeduplicationId of d's copy in a FIFO
+// dead-letter queue: the same for every Send of one delivery, so that a Send
+// retried after an answer was lost stores one copy, and different for every
+// other delivery, so that SQS, which drops a message whose id it saw in the
+// last five minutes while reporting it sent, never drops a copy whose
+// original the runtime then deletes. An SQS message gets a new receipt
+// handle at every receive; a delivery from another broker is told apart by
+// everything it carries, down to the nanosecond it was received, since its
+// id alone may repeat (an AMQP message-id is the publisher's choice, and
+// often empty).
 func deduplicationID(d *adapters.Delivery) string {
 	h := sha256.New()
 	var n [8]byte

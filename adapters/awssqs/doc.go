@@ -7,7 +7,7 @@
 //
 //	client := sqs.NewFromConfig(awsCfg)
 //	src, err := awssqs.New(ctx, client, queueURL)
-//	dlq, err := awssqs.NewDeadLetterQueue(ctx, client, dlqURL)
+//	dlq, err := awssqs.NewDeadLetter(ctx, client, dlqURL)
 //	c, err := consumer.New(src, handler,
 //		consumer.WithConcurrency(32),
 //		consumer.WithDeadLetter(dlq))
@@ -15,20 +15,18 @@
 //
 // # Receiving
 //
-// Each ReceiveMessage call long-polls (20 s by default) for up to ten
-// messages. Up to eight calls run at once on a standard queue, one on a FIFO
-// queue (WithPollers), one per ten messages
-// of room the runtime has, so receives stay full while earlier batches are
-// handled, and no call asks for more than there is room for. A poll may
-// still come back after the Receive that started it returned, and the runtime
-// asks again only when a batch fits; the Source renews the visibility of
-// messages waiting for it at a third of the timeout (Stats.BufferRenewed),
-// so none runs out unseen, and hands none out while such a renewal is on the
-// wire, so that it cannot land after the runtime's ack or nack. Such a
-// renewal not answered when a twelfth of a message's timeout is left is
-// given up, and the message handed out lost (adapters.ErrLeaseLost): SQS may
-// give it to another consumer once its visibility runs out, and may even
-// accept a renewal with the stale receipt handle after that.
+// Each Receive is one ReceiveMessage call, long-polling (20 s by default)
+// for up to ten messages, or fewer when the runtime has less room; it
+// returns what that call brought. The runtime runs up to eight Receive
+// calls at once on a standard queue, one on a FIFO queue (WithPollers), so
+// receives stay full while earlier batches are handled. The Source fetches
+// nothing ahead: every message it received is in the runtime's hands, its
+// lease kept by the runtime, or already visible again. A Receive whose
+// context ends (shutdown) while its call is in flight returns at once and
+// hands out nothing; the call's answer, when it comes, is made visible
+// again at once. Close cuts the calls still in flight: a message SQS had
+// picked for a call cut before its answer arrived stays invisible until its
+// visibility timeout runs out (SQS does not say which messages it picked).
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context
@@ -59,35 +57,37 @@
 //
 // A batch entry SQS refuses because the receipt handle no longer names an
 // in-flight message (the timeout ran out and the message was received again
-// or deleted) marks that delivery lost with adapters.ErrLeaseLost and is
-// counted in [Stats].LeaseLost; the other entries of the batch stand. Entries
-// that fail on SQS's side are retried alone, a few times (so is a retry
-// request that fails whole). A message waiting in the Source whose renewals
-// fail until its visibility timeout runs out is marked lost as well: another
-// consumer may have it by then. A lost delivery's receipt handle is never
-// sent in a visibility change again, since it may be stale. A running
-// message whose renewal SQS has not answered when a twelfth of the timeout
-// is left is marked lost by the runtime's lease keeper, so its handler's
-// context is cancelled before SQS can hand the message to another consumer.
-// Every delete and visibility request times out after 30 s, so a request SQS
-// never answers holds neither the runtime nor its shutdown; it fails like
-// any other. A receive times out after its long poll's wait plus 30 s, so a
-// hung poll gives its poller back (a FIFO queue has only one).
+// or deleted) fails alone, with an error wrapping adapters.ErrLeaseLost: the
+// runtime loses that delivery, and the other entries of the batch stand. An
+// entry SQS fails on its side fails alone too, and a request that fails for
+// a passing reason (the network, throttling, a server error) fails whole:
+// [Source.IsRetryable] reports both worth another try, and the runtime sends
+// them again; the Source itself never retries. A lost delivery's receipt
+// handle is never sent in a visibility change again, since it may be stale.
+// A running message whose renewal SQS has not answered when a twelfth of
+// the timeout is left is lost by the runtime's lease keeper, so its
+// handler's context is cancelled before SQS can hand the message to another
+// consumer. Every delete and visibility request times out after 30 s, so a
+// request SQS never answers holds neither the runtime nor its shutdown; it
+// fails like any other. A receive times out after its long poll's wait
+// plus 30 s, so a hung poll gives its poller back (a FIFO queue has only
+// one).
 //
 // # Acks, retries and shutdown
 //
-// Ack deletes with DeleteMessageBatch. The runtime gathers acks into batches
-// of ten, waiting at most WithAckLinger (20 ms) to fill one, so at steady
-// state a message costs one tenth of a receive and one tenth of a delete:
-// 0.2 requests. Nack makes a message visible again after the retry delay
-// (ChangeMessageVisibilityBatch), so a retry waits in SQS, not in the
-// process; nacks from concurrent workers share requests (WithNackLinger).
-// FIFO queues are retried in place by the runtime instead, to keep group
-// order.
+// The runtime batches: the Source declares batches of ten for Ack, Nack and
+// Extend, up to four calls of each at once, and the runtime waits at most
+// WithAckLinger (20 ms) to fill a batch of acks and WithNackLinger (10 ms)
+// one of nacks; Ack, Nack and Extend turn each batch into one request at
+// once. Ack deletes with DeleteMessageBatch, so at steady state a message
+// costs one tenth of a receive and one tenth of a delete: 0.2 requests.
+// Nack makes each message visible again after its retry delay
+// (ChangeMessageVisibilityBatch, a timeout per entry), so a retry waits in
+// SQS, not in the process. FIFO queues are retried in place by the runtime
+// instead, to keep group order.
 //
-// At shutdown the runtime nacks with no delay what did not finish, and Close
-// releases what was received but never handed out: other consumers get them
-// at once instead of after the visibility timeout.
+// At shutdown the runtime nacks with no delay what did not finish: other
+// consumers get it at once instead of after the visibility timeout.
 //
 // # FIFO queues
 //
@@ -104,25 +104,39 @@
 //
 // Two ways, pick one per consumer:
 //
-//   - [DeadLetterQueue] sends a copy (body, attributes, AWSTraceHeader, FIFO
-//     group) to a queue you name, with the runtime's diagnostics in one JSON
-//     attribute (custody-diagnostics); the runtime deletes the original only
-//     after SQS accepted the copy. A message dead-lettered again after a
-//     replay gets fresh diagnostics, none of the earlier trip's. It also takes
-//     other brokers' deliveries, carrying in the diagnostics what SQS would
-//     refuse (see [NewDeadLetterQueue]). NewDeadLetterQueue checks that the
-//     queue exists and can be read, so a wrong URL fails at start-up rather
-//     than at the first poison message.
-//   - [Source.Redrive] leaves it to the queue's redrive policy: the message is
-//     made visible again and SQS moves it when its receive count passes
-//     maxReceiveCount. It checks at start-up that maxReceiveCount equals the
-//     consumer's MaxAttempts. A release not answered before the handler's
-//     context ends (at the shutdown deadline) marks the delivery lost: the
-//     message may be with another consumer already, so its receipt handle is
-//     not used again (the runtime does not nack it).
+//   - [NewDeadLetter] returns a [DeadLetter] that sends a copy (body,
+//     attributes, AWSTraceHeader, FIFO group) to a queue you name, with the
+//     runtime's diagnostics in one JSON attribute (custody-diagnostics); the
+//     runtime deletes the original only after SQS accepted the copy. A
+//     message dead-lettered again after a replay gets fresh diagnostics,
+//     none of the earlier trip's. It also takes other brokers' deliveries,
+//     carrying in the diagnostics what SQS would refuse. NewDeadLetter
+//     checks that the queue exists and can be read, so a wrong URL fails at
+//     start-up rather than at the first poison message.
+//   - [Source.NativeDeadLetter] leaves it to the queue's redrive policy: the
+//     message is made visible again and SQS moves it when its receive count
+//     passes maxReceiveCount. It checks at start-up that maxReceiveCount
+//     equals the consumer's MaxAttempts. A release not answered before the
+//     handler's context ends (at the shutdown deadline) loses the delivery:
+//     the message may be with another consumer already, so its receipt
+//     handle is not used again (the runtime does not nack it).
+//
+// # Telemetry
+//
+// Through the MeterProvider of [WithMeterProvider] (the global one by
+// default), with messaging.destination.name set to the queue's name:
+// custody.sqs.requests (SQS requests, by operation: ReceiveMessage,
+// DeleteMessageBatch, ChangeMessageVisibilityBatch; and result: ok, empty
+// for a receive that brought nothing, error for a request that failed
+// whole), custody.sqs.entries.failed (batch entries SQS failed, by
+// operation and reason: lease_lost, sqs for a fault on SQS's side, refused),
+// custody.sqs.received and custody.sqs.released (messages received but not
+// handed out, made visible again). The runtime's own metrics (package
+// consumer) count what happened to each message.
 //
 // # Cost
 //
-// SQS bills per request. [Stats] counts them; see docs/sqs.md for measured
-// requests per message and throughput against raw loops.
+// SQS bills per request: custody.sqs.requests, or [Stats] in a test,
+// counts them; see docs/sqs.md for measured requests per message and
+// throughput against raw loops.
 package awssqs

@@ -26,7 +26,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := awssqs.NewDeadLetterQueue(ctx, client, "https://sqs.eu-west-1.amazonaws.com/123456789012/orders-dlq")
+	dlq, err := awssqs.NewDeadLetter(ctx, client, "https://sqs.eu-west-1.amazonaws.com/123456789012/orders-dlq")
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -46,8 +46,8 @@ func Example() {
 }
 
 // Leaving dead-lettering to the queue's redrive policy: the queue's
-// maxReceiveCount must equal MaxAttempts, which Redrive checks.
-func ExampleSource_Redrive() {
+// maxReceiveCount must equal MaxAttempts, which NativeDeadLetter checks.
+func ExampleSource_NativeDeadLetter() {
 	ctx := context.Background()
 	awsCfg, err := awsconfig.LoadDefaultConfig(ctx)
 	if err != nil {
@@ -59,7 +59,7 @@ func ExampleSource_Redrive() {
 		log.Fatal(err)
 	}
 	const maxAttempts = 5
-	redrive, err := src.Redrive(maxAttempts)
+	redrive, err := src.NativeDeadLetter(maxAttempts)
 	if err != nil {
 		log.Fatal(err) // no policy, or maxReceiveCount != 5
 	}

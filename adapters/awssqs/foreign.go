@@ -18,7 +18,7 @@ import (
 // message would never leave its queue. These functions decide what can be
 // sent as it is and what must travel in the diagnostics instead.
 
-// Keys the DeadLetterQueue adds to the diagnostics of a foreign delivery.
+// Keys the DeadLetter adds to the diagnostics of a foreign delivery.
 const (
 	// diagBodyEncoding says how the copy's body encodes the original's:
 	// "base64" when the original was not text SQS accepts, "empty" when it

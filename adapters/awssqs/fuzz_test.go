@@ -218,7 +218,7 @@ func FuzzDelivery(f *testing.F) {
 	})
 }
 
-// FuzzDeadLetterMessage checks the dead-letter copy DeadLetterQueue.message
+// FuzzDeadLetterMessage checks the dead-letter copy DeadLetter.message
 // builds:
 //   - it never has more than SQS's ten message attributes, and its size as
 //     SQS counts it (body plus every attribute's name, type and value) is
@@ -269,7 +269,7 @@ func FuzzDeadLetterMessage(f *testing.F) {
 		default:
 			opts = append(opts, WithMaxMessageSize(1024+int(maxSize%(1<<20-1024+1))))
 		}
-		q, err := newDeadLetterQueue(noSender{}, url, opts)
+		q, err := newDeadLetter(noSender{}, url, opts)
 		if err != nil {
 			t.Fatal(err)
 		}

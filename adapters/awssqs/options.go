@@ -3,6 +3,8 @@ package awssqs
 import (
 	"fmt"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Defaults for the Source's options.
@@ -13,14 +15,14 @@ const (
 	// DefaultMaxMessages is how many messages each ReceiveMessage call asks
 	// for, SQS's maximum.
 	DefaultMaxMessages = 10
-	// DefaultPollers is how many ReceiveMessage calls may be in flight at
-	// once when WithPollers is not given.
+	// DefaultPollers is how many ReceiveMessage calls the runtime may have
+	// in flight at once on a standard queue when WithPollers is not given.
 	DefaultPollers = 8
 	// DefaultAckLinger is how long the runtime may hold a finished message's
 	// delete to fill a batch of ten.
 	DefaultAckLinger = 20 * time.Millisecond
-	// DefaultNackLinger is how long a nack waits for others to share its
-	// ChangeMessageVisibilityBatch call.
+	// DefaultNackLinger is how long the runtime may hold a nack to fill a
+	// ChangeMessageVisibilityBatch of ten.
 	DefaultNackLinger = 10 * time.Millisecond
 	// MaxLeaseAge is SQS's cap on how long a received message can be kept
 	// invisible: 12 hours.
@@ -31,32 +33,27 @@ const (
 type Option func(*options) error
 
 type options struct {
-	waitTime          time.Duration
-	maxMessages       int
-	pollers           int // 0: derived from each Receive's max
-	visibility        time.Duration
-	attributeNames    []string
-	ackLinger         time.Duration
-	nackLinger        time.Duration
-	emptyPollBackoff  time.Duration
-	releaseOnClose    bool
-	entryRetries      int
-	entryRetryBackoff time.Duration
-	requestTimeout    time.Duration // bounds each delete and visibility request
+	waitTime         time.Duration
+	maxMessages      int
+	pollers          int // 0: DefaultPollers, or 1 on a FIFO queue
+	visibility       time.Duration
+	attributeNames   []string
+	ackLinger        time.Duration
+	nackLinger       time.Duration
+	emptyPollBackoff time.Duration
+	requestTimeout   time.Duration // bounds each request but a receive's long poll
+	meterProvider    metric.MeterProvider
 }
 
 func defaultOptions() options {
 	return options{
-		waitTime:          DefaultWaitTime,
-		maxMessages:       DefaultMaxMessages,
-		attributeNames:    []string{"All"},
-		ackLinger:         DefaultAckLinger,
-		nackLinger:        DefaultNackLinger,
-		emptyPollBackoff:  time.Second,
-		releaseOnClose:    true,
-		entryRetries:      3,
-		entryRetryBackoff: 50 * time.Millisecond,
-		requestTimeout:    30 * time.Second,
+		waitTime:         DefaultWaitTime,
+		maxMessages:      DefaultMaxMessages,
+		attributeNames:   []string{"All"},
+		ackLinger:        DefaultAckLinger,
+		nackLinger:       DefaultNackLinger,
+		emptyPollBackoff: time.Second,
+		requestTimeout:   30 * time.Second,
 	}
 }
 
@@ -76,11 +73,10 @@ func WithWaitTime(d time.Duration) Option {
 	}
 }
 
-// WithMaxMessages sets how many messages each ReceiveMessage call asks for,
-// from 1 to 10. Default 10. A receive never asks for more than the runtime
-// has room for; messages of a poll that comes back after the Receive that
-// started it returned wait in the Source, their visibility renewed, until
-// the runtime next asks for messages.
+// WithMaxMessages sets the most messages one ReceiveMessage call asks for,
+// from 1 to 10. Default 10. The Source reports it as
+// Capabilities.MaxReceive: the runtime asks each Receive for no more than
+// that, and fewer when it has less room.
 func WithMaxMessages(n int) Option {
 	return func(o *options) error {
 		if n < 1 || n > 10 {
@@ -91,25 +87,21 @@ func WithMaxMessages(n int) Option {
 	}
 }
 
-// WithPollers sets how many ReceiveMessage calls may be in flight at once,
-// at least 1. Default 8 (DefaultPollers) on a standard queue, 1 on a FIFO
-// queue: one poll at a time hands each group's messages out in order by
-// construction. More pollers on a FIFO queue rely on SQS's promise that it
-// returns no further message of a group while one is in flight (real SQS
-// keeps it; the test emulator does not). The Source reports
-// Capabilities.MaxReceive = pollers × MaxMessages, so the runtime may ask
-// for that many messages in one Receive; the Source then starts one poll per
-// MaxMessages of room, never more than the runtime has room for. How many
-// run is therefore derived from the consumer's room (WithConcurrency,
-// WithMaxInFlight), up to this cap.
+// WithPollers sets how many ReceiveMessage calls the runtime may have in
+// flight at once (Capabilities.Receivers), at least 1. Default 8
+// (DefaultPollers) on a standard queue, 1 on a FIFO queue: one poll at a
+// time hands each group's messages out in order by construction. More
+// pollers on a FIFO queue rely on SQS's promise that it returns no further
+// message of a group while one is in flight (real SQS keeps it; the test
+// emulator does not).
 //
-// Concurrent polls keep receives full while earlier batches are handled: on
-// the emulator each poll takes at least 10 ms, so one poller tops out near
-// 800 msg/s and eight reach about 4,000 (see the package benchmarks). Each
+// Each poll asks only for what the runtime has room for, so how many run at
+// once also depends on the consumer's room (WithConcurrency,
+// WithMaxInFlight). Concurrent polls keep receives full while earlier
+// batches are handled: on the emulator each poll takes at least 10 ms, so
+// one poller tops out near 800 msg/s (see the package benchmarks). Each
 // poll is one request whether it returns one message or ten, so on a queue
-// without a backlog more pollers cost more empty receives. The runtime's
-// WithMaxInFlight (default: twice the concurrency, at least 20) decides how
-// much room there is, so a small consumer runs few polls at once.
+// without a backlog more pollers cost more empty receives.
 func WithPollers(n int) Option {
 	return func(o *options) error {
 		if n < 1 {
@@ -162,10 +154,11 @@ func WithAckLinger(d time.Duration) Option {
 	}
 }
 
-// WithNackLinger sets how long a Nack waits for other nacks to share its
-// ChangeMessageVisibilityBatch call, from 0 to 1 s. Default 10 ms. Nacks
-// arrive one message at a time from the runtime's workers; without the
-// linger every retry would cost a request of its own.
+// WithNackLinger sets how long the runtime may hold a nack to fill a
+// ChangeMessageVisibilityBatch of ten (Capabilities.Nack.Linger), from 0 to
+// 1 s. Default 10 ms: handlers fail one message at a time, and without the
+// linger every retry would cost a request of its own. Zero sends whatever
+// is ready at once.
 func WithNackLinger(d time.Duration) Option {
 	return func(o *options) error {
 		if d < 0 || d > time.Second {
@@ -176,13 +169,16 @@ func WithNackLinger(d time.Duration) Option {
 	}
 }
 
-// WithKeepOnClose makes Close leave messages that were received but never
-// handed to the runtime invisible until their visibility timeout runs out,
-// instead of releasing them (visibility 0) for other consumers at once.
-// Default off: they are released.
-func WithKeepOnClose() Option {
+// WithMeterProvider sets where the Source's metrics go (requests by
+// operation and result, batch entries SQS failed by reason, messages
+// received and released; see the package documentation). Default: the
+// global OpenTelemetry MeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(o *options) error {
-		o.releaseOnClose = false
+		if mp == nil {
+			return fmt.Errorf("awssqs.WithMeterProvider(nil): pass a MeterProvider, or leave the option out for the global one")
+		}
+		o.meterProvider = mp
 		return nil
 	}
 }

@@ -32,6 +32,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{WithAckLinger(-time.Millisecond), "WithAckLinger"},
 		{WithNackLinger(-time.Second), "WithNackLinger"},
 		{WithNackLinger(2 * time.Second), "WithNackLinger"},
+		{WithMeterProvider(nil), "WithMeterProvider"},
 	}
 	for _, c := range cases {
 		o := defaultOptions()
@@ -50,14 +51,14 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 	if _, err := New(context.Background(), nil, "http://x/1/q"); err == nil {
 		t.Error("New with a nil client succeeded")
 	}
-	if _, err := NewDeadLetterQueue(context.Background(), nil, "http://x/1/q"); err == nil {
-		t.Error("NewDeadLetterQueue with a nil client succeeded")
+	if _, err := NewDeadLetter(context.Background(), nil, "http://x/1/q"); err == nil {
+		t.Error("NewDeadLetter with a nil client succeeded")
 	}
-	// NewDeadLetterQueue, too, reports the option error before touching the
+	// NewDeadLetter, too, reports the option error before touching the
 	// network.
 	for _, opt := range []DeadLetterOption{WithMaxMessageSize(10), WithMaxMessageSize(2 << 20), WithDiagnosticsAttribute("AWS.x")} {
-		if _, err := NewDeadLetterQueue(context.Background(), noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
-			t.Errorf("NewDeadLetterQueue with a bad option: %v", err)
+		if _, err := NewDeadLetter(context.Background(), noSender{}, "http://x/1/q", opt); err == nil || !strings.Contains(err.Error(), "awssqs.With") {
+			t.Errorf("NewDeadLetter with a bad option: %v", err)
 		}
 	}
 }
@@ -128,7 +129,7 @@ func TestVisibilityCappedAtTwelveHours(t *testing.T) {
 }
 
 func TestDeadLetterCopyFitsSizeLimit(t *testing.T) {
-	q, err := newDeadLetterQueue(noSender{}, "http://x/1/dlq", []DeadLetterOption{WithMaxMessageSize(2048)})
+	q, err := newDeadLetter(noSender{}, "http://x/1/dlq", []DeadLetterOption{WithMaxMessageSize(2048)})
 	if err != nil {
 		t.Fatal(err)
 	}

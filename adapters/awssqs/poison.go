@@ -2,7 +2,6 @@ package awssqs
 
 import (
 	"context"
-	"time"
 
 	"github.com/custody-go/custody/adapters"
 )
@@ -29,10 +28,12 @@ func (s *Source) rememberPoison(id string) {
 	s.poison[id] = struct{}{}
 }
 
-// filterPoisonLocked removes remembered poison messages from ds and returns
-// them separately. Once a message reaches maxReceiveCount its next receive
-// moves it, so it is forgotten.
-func (s *Source) filterPoisonLocked(ds []*adapters.Delivery) (keep, poison []*adapters.Delivery) {
+// filterPoison removes remembered poison messages from ds and returns them
+// separately. Once a message reaches maxReceiveCount its next receive moves
+// it, so it is forgotten.
+func (s *Source) filterPoison(ds []*adapters.Delivery) (keep, poison []*adapters.Delivery) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if len(s.poison) == 0 {
 		return ds, nil
 	}
@@ -55,7 +56,7 @@ func (s *Source) releasePoison(ds []*adapters.Delivery) {
 	if len(ds) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), s.opts.requestTimeout)
 	defer cancel()
 	// A failure only delays the message until its visibility timeout ends.
 	_ = s.changeVisibility(ctx, ds, make([]int32, len(ds)), nil)

@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -28,122 +27,92 @@ var systemAttributes = []string{
 	string(types.MessageSystemAttributeNameMessageDeduplicationId),
 	string(types.MessageSystemAttributeNameSequenceNumber),
 	// The X-Ray trace header the message was sent with, which a
-	// DeadLetterQueue copy keeps.
+	// DeadLetter copy keeps.
 	string(types.MessageSystemAttributeNameAWSTraceHeader),
 }
 
-// Receive returns up to max messages. It keeps up to one ReceiveMessage call
-// in flight per ten messages of room (see WithPollers) and returns as soon as
-// one of them brings messages; the others keep running and their messages
-// wait in the Source for the next Receive. Polls never ask for more than the
-// room max leaves, but the runtime may ask again only later (it fetches in
-// batches), so the Source renews the visibility of messages that wait for it
-// (see keepBuffered).
+// Receive makes one ReceiveMessage call for up to min(max, WithMaxMessages)
+// messages, long-polling for WithWaitTime, and returns what it brought: an
+// empty result and a nil error when the queue was empty, ctx's error once
+// ctx is done, and an error wrapping adapters.ErrClosed after Close. The
+// runtime runs up to WithPollers Receive calls at once
+// (Capabilities.Receivers), each for what it has room for.
 //
-// It returns an empty result and a nil error when a poll finds the queue
-// empty, ctx's error when ctx is done, and adapters.ErrClosed after Close.
+// A Receive whose ctx ends while its call is in flight returns at once and
+// hands out nothing. The call goes on until SQS answers (or Close cuts it),
+// and the messages it brought are made visible again at once, for any
+// consumer. A call cut before its answer arrived (by Close, or by its own
+// timeout) may leave messages SQS had already picked invisible until their
+// visibility timeout runs out: SQS does not say which.
 func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, adapters.ErrClosed
+	}
+	if err := ctx.Err(); err != nil {
+		s.mu.Unlock()
+		return nil, err
+	}
 	if max <= 0 {
+		s.mu.Unlock()
 		return nil, nil
 	}
-	s.mu.Lock()
-	startGen := s.emptyGen
-	for {
-		if s.closed {
-			s.mu.Unlock()
+	s.calls.Add(1)
+	s.mu.Unlock()
+
+	got := make(chan polled) // unbuffered: see poll
+	abandoned := make(chan struct{})
+	go s.poll(ctx, min(max, s.opts.maxMessages), got, abandoned)
+	var p polled
+	select {
+	case p = <-got:
+	case <-ctx.Done():
+		close(abandoned)
+		return nil, ctx.Err()
+	}
+	if s.closing.Err() != nil || ctx.Err() != nil {
+		// The answer came as the caller or Close gave up on it.
+		s.release(p.ds)
+		if s.closing.Err() != nil {
 			return nil, adapters.ErrClosed
 		}
-		if err := ctx.Err(); err != nil {
-			// Shutting down: what is buffered stays for Close to release.
-			s.mu.Unlock()
-			return nil, err
-		}
-		if len(s.buf) > 0 {
-			if wait := s.bufRenewing; wait != nil {
-				// A renewal of buffered messages is on the wire. Handed out
-				// now, a message could be acked or nacked before it lands:
-				// SQS would then hide a nacked message for a whole timeout
-				// again, overriding the nack's delay, and refuse the renewal
-				// of a deleted one, which would mark it lost. Wait for it, as
-				// the lease keeper's Stop does.
-				changed := s.changed
-				s.mu.Unlock()
-				select {
-				case <-wait:
-				case <-changed:
-				case <-ctx.Done():
-				}
-				s.mu.Lock()
-				continue
-			}
-			n := min(max, len(s.buf))
-			ds := make([]*adapters.Delivery, n)
-			copy(ds, s.buf)
-			for i, d := range ds {
-				if since := s.bufSince[i]; since.After(d.ReceivedAt) {
-					// Renewed while it waited: the runtime's lease
-					// keeper counts its visibility from there.
-					d.LeasedAt = since
-				}
-			}
-			s.buf = append(s.buf[:0], s.buf[n:]...)
-			s.bufSince = append(s.bufSince[:0], s.bufSince[n:]...)
-			s.mu.Unlock()
-			return ds, nil
-		}
-		if err := s.pollErr; err != nil {
-			s.pollErr = nil
-			s.mu.Unlock()
-			return nil, err
-		}
-		if s.emptyGen != startGen {
-			s.mu.Unlock()
-			return nil, nil
-		}
-		s.startPollsLocked(max)
-		changed := s.changed
-		s.mu.Unlock()
+		return nil, ctx.Err()
+	}
+	if p.err != nil {
+		return nil, p.err
+	}
+	if len(p.ds) == 0 && p.empty && s.opts.waitTime == 0 {
+		// A short poll on an empty queue returns at once; pause so an idle
+		// consumer does not spin.
+		t := time.NewTimer(s.opts.emptyPollBackoff)
+		defer t.Stop()
 		select {
-		case <-changed:
+		case <-t.C:
 		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-s.closing.Done():
+			return nil, adapters.ErrClosed
 		}
-		s.mu.Lock()
 	}
+	return p.ds, nil
 }
 
-// startPollsLocked starts polls until the room max leaves is covered or the
-// poller limit is reached.
-func (s *Source) startPollsLocked(max int) {
-	limit := s.pollers
-	room := max - len(s.buf) - s.pending
-	if !s.renewerStarted && room > 0 {
-		// Only polls fill the buffer, so its renewer starts with the first
-		// one rather than in New: the runtime closes only a Source it runs,
-		// and one never run (its consumer failed to build) must leave no
-		// goroutine behind.
-		s.renewerStarted = true
-		s.polls.Add(1)
-		go s.keepBuffered()
-	}
-	for s.inflight < limit && room > 0 {
-		n := min(room, s.opts.maxMessages)
-		room -= n
-		s.inflight++
-		s.pending += n
-		s.polls.Add(1)
-		go s.poll(n)
-	}
+// polled is the outcome of one ReceiveMessage call.
+type polled struct {
+	ds    []*adapters.Delivery
+	empty bool // SQS returned no message
+	err   error
 }
 
-func (s *Source) broadcastLocked() {
-	close(s.changed)
-	s.changed = make(chan struct{})
-}
-
-// poll makes one ReceiveMessage call for up to n messages and files the
-// result for Receive.
-func (s *Source) poll(n int) {
-	defer s.polls.Done()
+// poll makes one ReceiveMessage call for up to n messages and hands the
+// deliveries to the Receive waiting on got, or, once abandoned is closed
+// (that Receive's ctx ended), makes them visible again. The call is not cut
+// when the Receive gives up: SQS may have picked messages for it, and only
+// the answer says which. It is bounded by the long poll's wait and the
+// request timeout, and cut by Close.
+func (s *Source) poll(ctx context.Context, n int, got chan<- polled, abandoned <-chan struct{}) {
+	defer s.calls.Done()
 	in := &sqs.ReceiveMessageInput{
 		QueueUrl:                    aws.String(s.url),
 		MaxNumberOfMessages:         int32(n),
@@ -161,66 +130,78 @@ func (s *Source) poll(n int) {
 	}
 	if s.fifo {
 		// The SDK retries a call whose answer was lost with this same
-		// input. Without an attempt id SQS picks afresh, and the messages
-		// of the lost answer sit invisible for a whole visibility timeout,
-		// handed to no one, blocking their groups; with one, SQS returns
-		// them again. (FIFO queues only; random, since SQS matches ids
-		// across all the queue's consumers.)
+		// input. With an attempt id SQS returns the messages of the lost
+		// answer again; without one it picks afresh, and those messages
+		// stay invisible for a whole visibility timeout, blocking their
+		// groups. (FIFO queues only; random, since SQS matches ids across
+		// all the queue's consumers.)
 		in.ReceiveRequestAttemptId = aws.String(rand.Text())
 	}
 	s.stats.receives.Add(1)
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.waitTime+s.opts.requestTimeout)
+	stop := context.AfterFunc(s.closing, cancel)
 	asked := time.Now()
-	// Bounded by the long poll's wait and the request timeout: a poll whose
-	// connection hangs would otherwise hold this poller's slot for ever, and
-	// a FIFO queue has only one.
-	rctx, cancel := context.WithTimeout(s.pollCtx, s.opts.waitTime+s.opts.requestTimeout)
-	out, err := s.client.ReceiveMessage(rctx, in)
+	out, err := s.client.ReceiveMessage(cctx, in)
+	stop()
 	cancel()
 	now := time.Now()
-	var ds []*adapters.Delivery
-	if err == nil {
-		ds = make([]*adapters.Delivery, 0, len(out.Messages))
+	var p polled
+	var poison []*adapters.Delivery
+	switch {
+	case err == nil:
+		p.ds = make([]*adapters.Delivery, 0, len(out.Messages))
 		for _, m := range out.Messages {
 			d := s.delivery(m, now)
 			d.Handle.(*handle).asked = asked
-			ds = append(ds, d)
+			p.ds = append(p.ds, d)
 		}
-		s.stats.received.Add(int64(len(ds)))
-		if len(ds) == 0 {
+		s.stats.received.Add(int64(len(p.ds)))
+		s.tel.receivedN(len(p.ds))
+		if len(p.ds) == 0 {
+			p.empty = true
 			s.stats.emptyReceives.Add(1)
-			if s.opts.waitTime == 0 {
-				// A short poll on an empty queue returns at once; pause so
-				// an idle consumer does not spin.
-				select {
-				case <-time.After(s.opts.emptyPollBackoff):
-				case <-s.pollCtx.Done():
-				}
+			s.tel.request(opReceive, resultEmpty)
+		} else {
+			s.tel.request(opReceive, resultOK)
+		}
+		p.ds, poison = s.filterPoison(p.ds)
+	case s.closing.Err() != nil:
+		s.tel.request(opReceive, resultError)
+		p.err = adapters.ErrClosed
+	default:
+		s.stats.receiveErrors.Add(1)
+		s.tel.request(opReceive, resultError)
+		p.err = fmt.Errorf("awssqs: ReceiveMessage on %s: %w", s.url, err)
+	}
+	select {
+	case got <- p:
+	case <-abandoned:
+		s.release(p.ds)
+	}
+	s.releasePoison(poison)
+}
+
+// release makes ds visible again at once: they were received but not handed
+// out. A failure only keeps them away until their visibility timeout runs
+// out.
+func (s *Source) release(ds []*adapters.Delivery) {
+	if len(ds) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.opts.requestTimeout)
+	defer cancel()
+	err := s.changeVisibility(ctx, ds, make([]int32, len(ds)), nil)
+	released := len(ds)
+	if err != nil {
+		released = 0
+		for i := range ds {
+			if adapters.EntryError(err, i) == nil {
+				released++
 			}
 		}
-	} else if s.pollCtx.Err() != nil {
-		err = nil // closing: not a failure
-	} else {
-		s.stats.receiveErrors.Add(1)
-		err = fmt.Errorf("awssqs: ReceiveMessage on %s: %w", s.url, err)
 	}
-
-	s.mu.Lock()
-	ds, poison := s.filterPoisonLocked(ds)
-	s.inflight--
-	s.pending -= n
-	s.buf = append(s.buf, ds...)
-	for range ds {
-		s.bufSince = append(s.bufSince, now)
-	}
-	if err != nil && s.pollErr == nil {
-		s.pollErr = err
-	}
-	if err == nil && len(ds) == 0 {
-		s.emptyGen++
-	}
-	s.broadcastLocked()
-	s.mu.Unlock()
-	s.releasePoison(poison)
+	s.stats.released.Add(int64(released))
+	s.tel.releasedN(released)
 }
 
 // delivery turns a received message into a Delivery.
@@ -301,8 +282,9 @@ func DeduplicationID(m interface{ As(any) bool }) string {
 // handle is the Delivery.Handle of a delivery received by a Source.
 type handle struct {
 	receipt string
-	// signal loses a message whose visibility ran out while it waited in
-	// the Source's buffer.
+	// signal is the delivery's Signal, through which the runtime loses it
+	// too: NativeDeadLetter.Send loses a delivery whose release may have
+	// landed unanswered.
 	signal adapters.Signal
 	// asked is when the ReceiveMessage call that brought the message was
 	// made. SQS received the message no earlier, so its 12 hours of
@@ -311,8 +293,9 @@ type handle struct {
 	asked time.Time
 
 	// Under Source.mu: renewals of the message on the wire; whether
-	// Redrive.Send gave it back, after which it is not renewed; and, while
-	// Send waits for those renewals, a channel closed when the last returns.
+	// NativeDeadLetter.Send gave it back, after which it is not renewed;
+	// and, while Send waits for those renewals, a channel closed when the
+	// last returns.
 	renewing   int
 	handedBack bool
 	renewed    chan struct{}
@@ -326,106 +309,4 @@ func receipt(d *adapters.Delivery) string {
 		return h
 	}
 	return ""
-}
-
-// keepBuffered renews the visibility of messages waiting in the Source's
-// buffer, so that none runs out unseen: a poll can bring messages after the
-// Receive that started it returned, and the runtime takes them only when it
-// next has room for a batch. Every sixth of the timeout it extends, to a full
-// timeout, those that have waited a third of it; the runtime's lease keeper
-// takes over once Receive hands them out. Receive hands none out while such a
-// renewal is on the wire, so that none lands after an ack or a nack. One
-// whose renewals fail until its visibility runs out is marked lost. It
-// starts with the first poll and ends when Close stops the polls.
-func (s *Source) keepBuffered() {
-	defer s.polls.Done()
-	renewAfter := s.visibility / 3
-	every := s.visibility / 6
-	// A renewal must be answered this long before the visibility runs out
-	// (by this Source's clock, which starts it when the poll's answer
-	// arrives, a little after SQS did), as the runtime's lease keeper
-	// requires: a twelfth of the timeout.
-	margin := s.visibility / 12
-	tick := time.NewTicker(every)
-	defer tick.Stop()
-	for {
-		select {
-		case <-tick.C:
-		case <-s.pollCtx.Done():
-			return
-		}
-		now := time.Now()
-		var (
-			due     []*adapters.Delivery
-			expires []time.Time // when each of due is no longer safely this Source's
-		)
-		s.mu.Lock()
-		for i, d := range s.buf {
-			if now.Sub(s.bufSince[i]) >= renewAfter && d.Signal.LostCause() == nil {
-				due = append(due, d)
-				expires = append(expires, s.bufSince[i].Add(s.visibility-margin))
-			}
-		}
-		if len(due) > 0 {
-			s.bufRenewing = make(chan struct{}) // Receive waits for it
-		}
-		s.mu.Unlock()
-		if len(due) == 0 {
-			continue
-		}
-		// A failed entry whose receipt expired is marked lost by Extend, so
-		// the runtime will not run it; any other failure is tried again at
-		// the next tick, unless the visibility runs out first (see below).
-		// The call is bounded, since Receive waits for it, and it ends
-		// before the earliest visibility it carries runs out: answered
-		// later, even a success proves nothing, since SQS may have handed
-		// the message to another consumer meanwhile (and may accept the
-		// stale receipt handle). A renewal retried after one SQS did not
-		// answer goes out with little of the visibility left.
-		deadline := now.Add(renewAfter)
-		if first := slices.MinFunc(expires, time.Time.Compare); first.Before(deadline) {
-			deadline = first
-		}
-		ctx, cancel := context.WithDeadline(s.pollCtx, deadline)
-		err := s.Extend(ctx, due, s.visibility)
-		cancel()
-		// The next renewal waits a whole tick from here. A renewal that
-		// took a tick or more (one SQS did not answer, which leaves the
-		// messages due) would otherwise be followed at once by the next, and
-		// Receive, woken by its end, would rarely take the lock first: it
-		// would wait renewal after renewal, the messages idle in the buffer.
-		tick.Reset(every)
-		ended := time.Now()
-		s.mu.Lock()
-		for i, d := range due {
-			j := slices.Index(s.buf, d)
-			if e := adapters.EntryError(err, i); e != nil {
-				// Its visibility runs out before the next tick could renew
-				// it, and another consumer may then receive it: it is no
-				// longer this one's to run, as the runtime's lease keeper
-				// decides for a running message. Marked lost before Receive
-				// may hand it out (under the lock, before bufRenewing
-				// closes); its stale receipt handle is never sent again.
-				if j >= 0 && !ended.Add(every).Before(s.bufSince[j].Add(s.visibility)) {
-					d.Signal.Lose(fmt.Errorf("%w: renewing its visibility while it waited in the Source failed until the visibility timeout ran out: %w", adapters.ErrLeaseLost, e))
-				}
-				continue
-			}
-			if !ended.Before(expires[i]) {
-				// Answered too late to tell whether SQS renewed this
-				// receive or had already redelivered the message.
-				if j >= 0 {
-					d.Signal.Lose(fmt.Errorf("%w: the renewal of its visibility while it waited in the Source was answered only when the visibility timeout was running out", adapters.ErrLeaseLost))
-				}
-				continue
-			}
-			s.stats.bufferRenewed.Add(1)
-			if j >= 0 {
-				s.bufSince[j] = now
-			}
-		}
-		close(s.bufRenewing)
-		s.bufRenewing = nil
-		s.mu.Unlock()
-	}
 }

@@ -36,13 +36,11 @@ func (c *heldRenewals) ChangeMessageVisibilityBatch(ctx context.Context, in *sqs
 	return c.Client.ChangeMessageVisibilityBatch(ctx, in, o...)
 }
 
-// Redrive.Send gives a message back (visibility 0) for the queue's redrive
-// policy to move, while the runtime's lease keeper still renews it. A
-// renewal on the wire that landed after the release hid the message for a
-// whole timeout again, and one sent after Send returned (before the runtime
-// stopped the lease) did the same: the move to the dead-letter queue waited
-// that long. Send now waits for renewals on the wire, and renewals after it
-// are not sent.
+// NativeDeadLetter.Send gives a message back (visibility 0) for the queue's
+// redrive policy to move, while the runtime's lease keeper still renews it.
+// A renewal landing after the release would hide the message for a whole
+// timeout again, and delay its move to the dead-letter queue as long: Send
+// waits for renewals on the wire, and renewals after it are not sent.
 func TestRedriveSendIsNotUndoneByARenewal(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -56,7 +54,7 @@ func TestRedriveSendIsNotUndoneByARenewal(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer src.Close()
-	redrive, err := src.Redrive(2)
+	redrive, err := src.NativeDeadLetter(2)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,7 +66,7 @@ func TestRedriveSendIsNotUndoneByARenewal(t *testing.T) {
 	<-client.entered // a renewal is on the wire
 	sent := make(chan error, 1)
 	go func() { sent <- redrive.Send(e.ctx(), d, adapters.Failure{Err: errors.New("poison"), Attempts: 2}) }()
-	time.Sleep(100 * time.Millisecond) // give an unfixed Send the time to release first
+	time.Sleep(100 * time.Millisecond) // time for a Send that did not wait to release first
 	close(client.gate)
 	if err := <-renewed; err != nil {
 		t.Fatalf("renewal: %v", err)
@@ -149,7 +147,7 @@ func (h signalHandler) WithGroup(name string) slog.Handler {
 	return h
 }
 
-// TestRedriveSendCutAtShutdownNeverTouchesTheRedelivery: Redrive.Send has
+// TestRedriveSendCutAtShutdownNeverTouchesTheRedelivery: NativeDeadLetter.Send has
 // given a message back (visibility 0) and another consumer has received it,
 // but SQS's answer comes only after the shutdown deadline ended the
 // handler's context, so Send reports an error. The runtime must then leave
@@ -168,7 +166,7 @@ func TestRedriveSendCutAtShutdownNeverTouchesTheRedelivery(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	redrive, err := src.Redrive(3)
+	redrive, err := src.NativeDeadLetter(3)
 	if err != nil {
 		t.Fatal(err)
 	}

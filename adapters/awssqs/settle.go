@@ -15,14 +15,24 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// Ack deletes the messages with DeleteMessageBatch, ten per request, the
-// requests running concurrently. The runtime already gathers acks into
-// batches of ten (Capabilities.Ack), so Ack
-// sends what it is given without waiting. An entry whose receipt handle SQS
-// rejects is marked lost (adapters.ErrLeaseLost) and counted; its message was
-// already redelivered or deleted.
+// Ack deletes the messages with one DeleteMessageBatch request per ten
+// entries (the runtime gives it ten at most: Capabilities.Ack), at once. An
+// entry whose receipt handle SQS rejects fails with an error wrapping
+// adapters.ErrLeaseLost, and is counted: its message was redelivered or
+// deleted already. An entry SQS failed on its side fails alone, and
+// IsRetryable tells the runtime to send it again. A request that fails
+// whole returns its error.
+//
+// A delivery NativeDeadLetter gave back to the queue's redrive policy is
+// not deleted, and its entry succeeds: its message must stay for the
+// policy to move, and the ack only completes the dead-lettering, whether
+// or not the runtime knew that the sink settled the original (a wrapper
+// around the sink hides adapters.OriginalSettler).
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	err := s.runBatches(ctx, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
+	if sent, ok := s.withoutHandedBack(ds); !ok {
+		return remapEntries(s.Ack(ctx, sent.ds), sent.idx)
+	}
+	return s.runBatches(ctx, opDelete, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.DeleteMessageBatchRequestEntry, len(idx))
 		for pos, i := range idx {
 			entries[pos] = types.DeleteMessageBatchRequestEntry{
@@ -38,14 +48,13 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 		s.stats.deleted.Add(int64(len(out.Successful)))
 		return out.Failed, nil
 	})
-	return err
 }
 
 // Extend renews the visibility timeout of each delivery to d from now, with
-// ChangeMessageVisibilityBatch, ten per request. The runtime's lease keeper
-// already batches renewals (Capabilities.Extend), so Extend does not
-// linger. A renewal is cut to what is left of SQS's 12 hours since the
-// receive; a delivery with less than a second left is marked lost instead.
+// one ChangeMessageVisibilityBatch request per ten entries, at once. A
+// renewal is cut to what is left of SQS's 12 hours since the receive; an
+// entry with less than a second left fails with ErrMaxVisibility instead,
+// unsent.
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
 	now := time.Now()
 	secs := make([]int32, len(ds))
@@ -55,7 +64,8 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 	}
 	// A message given back to the redrive policy is not renewed: landing
 	// after the release, a renewal would hide it for a whole timeout again
-	// (see Redrive.Send, which waits for those already on the wire).
+	// (see NativeDeadLetter.Send, which waits for those already on the
+	// wire).
 	var renewing []*handle
 	s.mu.Lock()
 	for i, dl := range ds {
@@ -102,16 +112,22 @@ func withoutHandedBack(err error) error {
 	return err
 }
 
-// Nack makes each message visible again after its entry's delay (rounded up to
-// whole seconds, at most what is left of the 12 hours since the receive), so
-// retries wait in SQS rather than in this process. Nacks from concurrent
-// callers share ChangeMessageVisibilityBatch requests: each waits up to
-// WithNackLinger for others to fill a batch.
+// Nack makes each message visible again after its entry's delay (rounded
+// up to whole seconds, at most what is left of the 12 hours since the
+// receive), so retries wait in SQS rather than in this process: one
+// ChangeMessageVisibilityBatch request per ten entries, each entry with its
+// own timeout. Entries fail as Ack's do.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	if len(ns) == 0 {
 		return nil
 	}
-	return s.nacks.submit(ctx, ns)
+	now := time.Now()
+	ds := make([]*adapters.Delivery, len(ns))
+	secs := make([]int32, len(ns))
+	for i, n := range ns {
+		ds[i], secs[i] = n.Delivery, nackTimeout(n.Delivery, n.After, now)
+	}
+	return s.changeVisibility(ctx, ds, secs, nil)
 }
 
 // changeVisibility sets the visibility timeout of ds[i] to secs[i] seconds
@@ -124,7 +140,7 @@ func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, 
 	// stale handle without effect, so that a renewal seems to hold what is
 	// gone, and the emulator even applies it to the new receive, hiding or
 	// releasing another consumer's message. Such entries fail with the
-	// cause of the loss and are not sent.
+	// cause of the loss, unsent.
 	for i, d := range ds {
 		if cause := d.Signal.LostCause(); cause != nil && (skip == nil || skip[i] == nil) {
 			if skip == nil {
@@ -133,7 +149,7 @@ func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, 
 			skip[i] = cause
 		}
 	}
-	return s.runBatches(ctx, ds, skip, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
+	return s.runBatches(ctx, opVisibility, ds, skip, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, len(idx))
 		for pos, i := range idx {
 			entries[pos] = types.ChangeMessageVisibilityBatchRequestEntry{
@@ -193,4 +209,42 @@ func cappedSeconds(d *adapters.Delivery, want time.Duration, now time.Time) (int
 		secs = min(secs, left)
 	}
 	return int32(secs), true
+}
+
+// subset is some of a call's deliveries and their indexes in the call.
+type subset struct {
+	ds  []*adapters.Delivery
+	idx []int
+}
+
+// withoutHandedBack returns the deliveries of ds that were not given back
+// to the redrive policy, and reports true when that is all of them.
+func (s *Source) withoutHandedBack(ds []*adapters.Delivery) (subset, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var sub subset
+	all := true
+	for i, d := range ds {
+		if h, ok := d.Handle.(*handle); ok && h.handedBack {
+			all = false
+			continue
+		}
+		sub.ds = append(sub.ds, d)
+		sub.idx = append(sub.idx, i)
+	}
+	return sub, all
+}
+
+// remapEntries renumbers the failed entries of a call made for a subset
+// to their indexes in the whole call.
+func remapEntries(err error, idx []int) error {
+	var be *adapters.BatchError
+	if !errors.As(err, &be) {
+		return err
+	}
+	failed := make(map[int]error, len(be.Failed))
+	for i, e := range be.Failed {
+		failed[idx[i]] = e
+	}
+	return &adapters.BatchError{Failed: failed}
 }

@@ -33,7 +33,7 @@ import (
 
 // TestSoakSQSKeepsTheInvariants runs the runtime over the SQS adapter, on the
 // emulator, through rounds of random configurations (standard and FIFO
-// queues, the DeadLetterQueue sink or the queue's own redrive policy, pollers,
+// queues, the DeadLetter sink or the queue's own redrive policy, pollers,
 // batch sizes, lingers), handler behaviours (failures, panics, permanent
 // errors, RetryAfter, Defer, handlers outliving a third of the visibility
 // timeout or all of it), request faults injected under the real client (SQS
@@ -78,7 +78,7 @@ type sqsSoakConfig struct {
 	soaktest.Knobs
 	fifo        bool
 	orderCheck  bool // FIFO only: faults restricted so the emulator keeps group order
-	redrive     bool // the queue's redrive policy (Source.Redrive), not the DeadLetterQueue sink
+	redrive     bool // the queue's redrive policy (Source.NativeDeadLetter), not the DeadLetter sink
 	visibility  time.Duration
 	messages    int
 	keys        int
@@ -87,7 +87,6 @@ type sqsSoakConfig struct {
 	maxMessages int
 	ackLinger   time.Duration
 	nackLinger  time.Duration
-	keepOnClose bool
 	sdkRetries  bool // the SDK's default retryer; otherwise one attempt per call
 
 	// The chance that a request of each kind fails (before it is sent, or
@@ -119,7 +118,6 @@ func sqsSoakRound(t *testing.T, seed uint64) {
 		maxMessages: 1 + rng.IntN(10),
 		ackLinger:   time.Duration(rng.IntN(40)) * time.Millisecond,
 		nackLinger:  time.Duration(rng.IntN(20)) * time.Millisecond,
-		keepOnClose: chance(0.3),
 		sdkRetries:  chance(0.5),
 		phases:      rng.IntN(4),
 		crash:       chance(0.6),
@@ -158,7 +156,7 @@ func sqsSoakRound(t *testing.T, seed uint64) {
 		// Each of these leaves a message invisible out of its group's
 		// turn, which the emulator, unlike SQS, lets the group's later
 		// messages overtake.
-		cfg.crash, cfg.overlap, cfg.keepOnClose = false, false, false
+		cfg.crash, cfg.overlap = false, false
 		cfg.visibilityFail, cfg.visibilityDelay, cfg.receiveFail = 0, 0, 0
 	}
 	t.Logf("config %+v", cfg)
@@ -315,9 +313,6 @@ func (s *sqsSoak) consume(gen int, life time.Duration, crash bool) {
 	if s.cfg.pollers > 0 {
 		opts = append(opts, WithPollers(s.cfg.pollers))
 	}
-	if s.cfg.keepOnClose {
-		opts = append(opts, WithKeepOnClose())
-	}
 	src, err := New(s.e.ctx(), client, s.url, opts...)
 	if err != nil {
 		s.violate("consumer %d: New: %v", gen, err)
@@ -325,13 +320,13 @@ func (s *sqsSoak) consume(gen int, life time.Duration, crash bool) {
 	}
 	var dl adapters.DeadLetter
 	if s.cfg.redrive {
-		if dl, err = src.Redrive(s.cfg.MaxAttempts); err != nil {
-			s.violate("consumer %d: Redrive: %v", gen, err)
+		if dl, err = src.NativeDeadLetter(s.cfg.MaxAttempts); err != nil {
+			s.violate("consumer %d: NativeDeadLetter: %v", gen, err)
 			return
 		}
 	} else {
-		if dl, err = NewDeadLetterQueue(s.e.ctx(), client, s.dlqURL); err != nil {
-			s.violate("consumer %d: NewDeadLetterQueue: %v", gen, err)
+		if dl, err = NewDeadLetter(s.e.ctx(), client, s.dlqURL); err != nil {
+			s.violate("consumer %d: NewDeadLetter: %v", gen, err)
 			return
 		}
 	}
@@ -489,7 +484,9 @@ func (s *sqsSoak) handle(ctx context.Context, gen int, m *consumer.Message) erro
 	return nil
 }
 
-// soakSink notes what it dead-letters.
+// soakSink notes what it dead-letters. It settles the original when the sink
+// it wraps does (the redrive policy's release): the runtime must then never
+// delete it, so its receipt handle is not ackable.
 type soakSink struct {
 	adapters.DeadLetter
 	s *sqsSoak
@@ -499,12 +496,19 @@ func (dl soakSink) Send(ctx context.Context, d *adapters.Delivery, f adapters.Fa
 	err := dl.DeadLetter.Send(ctx, d, f)
 	if err == nil {
 		seq, _ := strconv.Atoi(string(d.Body))
-		dl.s.mu.Lock()
-		dl.s.ackable[receipt(d)] = true
-		dl.s.mu.Unlock()
+		if !dl.SettlesOriginal(d) {
+			dl.s.mu.Lock()
+			dl.s.ackable[receipt(d)] = true
+			dl.s.mu.Unlock()
+		}
 		dl.s.log.Settled(d.ID, d.Key, seq)
 	}
 	return err
+}
+
+func (dl soakSink) SettlesOriginal(d *adapters.Delivery) bool {
+	so, ok := dl.DeadLetter.(adapters.OriginalSettler)
+	return ok && so.SettlesOriginal(d)
 }
 
 // injected is in the text of every fault the soak injects.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +13,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	"go.opentelemetry.io/otel"
 
 	"github.com/custody-go/custody/adapters"
 )
@@ -28,37 +28,26 @@ type Source struct {
 	visibility time.Duration
 	redrive    *redrivePolicy // nil when the queue has none
 	opts       options
-	pollers    int // ReceiveMessage calls allowed in flight at once
 	caps       adapters.Capabilities
 	stats      counters
+	tel        *telemetry
 
-	nacks *visibilityBatcher
+	// closing ends when Close is called: it cuts the ReceiveMessage calls
+	// in flight. calls counts those calls, each on a goroutine of its own
+	// until it has handed its messages out or released them.
+	closing     context.Context
+	stopClosing context.CancelFunc
+	calls       sync.WaitGroup
 
-	pollCtx   context.Context
-	stopPolls context.CancelFunc
-	polls     sync.WaitGroup
-
-	mu       sync.Mutex
-	buf      []*adapters.Delivery // received, not yet handed to the runtime
-	bufSince []time.Time          // when each of buf was last made invisible for a full timeout
-	pending  int                  // messages asked for by polls in flight
-	inflight int                  // polls in flight
-	pollErr  error                // first error of a finished poll, not yet reported
-	emptyGen uint64               // counts polls that found nothing
-	changed  chan struct{}        // closed and replaced whenever a poll finishes
-	closed   bool
-	poison   map[string]struct{} // ids handed to the redrive policy early
-
-	// bufRenewing is closed when keepBuffered's renewal on the wire returns;
-	// nil when none is. Receive hands nothing out meanwhile.
-	bufRenewing chan struct{}
-	// renewerStarted is set once keepBuffered runs (from the first poll).
-	renewerStarted bool
+	mu     sync.Mutex
+	closed bool
+	poison map[string]struct{} // ids handed to the redrive policy early
 }
 
 var (
-	_ adapters.Source   = (*Source)(nil)
-	_ adapters.Extender = (*Source)(nil)
+	_ adapters.Source    = (*Source)(nil)
+	_ adapters.Extender  = (*Source)(nil)
+	_ adapters.Retryable = (*Source)(nil)
 )
 
 // New returns a Source for the queue at queueURL. It reads the queue's
@@ -82,6 +71,14 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 			return nil, err
 		}
 	}
+	mp := o.meterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	tel, err := newTelemetry(mp, name)
+	if err != nil {
+		return nil, fmt.Errorf("awssqs.New: creating the metrics: %w", err)
+	}
 	out, err := client.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{
 		QueueUrl: aws.String(queueURL),
 		AttributeNames: []types.QueueAttributeName{
@@ -94,12 +91,12 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		return nil, fmt.Errorf("awssqs.New: reading the attributes of queue %s (check the URL, the region and the credentials): %w", queueURL, err)
 	}
 	s := &Source{
-		client:  client,
-		url:     queueURL,
-		name:    name,
-		fifo:    out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" || strings.HasSuffix(name, ".fifo"),
-		opts:    o,
-		changed: make(chan struct{}),
+		client: client,
+		url:    queueURL,
+		name:   name,
+		fifo:   out.Attributes[string(types.QueueAttributeNameFifoQueue)] == "true" || strings.HasSuffix(name, ".fifo"),
+		opts:   o,
+		tel:    tel,
 	}
 	s.visibility = o.visibility
 	if s.visibility == 0 {
@@ -122,14 +119,14 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		}
 		s.redrive = rp
 	}
-	s.pollers = o.pollers
-	if s.pollers == 0 {
-		s.pollers = DefaultPollers
+	pollers := o.pollers
+	if pollers == 0 {
+		pollers = DefaultPollers
 		if s.fifo {
 			// One poll at a time hands out each group's messages in order
 			// whatever the broker does; concurrent polls rely on SQS never
 			// returning a group's next message while one is in flight.
-			s.pollers = 1
+			pollers = 1
 		}
 	}
 	s.caps = adapters.Capabilities{
@@ -140,18 +137,24 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		NackDelay:        true,
 		CountsDeliveries: true,
 		Ordered:          s.fifo,
-		MaxReceive:       s.pollers * o.maxMessages,
-		Ack:              adapters.Batching{MaxEntries: maxBatch, Linger: o.ackLinger, MaxCalls: 4},
-		Extend:           adapters.Batching{MaxEntries: maxBatch, MaxCalls: 4},
+		MaxReceive:       o.maxMessages,
+		Receivers:        pollers,
+		Ack:              adapters.Batching{MaxEntries: maxBatch, Linger: o.ackLinger, MaxCalls: maxCalls},
+		Nack:             adapters.Batching{MaxEntries: maxBatch, Linger: o.nackLinger, MaxCalls: maxCalls},
+		Extend:           adapters.Batching{MaxEntries: maxBatch, MaxCalls: maxCalls},
 	}
-	s.pollCtx, s.stopPolls = context.WithCancel(context.Background())
-	s.nacks = newVisibilityBatcher(s, o.nackLinger)
+	s.closing, s.stopClosing = context.WithCancel(context.Background())
 	return s, nil
 }
 
 // maxBatch is SQS's limit on entries in DeleteMessageBatch and
 // ChangeMessageVisibilityBatch, and on messages per ReceiveMessage.
 const maxBatch = 10
+
+// maxCalls is how many calls of each of Ack, Nack and Extend the runtime
+// may have in flight at once: a request is a round trip, and four keep
+// batches of ten flowing at several thousand messages a second.
+const maxCalls = 4
 
 func queueName(queueURL string) (string, error) {
 	u, err := url.Parse(queueURL)
@@ -167,8 +170,10 @@ func queueName(queueURL string) (string, error) {
 }
 
 // Capabilities reports a lease of the visibility timeout, SQS's 12-hour cap,
-// delayed redelivery, the broker's receive count, ordering for FIFO queues
-// and batches of ten.
+// delayed redelivery, the broker's receive count, ordering for FIFO queues,
+// receives of WithMaxMessages with WithPollers of them at once, and
+// batches of ten for Ack, Nack and Extend (acks and nacks with their
+// lingers).
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 
 // QueueURL returns the URL of the queue the Source reads.
@@ -181,13 +186,10 @@ func (s *Source) VisibilityTimeout() time.Duration { return s.visibility }
 // FIFO reports whether the queue is a FIFO queue.
 func (s *Source) FIFO() bool { return s.fifo }
 
-// Close stops receiving, releases (visibility 0) messages received but never
-// handed to the runtime unless WithKeepOnClose was given (not those lost
-// while they waited, which may be with another consumer), sends the nacks
-// still waiting for a batch, and returns. A long poll still in flight is
-// cancelled; a message SQS had already picked for it stays invisible until
-// its visibility timeout runs out, then comes back. Close never closes the
-// client.
+// Close stops receiving and returns once no ReceiveMessage call of the
+// Source is in flight. It cuts the calls still waiting (a long poll); what
+// a call brought that was not handed out is made visible again at once (see
+// Receive). Close never closes the client.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -195,33 +197,10 @@ func (s *Source) Close() error {
 		return nil
 	}
 	s.closed = true
-	s.broadcastLocked()
 	s.mu.Unlock()
-
-	s.stopPolls()
-	s.polls.Wait()
-
-	s.mu.Lock()
-	left := s.buf
-	s.buf, s.bufSince = nil, nil
-	s.mu.Unlock()
-	// Messages lost while they waited (their visibility ran out, so another
-	// consumer may hold them) are not this Source's to release.
-	left = slices.DeleteFunc(left, func(d *adapters.Delivery) bool { return d.Signal.LostCause() != nil })
-
-	var err error
-	if len(left) > 0 && s.opts.releaseOnClose {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err = s.changeVisibility(ctx, left, make([]int32, len(left)), nil)
-		cancel()
-		if err == nil {
-			s.stats.released.Add(int64(len(left)))
-		} else {
-			err = fmt.Errorf("awssqs: releasing %d unhandled messages at close (they come back when their visibility timeout runs out): %w", len(left), err)
-		}
-	}
-	s.nacks.close()
-	return err
+	s.stopClosing()
+	s.calls.Wait()
+	return nil
 }
 
 // heldAtMost is the cap the runtime holds a delivery to, counted from

@@ -2,8 +2,10 @@ package awssqs
 
 import "sync/atomic"
 
-// Stats are a Source's counters since it was created. SQS bills per request,
-// so the request counts are the cost: divide them by Received.
+// Stats are a Source's counters since it was created, for tests and quick
+// checks; the same figures go to OpenTelemetry (see WithMeterProvider). SQS
+// bills per request, so the request counts are the cost: divide them by
+// Received.
 type Stats struct {
 	// ReceiveRequests counts ReceiveMessage calls; EmptyReceives those that
 	// found nothing; ReceiveErrors those that failed.
@@ -20,24 +22,17 @@ type Stats struct {
 	// longer valid: the message's visibility timeout had run out (it was or
 	// will be redelivered) or it was already deleted.
 	LeaseLost int64
-	// EntryRetries counts batch entries sent again after a failure on SQS's
-	// side.
-	EntryRetries int64
-	// Released counts messages received but never handed to the runtime,
-	// made visible again by Close.
+	// Released counts messages received but not handed out, because the
+	// Receive that asked for them gave up or the Source was closed, and made
+	// visible again.
 	Released int64
-	// BufferRenewed counts visibility renewals of messages that waited in
-	// the Source for the runtime to take them (polls that came back after
-	// the Receive that started them returned).
-	BufferRenewed int64
 }
 
 type counters struct {
 	receives, emptyReceives, receiveErrors, received atomic.Int64
 	deleteRequests, deleted                          atomic.Int64
 	visibilityRequests, visibilityChanged            atomic.Int64
-	leaseLost, entryRetries, released                atomic.Int64
-	bufferRenewed                                    atomic.Int64
+	leaseLost, released                              atomic.Int64
 }
 
 // Stats returns the Source's counters.
@@ -53,8 +48,6 @@ func (s *Source) Stats() Stats {
 		VisibilityRequests: c.visibilityRequests.Load(),
 		VisibilityChanged:  c.visibilityChanged.Load(),
 		LeaseLost:          c.leaseLost.Load(),
-		EntryRetries:       c.entryRetries.Load(),
 		Released:           c.released.Load(),
-		BufferRenewed:      c.bufferRenewed.Load(),
 	}
 }

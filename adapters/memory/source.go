@@ -289,3 +289,21 @@ func (s *Source) Close() error {
 	s.stop()
 	return nil
 }
+
+// Backlog implements adapters.BacklogReporter: the queue's visible
+// messages, those received or delayed and not yet settled, and the age of
+// the oldest visible one.
+func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
+	if s.dead() {
+		return adapters.Backlog{}, adapters.ErrClosed
+	}
+	now := time.Now()
+	s.b.mu.Lock()
+	defer s.b.mu.Unlock()
+	s.q.promote(now)
+	b := adapters.Backlog{Waiting: int64(len(s.q.ready)), InFlight: int64(len(s.q.waiting))}
+	if len(s.q.ready) > 0 {
+		b.OldestAge = now.Sub(s.q.ready[0].published)
+	}
+	return b, nil
+}

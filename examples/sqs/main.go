@@ -23,7 +23,7 @@
 // With -create it creates the queue and its dead-letter queue (and deletes
 // them when done unless -keep); without it the queues must exist. With
 // -redrive the queue gets a redrive policy and dead-lettering is left to SQS
-// (Source.Redrive) instead of the DeadLetterQueue sink.
+// (Source.NativeDeadLetter) instead of the DeadLetter sink.
 package main
 
 import (
@@ -115,9 +115,9 @@ func run(ctx context.Context, client *sqs.Client, cfg config, out io.Writer) err
 	}
 	var dlq adapters.DeadLetter
 	if cfg.redrive {
-		dlq, err = src.Redrive(maxAttempts)
+		dlq, err = src.NativeDeadLetter(maxAttempts)
 	} else {
-		dlq, err = awssqs.NewDeadLetterQueue(ctx, client, dlqURL)
+		dlq, err = awssqs.NewDeadLetter(ctx, client, dlqURL)
 	}
 	if err != nil {
 		src.Close()

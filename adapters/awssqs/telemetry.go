@@ -1,0 +1,123 @@
+package awssqs
+
+import (
+	"context"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+)
+
+const meterName = "github.com/custody-go/custody/adapters/awssqs"
+
+// telemetry holds a Source's instruments:
+//
+//	custody.sqs.requests        counter: SQS requests, by operation (ReceiveMessage,
+//	                            DeleteMessageBatch, ChangeMessageVisibilityBatch) and result
+//	                            (ok; empty: a receive that brought nothing; error: the request
+//	                            failed whole). SQS bills per request.
+//	custody.sqs.entries.failed  counter: batch entries SQS failed, by operation and reason
+//	                            (lease_lost: the receipt handle no longer names a message in
+//	                            flight; sqs: a fault on SQS's side, which the runtime sends
+//	                            again; refused: any other)
+//	custody.sqs.received        counter: messages received
+//	custody.sqs.released        counter: messages received but not handed out (their Receive
+//	                            gave up, or the Source closed), made visible again
+//
+// All carry messaging.destination.name (the queue's name).
+type telemetry struct {
+	requests, entriesFailed, received, released metric.Int64Counter
+
+	queue    metric.MeasurementOption
+	requestA [numOps][numResults]metric.MeasurementOption
+	failedA  [numOps][numReasons]metric.MeasurementOption
+}
+
+// operation is an SQS API a Source calls.
+type operation int
+
+const (
+	opReceive operation = iota
+	opDelete
+	opVisibility
+	numOps
+)
+
+var opNames = [numOps]string{"ReceiveMessage", "DeleteMessageBatch", "ChangeMessageVisibilityBatch"}
+
+// result is how a request ended.
+type result int
+
+const (
+	resultOK result = iota
+	resultEmpty
+	resultError
+	numResults
+)
+
+var resultNames = [numResults]string{"ok", "empty", "error"}
+
+// reason is why SQS failed a batch entry.
+type reason int
+
+const (
+	reasonLeaseLost reason = iota
+	reasonSQS
+	reasonRefused
+	numReasons
+)
+
+var reasonNames = [numReasons]string{"lease_lost", "sqs", "refused"}
+
+func newTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
+	m := mp.Meter(meterName)
+	t := &telemetry{}
+	var err error
+	if t.requests, err = m.Int64Counter("custody.sqs.requests", metric.WithUnit("{request}"),
+		metric.WithDescription("SQS requests, by operation and result.")); err != nil {
+		return nil, err
+	}
+	if t.entriesFailed, err = m.Int64Counter("custody.sqs.entries.failed", metric.WithUnit("{entry}"),
+		metric.WithDescription("Batch entries SQS failed, by operation and reason.")); err != nil {
+		return nil, err
+	}
+	if t.received, err = m.Int64Counter("custody.sqs.received", metric.WithUnit("{message}"),
+		metric.WithDescription("Messages received.")); err != nil {
+		return nil, err
+	}
+	if t.released, err = m.Int64Counter("custody.sqs.released", metric.WithUnit("{message}"),
+		metric.WithDescription("Messages received but not handed out, made visible again.")); err != nil {
+		return nil, err
+	}
+	q := attribute.String("messaging.destination.name", queue)
+	t.queue = metric.WithAttributes(q)
+	for op := range numOps {
+		o := attribute.String("operation", opNames[op])
+		for r := range numResults {
+			t.requestA[op][r] = metric.WithAttributes(q, o, attribute.String("result", resultNames[r]))
+		}
+		for r := range numReasons {
+			t.failedA[op][r] = metric.WithAttributes(q, o, attribute.String("reason", reasonNames[r]))
+		}
+	}
+	return t, nil
+}
+
+func (t *telemetry) request(op operation, r result) {
+	t.requests.Add(context.Background(), 1, t.requestA[op][r])
+}
+
+func (t *telemetry) entryFailed(op operation, r reason) {
+	t.entriesFailed.Add(context.Background(), 1, t.failedA[op][r])
+}
+
+func (t *telemetry) receivedN(n int) {
+	if n > 0 {
+		t.received.Add(context.Background(), int64(n), t.queue)
+	}
+}
+
+func (t *telemetry) releasedN(n int) {
+	if n > 0 {
+		t.released.Add(context.Background(), int64(n), t.queue)
+	}
+}

@@ -1,0 +1,259 @@
+package jetstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+)
+
+// The bodies of acknowledgement messages, as the server reads them.
+var (
+	ackAck      = []byte("+ACK")
+	ackNak      = []byte("-NAK")
+	ackProgress = []byte("+WPI")
+	ackTerm     = []byte("+TERM")
+)
+
+// Errors of entries the Source refuses without asking the server.
+var (
+	errForeign  = errors.New("jetstream: the delivery did not come from this Source's consumer")
+	errNacked   = errors.New("jetstream: the delivery was given back (nak); the server delivers it again")
+	errSettling = errors.New("jetstream: another ack, nak or term of this delivery is under way")
+)
+
+// Ack acknowledges each delivery with an acknowledged ack (the "double ack"):
+// the server replies once it has processed the ack, and only then does the
+// entry succeed. JetStream acks messages one at a time, so a batch of n
+// costs n requests and n replies; they are all sent at once and their
+// replies awaited together (bounded by WithRequestTimeout). An entry not
+// answered in time fails, and the message may come back; acking a delivery
+// already acked succeeds again without a request; acking one already given
+// back (Nack) fails.
+func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	return s.settle(ctx, ds, opAck, func(int) []byte { return ackAck }, stateAcked)
+}
+
+// Nack gives each delivery back to be redelivered after its After: a nak
+// with that delay (NakWithDelay), or a plain nak for zero or less. A delay is
+// cut to a year. The server's reply is awaited, as for Ack. A delivery whose
+// lease may have run out by this process's clock (see Extend) fails with
+// adapters.ErrLeaseLost and is not sent: the nak would act on the
+// redelivery another consumer may hold, and the message comes back by
+// itself.
+func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
+	ds := make([]*adapters.Delivery, len(ns))
+	for i, n := range ns {
+		ds[i] = n.Delivery
+	}
+	return s.settle(ctx, ds, opNak, func(i int) []byte { return nakBody(ns[i].After) }, stateNacked)
+}
+
+// nakBody is a nak's message: with a delay, in the JSON form servers since
+// 2.7.1 read.
+func nakBody(after time.Duration) []byte {
+	if after <= 0 {
+		return ackNak
+	}
+	after = min(after, maxNakDelay)
+	return []byte(`-NAK {"delay": ` + strconv.FormatInt(after.Nanoseconds(), 10) + `}`)
+}
+
+// term stops redelivery of each delivery for good (+TERM, with an advisory
+// the server publishes), awaiting the server's reply.
+func (s *Source) term(ctx context.Context, ds []*adapters.Delivery) error {
+	return s.settle(ctx, ds, opTerm, func(int) []byte { return ackTerm }, stateTermed)
+}
+
+// settle sends body(i) to the ack subject of ds[i] and moves the deliveries
+// the server answered for to state to. A delivery is settled once: an entry
+// already in state to succeeds without a request (a repeated ack), one
+// settled otherwise fails.
+func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, body func(i int) []byte, to settleState) error {
+	if len(ds) == 0 {
+		return nil
+	}
+	if s.isClosed() {
+		return adapters.ErrClosed
+	}
+	now := time.Now()
+	reqs := make([]request, len(ds))
+	hs := make([]*handle, len(ds))
+	done := make([]bool, len(ds)) // already in state to: nothing to send
+	for i, d := range ds {
+		h, ok := d.Handle.(*handle)
+		if !ok || h.src != s {
+			reqs[i].skip = errForeign
+			continue
+		}
+		h.mu.Lock()
+		switch h.state {
+		case stateHeld:
+			if op == opNak && !now.Before(h.leasedUntil) {
+				// A nak names the message by stream sequence: sent for a
+				// delivery whose lease may have run out, it would act on
+				// the redelivery another consumer now runs (redeliver it
+				// beside that run, or reset its timer to the delay). The
+				// message comes back by itself.
+				reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, d.ID, s.caps.Lease)
+				break
+			}
+			h.state = stateSettling
+			hs[i] = h
+			reqs[i] = request{subject: h.reply, body: body(i)}
+		case to:
+			done[i] = true
+			reqs[i].skip = errAlready
+		case stateNacked:
+			reqs[i].skip = errNacked
+		case stateSettling:
+			reqs[i].skip = errSettling
+		default: // acked or termed, asked for another settlement
+			reqs[i].skip = fmt.Errorf("jetstream: the delivery was already settled (%s)", h.state)
+		}
+		h.mu.Unlock()
+	}
+	var errs []error
+	if op == opAck && s.opts.unconfirmedAcks {
+		errs = s.replies.publish(reqs)
+	} else {
+		rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
+		errs = s.replies.send(rctx, reqs)
+		cancel()
+	}
+	var failed map[int]error
+	n, bad := 0, 0
+	for i, err := range errs {
+		if done[i] {
+			continue
+		}
+		if h := hs[i]; h != nil {
+			h.mu.Lock()
+			if err == nil {
+				h.state = to
+			} else {
+				h.state = stateHeld
+			}
+			h.mu.Unlock()
+			n++
+			if err != nil {
+				bad++
+				err = fmt.Errorf("jetstream: %s of message %s: %w", opNames[op], ds[i].ID, err)
+			}
+		}
+		if err != nil {
+			if failed == nil {
+				failed = make(map[int]error)
+			}
+			failed[i] = err
+		}
+	}
+	s.stats.count(op, n, bad)
+	s.tel.requests(op, n-bad, bad)
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}
+
+var errAlready = errors.New("already settled")
+
+func (st settleState) String() string {
+	switch st {
+	case stateHeld:
+		return "held"
+	case stateSettling:
+		return "settling"
+	case stateAcked:
+		return "acked"
+	case stateNacked:
+		return "nacked"
+	case stateTermed:
+		return "terminated"
+	}
+	return "unknown"
+}
+
+// Extend renews the lease of each delivery with an InProgress message
+// (+WPI), which resets its AckWait to the full length (d is the Source's
+// AckWait, which is all the server grants), and awaits the server's reply.
+// The Source keeps, per delivery, the earliest time its lease can run out
+// by this process's clock: the send time of its last answered renewal (or
+// of the pull that fetched it) plus AckWait. A delivery past that time fails
+// with adapters.ErrLeaseLost and is not renewed: the server may have given
+// it to another consumer, whose lease a renewal would then extend. A
+// delivery being acked or already acked or terminated needs no renewal and
+// succeeds without a request; one given back fails with
+// adapters.ErrLeaseLost.
+func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	if len(ds) == 0 {
+		return nil
+	}
+	if s.isClosed() {
+		return adapters.ErrClosed
+	}
+	now := time.Now()
+	reqs := make([]request, len(ds))
+	hs := make([]*handle, len(ds))
+	for i, dl := range ds {
+		h, ok := dl.Handle.(*handle)
+		if !ok || h.src != s {
+			reqs[i].skip = errForeign
+			continue
+		}
+		h.mu.Lock()
+		switch h.state {
+		case stateHeld:
+			if !now.Before(h.leasedUntil) {
+				reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago, so the server may have delivered it again", adapters.ErrLeaseLost, dl.ID, s.caps.Lease)
+				s.stats.leaseLost.Add(1)
+			} else {
+				hs[i] = h
+				reqs[i] = request{subject: h.reply, body: ackProgress}
+			}
+		case stateNacked:
+			reqs[i].skip = fmt.Errorf("%w: %w", adapters.ErrLeaseLost, errNacked)
+		default:
+			reqs[i].skip = errAlready
+		}
+		h.mu.Unlock()
+	}
+	rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
+	errs := s.replies.send(rctx, reqs)
+	cancel()
+	var failed map[int]error
+	n, bad := 0, 0
+	for i, err := range errs {
+		if err == errAlready {
+			continue
+		}
+		if h := hs[i]; h != nil {
+			n++
+			if err == nil {
+				h.mu.Lock()
+				if until := now.Add(s.caps.Lease); until.After(h.leasedUntil) {
+					h.leasedUntil = until
+				}
+				h.mu.Unlock()
+			} else {
+				bad++
+				err = fmt.Errorf("jetstream: renewing message %s: %w", ds[i].ID, err)
+			}
+		}
+		if err != nil {
+			if failed == nil {
+				failed = make(map[int]error)
+			}
+			failed[i] = err
+		}
+	}
+	s.stats.count(opProgress, n, bad)
+	s.tel.requests(opProgress, n-bad, bad)
+	if failed != nil {
+		return &adapters.BatchError{Failed: failed}
+	}
+	return nil
+}

@@ -1,0 +1,165 @@
+package redisstream
+
+import (
+	"context"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+)
+
+const meterName = "github.com/custody-go/custody/adapters/redisstream"
+
+// The commands a Source sends, as counted in Stats and metrics. The scripts
+// count as one command each: one round trip, one EVALSHA.
+const (
+	cmdRead    = iota // XREADGROUP
+	cmdReclaim        // the reclaim script (XAUTOCLAIM, XCLAIM)
+	cmdAck            // XACK
+	cmdDelete         // XDEL, with WithDeleteOnAck
+	cmdExtend         // the renewal script
+	cmdNack           // the give-back script
+	cmdCleanup        // the consumer clean-up script
+	cmdInfo           // XINFO GROUPS, for the backlog gauges
+	cmdCount
+)
+
+var cmdNames = [cmdCount]string{"xreadgroup", "reclaim", "xack", "xdel", "renew", "nack", "cleanup", "xinfo"}
+
+// infoTimeout bounds the XINFO GROUPS call behind the backlog gauges.
+const infoTimeout = 2 * time.Second
+
+// telemetry holds the Source's instruments:
+//
+//	custody.redis.commands     counter: commands sent, by custody.redis.command
+//	                           (xreadgroup, reclaim, xack, xdel, renew, nack,
+//	                           cleanup, xinfo) and error (true when it failed)
+//	custody.redis.pending      gauge: entries in the group's pending list, all
+//	                           consumers together (XINFO GROUPS pending)
+//	custody.redis.lag          gauge: entries of the stream not yet delivered to
+//	                           the group (XINFO GROUPS lag; left out when Redis
+//	                           cannot tell, after deletions in the range)
+//	custody.redis.reclaimed    counter: entries claimed once idle for the lease (a
+//	                           dead consumer's, or a retry that fell due)
+//	custody.redis.deleted      counter: pending entries found deleted from the
+//	                           stream (trimmed, XDEL): dropped unhandled, or their
+//	                           handler ran on
+//	custody.redis.group_missing counter: times the group was found missing
+//
+// All carry messaging.destination.name (the stream) and
+// messaging.consumer.group.name (the group). The gauges ask the server (one
+// XINFO GROUPS, bounded by two seconds) when the metrics are collected.
+type telemetry struct {
+	commands     metric.Int64Counter
+	reclaimed    metric.Int64Counter
+	deleted      metric.Int64Counter
+	groupMissing metric.Int64Counter
+	reg          metric.Registration
+	base         metric.MeasurementOption
+	attrs        [cmdCount][2]metric.AddOption
+}
+
+func newTelemetry(mp metric.MeterProvider, s *Source) (*telemetry, error) {
+	m := mp.Meter(meterName)
+	stream := attribute.String("messaging.destination.name", s.stream)
+	group := attribute.String("messaging.consumer.group.name", s.group)
+	t := &telemetry{base: metric.WithAttributes(stream, group)}
+	for c := range cmdCount {
+		for i, failed := range []bool{false, true} {
+			t.attrs[c][i] = metric.WithAttributes(stream, group,
+				attribute.String("custody.redis.command", cmdNames[c]), attribute.Bool("error", failed))
+		}
+	}
+	var err error
+	if t.commands, err = m.Int64Counter("custody.redis.commands", metric.WithUnit("{command}"),
+		metric.WithDescription("Commands sent to Redis: reads, reclaims, acks, deletes, renewals, give-backs (a script counts as one).")); err != nil {
+		return nil, err
+	}
+	if t.reclaimed, err = m.Int64Counter("custody.redis.reclaimed", metric.WithUnit("{message}"),
+		metric.WithDescription("Pending entries claimed once idle for the lease: a dead consumer's, or a retry that fell due.")); err != nil {
+		return nil, err
+	}
+	if t.deleted, err = m.Int64Counter("custody.redis.deleted", metric.WithUnit("{message}"),
+		metric.WithDescription("Pending entries found deleted from the stream (trimmed, XDEL).")); err != nil {
+		return nil, err
+	}
+	if t.groupMissing, err = m.Int64Counter("custody.redis.group_missing", metric.WithUnit("{event}"),
+		metric.WithDescription("Times the consumer group was found missing (stream deleted, or server data lost).")); err != nil {
+		return nil, err
+	}
+	pending, err := m.Int64ObservableGauge("custody.redis.pending", metric.WithUnit("{message}"),
+		metric.WithDescription("Entries in the consumer group's pending list, all consumers together."))
+	if err != nil {
+		return nil, err
+	}
+	lag, err := m.Int64ObservableGauge("custody.redis.lag", metric.WithUnit("{message}"),
+		metric.WithDescription("Entries of the stream not yet delivered to the consumer group."))
+	if err != nil {
+		return nil, err
+	}
+	t.reg, err = m.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+		ctx, cancel := context.WithTimeout(ctx, infoTimeout)
+		defer cancel()
+		b, err := s.Backlog(ctx)
+		if err != nil {
+			return nil // nothing to report; the command counter shows the failure
+		}
+		o.ObserveInt64(pending, b.Pending, t.base)
+		if b.Lag >= 0 {
+			o.ObserveInt64(lag, b.Lag, t.base)
+		}
+		return nil
+	}, pending, lag)
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+func (t *telemetry) close() {
+	if t.reg != nil {
+		_ = t.reg.Unregister()
+	}
+}
+
+// count counts a command sent; failed counts it as failed as well.
+func (s *Source) count(c int) {
+	s.stats.commands[c].Add(1)
+	if s.tel != nil {
+		s.tel.commands.Add(context.Background(), 1, s.tel.attrs[c][0])
+	}
+}
+
+func (s *Source) failed(c int) {
+	s.stats.failures[c].Add(1)
+	if s.tel != nil {
+		s.tel.commands.Add(context.Background(), 1, s.tel.attrs[c][1])
+	}
+}
+
+// Backlog is what the group has yet to finish, as the server reports it.
+type Backlog struct {
+	// Pending counts the entries delivered to the group's consumers and not
+	// acked yet, held or waiting to be reclaimed.
+	Pending int64
+	// Lag counts the entries of the stream not yet delivered to the group;
+	// -1 when Redis cannot tell (entries were deleted in that range).
+	Lag int64
+}
+
+// Backlog asks the server (XINFO GROUPS) for the group's pending count and
+// lag.
+func (s *Source) Backlog(ctx context.Context) (Backlog, error) {
+	s.count(cmdInfo)
+	groups, err := s.client.XInfoGroups(ctx, s.stream).Result()
+	if err != nil {
+		s.failed(cmdInfo)
+		return Backlog{}, err
+	}
+	for _, g := range groups {
+		if g.Name == s.group {
+			return Backlog{Pending: g.Pending, Lag: g.Lag}, nil
+		}
+	}
+	return Backlog{}, ErrGroupMissing
+}
