@@ -73,3 +73,45 @@ func BenchmarkRuntime(b *testing.B) {
 		})
 	}
 }
+
+// oneByOne hides a store's BatchStore methods: the batch middleware then
+// calls it one key at a time.
+type oneByOne struct{ idempotency.Store }
+
+// BenchmarkHandleBatch is the batch middleware alone around a no-op batch
+// handler, in batches of 100 fresh keys: one claim and one completion per
+// key, in one store call per batch ("batch") or one per key
+// ("one-by-one", a Store that is no BatchStore). An op is one message.
+func BenchmarkHandleBatch(b *testing.B) {
+	const size = 100
+	for _, st := range teststores.All() {
+		for _, mode := range []string{"batch", "one-by-one"} {
+			b.Run(st.Name+"/"+mode, func(b *testing.B) {
+				store := st.New(b)
+				if mode == "one-by-one" {
+					store = oneByOne{store}
+				}
+				h := newBatchGuard(b, store, func(_ context.Context, batch *consumer.Batch) error {
+					batch.DoneAll()
+					return nil
+				})
+				batches := make([]*consumer.Batch, 0, b.N/size+1)
+				for i := 0; i < b.N; i += size {
+					msgs := make([]*consumer.Message, min(size, b.N-i))
+					for j := range msgs {
+						msgs[j] = msg("m-"+strconv.Itoa(i+j), "x")
+					}
+					batches = append(batches, consumer.BatchOf(msgs))
+				}
+				ctx := context.Background()
+				b.ReportAllocs()
+				b.ResetTimer()
+				for _, batch := range batches {
+					if err := h.HandleBatch(ctx, batch); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}

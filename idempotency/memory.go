@@ -33,6 +33,8 @@ type MemoryStore struct {
 	now        func() time.Time
 }
 
+var _ BatchStore = (*MemoryStore)(nil)
+
 type memEntry struct {
 	key         string
 	token       Token
@@ -78,7 +80,114 @@ func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease 
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.claim(s.now(), key, fingerprint, lease)
+}
+
+// Complete implements Store.
+func (s *MemoryStore) Complete(ctx context.Context, key string, token Token, retention time.Duration) error {
+	if err := checkDuration("retention", retention); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.complete(s.now(), key, token, retention)
+}
+
+// Release implements Store.
+func (s *MemoryStore) Release(ctx context.Context, key string, token Token) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.release(s.now(), key, token)
+}
+
+// Extend implements Store.
+func (s *MemoryStore) Extend(ctx context.Context, key string, token Token, lease time.Duration) error {
+	if err := checkDuration("lease", lease); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.extend(s.now(), key, token, lease)
+}
+
+// ClaimBatch implements BatchStore.
+func (s *MemoryStore) ClaimBatch(ctx context.Context, claims []ClaimRequest, lease time.Duration) []ClaimResult {
+	res := make([]ClaimResult, len(claims))
+	err := checkDuration("lease", lease)
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		for i := range res {
+			res[i].Err = err
+		}
+		return res
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	now := s.now()
+	for i, c := range claims {
+		res[i].State, res[i].Token, res[i].Err = s.claim(now, c.Key, c.Fingerprint, lease)
+	}
+	return res
+}
+
+// CompleteBatch implements BatchStore.
+func (s *MemoryStore) CompleteBatch(ctx context.Context, held []HeldClaim, retention time.Duration) []error {
+	return s.each(ctx, held, checkDuration("retention", retention), func(now time.Time, h HeldClaim) error {
+		return s.complete(now, h.Key, h.Token, retention)
+	})
+}
+
+// ReleaseBatch implements BatchStore.
+func (s *MemoryStore) ReleaseBatch(ctx context.Context, held []HeldClaim) []error {
+	return s.each(ctx, held, nil, func(now time.Time, h HeldClaim) error {
+		return s.release(now, h.Key, h.Token)
+	})
+}
+
+// ExtendBatch implements BatchStore.
+func (s *MemoryStore) ExtendBatch(ctx context.Context, held []HeldClaim, lease time.Duration) []error {
+	return s.each(ctx, held, checkDuration("lease", lease), func(now time.Time, h HeldClaim) error {
+		return s.extend(now, h.Key, h.Token, lease)
+	})
+}
+
+// each runs f for every claim of held under the lock, unless err (an
+// invalid argument) or ctx's error fails them all.
+func (s *MemoryStore) each(ctx context.Context, held []HeldClaim, err error, f func(time.Time, HeldClaim) error) []error {
+	errs := make([]error, len(held))
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		for i := range errs {
+			errs[i] = err
+		}
+		return errs
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	for i, h := range held {
+		errs[i] = f(now, h)
+	}
+	return errs
+}
+
+// claim, complete, release and extend do the work of the Store methods
+// with s.mu held.
+
+func (s *MemoryStore) claim(now time.Time, key, fingerprint string, lease time.Duration) (State, Token, error) {
 	if e := s.live(key, now); e != nil {
 		if fingerprint != "" && e.fingerprint != "" && fingerprint != e.fingerprint {
 			return 0, "", fmt.Errorf("%w (key %q)", ErrFingerprintMismatch, key)
@@ -97,17 +206,7 @@ func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease 
 	return Acquired, e.token, nil
 }
 
-// Complete implements Store.
-func (s *MemoryStore) Complete(ctx context.Context, key string, token Token, retention time.Duration) error {
-	if err := checkDuration("retention", retention); err != nil {
-		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.now()
+func (s *MemoryStore) complete(now time.Time, key string, token Token, retention time.Duration) error {
 	e := s.live(key, now)
 	if e == nil || e.token != token {
 		return staleErr(key)
@@ -122,14 +221,8 @@ func (s *MemoryStore) Complete(ctx context.Context, key string, token Token, ret
 	return nil
 }
 
-// Release implements Store.
-func (s *MemoryStore) Release(ctx context.Context, key string, token Token) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e := s.live(key, s.now())
+func (s *MemoryStore) release(now time.Time, key string, token Token) error {
+	e := s.live(key, now)
 	if e == nil || e.token != token || e.done {
 		return staleErr(key)
 	}
@@ -137,17 +230,7 @@ func (s *MemoryStore) Release(ctx context.Context, key string, token Token) erro
 	return nil
 }
 
-// Extend implements Store.
-func (s *MemoryStore) Extend(ctx context.Context, key string, token Token, lease time.Duration) error {
-	if err := checkDuration("lease", lease); err != nil {
-		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.now()
+func (s *MemoryStore) extend(now time.Time, key string, token Token, lease time.Duration) error {
 	e := s.live(key, now)
 	if e == nil || e.token != token || e.done {
 		return staleErr(key)

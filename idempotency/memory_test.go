@@ -100,3 +100,7 @@ func BenchmarkMemoryStoreClaimComplete(b *testing.B) {
 func BenchmarkMemoryStoreClaimCompleteParallel(b *testing.B) {
 	storetest.BenchmarkClaimCompleteParallel(b, newMemory(b, idempotency.MemoryMaxEntries(1<<20)), 8)
 }
+
+func TestMemoryStoreBatchContract(t *testing.T) {
+	storetest.RunBatch(t, func(t *testing.T) idempotency.BatchStore { return newMemory(t) })
+}

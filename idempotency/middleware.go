@@ -16,8 +16,28 @@ import (
 // after the handler returned nil, and releases it after an error. See the
 // package documentation for what happens to duplicates.
 func New(store Store, opts ...Option) (consumer.Middleware, error) {
+	c, err := newCore("New", store, opts)
+	if err != nil {
+		return nil, err
+	}
+	return func(next consumer.Handler) consumer.Handler {
+		return &guard{core: c, next: next}
+	}, nil
+}
+
+// core is what the middleware's handlers share: its configuration, its
+// store, its metrics and its outage report.
+type core struct {
+	cfg   config
+	store Store
+	m     *dupmetrics.Set
+	down  *outage
+}
+
+// newCore checks the arguments of the constructor fn.
+func newCore(fn string, store Store, opts []Option) (*core, error) {
 	if store == nil {
-		return nil, errors.New("idempotency: New(nil store): pass a Store such as idempotency.NewMemoryStore(), redisstore.New or pgstore.New")
+		return nil, fmt.Errorf("idempotency: %s(nil store): pass a Store such as idempotency.NewMemoryStore(), redisstore.New or pgstore.New", fn)
 	}
 	c := defaultConfig()
 	for _, o := range opts {
@@ -34,10 +54,7 @@ func New(store Store, opts ...Option) (consumer.Middleware, error) {
 	}
 	// One outage report for every handler the middleware wraps: they share
 	// the store.
-	down := &outage{logger: c.logger}
-	return func(next consumer.Handler) consumer.Handler {
-		return &guard{cfg: c, store: store, next: next, m: m, down: down}
-	}, nil
+	return &core{cfg: c, store: store, m: m, down: &outage{logger: c.logger}}, nil
 }
 
 // Middleware is New for options known to be valid when the program is
@@ -51,11 +68,8 @@ func Middleware(store Store, opts ...Option) consumer.Middleware {
 }
 
 type guard struct {
-	cfg   config
-	store Store
-	next  consumer.Handler
-	m     *dupmetrics.Set
-	down  *outage
+	*core
+	next consumer.Handler
 }
 
 func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
@@ -111,7 +125,7 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	}
 
 	hctx, cancel := context.WithCancelCause(ctx)
-	k := g.keep(key, tok, claimed, cancel)
+	k := g.keepOne(key, tok, claimed, cancel)
 	finished := false
 	defer func() {
 		if !finished { // the handler panicked: let a retry claim the key
@@ -143,10 +157,10 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 // running: the message is not at fault, so it waits, using up no attempt,
 // and is never dead-lettered for it (consumer.Unavailable). The failure is
 // counted, and reported without a log line per message.
-func (g *guard) unavailable(ctx context.Context, key string, err error) error {
+func (c *core) unavailable(ctx context.Context, key string, err error) error {
 	if ctx.Err() == nil { // a delivery that ended meanwhile is not the store's fault
-		g.m.StoreErrors.Add(ctx, 1, g.m.OpClaim)
-		g.down.failed(ctx, key, err)
+		c.m.StoreErrors.Add(ctx, 1, c.m.OpClaim)
+		c.down.failed(ctx, key, err)
 	}
 	return consumer.Unavailable(fmt.Errorf("idempotency: claiming key %q: %w", key, err))
 }
@@ -156,10 +170,10 @@ func (g *guard) unavailable(ctx context.Context, key string, err error) error {
 // stopped waiting for the reply would leave it behind, held by nobody, for
 // the claim's whole lease. It waits up to the store timeout instead, and
 // Handle gives back a claim that arrived too late.
-func (g *guard) claim(ctx context.Context, key, fp string) (State, Token, error) {
-	cctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
+func (c *core) claim(ctx context.Context, key, fp string) (State, Token, error) {
+	cctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
-	return g.store.Claim(cctx, key, fp, g.cfg.lease)
+	return c.store.Claim(cctx, key, fp, c.cfg.lease)
 }
 
 // complete records the effect. A failure here does not fail the message:
@@ -174,12 +188,12 @@ func (g *guard) claim(ctx context.Context, key, fp string) (State, Token, error)
 // in progress, and a duplicate delivered after the claim ran out would run
 // the effect again. A repeated Complete is harmless (see Store), so a first
 // try that took effect but lost its reply does no harm.
-func (g *guard) complete(ctx context.Context, key string, tok Token, counted bool) {
-	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
+func (c *core) complete(ctx context.Context, key string, tok Token, counted bool) {
+	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
 	var err error
 	for try := 1; ; try++ {
-		err = g.store.Complete(sctx, key, tok, g.cfg.retention)
+		err = c.store.Complete(sctx, key, tok, c.cfg.retention)
 		if err == nil || errors.Is(err, ErrStaleToken) || try == completeTries || !pause(sctx, completeRetryDelay*time.Duration(try)) {
 			break
 		}
@@ -189,14 +203,14 @@ func (g *guard) complete(ctx context.Context, key string, tok Token, counted boo
 	}
 	if errors.Is(err, ErrStaleToken) {
 		if !counted {
-			g.m.ClaimsLost.Add(ctx, 1, g.m.OpComplete)
+			c.m.ClaimsLost.Add(ctx, 1, c.m.OpComplete)
 		}
-		g.cfg.logger.WarnContext(ctx, "idempotency: the claim was lost before the effect was recorded; a duplicate may run the effect again (lengthen the lease)",
+		c.cfg.logger.WarnContext(ctx, "idempotency: the claim was lost before the effect was recorded; a duplicate may run the effect again (lengthen the lease)",
 			slog.String("key", key), slog.Any("error", err))
 		return
 	}
-	g.m.StoreErrors.Add(ctx, 1, g.m.OpComplete)
-	g.cfg.logger.ErrorContext(ctx, "idempotency: could not record the completed effect; the message is acked, but a duplicate delivered after the lease runs out would run the effect again",
+	c.m.StoreErrors.Add(ctx, 1, c.m.OpComplete)
+	c.cfg.logger.ErrorContext(ctx, "idempotency: could not record the completed effect; the message is acked, but a duplicate delivered after the lease runs out would run the effect again",
 		slog.String("key", key), slog.Any("error", err))
 }
 
@@ -222,14 +236,14 @@ func pause(ctx context.Context, d time.Duration) bool {
 // release lets a retry claim the key at once. On failure the claim simply
 // runs out after its lease, and retries meanwhile are overlapping
 // duplicates.
-func (g *guard) release(ctx context.Context, key string, tok Token) {
-	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), g.cfg.storeTimeout)
+func (c *core) release(ctx context.Context, key string, tok Token) {
+	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
-	err := g.store.Release(sctx, key, tok)
+	err := c.store.Release(sctx, key, tok)
 	if err == nil || errors.Is(err, ErrStaleToken) {
 		return // stale: the claim had already run out or been taken over
 	}
-	g.m.StoreErrors.Add(ctx, 1, g.m.OpRelease)
-	g.cfg.logger.WarnContext(ctx, "idempotency: could not release the claim; the key's next delivery waits until the claim's lease runs out",
+	c.m.StoreErrors.Add(ctx, 1, c.m.OpRelease)
+	c.cfg.logger.WarnContext(ctx, "idempotency: could not release the claim; the key's next delivery waits until the claim's lease runs out",
 		slog.String("key", key), slog.Any("error", err))
 }

@@ -169,8 +169,9 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 // have made is waited for (and given back when the delivery ended
 // meanwhile) rather than left behind for its whole lease. Keep it shorter
 // than the lease: a Claim answered after the lease ran out holds nothing,
-// and is given back without running the handler. Default 5s. Must be
-// positive.
+// and is given back without running the handler. For a batch
+// (NewBatch), a call to a BatchStore carries the keys of the whole batch,
+// and the timeout bounds that call. Default 5s. Must be positive.
 func WithStoreTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {

@@ -29,33 +29,7 @@ import (
 // message reached the dead-letter queue within seconds, attempts used up by
 // "connection refused".
 func TestStoreOutageDeadLettersNothing(t *testing.T) {
-	stores := []struct {
-		name string
-		new  func(t *testing.T) (idempotency.Store, *teststores.Link)
-	}{
-		{"redis", func(t *testing.T) (idempotency.Store, *teststores.Link) {
-			c, link := teststores.RedisVia(t)
-			prefix := "custody-test:" + storetest.Key(t) + ":"
-			s, err := redisstore.New(context.Background(), c, redisstore.WithPrefix(prefix))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				direct := teststores.RedisClient(t)
-				keys, _ := direct.Keys(context.Background(), prefix+"*").Result()
-				if len(keys) > 0 {
-					direct.Del(context.Background(), keys...)
-				}
-			})
-			return s, link
-		}},
-		{"postgres", func(t *testing.T) (idempotency.Store, *teststores.Link) {
-			pool, link := teststores.PostgresVia(t)
-			table := pgsql.TestTable(t, pgsql.TestPool(t), "custody_idem_test")
-			return teststores.PostgresOn(t, pool, table), link
-		}},
-	}
-	for _, st := range stores {
+	for _, st := range linkedStores() {
 		t.Run(st.name, func(t *testing.T) {
 			const (
 				n           = 20
@@ -162,6 +136,40 @@ func TestStoreOutageDeadLettersNothing(t *testing.T) {
 				t.Fatalf("queue: %d receives and %d acks for %d messages, want each received once and acked", s.Received, s.Acked, n)
 			}
 		})
+	}
+}
+
+// linkedStore is a shared store whose connections a test can cut.
+type linkedStore struct {
+	name string
+	new  func(t *testing.T) (idempotency.Store, *teststores.Link)
+}
+
+// linkedStores returns the Redis and PostgreSQL stores, each reached
+// through a Link.
+func linkedStores() []linkedStore {
+	return []linkedStore{
+		{"redis", func(t *testing.T) (idempotency.Store, *teststores.Link) {
+			c, link := teststores.RedisVia(t)
+			prefix := "custody-test:" + storetest.Key(t) + ":"
+			s, err := redisstore.New(context.Background(), c, redisstore.WithPrefix(prefix))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				direct := teststores.RedisClient(t)
+				keys, _ := direct.Keys(context.Background(), prefix+"*").Result()
+				if len(keys) > 0 {
+					direct.Del(context.Background(), keys...)
+				}
+			})
+			return s, link
+		}},
+		{"postgres", func(t *testing.T) (idempotency.Store, *teststores.Link) {
+			pool, link := teststores.PostgresVia(t)
+			table := pgsql.TestTable(t, pgsql.TestPool(t), "custody_idem_test")
+			return teststores.PostgresOn(t, pool, table), link
+		}},
 	}
 }
 

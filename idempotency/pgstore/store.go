@@ -27,6 +27,8 @@ type Store struct {
 	t  pgsql.Table
 
 	claimSQL, completeSQL, releaseSQL, extendSQL, cleanupSQL string
+
+	claimBatchSQL, completeBatchSQL, releaseBatchSQL, extendBatchSQL string
 }
 
 var _ idempotency.Store = (*Store)(nil)
@@ -147,6 +149,8 @@ WHERE key IN (
     SELECT key FROM ` + t + ` WHERE expires_at <= now()
     ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
 AND expires_at <= now()`
+
+	s.prepareBatchSQL()
 }
 
 // Claim implements idempotency.Store.

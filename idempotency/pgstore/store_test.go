@@ -28,6 +28,10 @@ func TestContract(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idempotency.Store { return teststores.Postgres(t) })
 }
 
+func TestBatchContract(t *testing.T) {
+	storetest.RunBatch(t, func(t *testing.T) idempotency.BatchStore { return teststores.Postgres(t).(idempotency.BatchStore) })
+}
+
 func TestCreateSchemaIsRepeatable(t *testing.T) {
 	pool := pgsql.TestPool(t)
 	_, table := newStore(t, pool)
@@ -262,6 +266,22 @@ func TestUnstorableKeysAreReported(t *testing.T) {
 	} {
 		if _, _, err := s.Claim(ctx, c.key, c.fp, time.Minute); !errors.Is(err, idempotency.ErrUnstorableKey) {
 			t.Errorf("Claim(%.20q, %q) = %v, want ErrUnstorableKey", c.key, c.fp, err)
+		}
+	}
+}
+
+// In a batch, a key the store cannot hold fails alone: the statement that
+// claims the others does not carry it, so PostgreSQL does not refuse them
+// all for it.
+func TestUnstorableKeyFailsAloneInABatch(t *testing.T) {
+	s, _ := newStore(t, pgsql.TestPool(t))
+	res := s.ClaimBatch(context.Background(), []idempotency.ClaimRequest{{Key: "good-1"}, {Key: "nul\x00key"}, {Key: "good-2"}}, time.Minute)
+	if !errors.Is(res[1].Err, idempotency.ErrUnstorableKey) {
+		t.Fatalf("ClaimBatch entry of a key with a NUL byte = %+v, want ErrUnstorableKey", res[1])
+	}
+	for _, i := range []int{0, 2} {
+		if res[i].Err != nil || res[i].State != idempotency.Acquired {
+			t.Fatalf("ClaimBatch entry %d beside an unstorable key = %+v, want acquired", i, res[i])
 		}
 	}
 }

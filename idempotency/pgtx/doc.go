@@ -45,6 +45,54 @@
 //     row lock and then counts as sequential; each effect still commits
 //     once.)
 //
+// # Batches
+//
+// NewBatch is the same for batch handlers (consumer.NewBatch): one
+// transaction per batch, so that a bulk effect (one multi-row INSERT, a
+// COPY) commits with the processed-key rows of every message it covers:
+//
+//	h, err := pgtx.NewBatch(pool, func(ctx context.Context, tx pgx.Tx, b *consumer.Batch) error {
+//		rows := make([][]any, 0, len(b.Messages))
+//		for _, m := range b.Messages {
+//			p, err := parse(m.Body)
+//			if err != nil {
+//				b.Fail(m, consumer.Permanent(err)) // before writing: its key is taken out
+//				continue
+//			}
+//			rows = append(rows, []any{m.ID, p.Amount})
+//		}
+//		_, err := tx.CopyFrom(ctx, pgx.Identifier{"payments"}, []string{"id", "amount"}, pgx.CopyFromRows(rows))
+//		return err
+//	})
+//	c, err := consumer.NewBatch(src, h, consumer.WithBatchSize(100))
+//
+// One statement records the keys of the whole batch: the messages whose
+// keys are new go to the function, the sequential duplicates are done at
+// once, and the overlapping ones deferred, as for one message. A message
+// whose key an earlier message of the batch has does not go to the
+// function: it is done once that one's effect commits, and deferred when it
+// does not. If the function returns nil, the keys of the messages it
+// failed (b.Fail) are deleted in the same transaction, which then commits:
+// those messages go back to the runtime with their errors, every other one
+// is done, whether or not the function said so. A message it fails must
+// have no write of its own left in the transaction: fail messages before
+// writing, or write a message that may fail inside a savepoint (tx.Begin)
+// and roll that back. If the function returns an error or panics, the
+// whole transaction rolls back and every message it was given fails with
+// the error; the duplicates keep their outcomes. A function that returns
+// nil after one of its statements failed (which aborts the transaction)
+// fails every message it was given, as its own failure. The failures of
+// the database and the conflicts are handled as for one message (below),
+// for the whole transaction; a failed BEGIN or key statement counts a store
+// error for each message of the batch.
+//
+// Each key's advisory lock is held until the batch's transaction ends, so
+// a batch of n keys takes n entries of PostgreSQL's shared lock table,
+// which holds max_locks_per_transaction × (max_connections +
+// max_prepared_transactions) of them (6,400 by default): keep the batch
+// size times the concurrent batches well below that, or raise
+// max_locks_per_transaction.
+//
 // # What is exactly once, and what is not
 //
 // Covered: every write the function makes through tx, to the database the
@@ -91,7 +139,10 @@
 // answers. The function's own errors go to the runtime unchanged, a failed
 // statement of its own or a statement timeout included, and so does a
 // network error from anything else it calls: only the state of the
-// transaction's connection tells, not the type of the error.
+// transaction's connection tells, not the type of the error. A function
+// that returns nil after one of its statements failed (which aborts the
+// transaction) fails too, with an error saying so: its transaction cannot
+// commit, and that is not the database's fault.
 //
 // # Connections that vanish
 //

@@ -56,3 +56,17 @@ func connectionLost(tx pgx.Tx, err error) bool {
 	}
 	return false
 }
+
+// errAbortedTx is the error of a function that returned nil with its
+// transaction aborted by a statement that failed: nothing it did can
+// commit. It is the function's failure, not the database's: marked
+// unavailable, as the COMMIT's rollback would be, the message would wait
+// for ever.
+var errAbortedTx = errors.New("pgtx: the function returned nil, but a statement of its transaction had failed, which aborts the transaction; return that error, or run statements that may fail in a savepoint (tx.Begin) and roll it back")
+
+// aborted reports whether tx's connection is open and its transaction
+// aborted by a failed statement.
+func aborted(tx pgx.Tx) bool {
+	c := tx.Conn()
+	return c != nil && !c.IsClosed() && c.PgConn().TxStatus() == 'E'
+}

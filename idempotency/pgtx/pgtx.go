@@ -40,13 +40,21 @@ type Func func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error
 // Handler is a consumer.Handler that runs a Func exactly once per key within
 // a PostgreSQL transaction.
 type Handler struct {
+	base
+	fn Func
+}
+
+// base is what Handler and BatchHandler share: the database, the options,
+// the metrics and the statements.
+type base struct {
 	db        DB
-	fn        Func
 	cfg       config
 	m         *dupmetrics.Set
 	conflicts metric.Int64Counter
 
 	claimSQL, fingerprintSQL, cleanupSQL string
+
+	claimBatchSQL, fingerprintsSQL, unclaimSQL string
 }
 
 var _ consumer.Handler = (*Handler)(nil)
@@ -214,6 +222,18 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	if fn == nil {
 		return nil, errors.New("pgtx: New(nil func): pass the function that performs the effect")
 	}
+	b, err := newBase("New", db, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Handler{base: *b, fn: fn}, nil
+}
+
+// newBase checks the arguments of the constructor name.
+func newBase(name string, db DB, opts []Option) (*base, error) {
+	if db == nil {
+		return nil, fmt.Errorf("pgtx: %s(nil db): pass a *pgxpool.Pool", name)
+	}
 	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second, conflictRuns: 3}
 	c.table, _ = pgsql.ParseTable(DefaultTable)
 	for _, o := range opts {
@@ -235,12 +255,12 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pgtx: creating metrics: %w", err)
 	}
-	h := &Handler{db: db, fn: fn, cfg: c, m: m, conflicts: conflicts}
-	h.prepareSQL()
-	return h, nil
+	b := &base{db: db, cfg: c, m: m, conflicts: conflicts}
+	b.prepareSQL()
+	return b, nil
 }
 
-func (h *Handler) prepareSQL() {
+func (h *base) prepareSQL() {
 	t := h.cfg.table.Quoted
 	// The advisory lock (on a hash of table and key, released at commit or
 	// rollback) tells a concurrent transaction for the same key apart from
@@ -268,6 +288,8 @@ WHERE key IN (
     SELECT key FROM ` + t + `
     WHERE processed_at < now() - $1::float8 * interval '1 millisecond'
     ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)`
+
+	h.prepareBatchSQL()
 }
 
 // Handle implements consumer.Handler.
@@ -286,17 +308,26 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) error {
 	}
 	for run := 1; ; run++ {
 		err := h.handleOnce(ctx, m, key, fp)
-		if run > h.cfg.conflictRuns || !isConflict(err) || consumer.IsPermanent(err) {
+		if !h.runAgain(ctx, run, err) {
 			return err
 		}
-		h.conflicts.Add(ctx, 1, h.m.Plain)
-		t := time.NewTimer(conflictPause.Delay(run))
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return err
-		}
+	}
+}
+
+// runAgain reports whether a transaction that failed with err on its run
+// is to be run again, a conflict, after the pause it waits for.
+func (h *base) runAgain(ctx context.Context, run int, err error) bool {
+	if run > h.cfg.conflictRuns || !isConflict(err) || consumer.IsPermanent(err) {
+		return false
+	}
+	h.conflicts.Add(ctx, 1, h.m.Plain)
+	t := time.NewTimer(conflictPause.Delay(run))
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		t.Stop()
+		return false
 	}
 }
 
@@ -352,6 +383,9 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 		}
 		return err
 	}
+	if aborted(tx) {
+		return errAbortedTx
+	}
 	if err := tx.Commit(ctx); err != nil {
 		// If the commit did happen and only its reply was lost, the
 		// retry finds the key and is skipped.
@@ -371,11 +405,17 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 // middleware counts a failed Claim. A conflict is left to Handle to run
 // again, and a delivery whose own context ended is none of the database's
 // doing: neither is counted or marked.
-func (h *Handler) ownFailure(ctx context.Context, err error) error {
+func (h *base) ownFailure(ctx context.Context, err error) error {
+	return h.ownFailures(ctx, 1, err)
+}
+
+// ownFailures is ownFailure for a transaction of n keys: the store error
+// is counted for each, as n failed claims.
+func (h *base) ownFailures(ctx context.Context, n int, err error) error {
 	if ctx.Err() != nil || isConflict(err) {
 		return err
 	}
-	h.m.StoreErrors.Add(ctx, 1, h.m.OpClaim)
+	h.m.StoreErrors.Add(ctx, int64(n), h.m.OpClaim)
 	if ownStatementFailed(err) {
 		return consumer.Unavailable(err)
 	}
@@ -383,7 +423,21 @@ func (h *Handler) ownFailure(ctx context.Context, err error) error {
 }
 
 // DDL returns the statements CreateSchema runs, for a migration tool.
-func (h *Handler) DDL() []string {
+func (h *Handler) DDL() []string { return h.ddl() }
+
+// CreateSchema creates the processed-keys table and its index if they do not
+// exist.
+func (h *Handler) CreateSchema(ctx context.Context) error { return h.createSchema(ctx) }
+
+// Cleanup deletes keys processed more than retention ago, batch rows per
+// statement, and returns how many it deleted. A message redelivered after
+// its key was deleted is processed again: keep retention longer than the
+// broker can redeliver.
+func (h *Handler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
+	return h.cleanup(ctx, retention, batch)
+}
+
+func (h *base) ddl() []string {
 	t := h.cfg.table
 	return []string{
 		`CREATE TABLE IF NOT EXISTS ` + t.Quoted + ` (
@@ -395,10 +449,8 @@ func (h *Handler) DDL() []string {
 	}
 }
 
-// CreateSchema creates the processed-keys table and its index if they do not
-// exist.
-func (h *Handler) CreateSchema(ctx context.Context) error {
-	for _, q := range h.DDL() {
+func (h *base) createSchema(ctx context.Context) error {
+	for _, q := range h.ddl() {
 		if _, err := h.db.Exec(ctx, q); err != nil {
 			return fmt.Errorf("pgtx: create schema: %w", err)
 		}
@@ -406,11 +458,7 @@ func (h *Handler) CreateSchema(ctx context.Context) error {
 	return nil
 }
 
-// Cleanup deletes keys processed more than retention ago, batch rows per
-// statement, and returns how many it deleted. A message redelivered after
-// its key was deleted is processed again: keep retention longer than the
-// broker can redeliver.
-func (h *Handler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
+func (h *base) cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if retention <= 0 {
 		return 0, fmt.Errorf("pgtx: Cleanup retention %v: must be positive", retention)
 	}

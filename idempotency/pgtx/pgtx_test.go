@@ -705,3 +705,26 @@ func TestCommitWithUnknownOutcomeIsRetriedExactlyOnce(t *testing.T) {
 		})
 	}
 }
+
+// A function that swallows a failed statement's error and returns nil
+// leaves an aborted transaction, which cannot commit. That is the
+// function's failure, counted as an attempt: marked unavailable, as the
+// rollback at COMMIT was before, the message would wait for ever instead
+// of being retried and, in the end, dead-lettered.
+func TestAbortedTransactionIsTheFunctionsFailure(t *testing.T) {
+	f := newFixture(t)
+	h := f.handler(t, func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if err := f.insertEffect(ctx, tx, m); err != nil {
+			return err
+		}
+		_, _ = tx.Exec(ctx, `INSERT INTO custody_no_such_table VALUES (1)`) // error ignored
+		return nil
+	})
+	err := h.Handle(context.Background(), msg("m", "a"))
+	if err == nil || consumer.IsUnavailable(err) || !strings.Contains(err.Error(), "savepoint") {
+		t.Fatalf("Handle = %v, want the function's failure, saying the transaction was aborted", err)
+	}
+	if f.rows(t, f.effects) != 0 || f.rows(t, f.processed) != 0 {
+		t.Fatal("an aborted transaction left rows behind")
+	}
+}

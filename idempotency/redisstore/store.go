@@ -13,7 +13,10 @@ import (
 )
 
 // Client is what the store needs from go-redis: *redis.Client,
-// *redis.ClusterClient and redis.UniversalClient all satisfy it.
+// *redis.ClusterClient and redis.UniversalClient all satisfy it. A client
+// that also has go-redis's Pipeline method (all three have) takes the keys
+// of a batch in one round trip (see idempotency.BatchStore); another one
+// key at a time.
 type Client interface {
 	redis.Scripter
 	SetArgs(ctx context.Context, key string, value any, a redis.SetArgs) *redis.StatusCmd
@@ -101,8 +104,18 @@ func (s *Store) Claim(ctx context.Context, key, fingerprint string, lease time.D
 		return 0, "", err
 	}
 	tok := idempotency.NewToken()
-	old, err := s.c.SetArgs(ctx, s.prefix+key, inProgress+string(tok)+":"+fingerprint,
-		redis.SetArgs{Mode: "NX", TTL: time.Duration(millis(lease)) * time.Millisecond, Get: true}).Result()
+	old, err := s.c.SetArgs(ctx, s.prefix+key, inProgress+string(tok)+":"+fingerprint, claimArgs(lease)).Result()
+	return s.claimed(key, fingerprint, tok, old, err)
+}
+
+// claimArgs makes the SET create the record only where there is none, and
+// return the one there is.
+func claimArgs(lease time.Duration) redis.SetArgs {
+	return redis.SetArgs{Mode: "NX", TTL: time.Duration(millis(lease)) * time.Millisecond, Get: true}
+}
+
+// claimed reads the reply to the claim of key with tok.
+func (s *Store) claimed(key, fingerprint string, tok idempotency.Token, old string, err error) (idempotency.State, idempotency.Token, error) {
 	if errors.Is(err, redis.Nil) {
 		return idempotency.Acquired, tok, nil
 	}
@@ -197,6 +210,11 @@ func (s *Store) Extend(ctx context.Context, key string, token idempotency.Token,
 
 func (s *Store) run(ctx context.Context, op string, script *redis.Script, key string, args ...any) error {
 	n, err := script.Run(ctx, s.c, []string{s.prefix + key}, args...).Int()
+	return result(op, key, n, err)
+}
+
+// result reads a script's reply n (or its error) for key.
+func result(op, key string, n int, err error) error {
 	if err != nil {
 		return fmt.Errorf("redisstore: %s %q: %w", op, key, err)
 	}

@@ -19,6 +19,10 @@ func TestContract(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idempotency.Store { return teststores.Redis(t) })
 }
 
+func TestBatchContract(t *testing.T) {
+	storetest.RunBatch(t, func(t *testing.T) idempotency.BatchStore { return teststores.Redis(t).(idempotency.BatchStore) })
+}
+
 func TestRecordsExpireInRedis(t *testing.T) {
 	// Redis forgets records by itself: no cleanup job is needed.
 	ctx := context.Background()

@@ -5,6 +5,8 @@
 //		storetest.Run(t, func(t *testing.T) idempotency.Store { return newStore(t) })
 //	}
 //
+// A store that is also an idempotency.BatchStore runs RunBatch as well.
+//
 // Every subtest uses keys of its own, so newStore may return the same store
 // each time. Leases and retentions in the suite are short (tens to hundreds
 // of milliseconds) so expiry is exercised quickly; stores must honour
