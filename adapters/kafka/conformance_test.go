@@ -17,7 +17,10 @@ import (
 )
 
 func TestConformance(t *testing.T) {
-	adaptertest.Run(t, adaptertest.Harness{NewQueue: newTestQueue})
+	adaptertest.Run(t, adaptertest.Harness{
+		NewQueue: newTestQueue,
+		Dispatch: adaptertest.Partitions,
+	})
 }
 
 var queueSeq atomic.Int64
