@@ -2,7 +2,9 @@
 // the same behaviours, checked the same way, against each broker. It drives
 // the adapter through the real runtime (package consumer), so what it checks
 // is what a user gets, and drives Sources directly for what the contract asks
-// of each method.
+// of each method: among others, that an adapter only translates, and leaves
+// timing policy (fetching ahead, renewing leases, batching and retrying acks)
+// to the runtime.
 //
 // An adapter's test fills in a [Harness] and calls [Run]. Tests that need
 // something the broker or the harness does not offer (a lease, an ordered
@@ -57,6 +59,8 @@ var checks = []struct {
 	{"AckAndNackOfOneDelivery", testAckAfterNack},
 	{"ForeignDelivery", testForeignDelivery},
 	{"NackDelay", testNackDelay},
+	{"NoFetchAhead", testNoFetchAhead},
+	{"NoSelfRenewal", testNoSelfRenewal},
 }
 
 // checkNamed returns the check called name, or nil.
