@@ -10,10 +10,12 @@ import (
 )
 
 // The tests in this file check that an adapter leaves timing policy to the
-// runtime: it fetches no more than Receive asks for, and renews no lease the
-// runtime did not ask it to. An adapter that did either by itself would
-// hold messages the runtime does not know it holds. Each test drives Sources
-// directly, and watches from a second Source what the first one did.
+// runtime: it fetches no more than Receive asks for, renews no lease the
+// runtime did not ask it to, and makes Ack, Nack and Extend take effect
+// before they return. An adapter that did any of these by itself would hold
+// messages the runtime does not know it holds, or answer for the broker
+// before the broker did. Each test drives Sources directly, and watches from
+// a second Source, or through the broker, what the first one did.
 
 // receiveUntil calls src.Receive(ctx, max) until done reports true of what
 // it received, or wait passes, and returns what it received and whether done
@@ -38,6 +40,21 @@ func receiveUntil(t *testing.T, src adapters.Source, max int, wait time.Duration
 		}
 	}
 	return got, true
+}
+
+// bodiesOf returns the bodies of ds.
+func bodiesOf(ds []*adapters.Delivery) []string {
+	out := make([]string, len(ds))
+	for i, d := range ds {
+		out[i] = string(d.Body)
+	}
+	return out
+}
+
+// crash cuts src off from the broker through the harness, then closes it.
+func crash(q *Queue, src adapters.Source) {
+	q.Crash(src)
+	_ = src.Close() // a crashed Source may fail to close; it only frees resources
 }
 
 // longLease is the lease of queues on which no lease may run out during a
@@ -140,5 +157,120 @@ func testNoSelfRenewal(t *testing.T, h Harness) {
 	defer cancel()
 	if err := b.Ack(ctx, []*adapters.Delivery{d}); err != nil {
 		t.Fatalf("Ack of the redelivery: %v", err)
+	}
+}
+
+// skipUnlessLingerShows skips a test of lingering when the broker's acks
+// are not settled by the adapter's calls alone (Kafka's commits), and
+// skipUnlessCrashable when the harness cannot cut a Source off, which is how
+// those tests see a linger.
+func skipUnlessLingerShows(t *testing.T, h Harness) {
+	t.Helper()
+	if h.Dispatch == Partitions {
+		t.Skip("acks are offsets, committed later with others (Kafka): the runtime's prefix commits, not an adapter's linger")
+	}
+}
+
+func skipUnlessCrashable(t *testing.T, q *Queue) {
+	t.Helper()
+	if q.Crash == nil {
+		t.Skip("the harness cannot cut a Source off from the broker (Queue.Crash is nil)")
+	}
+}
+
+// testAckDoesNotLinger checks that an Ack has reached the broker when it
+// returns: a Source cut off from the broker right after an Ack returned nil
+// leaves that message acked, and only the other comes back. An adapter that
+// holds acks back to send them later in batches would lose them with the
+// process, while the runtime counted them settled; the runtime does the
+// batching (Capabilities.Ack), before it calls Ack.
+func testAckDoesNotLinger(t *testing.T, h Harness) {
+	skipUnlessLingerShows(t, h)
+	q := h.NewQueue(t, QueueConfig{Lease: time.Second})
+	skipUnlessCrashable(t, q)
+	publishN(t, q, 2, "")
+	src := q.Open(t)
+	ds := receiveDirect(t, src, 2, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	if err := src.Ack(ctx, ds[:1]); err != nil {
+		t.Fatalf("Ack: %v", err)
+	}
+	crash(q, src)
+	expectFates(t, q, map[string]bool{string(ds[0].Body): true, string(ds[1].Body): false})
+}
+
+// testNackDoesNotLinger checks that a Nack has reached the broker when it
+// returns: a message nacked with no delay, by a Source cut off from the
+// broker right after, is at once receivable by another Source. The queue's
+// lease is long, so a nack the adapter held back and lost with the process
+// leaves the message out of reach for longer than the test waits.
+func testNackDoesNotLinger(t *testing.T, h Harness) {
+	skipUnlessLingerShows(t, h)
+	q := h.NewQueue(t, QueueConfig{Lease: longLease})
+	skipUnlessCrashable(t, q)
+	bodies := publishN(t, q, 1, "")
+	src := q.Open(t)
+	ds := receiveDirect(t, src, 1, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	if err := src.Nack(ctx, adapters.NackAll(ds, 0)); err != nil {
+		t.Fatalf("Nack: %v", err)
+	}
+	crash(q, src)
+	b := q.Open(t)
+	defer b.Close()
+	got, ok := receiveUntil(t, b, 1, h.patience(), func(ds []*adapters.Delivery) bool { return len(ds) > 0 })
+	if !ok {
+		t.Fatalf("a message nacked with no delay was not receivable by another Source within %v once the Source that nacked it was cut off (lease %v): the Nack had not reached the broker when it returned", h.patience(), q.Lease)
+	}
+	if string(got[0].Body) != bodies[0] {
+		t.Errorf("the second Source received %q, want %q", got[0].Body, bodies[0])
+	}
+}
+
+// testExtendDoesNotLinger checks that an Extend has reached the broker when
+// it returns. A Source renews, halfway through its lease, a delivery it
+// received, for a whole lease, as the runtime's lease keeper does, and is
+// cut off from the broker right after; another Source then watches the
+// queue until just before the renewed lease ends. A renewal the adapter
+// held back would be lost with the process, and the message would go to the
+// watcher when the first lease ended, while the runtime believed it kept.
+// Only what the watcher received before the renewed lease could have ended
+// counts, so a slow machine cannot fail an adapter that renews at once.
+func testExtendDoesNotLinger(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: time.Second})
+	if q.Lease <= 0 {
+		t.Skip("the broker does not lease deliveries")
+	}
+	skipUnlessCrashable(t, q)
+	publishN(t, q, 1, "")
+	src := q.Open(t)
+	ext, ok := src.(adapters.Extender)
+	if !ok {
+		src.Close()
+		t.Fatalf("%T leases deliveries but does not implement adapters.Extender", src)
+	}
+	ds := receiveDirect(t, src, 1, 1)
+	time.Sleep(q.Lease / 2)
+	renewed := time.Now() // the renewed lease ends no sooner than renewed + q.Lease
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	if err := ext.Extend(ctx, ds, q.Lease); err != nil {
+		t.Fatalf("Extend: %v", err)
+	}
+	crash(q, src)
+	b := q.Open(t)
+	defer b.Close()
+	watchUntil := renewed.Add(q.Lease * 9 / 10)
+	var early []string
+	receiveUntil(t, b, 1, time.Until(watchUntil), func(ds []*adapters.Delivery) bool {
+		if len(ds) > len(early) && time.Now().Before(watchUntil) {
+			early = bodiesOf(ds)
+		}
+		return len(early) > 0
+	})
+	if len(early) > 0 {
+		t.Fatalf("a message whose lease was renewed halfway through it, for a lease of %v, came back to another Source (%q) before the renewed lease ended, once the Source that renewed it was cut off: the Extend had not reached the broker when it returned", q.Lease, early)
 	}
 }

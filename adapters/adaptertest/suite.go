@@ -61,6 +61,9 @@ var checks = []struct {
 	{"NackDelay", testNackDelay},
 	{"NoFetchAhead", testNoFetchAhead},
 	{"NoSelfRenewal", testNoSelfRenewal},
+	{"AckDoesNotLinger", testAckDoesNotLinger},
+	{"NackDoesNotLinger", testNackDoesNotLinger},
+	{"ExtendDoesNotLinger", testExtendDoesNotLinger},
 }
 
 // checkNamed returns the check called name, or nil.

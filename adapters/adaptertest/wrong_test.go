@@ -36,6 +36,9 @@ type wrongAdapter struct {
 var wrongAdapters = []wrongAdapter{
 	{"FetchesAhead", "NoFetchAhead", func(s *memory.Source) adapters.Source { return &fetchingAhead{base: base{s}} }, "fetched ahead"},
 	{"RenewsByItself", "NoSelfRenewal", newSelfRenewing, "renewed its lease by itself"},
+	{"LingersOnAck", "AckDoesNotLinger", newLingering, "acked messages were delivered again"},
+	{"LingersOnNack", "NackDoesNotLinger", newLingering, "the Nack had not reached the broker"},
+	{"LingersOnExtend", "ExtendDoesNotLinger", newLingering, "the Extend had not reached the broker"},
 }
 
 // wrongEnv names the wrong adapter a child process runs.
@@ -263,4 +266,62 @@ func (r *selfRenewing) Close() error {
 	close(r.stop)
 	<-r.done
 	return r.Source.Close()
+}
+
+// lingering answers Ack, Nack and Extend at once and sends them a second
+// later, in one go, or when it is closed.
+type lingering struct {
+	base
+	mu      sync.Mutex
+	pending []func()
+	timer   *time.Timer
+}
+
+func newLingering(s *memory.Source) adapters.Source { return &lingering{base: base{s}} }
+
+func (l *lingering) later(op func()) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.pending = append(l.pending, op)
+	if l.timer == nil {
+		l.timer = time.AfterFunc(time.Second, l.flush)
+	}
+}
+
+func (l *lingering) flush() {
+	l.mu.Lock()
+	ops := l.pending
+	l.pending, l.timer = nil, nil
+	l.mu.Unlock()
+	for _, op := range ops {
+		op()
+	}
+}
+
+func (l *lingering) Ack(_ context.Context, ds []*adapters.Delivery) error {
+	ds = slices.Clone(ds)
+	l.later(func() { _ = l.Source.Ack(context.Background(), ds) })
+	return nil
+}
+
+func (l *lingering) Nack(_ context.Context, ns []adapters.Nack) error {
+	ns = slices.Clone(ns)
+	l.later(func() { _ = l.Source.Nack(context.Background(), ns) })
+	return nil
+}
+
+func (l *lingering) Extend(_ context.Context, ds []*adapters.Delivery, d time.Duration) error {
+	ds = slices.Clone(ds)
+	l.later(func() { _ = l.Source.Extend(context.Background(), ds, d) })
+	return nil
+}
+
+func (l *lingering) Close() error {
+	l.mu.Lock()
+	if l.timer != nil {
+		l.timer.Stop()
+	}
+	l.mu.Unlock()
+	l.flush()
+	return l.Source.Close()
 }
