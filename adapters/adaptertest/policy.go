@@ -2,6 +2,7 @@ package adaptertest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -11,11 +12,12 @@ import (
 
 // The tests in this file check that an adapter leaves timing policy to the
 // runtime: it fetches no more than Receive asks for, renews no lease the
-// runtime did not ask it to, and makes Ack, Nack and Extend take effect
-// before they return. An adapter that did any of these by itself would hold
-// messages the runtime does not know it holds, or answer for the broker
-// before the broker did. Each test drives Sources directly, and watches from
-// a second Source, or through the broker, what the first one did.
+// runtime did not ask it to, makes Ack, Nack and Extend take effect before
+// they return, and reports a refused entry instead of trying it again. An
+// adapter that did any of these by itself would hold messages the runtime
+// does not know it holds, or answer for the broker before the broker did.
+// Each test drives Sources directly, and watches from a second Source, or
+// through the broker, what the first one did.
 
 // receiveUntil calls src.Receive(ctx, max) until done reports true of what
 // it received, or wait passes, and returns what it received and whether done
@@ -272,5 +274,52 @@ func testExtendDoesNotLinger(t *testing.T, h Harness) {
 	})
 	if len(early) > 0 {
 		t.Fatalf("a message whose lease was renewed halfway through it, for a lease of %v, came back to another Source (%q) before the renewed lease ended, once the Source that renewed it was cut off: the Extend had not reached the broker when it returned", q.Lease, early)
+	}
+}
+
+// testRefusedEntryIsNotRetried checks that an Ack entry the broker refuses
+// fails in a *adapters.BatchError at once, and the other entries of the
+// call are settled: the runtime tries failed entries again (asking
+// adapters.Retryable which are worth it), on its own schedule. An adapter
+// that tried again by itself would hold the call, and with it the runtime's
+// batching, and hide from the runtime what the broker said.
+func testRefusedEntryIsNotRetried(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: longLease})
+	if q.Refuse == nil {
+		t.Skip("the harness cannot make the broker refuse an ack entry (Queue.Refuse is nil): a broker that never refuses one leaves nothing to retry")
+	}
+	publishN(t, q, 2, "")
+	src := q.Open(t)
+	defer src.Close()
+	ds := receiveDirect(t, src, 2, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	q.Refuse(src)
+	err := src.Ack(ctx, ds)
+	var be *adapters.BatchError
+	switch {
+	case err == nil:
+		t.Fatalf("Ack returned nil for a batch whose first entry the broker refused: the adapter tried the entry again by itself; report it in a *adapters.BatchError and leave retries to the runtime")
+	case !errors.As(err, &be):
+		t.Fatalf("Ack of a batch whose first entry the broker refused failed whole: %v; want a *adapters.BatchError failing that entry alone", err)
+	}
+	refused := adapters.EntryError(err, 0)
+	if refused == nil {
+		t.Fatalf("Ack reported entries %v, not the refused entry 0: the adapter tried it again by itself; report it and leave retries to the runtime", be.Failed)
+	}
+	if e := adapters.EntryError(err, 1); e != nil {
+		t.Errorf("the entry after the refused one failed too: %v", e)
+	}
+	for _, lost := range []error{adapters.ErrLeaseLost, adapters.ErrConnectionLost, adapters.ErrRevoked, adapters.ErrClosed} {
+		if errors.Is(refused, lost) {
+			t.Errorf("a transient refusal was reported as %v: the runtime gives such a delivery up instead of trying again", lost)
+		}
+	}
+	if r, ok := src.(adapters.Retryable); ok && !r.IsRetryable(refused) {
+		t.Errorf("IsRetryable(%v) = false for a transient fault on the broker's side: the runtime will not try it again", refused)
+	}
+	// The runtime's next try.
+	if err := src.Ack(ctx, ds[:1]); err != nil {
+		t.Errorf("Ack of the refused entry, tried again: %v", err)
 	}
 }

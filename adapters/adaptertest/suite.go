@@ -64,6 +64,7 @@ var checks = []struct {
 	{"AckDoesNotLinger", testAckDoesNotLinger},
 	{"NackDoesNotLinger", testNackDoesNotLinger},
 	{"ExtendDoesNotLinger", testExtendDoesNotLinger},
+	{"RefusedEntryIsNotRetried", testRefusedEntryIsNotRetried},
 }
 
 // checkNamed returns the check called name, or nil.

@@ -39,6 +39,7 @@ var wrongAdapters = []wrongAdapter{
 	{"LingersOnAck", "AckDoesNotLinger", newLingering, "acked messages were delivered again"},
 	{"LingersOnNack", "NackDoesNotLinger", newLingering, "the Nack had not reached the broker"},
 	{"LingersOnExtend", "ExtendDoesNotLinger", newLingering, "the Extend had not reached the broker"},
+	{"RetriesEntries", "RefusedEntryIsNotRetried", func(s *memory.Source) adapters.Source { return &retrying{base{s}} }, "tried the entry again by itself"},
 }
 
 // wrongEnv names the wrong adapter a child process runs.
@@ -324,4 +325,29 @@ func (l *lingering) Close() error {
 	l.mu.Unlock()
 	l.flush()
 	return l.Source.Close()
+}
+
+// retrying tries again, a few times, the Ack entries the broker refused.
+type retrying struct{ base }
+
+func (r *retrying) Ack(ctx context.Context, ds []*adapters.Delivery) error {
+	err := r.Source.Ack(ctx, ds)
+	for try := 0; try < 3; try++ {
+		var be *adapters.BatchError
+		if !errors.As(err, &be) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond)
+		failed := map[int]error{}
+		for i, e := range be.Failed {
+			if e2 := r.Source.Ack(ctx, ds[i:i+1]); e2 != nil {
+				failed[i] = e
+			}
+		}
+		if len(failed) == 0 {
+			return nil
+		}
+		err = &adapters.BatchError{Failed: failed}
+	}
+	return err
 }
