@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,8 +17,10 @@ import (
 // they return, and reports a refused entry instead of trying it again. An
 // adapter that did any of these by itself would hold messages the runtime
 // does not know it holds, or answer for the broker before the broker did.
-// Each test drives Sources directly, and watches from a second Source, or
-// through the broker, what the first one did.
+// They also check what the runtime relies on to do that policy itself: the
+// bounds of Receive (Capabilities.MaxReceive and Receivers) and a Signal per
+// delivery. Each test drives Sources directly, and watches from a second
+// Source, or through the broker, what the first one did.
 
 // receiveUntil calls src.Receive(ctx, max) until done reports true of what
 // it received, or wait passes, and returns what it received and whether done
@@ -321,5 +324,202 @@ func testRefusedEntryIsNotRetried(t *testing.T, h Harness) {
 	// The runtime's next try.
 	if err := src.Ack(ctx, ds[:1]); err != nil {
 		t.Errorf("Ack of the refused entry, tried again: %v", err)
+	}
+}
+
+// testMaxReceive checks that a Source bounding its Receive calls
+// (Capabilities.MaxReceive) serves calls of that size on a queue holding
+// more: each returns no more than asked, and together they take every
+// message.
+func testMaxReceive(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: longLease})
+	src := q.Open(t)
+	defer src.Close()
+	m := src.Capabilities().MaxReceive
+	switch {
+	case m == 0:
+		t.Skip("Receive is unbounded (MaxReceive 0); ReceiveBounds checks it")
+	case m > 1000:
+		t.Skipf("MaxReceive %d: too many messages to publish for one check", m)
+	}
+	bodies := publishN(t, q, m+1, "")
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	seen := map[string]bool{}
+	for len(seen) < len(bodies) {
+		// Acked as they come: a broker that pushes up to a prefetch window
+		// sends the rest only then.
+		ds := receiveDirect(t, src, 1, m)
+		for _, d := range ds {
+			if seen[string(d.Body)] {
+				t.Fatalf("message %q received twice", d.Body)
+			}
+			seen[string(d.Body)] = true
+		}
+		if err := src.Ack(ctx, ds); err != nil {
+			t.Fatalf("Ack: %v", err)
+		}
+	}
+}
+
+// testConcurrentReceives checks, for a Source that lets the runtime run
+// several Receive calls at once (Capabilities.Receivers > 1), that such
+// calls are safe together: none returns more than it asked for, and no
+// message is handed to two of them. Run it under -race.
+func testConcurrentReceives(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: longLease})
+	src := q.Open(t)
+	defer src.Close()
+	caps := src.Capabilities()
+	r := caps.Receivers
+	if r <= 1 {
+		t.Skipf("the runtime runs one Receive at a time on this Source (Receivers %d)", r)
+	}
+	per := 3
+	if caps.MaxReceive > 0 {
+		per = min(per, caps.MaxReceive)
+	}
+	n := 2 * r * per
+	bodies := publishN(t, q, n, "")
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	var (
+		mu    sync.Mutex
+		seen  = map[string]int{}
+		total int
+		wg    sync.WaitGroup
+	)
+	fail := make(chan string, r)
+	for range r {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				ds, err := src.Receive(ctx, per)
+				if len(ds) > per {
+					fail <- fmt.Sprintf("Receive(ctx, %d) among %d concurrent calls returned %d deliveries", per, r, len(ds))
+					cancel()
+					return
+				}
+				mu.Lock()
+				for _, d := range ds {
+					seen[string(d.Body)]++
+				}
+				total += len(ds)
+				done := len(seen) == n
+				mu.Unlock()
+				if len(ds) > 0 {
+					if err := src.Ack(ctx, ds); err != nil && ctx.Err() == nil {
+						fail <- fmt.Sprintf("Ack: %v", err)
+						cancel()
+						return
+					}
+				}
+				if done {
+					cancel() // the others are waiting in Receive
+					return
+				}
+				if err != nil {
+					if ctx.Err() == nil {
+						fail <- fmt.Sprintf("Receive: %v", err)
+						cancel()
+					}
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(fail)
+	for f := range fail {
+		t.Error(f)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for body, c := range seen {
+		if c > 1 {
+			t.Errorf("message %q handed out %d times by concurrent Receive calls", body, c)
+		}
+	}
+	if len(seen) != n && !t.Failed() {
+		t.Errorf("%d concurrent Receive calls took %d of %d messages within %v", r, len(seen), n, patience)
+	}
+	t.Logf("%d concurrent Receive calls of up to %d took %d deliveries of %d messages", r, per, total, len(bodies))
+}
+
+// testSignalPerDelivery checks the Signal contract: a delivery's Signal,
+// where the adapter sets one, belongs to that delivery alone (not to its
+// message, its batch or its Source), so that the runtime's cancelling one
+// handler, or the adapter's losing one delivery, touches no other; and Lose
+// on it is reported through LostCause. A redelivery of the same message to
+// the same Source gets a Signal of its own, not lost at birth.
+func testSignalPerDelivery(t *testing.T, h Harness) {
+	q := h.NewQueue(t, QueueConfig{Lease: longLease})
+	publishN(t, q, 3, "")
+	src := q.Open(t)
+	defer src.Close()
+	ds := receiveDirect(t, src, 3, 3)
+	owner := map[*adapters.Signal]string{}
+	claim := func(d *adapters.Delivery, what string) {
+		t.Helper()
+		if d.Signal == nil {
+			return
+		}
+		if other, ok := owner[d.Signal]; ok {
+			t.Errorf("%s shares its Signal with %s", what, other)
+			return
+		}
+		owner[d.Signal] = what
+		if err := d.Signal.LostCause(); err != nil {
+			t.Errorf("%s was handed out lost: %v", what, err)
+		}
+	}
+	for i, d := range ds {
+		claim(d, fmt.Sprintf("delivery %d (%q)", i, d.Body))
+	}
+
+	// Lose on one delivery's Signal, as the runtime does when it could not
+	// renew a lease, is that delivery's alone.
+	if s := ds[1].Signal; s != nil {
+		before := make([]error, len(ds))
+		for i, d := range ds {
+			before[i] = d.Signal.LostCause()
+		}
+		cause := errors.New("adaptertest: lost on purpose")
+		s.Lose(cause)
+		if got := s.LostCause(); !errors.Is(got, cause) {
+			t.Errorf("after Lose(%v), LostCause() = %v", cause, got)
+		}
+		select {
+		case <-s.Lost():
+		default:
+			t.Errorf("after Lose, the Lost channel is open")
+		}
+		for i, d := range ds {
+			if i != 1 && before[i] == nil && d.Signal.LostCause() != nil {
+				t.Errorf("losing delivery 1 lost delivery %d too (%v)", i, d.Signal.LostCause())
+			}
+		}
+	}
+
+	// The same message again, on the same Source.
+	ctx, cancel := context.WithTimeout(context.Background(), patience)
+	defer cancel()
+	if err := src.Nack(ctx, adapters.NackAll(ds[:1], 0)); err != nil {
+		t.Fatalf("Nack: %v", err)
+	}
+	got, ok := receiveUntil(t, src, 3, patience, func(got []*adapters.Delivery) bool {
+		for _, d := range got {
+			if string(d.Body) == string(ds[0].Body) {
+				return true
+			}
+		}
+		return false
+	})
+	if !ok {
+		t.Fatalf("a message nacked with no delay did not come back to its Source within %v", patience)
+	}
+	for _, d := range got {
+		claim(d, fmt.Sprintf("the redelivery of %q", d.Body))
 	}
 }

@@ -65,6 +65,9 @@ var checks = []struct {
 	{"NackDoesNotLinger", testNackDoesNotLinger},
 	{"ExtendDoesNotLinger", testExtendDoesNotLinger},
 	{"RefusedEntryIsNotRetried", testRefusedEntryIsNotRetried},
+	{"MaxReceive", testMaxReceive},
+	{"ConcurrentReceives", testConcurrentReceives},
+	{"SignalPerDelivery", testSignalPerDelivery},
 }
 
 // checkNamed returns the check called name, or nil.

@@ -40,6 +40,9 @@ var wrongAdapters = []wrongAdapter{
 	{"LingersOnNack", "NackDoesNotLinger", newLingering, "the Nack had not reached the broker"},
 	{"LingersOnExtend", "ExtendDoesNotLinger", newLingering, "the Extend had not reached the broker"},
 	{"RetriesEntries", "RefusedEntryIsNotRetried", func(s *memory.Source) adapters.Source { return &retrying{base{s}} }, "tried the entry again by itself"},
+	{"ReceivesPastMax", "MaxReceive", func(s *memory.Source) adapters.Source { return &overReceiving{base{s}} }, "returned 5 deliveries"},
+	{"PoolsConcurrentReceives", "ConcurrentReceives", func(s *memory.Source) adapters.Source { return &pooling{base: base{s}} }, "among 4 concurrent calls returned"},
+	{"SharesSignals", "SignalPerDelivery", func(s *memory.Source) adapters.Source { return &sharingSignals{base{s}} }, "shares its Signal"},
 }
 
 // wrongEnv names the wrong adapter a child process runs.
@@ -350,4 +353,69 @@ func (r *retrying) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 		err = &adapters.BatchError{Failed: failed}
 	}
 	return err
+}
+
+// overReceiving declares MaxReceive 4 and returns up to 5.
+type overReceiving struct{ base }
+
+func (o *overReceiving) Capabilities() adapters.Capabilities {
+	c := o.Source.Capabilities()
+	c.MaxReceive = 4
+	return c
+}
+
+func (o *overReceiving) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	return o.Source.Receive(ctx, max+1)
+}
+
+// pooling declares four receivers, and makes Receive calls that come within
+// 200 ms of the first share one fetch, for all of them, whose deliveries the
+// first caller returns.
+type pooling struct {
+	base
+	mu     sync.Mutex
+	asked  int
+	pooled chan struct{} // closed when the shared fetch is made; nil when none gathers
+}
+
+func (p *pooling) Capabilities() adapters.Capabilities {
+	c := p.Source.Capabilities()
+	c.Receivers = 4
+	return c
+}
+
+func (p *pooling) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	p.mu.Lock()
+	if pooled := p.pooled; pooled != nil {
+		p.asked += max
+		p.mu.Unlock()
+		<-pooled // the first caller returns what this call asked for
+		return nil, ctx.Err()
+	}
+	p.asked = max
+	pooled := make(chan struct{})
+	p.pooled = pooled
+	p.mu.Unlock()
+	select {
+	case <-time.After(200 * time.Millisecond):
+	case <-ctx.Done():
+	}
+	p.mu.Lock()
+	asked := p.asked
+	p.pooled = nil
+	p.mu.Unlock()
+	defer close(pooled)
+	return p.Source.Receive(ctx, asked)
+}
+
+// sharingSignals gives all the deliveries of one Receive call one Signal.
+type sharingSignals struct{ base }
+
+func (s *sharingSignals) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
+	ds, err := s.Source.Receive(ctx, max)
+	sig := new(adapters.Signal)
+	for _, d := range ds {
+		d.Signal = sig
+	}
+	return ds, err
 }
