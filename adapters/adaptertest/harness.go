@@ -2,6 +2,7 @@ package adaptertest
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -20,6 +21,52 @@ type Harness struct {
 	// clean-up with t.Cleanup. It calls t.Skip when the broker cannot offer
 	// what cfg asks for.
 	NewQueue func(t *testing.T, cfg QueueConfig) *Queue
+
+	// Dispatch says how the broker shares a queue among its consumers,
+	// which decides what a Source may fetch before Receive asks for it.
+	// The zero value, OnReceive, is the strictest.
+	Dispatch Dispatch
+
+	// Pending names checks the adapter does not pass yet, each with the
+	// reason (a port under way); Run skips them and says why. A name that
+	// is not a check of the suite fails the run.
+	Pending map[string]string
+
+	// wait, when set, replaces patience in the checks that can only fail
+	// by waiting for something that never comes: the suite's own tests
+	// shorten it to see those checks fail.
+	wait time.Duration
+}
+
+// Dispatch is how a broker shares a queue among its consumers.
+type Dispatch int
+
+const (
+	// OnReceive: the broker hands each message to whichever consumer asks
+	// for it first (SQS, the memory broker, JetStream pull consumers, Redis
+	// Streams consumer groups). A Source fetches no more than Receive asks
+	// for: a message it fetched ahead waits in it while another consumer
+	// could have run it.
+	OnReceive Dispatch = iota
+	// Prefetch: the broker pushes messages to each consumer, up to its
+	// prefetch window, before the consumer asks (RabbitMQ).
+	Prefetch
+	// Partitions: each consumer of a group owns whole partitions, whose
+	// records no other consumer could take (Kafka); an ack is an offset,
+	// committed with others later (the runtime's prefix commits).
+	Partitions
+)
+
+func (d Dispatch) String() string {
+	switch d {
+	case OnReceive:
+		return "OnReceive"
+	case Prefetch:
+		return "Prefetch"
+	case Partitions:
+		return "Partitions"
+	}
+	return "Dispatch(" + strconv.Itoa(int(d)) + ")"
 }
 
 // QueueConfig is what a test asks of the queue it creates.
@@ -50,6 +97,23 @@ type Queue struct {
 	// Lease is the lease in force on this queue; zero for brokers that do
 	// not lease deliveries.
 	Lease time.Duration
+
+	// Crash cuts a Source that Open returned off from the broker, as the
+	// death of its process would: what the Source sent before stays sent,
+	// nothing it still holds back reaches the broker, and the broker takes
+	// back what it had handed to the Source (at once where a connection
+	// carried it, when the lease runs out where there is one). The suite
+	// still calls Close afterwards and ignores its result. The checks that
+	// Ack, Nack and Extend do not linger skip when Crash is nil.
+	Crash func(src adapters.Source)
+	// Refuse makes the broker refuse the first entry of the next Ack of a
+	// Source that Open returned, with a transient fault (a failure on the
+	// broker's side, worth trying again); the other entries of that call,
+	// and later calls, go through. Brokers that never refuse an ack entry
+	// (RabbitMQ, whose acks have no reply; Kafka, whose acks are marks;
+	// Redis Streams, whose XACK answers only how many it acked) leave it
+	// nil, and the check that an adapter does not retry by itself skips.
+	Refuse func(src adapters.Source)
 }
 
 // Message is a message as the suite publishes it and reads it back.
@@ -58,4 +122,12 @@ type Message struct {
 	Key     string
 	Body    []byte
 	Headers map[string]string
+}
+
+// patience returns how long the checks that fail by waiting in vain wait.
+func (h Harness) patience() time.Duration {
+	if h.wait > 0 {
+		return h.wait
+	}
+	return patience
 }

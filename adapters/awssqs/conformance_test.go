@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -49,7 +51,10 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 	if err != nil {
 		t.Fatal(err)
 	}
-	var seq atomic.Int64
+	var (
+		seq     atomic.Int64
+		clients sync.Map // *Source -> *harnessClient
+	)
 	return &adaptertest.Queue{
 		Lease: lease,
 		Publish: func(ctx context.Context, msgs ...adaptertest.Message) error {
@@ -66,12 +71,16 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 			return nil
 		},
 		Open: func(t *testing.T) adapters.Source {
-			src, err := New(e.ctx(), e.client, url, testOptions()...)
+			c := &harnessClient{Client: e.client}
+			src, err := New(e.ctx(), c, url, testOptions()...)
 			if err != nil {
 				t.Fatal(err)
 			}
+			clients.Store(src, c)
 			return src
 		},
+		Crash:      func(src adapters.Source) { harnessClientOf(t, &clients, src).cut.Store(true) },
+		Refuse:     func(src adapters.Source) { harnessClientOf(t, &clients, src).refuse.Store(true) },
 		DeadLetter: dlq,
 		DeadLettered: func(ctx context.Context) ([]adaptertest.Message, error) {
 			out, err := e.client.ReceiveMessage(ctx, &sqs.ReceiveMessageInput{
@@ -96,6 +105,66 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig, fifo bool) *
 			return ms, nil
 		},
 	}
+}
+
+// harnessClient is the client of one Source the conformance harness opened.
+// It passes calls on to the emulator, and can cut the Source off from it, as
+// the death of the Source's process would (Queue.Crash), or answer for SQS
+// that it could not delete the first entry of the next DeleteMessageBatch,
+// as SQS does when it fails on its side (Queue.Refuse).
+type harnessClient struct {
+	Client
+	cut    atomic.Bool
+	refuse atomic.Bool
+}
+
+var errCut = errors.New("cut off from SQS by the conformance harness")
+
+func harnessClientOf(t *testing.T, clients *sync.Map, src adapters.Source) *harnessClient {
+	c, ok := clients.Load(src)
+	if !ok {
+		t.Fatalf("%T was not opened by this harness", src)
+	}
+	return c.(*harnessClient)
+}
+
+func (c *harnessClient) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, optFns ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	if c.cut.Load() {
+		return nil, errCut
+	}
+	return c.Client.ReceiveMessage(ctx, in, optFns...)
+}
+
+func (c *harnessClient) ChangeMessageVisibilityBatch(ctx context.Context, in *sqs.ChangeMessageVisibilityBatchInput, optFns ...func(*sqs.Options)) (*sqs.ChangeMessageVisibilityBatchOutput, error) {
+	if c.cut.Load() {
+		return nil, errCut
+	}
+	return c.Client.ChangeMessageVisibilityBatch(ctx, in, optFns...)
+}
+
+func (c *harnessClient) DeleteMessageBatch(ctx context.Context, in *sqs.DeleteMessageBatchInput, optFns ...func(*sqs.Options)) (*sqs.DeleteMessageBatchOutput, error) {
+	if c.cut.Load() {
+		return nil, errCut
+	}
+	if len(in.Entries) == 0 || !c.refuse.CompareAndSwap(true, false) {
+		return c.Client.DeleteMessageBatch(ctx, in, optFns...)
+	}
+	out := &sqs.DeleteMessageBatchOutput{}
+	if len(in.Entries) > 1 {
+		rest := *in
+		rest.Entries = in.Entries[1:]
+		var err error
+		if out, err = c.Client.DeleteMessageBatch(ctx, &rest, optFns...); err != nil {
+			return nil, err
+		}
+	}
+	out.Failed = append(out.Failed, types.BatchResultErrorEntry{
+		Id:          in.Entries[0].Id,
+		Code:        aws.String("InternalError"),
+		Message:     aws.String("refused by the conformance harness, as SQS does when it fails on its side"),
+		SenderFault: false,
+	})
+	return out, nil
 }
 
 // readCopy reads a DeadLetter copy as a user who knows its documented

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/custody-go/custody/adapters"
@@ -44,8 +45,9 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 		opts = append(opts, WithOrderedKeys())
 	}
 	var (
-		mu   sync.Mutex
-		seen = map[uint64]bool{} // dead-letter stream sequences already returned
+		mu    sync.Mutex
+		seen  = map[uint64]bool{} // dead-letter stream sequences already returned
+		conns sync.Map            // *Source -> *nats.Conn
 	)
 	return &adaptertest.Queue{
 		Lease: lease,
@@ -60,11 +62,23 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 			return nil
 		},
 		Open: func(t *testing.T) adapters.Source {
-			src, err := New(e.ctx(), e.js, name, "custody", opts...)
+			// A connection of its own, which Crash can close.
+			own := connect(t, natsURL())
+			src, err := New(e.ctx(), own.js, name, "custody", opts...)
 			if err != nil {
 				t.Fatal(err)
 			}
+			conns.Store(src, own.nc)
 			return src
+		},
+		// Closing the connection sends what the client already wrote to it,
+		// and nothing later.
+		Crash: func(src adapters.Source) {
+			nc, ok := conns.Load(src)
+			if !ok {
+				t.Fatalf("Crash: %T was not opened by this harness", src)
+			}
+			nc.(*nats.Conn).Close()
 		},
 		DeadLetter: dlq,
 		DeadLettered: func(ctx context.Context) ([]adaptertest.Message, error) {

@@ -2,6 +2,8 @@ package memory_test
 
 import (
 	"context"
+	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -58,6 +60,16 @@ func newTestQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue 
 				out[i] = adaptertest.Message{Key: m.Key, Body: m.Body, Headers: m.Headers}
 			}
 			return out, err
+		},
+		Crash: func(src adapters.Source) { src.(*memory.Source).Crash() },
+		Refuse: func(src adapters.Source) {
+			var refused atomic.Bool
+			src.(*memory.Source).SetFaults(memory.Faults{Ack: func(d *adapters.Delivery) error {
+				if refused.CompareAndSwap(false, true) {
+					return errors.New("memory: refused by the conformance harness, as a broker under strain would")
+				}
+				return nil
+			}})
 		},
 	}
 }

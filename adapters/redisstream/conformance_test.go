@@ -2,6 +2,10 @@ package redisstream
 
 import (
 	"context"
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -9,6 +13,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/adaptertest"
+	"github.com/custody-go/custody/internal/testlog"
 )
 
 func TestConformance(t *testing.T) {
@@ -33,6 +38,7 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 	if err != nil {
 		t.Fatal(err)
 	}
+	var hooks sync.Map // *Source -> *cutHook
 	return &adaptertest.Queue{
 		Lease: lease,
 		Publish: func(ctx context.Context, msgs ...adaptertest.Message) error {
@@ -48,7 +54,25 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 			return err
 		},
 		Open: func(t *testing.T) adapters.Source {
-			return e.open(WithLease(lease), WithReclaimInterval(lease/4))
+			// A client of its own, which Crash can cut.
+			c := &cutHook{}
+			client := redis.NewClient(e.client.Options())
+			client.AddHook(c)
+			t.Cleanup(func() { client.Close() })
+			src, err := New(e.ctx(), client, e.stream, e.group, WithCreateGroup("0"), WithBlock(50*time.Millisecond),
+				WithLogger(testlog.New(t)), WithLease(lease), WithReclaimInterval(lease/4))
+			if err != nil {
+				t.Fatal(err)
+			}
+			hooks.Store(src, c)
+			return src
+		},
+		Crash: func(src adapters.Source) {
+			c, ok := hooks.Load(src)
+			if !ok {
+				t.Fatalf("Crash: %T was not opened by this harness", src)
+			}
+			c.(*cutHook).cut.Store(true)
 		},
 		DeadLetter: dlq,
 		DeadLettered: func(ctx context.Context) ([]adaptertest.Message, error) {
@@ -62,6 +86,44 @@ func newConformanceQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest
 			}
 			return out, nil
 		},
+	}
+}
+
+// cutHook cuts a client off from Redis, as the death of the process that
+// holds it would: once cut is set, no command reaches Redis, and no
+// connection is made; a command already sent is answered.
+type cutHook struct{ cut atomic.Bool }
+
+var errCut = errors.New("cut off from Redis by the conformance harness")
+
+func (h *cutHook) DialHook(next redis.DialHook) redis.DialHook {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if h.cut.Load() {
+			return nil, errCut
+		}
+		return next(ctx, network, addr)
+	}
+}
+
+func (h *cutHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.cut.Load() {
+			cmd.SetErr(errCut)
+			return errCut
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *cutHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if h.cut.Load() {
+			for _, cmd := range cmds {
+				cmd.SetErr(errCut)
+			}
+			return errCut
+		}
+		return next(ctx, cmds)
 	}
 }
 
