@@ -18,8 +18,14 @@ type parking struct {
 	jobs map[*job]*time.Timer
 }
 
-// park takes j off its worker for delay.
+// park takes j off its worker for delay. Without a lease keeper (a broker
+// that holds deliveries without a lease, as RabbitMQ does until its
+// consumer timeout), the wait ends no later than the maximum processing
+// time, counted from the receive, when process gives the delivery back.
 func (r *run) park(j *job, delay time.Duration) {
+	if r.keeper == nil {
+		delay = min(delay, max(time.Until(r.holdEnd(j)), 0))
+	}
 	p := &r.parking
 	p.mu.Lock()
 	if p.jobs == nil {
@@ -67,4 +73,9 @@ func (r *run) unparkAll(pick func(*job) bool) {
 	for _, j := range js {
 		r.unpark(j)
 	}
+}
+
+// holdEnd is when j has been held for the maximum processing time.
+func (r *run) holdEnd(j *job) time.Time {
+	return r.started.Add(j.accepted + r.cfg.maxProcessing)
 }

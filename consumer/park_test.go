@@ -102,3 +102,33 @@ func TestParkedJobLostLeavesAtOnce(t *testing.T) {
 		t.Fatalf("%d attempts, want 1", n)
 	}
 }
+
+// leaselessSource hides the memory broker's lease, as RabbitMQ holds
+// deliveries: no lease to renew, nothing to lose.
+type leaselessSource struct{ *memory.Source }
+
+func (s leaselessSource) Capabilities() adapters.Capabilities {
+	c := s.Source.Capabilities()
+	c.Lease, c.NackDelay = 0, false
+	return c
+}
+
+// Without a lease, a message waiting in place is given back once it has
+// been held for the maximum processing time, however long its backoff:
+// RabbitMQ's consumer timeout would otherwise close the channel under
+// every delivery it carries.
+func TestParkedJobWithoutALeaseIsGivenBackAtTheHoldCap(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	e.publish("m")
+	var attempts atomic.Int32
+	runOn(t, leaselessSource{e.source()}, func(ctx context.Context, m *consumer.Message) error {
+		attempts.Add(1)
+		return consumer.RetryAfter(errors.New("not yet"), time.Hour)
+	}, consumer.WithMaxProcessingTime(300*time.Millisecond))
+	// Given back at the cap, the message is received again and run again,
+	// long before its hour of backoff.
+	waitFor(t, "the message given back at the cap and run again", func() bool { return attempts.Load() >= 2 })
+	if s := e.stats("q"); s.Received < 2 {
+		t.Fatalf("stats %+v, want the message received again", s)
+	}
+}

@@ -72,6 +72,13 @@ func (r *run) prepare(j *job) (run, parked bool) {
 		r.settle(j, verdict{how: settleLost})
 		return false, false
 	}
+	if r.keeper == nil && !time.Now().Before(r.holdEnd(j)) {
+		// Held for the maximum processing time without a lease to lose:
+		// given back, before the broker's own limit (RabbitMQ's consumer
+		// timeout closes the channel) takes every delivery of the channel.
+		r.settle(j, released(whyMaxHold))
+		return false, false
+	}
 	if j.deadLettering {
 		return false, r.deadLetter(j)
 	}

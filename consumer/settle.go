@@ -72,6 +72,7 @@ const (
 	whyBehindLost                   // queued behind a lost delivery of its ordering key
 	whyExited                       // its handler called runtime.Goexit
 	whyPaused                       // not started when the consumer was paused (GiveBackWaiting)
+	whyMaxHold                      // held for the maximum processing time, without a lease
 )
 
 func (w reason) String() string {
@@ -88,6 +89,8 @@ func (w reason) String() string {
 		return "handler called Goexit"
 	case whyPaused:
 		return "paused"
+	case whyMaxHold:
+		return "held for the maximum processing time"
 	}
 	return ""
 }
