@@ -143,7 +143,7 @@ func (bc *benchCluster) rawPollLoop(b *testing.B, total int, first func(), handl
 // every record was handled (the shutdown is not timed).
 func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFunc, src []Option, opts ...consumer.Option) side {
 	group := newGroup()
-	s, err := NewSource(context.Background(), append([]Option{WithBrokers(bc.addrs...), WithGroup(group), WithTopics("bench"),
+	s, err := New(context.Background(), append([]Option{WithBrokers(bc.addrs...), WithGroup(group), WithTopics("bench"),
 		WithPollWait(100 * time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50 * time.Millisecond))}, src...)...)
 	if err != nil {
 		b.Fatal(err)
@@ -227,7 +227,7 @@ func (discard) Write(p []byte) (int, error) { return len(p), nil }
 // sourceLoop drives the Source directly, without the runtime: receive a
 // batch, ack it. It isolates the adapter's own cost.
 func (bc *benchCluster) sourceLoop(b *testing.B, total int) side {
-	s, err := NewSource(context.Background(), WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
+	s, err := New(context.Background(), WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
 		WithPollWait(100*time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50*time.Millisecond)))
 	if err != nil {
 		b.Fatal(err)

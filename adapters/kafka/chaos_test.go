@@ -395,10 +395,7 @@ func (ch *chaos) startMember(cfg chaosMemberCfg) *chaosMember {
 	}
 	src := ch.c.open(t, ch.group, chaosTopic, opts...)
 	m.src.Store(src)
-	dl, err := src.DeadLetter(chaosDLQTopic)
-	if err != nil {
-		t.Fatal(err)
-	}
+	dl := sinkOf(t, src, chaosDLQTopic)
 	m.dl = dl
 	copts := []consumer.Option{
 		consumer.WithName(m.name),

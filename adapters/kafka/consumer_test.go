@@ -55,11 +55,7 @@ func TestPoisonRecordGoesToTheDeadLetterTopic(t *testing.T) {
 	c.produceN(t, "orders", 1, 20, 5) // offsets 1..20, keys other than k0
 	group := newGroup()
 	s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond))
-	dl, err := s.DeadLetter("orders.dlq")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dl.Close()
+	dl := sinkOf(t, s, "orders.dlq")
 	refuse := failProduceTo(t, c, "orders.dlq")
 
 	var mu sync.Mutex

@@ -3,22 +3,22 @@
 // topics; a [DeadLetter] produces records that will not be processed to a
 // dead-letter topic.
 //
-//	src, err := kafka.NewSource(ctx,
+//	src, err := kafka.New(ctx,
 //		kafka.WithBrokers("kafka-1:9092", "kafka-2:9092"),
 //		kafka.WithGroup("payments-service"),
 //		kafka.WithTopics("payments"),
 //		kafka.WithOrdering(kafka.ByKey),
 //		kafka.WithClientOptions(kgo.DialTLSConfig(tlsCfg), kgo.SASL(mechanism)),
 //	)
-//	dlq, err := src.DeadLetter("payments.dlq")
+//	dlq, err := src.NewDeadLetter(ctx, "payments.dlq")
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(256), consumer.WithDeadLetter(dlq))
 //
 // A group with nothing committed starts at the earliest record (franz-go's
 // default); kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()) through
 // [WithClientOptions] starts it at the end.
 //
-// [NewSource] reaches the cluster within its context, and fails with the
-// cause when no broker answers. Later connection trouble does not end the
+// [New] reaches the cluster within its context, and fails with the cause
+// when no broker answers. Later connection trouble does not end the
 // Source: franz-go connects again by itself, and the Source logs (see
 // [WithLogger]) a broker address it cannot connect to once, not once per
 // attempt, and the connection back.
@@ -139,7 +139,11 @@
 //
 // # Dead-letter topic
 //
-// [DeadLetter.Send] produces synchronously with acks from all in-sync
+// [Source.NewDeadLetter] makes a sink that produces through the Source's
+// client (its brokers, TLS, SASL and group); [NewDeadLetter] makes one with
+// a client of its own. Both look the topic up within their context and fail,
+// with the cause, when the cluster does not answer or the topic does not
+// exist, rather than at the first poison record. [DeadLetter.Send] produces synchronously with acks from all in-sync
 // replicas and the idempotent producer, and returns nil only once the brokers
 // acknowledged the record: only then does the runtime ack (mark done) the
 // original. The dead-letter record keeps the original key, value and headers

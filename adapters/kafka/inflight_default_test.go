@@ -7,19 +7,19 @@ import (
 
 // WithMaxInFlight below the per-partition default is a valid setting by
 // itself: the per-partition bound the caller did not set follows it down
-// instead of failing NewSource under an option the caller never used.
+// instead of failing New under an option the caller never used.
 func TestMaxInFlightBelowThePerPartitionDefault(t *testing.T) {
 	c := newCluster(t)
-	s, err := NewSource(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"), WithMaxInFlight(100))
+	s, err := New(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"), WithMaxInFlight(100))
 	if err != nil {
-		t.Fatalf("NewSource with WithMaxInFlight(100) alone: %v", err)
+		t.Fatalf("New with WithMaxInFlight(100) alone: %v", err)
 	}
 	defer s.Close()
 	if s.cfg.maxPerPart != 100 || s.cfg.maxTotal != 100 {
 		t.Fatalf("per partition %d, total %d; want 100 and 100", s.cfg.maxPerPart, s.cfg.maxTotal)
 	}
 	// Set explicitly, the per-partition bound still may not exceed the total.
-	if _, err := NewSource(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"),
+	if _, err := New(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"),
 		WithMaxInFlight(100), WithMaxInFlightPerPartition(200)); err == nil {
 		t.Fatal("WithMaxInFlightPerPartition(200) above WithMaxInFlight(100) was accepted")
 	}

@@ -207,11 +207,7 @@ func TestRevokeWhileADeadLetterProduceIsUnderWay(t *testing.T) {
 			group := newGroup()
 			s := c.open(t, group, "orders", WithCommitInterval(20*time.Millisecond), WithRevokeDrain(tc.drain),
 				WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
-			sink, err := s.DeadLetter("orders.dlq")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer sink.Close()
+			sink := sinkOf(t, s, "orders.dlq")
 			dl := &blockingDeadLetter{next: sink, started: make(chan struct{}), release: make(chan struct{})}
 			var log runLog
 			stop := runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {

@@ -63,8 +63,10 @@ const (
 // options from WithClientOptions.
 type ClientFactory func(opts ...kgo.Opt) (*kgo.Client, error)
 
-// Option configures a Source. Invalid values fail NewSource with an error
-// naming the option.
+// Option configures a Source or a dead-letter sink. Invalid values fail New
+// or NewDeadLetter with an error naming the option. WithBrokers,
+// WithClientOptions, WithClientFactory, WithGroup and WithLogger apply to
+// both; the others to a Source only, and NewDeadLetter refuses them.
 type Option func(*config) error
 
 type config struct {
@@ -87,6 +89,27 @@ type config struct {
 	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
 	logger         *slog.Logger
+	// sourceOnly names the options given that apply to a Source only.
+	sourceOnly []string
+}
+
+// sourceOnly marks an option that applies to a Source only.
+func sourceOnly(name string, set func(*config) error) Option {
+	return func(c *config) error {
+		c.sourceOnly = append(c.sourceOnly, name)
+		return set(c)
+	}
+}
+
+// apply returns the configuration opts make of the defaults.
+func apply(opts []Option) (config, error) {
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if err := o(&cfg); err != nil {
+			return cfg, err
+		}
+	}
+	return cfg, nil
 }
 
 func defaultConfig() config {
@@ -120,7 +143,8 @@ func WithBrokers(addrs ...string) Option {
 	}
 }
 
-// WithGroup sets the consumer group. Required.
+// WithGroup sets the consumer group. Required for a Source; a dead-letter
+// sink writes it to the HeaderGroup header.
 func WithGroup(group string) Option {
 	return func(c *config) error {
 		if group == "" {
@@ -133,7 +157,7 @@ func WithGroup(group string) Option {
 
 // WithTopics sets the topics the group consumes. Required.
 func WithTopics(topics ...string) Option {
-	return func(c *config) error {
+	return sourceOnly("WithTopics", func(c *config) error {
 		if len(topics) == 0 {
 			return errors.New("kafka: WithTopics: give at least one topic")
 		}
@@ -144,12 +168,14 @@ func WithTopics(topics ...string) Option {
 		}
 		c.topics = append([]string(nil), topics...)
 		return nil
-	}
+	})
 }
 
 // WithClientOptions adds franz-go options to the client: TLS (kgo.DialTLSConfig),
-// SASL (kgo.SASL), client id, fetch sizes, logger. Options that take over
-// what the adapter manages (group, topics, commits, rebalance callbacks) are
+// SASL (kgo.SASL), client id, fetch sizes, logger; for a dead-letter sink,
+// kgo.ProducerBatchMaxBytes (see NewDeadLetter). Options that take over what
+// the adapter manages (group, topics, commits, rebalance callbacks, and
+// acks from all in-sync replicas without a linger for dead letters) are
 // overridden by the adapter.
 func WithClientOptions(opts ...kgo.Opt) Option {
 	return func(c *config) error {
@@ -172,13 +198,13 @@ func WithClientFactory(f ClientFactory) Option {
 
 // WithOrdering sets the ordering mode. Default ByPartition.
 func WithOrdering(o Ordering) Option {
-	return func(c *config) error {
+	return sourceOnly("WithOrdering", func(c *config) error {
 		if o < ByPartition || o > Unordered {
 			return fmt.Errorf("kafka: WithOrdering(%d): use ByPartition, ByKey or Unordered", int(o))
 		}
 		c.ordering = o
 		return nil
-	}
+	})
 }
 
 // WithCommitInterval sets the longest a done record waits for its commit
@@ -186,13 +212,13 @@ func WithOrdering(o Ordering) Option {
 // failed commit is tried again. Commits also happen on revoke and on Close.
 // Default 1s.
 func WithCommitInterval(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithCommitInterval", func(c *config) error {
 		if d < time.Millisecond {
 			return fmt.Errorf("kafka: WithCommitInterval(%v): must be at least 1ms", d)
 		}
 		c.commitInterval = d
 		return nil
-	}
+	})
 }
 
 // WithCommitLinger sets how long the Source waits, once a record is marked
@@ -207,25 +233,25 @@ func WithCommitInterval(d time.Duration) Option {
 // commits about once per interval. Default 5ms, or the commit interval if
 // that is shorter; it must not exceed the commit interval.
 func WithCommitLinger(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithCommitLinger", func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("kafka: WithCommitLinger(%v): must not be negative", d)
 		}
 		c.commitLinger = d
 		c.lingerSet = true
 		return nil
-	}
+	})
 }
 
 // WithCommitTimeout bounds one commit request. Default 10s.
 func WithCommitTimeout(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithCommitTimeout", func(c *config) error {
 		if d <= 0 {
 			return fmt.Errorf("kafka: WithCommitTimeout(%v): must be positive", d)
 		}
 		c.commitTimeout = d
 		return nil
-	}
+	})
 }
 
 // WithMaxInFlightPerPartition bounds the records of one partition handed to
@@ -233,26 +259,26 @@ func WithCommitTimeout(d time.Duration) Option {
 // paused; it resumes below it. Default 512, or WithMaxInFlight if that is
 // lower. Must not exceed WithMaxInFlight.
 func WithMaxInFlightPerPartition(n int) Option {
-	return func(c *config) error {
+	return sourceOnly("WithMaxInFlightPerPartition", func(c *config) error {
 		if n < 1 {
 			return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d): must be at least 1", n)
 		}
 		c.maxPerPart = n
 		c.maxPerPartSet = true
 		return nil
-	}
+	})
 }
 
 // WithMaxInFlight bounds the records handed to the runtime and not yet acked,
 // over all partitions. At the bound the Source stops polling. Default 4096.
 func WithMaxInFlight(n int) Option {
-	return func(c *config) error {
+	return sourceOnly("WithMaxInFlight", func(c *config) error {
 		if n < 1 {
 			return fmt.Errorf("kafka: WithMaxInFlight(%d): must be at least 1", n)
 		}
 		c.maxTotal = n
 		return nil
-	}
+	})
 }
 
 // WithRevokeDrain sets how long a revoked partition's running handlers may
@@ -263,24 +289,24 @@ func WithMaxInFlight(n int) Option {
 // rebalance timeout (kgo.RebalanceTimeout, 60s by default): the rebalance
 // waits for it. Default 10s.
 func WithRevokeDrain(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithRevokeDrain", func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("kafka: WithRevokeDrain(%v): must not be negative", d)
 		}
 		c.revokeDrain = d
 		return nil
-	}
+	})
 }
 
 // WithPollWait bounds how long one Receive waits for records. Default 1s.
 func WithPollWait(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithPollWait", func(c *config) error {
 		if d < time.Millisecond {
 			return fmt.Errorf("kafka: WithPollWait(%v): must be at least 1ms", d)
 		}
 		c.pollWait = d
 		return nil
-	}
+	})
 }
 
 // WithMetadataLimit sets the size limit of the offset-commit metadata that
@@ -289,13 +315,13 @@ func WithPollWait(d time.Duration) Option {
 // outgrow it stops taking new records until its prefix catches up. Default
 // 4096 bytes; at least 32.
 func WithMetadataLimit(n int) Option {
-	return func(c *config) error {
+	return sourceOnly("WithMetadataLimit", func(c *config) error {
 		if n < minMetadataLimit {
 			return fmt.Errorf("kafka: WithMetadataLimit(%d): must be at least %d bytes", n, minMetadataLimit)
 		}
 		c.metadataLimit = n
 		return nil
-	}
+	})
 }
 
 // WithLagRefresh sets how old a partition's end offset may grow before the
@@ -306,13 +332,13 @@ func WithMetadataLimit(n int) Option {
 // would stand still exactly while it grows. Default 10s; 0 turns the
 // refresh off, and lag then comes from fetches alone.
 func WithLagRefresh(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithLagRefresh", func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("kafka: WithLagRefresh(%v): must not be negative (0 turns the refresh off)", d)
 		}
 		c.lagRefresh = d
 		return nil
-	}
+	})
 }
 
 // WithMeterProvider sets where the adapter's metrics go (lag per partition,
@@ -320,19 +346,19 @@ func WithLagRefresh(d time.Duration) Option {
 // metadata, rewinds after data loss). Default: the global otel
 // MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
-	return func(c *config) error {
+	return sourceOnly("WithMeterProvider", func(c *config) error {
 		if mp == nil {
 			return errors.New("kafka: WithMeterProvider: nil provider")
 		}
 		c.meterProvider = mp
 		return nil
-	}
+	})
 }
 
-// WithLogger sets where the Source logs connection trouble: a broker it
-// cannot connect to (once, with the address and the error, not once per
-// attempt, while franz-go keeps trying) and the connection back. Default:
-// slog.Default(), like the consumer's own.
+// WithLogger sets where the Source or the dead-letter sink logs connection
+// trouble: a broker it cannot connect to (once, with the address and the
+// error, not once per attempt, while franz-go keeps trying) and the
+// connection back. Default: slog.Default(), like the consumer's own.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
@@ -344,8 +370,8 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 func (c *config) validate() error {
-	if len(c.brokers) == 0 {
-		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
+	if err := c.validateClient(); err != nil {
+		return err
 	}
 	if c.group == "" {
 		return errors.New("kafka: WithGroup is required: give the consumer group name")
@@ -367,6 +393,15 @@ func (c *config) validate() error {
 	}
 	if c.meterProvider == nil {
 		c.meterProvider = otel.GetMeterProvider()
+	}
+	return nil
+}
+
+// validateClient checks and completes what a Source and a dead-letter sink
+// both need to build a client.
+func (c *config) validateClient() error {
+	if len(c.brokers) == 0 {
+		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
 	}
 	if c.logger == nil {
 		c.logger = slog.Default()

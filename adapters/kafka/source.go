@@ -14,7 +14,7 @@ import (
 )
 
 // Source consumes a consumer group's topics and hands records to the custody
-// runtime. It implements adapters.Source. Create it with NewSource.
+// runtime. It implements adapters.Source. Create it with New.
 type Source struct {
 	cfg  config
 	cl   *kgo.Client
@@ -90,19 +90,16 @@ type tpKey struct {
 	part  int32
 }
 
-// NewSource creates a Source and its franz-go client, and reaches the
-// cluster within ctx: it fails, with the cause, when none of the brokers
-// answers (not reachable, TLS or SASL refused) before ctx ends. The client
-// joins the group when the Source is first polled. Later connection trouble
-// does not fail the Source: franz-go connects again by itself, and the
-// Source logs a broker it cannot connect to and the connection back (see
-// WithLogger).
-func NewSource(ctx context.Context, opts ...Option) (*Source, error) {
-	cfg := defaultConfig()
-	for _, o := range opts {
-		if err := o(&cfg); err != nil {
-			return nil, err
-		}
+// New creates a Source and its franz-go client, and reaches the cluster
+// within ctx: it fails, with the cause, when none of the brokers answers (not
+// reachable, TLS or SASL refused) before ctx ends. The client joins the group
+// when the Source is first polled. Later connection trouble does not fail the
+// Source: franz-go connects again by itself, and the Source logs a broker it
+// cannot connect to and the connection back (see WithLogger).
+func New(ctx context.Context, opts ...Option) (*Source, error) {
+	cfg, err := apply(opts)
+	if err != nil {
+		return nil, err
 	}
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -142,6 +139,10 @@ func NewSource(ctx context.Context, opts ...Option) (*Source, error) {
 		kgo.OnOffsetsFetched(s.onOffsetsFetched),
 		kgo.OnPartitionsRevoked(s.onRevoked),
 		kgo.OnPartitionsLost(s.onLost),
+		// A dead-letter sink made from the Source (Source.NewDeadLetter)
+		// produces through this client, as one made alone would.
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.ProducerLinger(0),
 	)
 	cl, err := cfg.factory(kopts...)
 	if err != nil {

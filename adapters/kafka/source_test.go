@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
@@ -31,7 +32,7 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		"WithLagRefresh":               {WithLagRefresh(-time.Second)},
 	}
 	for name, opts := range cases {
-		_, err := NewSource(context.Background(), opts...)
+		_, err := New(context.Background(), opts...)
 		if err == nil || !strings.Contains(err.Error(), name) {
 			t.Errorf("%s: got error %v, want one naming the option", name, err)
 		}
@@ -53,23 +54,32 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{"WithMaxInFlight(0)", WithMaxInFlight(0)},
 		{"WithMeterProvider: nil", WithMeterProvider(nil)},
 	} {
-		_, err := NewSource(context.Background(), append(slices.Clone(required), c.opt)...)
+		_, err := New(context.Background(), append(slices.Clone(required), c.opt)...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("got error %v, want one saying %q", err, c.want)
 		}
 	}
-	// A client the factory cannot make fails NewSource with its reason.
+	// A client the factory cannot make fails New with its reason.
 	refused := errors.New("no TLS configuration")
-	_, err := NewSource(context.Background(), append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
+	_, err := New(context.Background(), append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
 	if !errors.Is(err, refused) {
-		t.Errorf("NewSource with a failing client factory = %v, want its error", err)
+		t.Errorf("New with a failing client factory = %v, want its error", err)
 	}
-	for want, cfg := range map[string]DeadLetterConfig{
-		"DeadLetterConfig.Topic is required":   {Brokers: []string{"b:9092"}},
-		"DeadLetterConfig.Brokers is required": {Topic: "dlq"},
+	// The dead-letter sink: its topic and brokers are required, and the
+	// options of a Source alone are refused by name, not ignored.
+	for want, c := range map[string]struct {
+		topic string
+		opts  []Option
+	}{
+		"the topic must not be empty":    {"", []Option{WithBrokers("b:9092")}},
+		"WithBrokers is required":        {"dlq", nil},
+		"WithTopics only apply":          {"dlq", []Option{WithBrokers("b:9092"), WithTopics("t")}},
+		"WithCommitLinger only apply":    {"dlq", []Option{WithBrokers("b:9092"), WithCommitLinger(0)}},
+		"WithMeterProvider only apply":   {"dlq", []Option{WithBrokers("b:9092"), WithMeterProvider(noop.NewMeterProvider())}},
+		"WithClientFactory: nil factory": {"dlq", []Option{WithBrokers("b:9092"), WithClientFactory(nil)}},
 	} {
-		if _, err := NewDeadLetter(cfg); err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("NewDeadLetter(%+v) = %v, want an error saying %q", cfg, err, want)
+		if _, err := NewDeadLetter(context.Background(), c.topic, c.opts...); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("NewDeadLetter(%q, ...) = %v, want an error saying %q", c.topic, err, want)
 		}
 	}
 }
@@ -491,9 +501,9 @@ func TestOptionBoundsAreAccepted(t *testing.T) {
 		"WithMaxInFlightPerPartition equal to WithMaxInFlight":  {WithMaxInFlight(8), WithMaxInFlightPerPartition(8)},
 		"WithMaxInFlight(1) and WithMaxInFlightPerPartition(1)": {WithMaxInFlight(1), WithMaxInFlightPerPartition(1)},
 	} {
-		s, err := NewSource(context.Background(), append(slices.Clone(required), opts...)...)
+		s, err := New(context.Background(), append(slices.Clone(required), opts...)...)
 		if err != nil {
-			t.Errorf("%s: NewSource = %v, want it accepted", name, err)
+			t.Errorf("%s: New = %v, want it accepted", name, err)
 			continue
 		}
 		_ = s.Close()

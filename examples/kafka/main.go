@@ -111,7 +111,7 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	}
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	src, err := kafka.NewSource(ctx,
+	src, err := kafka.New(ctx,
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup(group),
 		kafka.WithTopics(cfg.topic),
@@ -122,7 +122,7 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	dlq, err := src.DeadLetter(dlqTopic)
+	dlq, err := src.NewDeadLetter(ctx, dlqTopic)
 	if err != nil {
 		src.Close()
 		return err
