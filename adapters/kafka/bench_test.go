@@ -269,13 +269,13 @@ func BenchmarkNoopAgainstRawPollLoop(b *testing.B) {
 		b.ReportMetric(src.perSec()/raw.perSec(), "ratio")
 		b.ReportMetric(src.steadyPerSec()/raw.steadyPerSec(), "steady_ratio")
 	})
-	for _, mode := range []Ordering{ByPartition, Unordered} {
+	for _, mode := range []OrderingScope{ByPartition, Unordered} {
 		b.Run(mode.String(), func(b *testing.B) {
 			var raw, cus, interval side
 			for i := 0; i < b.N; i++ {
 				raw.add(bc.measure(total, func(first func()) { bc.rawPollLoop(b, total, first, func(*kgo.Record) {}) }))
-				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode)}, consumer.WithConcurrency(64)))
-				interval.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode), WithCommitLinger(DefaultCommitInterval)}, consumer.WithConcurrency(64)))
+				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrderingScope(mode)}, consumer.WithConcurrency(64)))
+				interval.add(bc.custodyRun(b, total, noop, []Option{WithOrderingScope(mode), WithCommitLinger(DefaultCommitInterval)}, consumer.WithConcurrency(64)))
 			}
 			raw.report(b, "raw")
 			cus.report(b, "custody")
@@ -302,10 +302,10 @@ func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
 		// One record at a time takes total ms; a quarter of the topic
 		// measures its rate well enough.
 		serialRaw.add(bc.measure(total/4, func(first func()) { bc.rawPollLoop(b, total/4, first, func(*kgo.Record) { work() }) }))
-		serial.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
-		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey)}, consumer.WithConcurrency(256)))
-		serialInterval.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition), interval}, consumer.WithConcurrency(benchPartitions)))
-		byKeyInterval.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey), interval}, consumer.WithConcurrency(256)))
+		serial.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
+		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByKey)}, consumer.WithConcurrency(256)))
+		serialInterval.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByPartition), interval}, consumer.WithConcurrency(benchPartitions)))
+		byKeyInterval.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByKey), interval}, consumer.WithConcurrency(256)))
 	}
 	serialRaw.report(b, "rawserial")
 	serial.report(b, "bypartition")

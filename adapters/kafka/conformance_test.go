@@ -87,7 +87,7 @@ func newTestQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue 
 		Open: func(t *testing.T) adapters.Source {
 			src, err := kafka.New(context.Background(),
 				kafka.WithBrokers(addrs...), kafka.WithGroup(group), kafka.WithTopics(topic),
-				kafka.WithOrdering(ordering), kafka.WithPollWait(100*time.Millisecond),
+				kafka.WithOrderingScope(ordering), kafka.WithPollWait(100*time.Millisecond),
 				kafka.WithCommitInterval(50*time.Millisecond), kafka.WithRevokeDrain(time.Second),
 				kafka.WithClientOptions(kgo.FetchMaxWait(50*time.Millisecond)),
 			)

@@ -54,7 +54,7 @@ func TestPoisonRecordGoesToTheDeadLetterTopic(t *testing.T) {
 		Headers: []kgo.RecordHeader{{Key: "origin", Value: []byte("test")}}})
 	c.produceN(t, "orders", 1, 20, 5) // offsets 1..20, keys other than k0
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond))
+	s := c.open(t, group, "orders", WithOrderingScope(ByKey), WithCommitInterval(20*time.Millisecond))
 	dl := sinkOf(t, s, "orders.dlq")
 	refuse := failProduceTo(t, c, "orders.dlq")
 
@@ -116,7 +116,7 @@ func TestByKeyRunsKeysConcurrentlyAndInOrder(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 200, 10)
-	s := c.open(t, newGroup(), "orders", WithOrdering(ByKey))
+	s := c.open(t, newGroup(), "orders", WithOrderingScope(ByKey))
 
 	var mu sync.Mutex
 	last := map[string]int64{}

@@ -161,7 +161,7 @@ func TestSourceDeadLetterProducesThroughTheSourceClient(t *testing.T) {
 	c.createTopic(t, "orders.dlq", 1)
 	c.produceN(t, "orders", 1, 2, 2)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered))
 	dl := sinkOf(t, s, "orders.dlq")
 	if dl.cl != s.cl {
 		t.Fatal("the sink made its own client")

@@ -7,7 +7,7 @@
 //		kafka.WithBrokers("kafka-1:9092", "kafka-2:9092"),
 //		kafka.WithGroup("payments-service"),
 //		kafka.WithTopics("payments"),
-//		kafka.WithOrdering(kafka.ByKey),
+//		kafka.WithOrderingScope(kafka.ByKey),
 //		kafka.WithClientOptions(kgo.DialTLSConfig(tlsCfg), kgo.SASL(mechanism)),
 //	)
 //	dlq, err := src.NewDeadLetter(ctx, "payments.dlq")
@@ -25,8 +25,9 @@
 //
 // # Ordering
 //
-// Kafka keeps order per partition. The Source tells the runtime which
-// records must not overlap through Delivery.OrderingKey:
+// Kafka keeps order per partition. [WithOrderingScope] chooses which
+// records must not overlap, and the Source tells the runtime through
+// Delivery.OrderingKey:
 //
 //   - [ByPartition] (default): one record at a time per partition, in
 //     offset order. Lane "topic/partition".
@@ -131,11 +132,12 @@
 //
 // # Backpressure
 //
-// [WithMaxInFlightPerPartition] (512, or WithMaxInFlight if lower) bounds the records of one partition
-// handed out and not acked: at the bound the partition's fetching is paused,
-// below it resumed (and resumed on revoke, since franz-go keeps pauses across
-// rebalances). [WithMaxInFlight] (4096) bounds them over all partitions: at
-// the bound the Source stops polling.
+// [WithMaxUnackedPerPartition] (512, or WithMaxUnacked if lower) bounds the
+// records of one partition handed out and not acked; while its records
+// polled and not acked reach it, the partition's fetching is paused, below it
+// resumed (and resumed on revoke, since franz-go keeps pauses across
+// rebalances). [WithMaxUnacked] (4096) bounds the records handed out over
+// all partitions: at the bound the Source stops polling.
 //
 // # Dead-letter topic
 //

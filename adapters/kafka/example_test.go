@@ -42,7 +42,7 @@ func Example() {
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup("payments-service"),
 		kafka.WithTopics("payments"),
-		kafka.WithOrdering(kafka.ByKey),
+		kafka.WithOrderingScope(kafka.ByKey),
 	)
 	if err != nil {
 		log.Fatal(err)

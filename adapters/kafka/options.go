@@ -11,15 +11,18 @@ import (
 	"go.opentelemetry.io/otel/metric"
 )
 
-// Ordering chooses which records of a partition may run at the same time. The
-// adapter expresses it through Delivery.OrderingKey; the runtime runs the
-// deliveries of one key one at a time, in offset order.
-type Ordering int
+// OrderingScope chooses which records of a partition may run at the same
+// time. The adapter expresses it through Delivery.OrderingKey; the runtime
+// runs the deliveries of one key one at a time, in offset order. It is not
+// consumer.WithOrdering, which orders by Message.Key the deliveries of
+// adapters that set no ordering key of their own: the Kafka adapter always
+// sets its own (or none, Unordered).
+type OrderingScope int
 
 const (
 	// ByPartition runs one record at a time per partition, in offset order:
 	// the order Kafka promises. The default.
-	ByPartition Ordering = iota
+	ByPartition OrderingScope = iota
 	// ByKey runs records with the same key in a partition in offset order
 	// and records with different keys concurrently. Records without a key
 	// share one lane per partition.
@@ -29,7 +32,7 @@ const (
 	Unordered
 )
 
-func (o Ordering) String() string {
+func (o OrderingScope) String() string {
 	switch o {
 	case ByPartition:
 		return "ByPartition"
@@ -38,19 +41,19 @@ func (o Ordering) String() string {
 	case Unordered:
 		return "Unordered"
 	}
-	return fmt.Sprintf("Ordering(%d)", int(o))
+	return fmt.Sprintf("OrderingScope(%d)", int(o))
 }
 
 // Defaults of the Source options.
 const (
-	DefaultCommitInterval          = time.Second
-	DefaultCommitLinger            = 5 * time.Millisecond
-	DefaultMaxInFlightPerPartition = 512
-	DefaultMaxInFlight             = 4096
-	DefaultRevokeDrain             = 10 * time.Second
-	DefaultPollWait                = time.Second
-	DefaultCommitTimeout           = 10 * time.Second
-	DefaultLagRefresh              = 10 * time.Second
+	DefaultCommitInterval         = time.Second
+	DefaultCommitLinger           = 5 * time.Millisecond
+	DefaultMaxUnackedPerPartition = 512
+	DefaultMaxUnacked             = 4096
+	DefaultRevokeDrain            = 10 * time.Second
+	DefaultPollWait               = time.Second
+	DefaultCommitTimeout          = 10 * time.Second
+	DefaultLagRefresh             = 10 * time.Second
 	// DefaultMetadataLimit is the offset-commit metadata limit of Kafka
 	// brokers (offset.metadata.max.bytes).
 	DefaultMetadataLimit = 4096
@@ -75,13 +78,13 @@ type config struct {
 	topics         []string
 	clientOpts     []kgo.Opt
 	factory        ClientFactory
-	ordering       Ordering
+	ordering       OrderingScope
 	commitInterval time.Duration
 	commitLinger   time.Duration
 	lingerSet      bool // commitLinger given by WithCommitLinger
 	commitTimeout  time.Duration
 	maxPerPart     int
-	maxPerPartSet  bool // maxPerPart given by WithMaxInFlightPerPartition
+	maxPerPartSet  bool // maxPerPart given by WithMaxUnackedPerPartition
 	maxTotal       int
 	revokeDrain    time.Duration
 	pollWait       time.Duration
@@ -118,8 +121,8 @@ func defaultConfig() config {
 		commitInterval: DefaultCommitInterval,
 		commitLinger:   DefaultCommitLinger,
 		commitTimeout:  DefaultCommitTimeout,
-		maxPerPart:     DefaultMaxInFlightPerPartition,
-		maxTotal:       DefaultMaxInFlight,
+		maxPerPart:     DefaultMaxUnackedPerPartition,
+		maxTotal:       DefaultMaxUnacked,
 		revokeDrain:    DefaultRevokeDrain,
 		pollWait:       DefaultPollWait,
 		metadataLimit:  DefaultMetadataLimit,
@@ -196,11 +199,12 @@ func WithClientFactory(f ClientFactory) Option {
 	}
 }
 
-// WithOrdering sets the ordering mode. Default ByPartition.
-func WithOrdering(o Ordering) Option {
-	return sourceOnly("WithOrdering", func(c *config) error {
+// WithOrderingScope sets which records of a partition may run at the same
+// time: ByPartition, ByKey or Unordered. Default ByPartition.
+func WithOrderingScope(o OrderingScope) Option {
+	return sourceOnly("WithOrderingScope", func(c *config) error {
 		if o < ByPartition || o > Unordered {
-			return fmt.Errorf("kafka: WithOrdering(%d): use ByPartition, ByKey or Unordered", int(o))
+			return fmt.Errorf("kafka: WithOrderingScope(%d): use ByPartition, ByKey or Unordered", int(o))
 		}
 		c.ordering = o
 		return nil
@@ -254,14 +258,15 @@ func WithCommitTimeout(d time.Duration) Option {
 	})
 }
 
-// WithMaxInFlightPerPartition bounds the records of one partition handed to
-// the runtime and not yet acked. At the bound the partition's fetching is
-// paused; it resumes below it. Default 512, or WithMaxInFlight if that is
-// lower. Must not exceed WithMaxInFlight.
-func WithMaxInFlightPerPartition(n int) Option {
-	return sourceOnly("WithMaxInFlightPerPartition", func(c *config) error {
+// WithMaxUnackedPerPartition bounds the records of one partition handed out
+// and not yet acked. The partition's fetching pauses while its records
+// polled and not yet acked (waiting to be handed out, or handed out) reach
+// the bound, and resumes below it. Default 512, or WithMaxUnacked if that is
+// lower. Must not exceed WithMaxUnacked.
+func WithMaxUnackedPerPartition(n int) Option {
+	return sourceOnly("WithMaxUnackedPerPartition", func(c *config) error {
 		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d): must be at least 1", n)
+			return fmt.Errorf("kafka: WithMaxUnackedPerPartition(%d): must be at least 1", n)
 		}
 		c.maxPerPart = n
 		c.maxPerPartSet = true
@@ -269,12 +274,15 @@ func WithMaxInFlightPerPartition(n int) Option {
 	})
 }
 
-// WithMaxInFlight bounds the records handed to the runtime and not yet acked,
-// over all partitions. At the bound the Source stops polling. Default 4096.
-func WithMaxInFlight(n int) Option {
-	return sourceOnly("WithMaxInFlight", func(c *config) error {
+// WithMaxUnacked bounds the records handed out and not yet acked over all
+// partitions, as AMQP's prefetch does: at the bound the Source stops
+// polling. It is the most the runtime can hold, not what it holds:
+// consumer.WithMaxInFlight (default max(2×concurrency, 20)) bounds that.
+// Default 4096.
+func WithMaxUnacked(n int) Option {
+	return sourceOnly("WithMaxUnacked", func(c *config) error {
 		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxInFlight(%d): must be at least 1", n)
+			return fmt.Errorf("kafka: WithMaxUnacked(%d): must be at least 1", n)
 		}
 		c.maxTotal = n
 		return nil
@@ -389,7 +397,7 @@ func (c *config) validate() error {
 		c.maxPerPart = min(c.maxPerPart, c.maxTotal)
 	}
 	if c.maxPerPart > c.maxTotal {
-		return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d) exceeds WithMaxInFlight(%d)", c.maxPerPart, c.maxTotal)
+		return fmt.Errorf("kafka: WithMaxUnackedPerPartition(%d) exceeds WithMaxUnacked(%d)", c.maxPerPart, c.maxTotal)
 	}
 	if c.meterProvider == nil {
 		c.meterProvider = otel.GetMeterProvider()

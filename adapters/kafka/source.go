@@ -183,7 +183,7 @@ func (s *Source) Capabilities() adapters.Capabilities {
 }
 
 // Receive implements adapters.Source: it hands out polled records, up to the
-// in-flight bounds, waiting at most the poll wait for new ones. A
+// unacked bounds, waiting at most the poll wait for new ones. A
 // partition's fetch error (a data loss, a topic not authorised) is returned
 // along with the records of the other partitions. Concurrent calls poll one
 // at a time.
@@ -342,7 +342,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 	// Data losses first. franz-go appends its data-loss notices after the
 	// fetched records of a poll, and once it has rewound a partition it
 	// fetches from the rewind point at once: a poll that comes late (the
-	// runtime busy, the in-flight bound reached) holds the records read
+	// runtime busy, the unacked bound reached) holds the records read
 	// from the rewind point before the notice. Registered first, those
 	// would pass for old records already polled and be dropped (and with
 	// no refetch, never be fetched again), or they would move lastPolled
@@ -417,7 +417,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 	return refetch, lose, notices
 }
 
-// takeLocked hands out ready records up to limit and the in-flight bounds,
+// takeLocked hands out ready records up to limit and the unacked bounds,
 // sharing them out evenly over the partitions with records waiting, so that a
 // runtime holding few records still gets work for every partition's lane.
 func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Delivery {

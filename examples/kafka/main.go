@@ -115,7 +115,7 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup(group),
 		kafka.WithTopics(cfg.topic),
-		kafka.WithOrdering(kafka.ByKey),
+		kafka.WithOrderingScope(kafka.ByKey),
 		kafka.WithCommitInterval(500*time.Millisecond),
 		kafka.WithLogger(logger),
 	)

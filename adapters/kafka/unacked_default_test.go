@@ -5,14 +5,14 @@ import (
 	"testing"
 )
 
-// WithMaxInFlight below the per-partition default is a valid setting by
+// WithMaxUnacked below the per-partition default is a valid setting by
 // itself: the per-partition bound the caller did not set follows it down
 // instead of failing New under an option the caller never used.
-func TestMaxInFlightBelowThePerPartitionDefault(t *testing.T) {
+func TestMaxUnackedBelowThePerPartitionDefault(t *testing.T) {
 	c := newCluster(t)
-	s, err := New(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"), WithMaxInFlight(100))
+	s, err := New(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"), WithMaxUnacked(100))
 	if err != nil {
-		t.Fatalf("New with WithMaxInFlight(100) alone: %v", err)
+		t.Fatalf("New with WithMaxUnacked(100) alone: %v", err)
 	}
 	defer s.Close()
 	if s.cfg.maxPerPart != 100 || s.cfg.maxTotal != 100 {
@@ -20,7 +20,7 @@ func TestMaxInFlightBelowThePerPartitionDefault(t *testing.T) {
 	}
 	// Set explicitly, the per-partition bound still may not exceed the total.
 	if _, err := New(context.Background(), WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t"),
-		WithMaxInFlight(100), WithMaxInFlightPerPartition(200)); err == nil {
-		t.Fatal("WithMaxInFlightPerPartition(200) above WithMaxInFlight(100) was accepted")
+		WithMaxUnacked(100), WithMaxUnackedPerPartition(200)); err == nil {
+		t.Fatal("WithMaxUnackedPerPartition(200) above WithMaxUnacked(100) was accepted")
 	}
 }
