@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -314,4 +315,57 @@ func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
 	byKeyInterval.report(b, "bykey_interval")
 	b.ReportMetric(byKey.perSec()/serialRaw.perSec(), "ratio_vs_raw")
 	b.ReportMetric(byKey.perSec()/serial.perSec(), "ratio_vs_bypartition")
+}
+
+// rawPartitionLoop is the franz-go baseline for by-partition ordering: poll,
+// run each partition's records in turn on a goroutine of its own, all
+// partitions at once, wait for them, commit what was polled, repeat.
+func (bc *benchCluster) rawPartitionLoop(b *testing.B, total int, first func(), handle func(*kgo.Record)) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(bc.addrs...), kgo.ConsumerGroup(newGroup()), kgo.ConsumeTopics("bench"),
+		kgo.DisableAutoCommit(), kgo.FetchMaxWait(50*time.Millisecond))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cl.Close()
+	ctx := context.Background()
+	for n := 0; n < total; {
+		fs := cl.PollFetches(ctx)
+		if n == 0 && fs.NumRecords() > 0 {
+			first()
+		}
+		var wg sync.WaitGroup
+		fs.EachPartition(func(p kgo.FetchTopicPartition) {
+			n += len(p.Records)
+			wg.Go(func() {
+				for _, r := range p.Records {
+					handle(r)
+				}
+			})
+		})
+		wg.Wait()
+		if err := cl.CommitUncommittedOffsets(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// A 2 ms handler over a backlog of 2,500 records per partition, one record
+// at a time per partition (the default ordering), at concurrency 8 (one
+// worker per partition) and the runtime's default in-flight window: custody
+// against franz-go running each partition on a goroutine of its own. A deep
+// backlog must keep every partition busy, not a few.
+func BenchmarkDeepBacklogByPartition(b *testing.B) {
+	const perPartition = 2500
+	total := benchPartitions * perPartition
+	bc := newBenchCluster(b, perPartition)
+	work := func() { time.Sleep(2 * time.Millisecond) }
+	h := func(context.Context, *consumer.Message) error { work(); return nil }
+	var raw, cus side
+	for i := 0; i < b.N; i++ {
+		raw.add(bc.measure(total, func(first func()) { bc.rawPartitionLoop(b, total, first, func(*kgo.Record) { work() }) }))
+		cus.add(bc.custodyRun(b, total, h, nil, consumer.WithConcurrency(benchPartitions)))
+	}
+	raw.report(b, "raw")
+	cus.report(b, "custody")
+	b.ReportMetric(cus.perSec()/raw.perSec(), "ratio")
 }

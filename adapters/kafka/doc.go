@@ -137,7 +137,13 @@
 // polled and not acked reach it, the partition's fetching is paused, below it
 // resumed (and resumed on revoke, since franz-go keeps pauses across
 // rebalances). [WithMaxUnacked] (4096) bounds the records handed out over
-// all partitions: at the bound the Source stops polling.
+// all partitions: at the bound the Source stops polling. A poll takes every
+// record the client has fetched, already in memory, into the partitions'
+// backlogs, and Receive shares them out over the partitions: a poll of a
+// number of records would take them partition by partition, and a deep
+// backlog would give the runtime the first partitions' records alone. What
+// one partition holds beyond its bound is therefore at most one fetch of it
+// (kgo.FetchMaxPartitionBytes).
 //
 // # Dead-letter topic
 //

@@ -203,9 +203,7 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 		return nil, err
 	}
 	out := s.takeLocked(nil, want)
-	// Backlogs are not counted: each is bounded by its partition's pause.
 	room := s.cfg.maxTotal - s.totalHeld
-	backlog := s.totalBack
 	s.mu.Unlock()
 	if len(out) > 0 {
 		return out, nil
@@ -216,10 +214,7 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 	if room <= 0 {
 		return s.waitForRoom(ctx, want)
 	}
-	// Poll more than this call hands out, so the backlogs hold records of
-	// every partition to interleave, but no more than the room left.
-	n := min(max(want, room-backlog), room)
-	return s.poll(ctx, n, want)
+	return s.poll(ctx, want)
 }
 
 // waitForRoom waits, up to the poll wait, for acks to free capacity.
@@ -238,7 +233,15 @@ func (s *Source) waitForRoom(ctx context.Context, max int) ([]*adapters.Delivery
 	return out, nil
 }
 
-func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, error) {
+// poll takes every record the client has fetched, waiting up to the poll
+// wait for some, into the partitions' backlogs, and hands out up to max.
+// Everything, not a number: a poll takes records partition by partition,
+// each as far as the client has it, so a poll of n would give a deep
+// backlog's first partitions all of n, and the runtime records of those
+// partitions alone until they ran out. The records are in memory already
+// (the client fetched them); a partition whose records polled and not acked
+// reach its bound is paused, so the next fetch leaves it out.
+func (s *Source) poll(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	var out []*adapters.Delivery
 	select {
 	case s.pollSem <- struct{}{}:
@@ -263,7 +266,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	s.mu.Lock()
 	s.pollCancel = cancel
 	s.mu.Unlock()
-	fs := s.cl.PollRecords(pctx, n)
+	fs := s.cl.PollRecords(pctx, 0)
 	s.mu.Lock()
 	s.pollCancel = nil
 	refetch, lose, notices := s.registerLocked(fs)

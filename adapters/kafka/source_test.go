@@ -653,6 +653,35 @@ func TestReceiveSharesOutOverThePartitions(t *testing.T) {
 	}
 }
 
+// A deep backlog in every partition: a poll takes records partition by
+// partition, each as far as the client has it, so a poll of a number of
+// records would give the first partitions all of it, and the runtime would
+// get records of those partitions only (one worker busy per partition
+// covered, by partition) until they were all done. The Source takes all the
+// client fetched, and the first Receive hands out records of every
+// partition; the partitions it holds enough of are paused.
+func TestDeepBacklogIsSharedOverThePartitions(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 8)
+	c.produceN(t, "orders", 8, 1000, 10)
+	s := c.open(t, newGroup(), "orders")
+	ds := receiveN(t, s, 16)
+	per := map[int32]int{}
+	for _, d := range ds {
+		per[d.Partition]++
+	}
+	if len(per) != 8 {
+		t.Fatalf("the first 16 records handed out came from partitions %v; want records of all 8", per)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.order {
+		if p.backlogLen()+p.nheld >= s.cfg.maxPerPart && !p.paused {
+			t.Errorf("partition %d holds %d records, at least its bound of %d, and is not paused", p.id, p.backlogLen()+p.nheld, s.cfg.maxPerPart)
+		}
+	}
+}
+
 // Many records of a partition finishing out of order, with two early ones
 // still running, keep track of those two: their acks mark them done, and
 // the commit reaches the end.
