@@ -42,6 +42,16 @@
 // (CountsDeliveries=false: the count restarts when another member takes the
 // partition).
 //
+// By partition, the Source hands out no more records of a partition at once
+// than the partition's share of what the runtime holds
+// (consumer.WithMaxInFlight, over the partitions assigned; at least two):
+// the runtime runs them one at a time and queues the rest, so that a record
+// that runs long (a slow call, a retry waiting in place) holds up its own
+// partition only, not the runtime's whole in-flight window. By key, a key's
+// records are not bounded so: a record that runs long lets its key's later
+// records fill the window, and the other keys wait; give such a consumer a
+// larger consumer.WithMaxInFlight.
+//
 // # Commits: durable prefixes only
 //
 // Each assignment of a partition gets its own completion tracker (an epoch).

@@ -46,6 +46,9 @@ type Source struct {
 	// keys, headers), strChunk at a time. Bytes written are never changed:
 	// a Builder only appends, and Reset starts a new buffer.
 	strs strings.Builder
+	// laneCap is, by partition, the most records of one partition handed
+	// out at once (see setLaneCapLocked); 0 in the other scopes.
+	laneCap int
 	// released lists the partitions an Ack or Nack released deliveries of,
 	// for the bookkeeping done once per call (see settleLocked).
 	released []*partition
@@ -202,6 +205,7 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 		s.mu.Unlock()
 		return nil, err
 	}
+	s.setLaneCapLocked(want)
 	out := s.takeLocked(nil, want)
 	room := s.cfg.maxTotal - s.totalHeld
 	s.mu.Unlock()
@@ -420,6 +424,33 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 	return refetch, lose, notices
 }
 
+// setLaneCapLocked bounds, by partition, the records of one partition
+// handed out at once to its share of what the runtime holds (what it holds
+// now, and the want more it asks for), over the partitions assigned. The
+// runtime runs them one at a time and queues the others in its in-flight
+// window: more than the share would fill the window with one partition's
+// records, and a partition whose record runs long (a retry waiting in place,
+// a slow call) would end up holding all of it, stopping every other
+// partition. At least two, so that a partition's next record waits in the
+// runtime when its record ends.
+func (s *Source) setLaneCapLocked(want int) {
+	if s.cfg.ordering != ByPartition {
+		return
+	}
+	live := 0
+	for _, p := range s.order {
+		if !p.fenced && !p.draining {
+			live++
+		}
+	}
+	live = max(live, 1)
+	s.laneCap = max(2, (s.totalHeld+want+live-1)/live)
+}
+
+// cappedLocked reports whether p has as many records handed out as the
+// lane cap allows.
+func (s *Source) cappedLocked(p *partition) bool { return s.laneCap > 0 && p.nheld >= s.laneCap }
+
 // takeLocked hands out ready records up to limit and the unacked bounds,
 // sharing them out evenly over the partitions with records waiting, so that a
 // runtime holding few records still gets work for every partition's lane.
@@ -435,7 +466,7 @@ func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Del
 	for len(out) < limit {
 		waiting := 0
 		for _, p := range s.order {
-			if p.backlogLen() > 0 {
+			if p.backlogLen() > 0 && !s.cappedLocked(p) {
 				waiting++
 			}
 		}
@@ -446,7 +477,7 @@ func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Del
 		progress := false
 		for i := 0; i < n && len(out) < limit; i++ {
 			p := s.order[(s.rr+i)%n]
-			if p.backlogLen() == 0 {
+			if p.backlogLen() == 0 || s.cappedLocked(p) {
 				continue
 			}
 			before := len(out)
@@ -469,7 +500,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 	if p.fenced || p.draining {
 		return out
 	}
-	for len(out) < max && len(p.requeue) > 0 && s.totalHeld < s.cfg.maxTotal {
+	for len(out) < max && len(p.requeue) > 0 && s.totalHeld < s.cfg.maxTotal && !s.cappedLocked(p) {
 		h := p.requeue[0]
 		p.requeue[0] = nil
 		p.requeue = p.requeue[1:]
@@ -478,7 +509,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		out = append(out, &h.d)
 	}
 	for len(out) < max && p.backHead < len(p.backlog) {
-		if p.nheld >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal {
+		if p.nheld >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal || s.cappedLocked(p) {
 			break
 		}
 		r := p.backlog[p.backHead]
@@ -730,7 +761,7 @@ func (s *Source) settleLocked() {
 			p.drained = nil
 		}
 		s.updatePauseLocked(p)
-		ready = ready || p.backlogLen() > 0
+		ready = ready || (p.backlogLen() > 0 && !s.cappedLocked(p))
 	}
 	s.released = s.released[:0]
 	select {
