@@ -336,6 +336,10 @@ func (ch *chaos) randomCfg(rng *rand.Rand) chaosMemberCfg {
 			cfg.concurrency = 8 + rng.Intn(16)
 		}
 	}
+	if cfg.maxTotal > 0 && cfg.maxTotal < cfg.concurrency {
+		// The runtime refuses a concurrency above what the Source hands out.
+		cfg.maxTotal = cfg.concurrency
+	}
 	switch rng.Intn(4) {
 	case 0:
 		cfg.runtimeInFl = cfg.concurrency + rng.Intn(8)

@@ -277,8 +277,9 @@ func WithMaxUnackedPerPartition(n int) Option {
 // WithMaxUnacked bounds the records handed out and not yet acked over all
 // partitions, as AMQP's prefetch does: at the bound the Source stops
 // polling. It is the most the runtime can hold, not what it holds:
-// consumer.WithMaxInFlight (default max(2×concurrency, 20)) bounds that.
-// Default 4096.
+// consumer.WithMaxInFlight (default max(2×concurrency, 20), at most this)
+// bounds that, and consumer.New refuses a concurrency above it, since the
+// extra workers would never get a record. Default 4096.
 func WithMaxUnacked(n int) Option {
 	return sourceOnly("WithMaxUnacked", func(c *config) error {
 		if n < 1 {

@@ -179,9 +179,10 @@ func (s *Source) Recalls() <-chan struct{} { return s.recalls }
 // Capabilities implements adapters.Source.
 func (s *Source) Capabilities() adapters.Capabilities {
 	return adapters.Capabilities{
-		Name:    s.name,
-		System:  "kafka",
-		Ordered: s.cfg.ordering != Unordered,
+		Name:       s.name,
+		System:     "kafka",
+		Ordered:    s.cfg.ordering != Unordered,
+		MaxUnacked: s.cfg.maxTotal,
 	}
 }
 
