@@ -40,7 +40,9 @@ type Source struct {
 	// the broker notices records that became ready in a backlog.
 	pollCancel context.CancelFunc
 	// slab hands out held values allocated heldSlab at a time: one
-	// allocation per batch instead of one per record.
+	// allocation per heldSlab records instead of one each, which the
+	// runtime's per-record cost shows. A held value kept alive keeps its
+	// slab alive, heldSlab values at most.
 	slab []held
 	// strs holds the bytes of the deliveries' strings (IDs, keys, ordering
 	// keys, headers), strChunk at a time. Bytes written are never changed:
@@ -78,6 +80,8 @@ type Source struct {
 	once     sync.Once
 }
 
+// heldSlab is how many held values one allocation makes. Any size works:
+// it is not fitted to the allocator's size classes.
 const heldSlab = 64
 
 // strChunk is the size of the buffers that delivery strings are cut from;
