@@ -73,6 +73,21 @@
 // covers, as franz-go's own commits do, so that the partition's next owner
 // can tell when the log was truncated under the commit (KIP-320).
 //
+// Acks and commits are two steps, and only the second is the broker's. Ack
+// marks records done, in process, and returns at once: the Source declares
+// no ack batching (zero Capabilities.Ack), so the runtime's workers call it
+// as they finish. The commit is Kafka's own acknowledgement, one offset per
+// partition covering every record below it, sent for every partition in one
+// OffsetCommit request; which offset it carries, when it goes and how a
+// failed one is followed (the next commit carries the same prefix or a
+// longer one) belong to that protocol, so they are the adapter's, as
+// turning acks into multiple=true frames is the RabbitMQ adapter's. The
+// runtime's batching, entries per call and calls in flight, has no notion
+// of a prefix per partition, nor of one request carrying them all: it has
+// nothing to linger for here, and the Source asks it for nothing. Nothing
+// is leased either, so nothing is renewed: records the Source holds before
+// handing them out cost the broker nothing, and a revoke gives them up.
+//
 // Done offsets beyond the committed one travel in the commit metadata,
 // compactly encoded (runs of offsets, base64) with the leader epoch their
 // records were written under, and bounded by [WithMetadataLimit] (4096

@@ -139,8 +139,8 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		kgo.BlockRebalanceOnPoll(),
 		// Transaction markers take offsets of their own. Seen, they are
 		// marked done like records, so the commit reaches the end of a
-		// partition a transactional producer writes; unseen, it stayed one
-		// short of it for good, and the lag with it.
+		// partition a transactional producer writes; unseen, it would stay
+		// one short of it for good, and the lag with it.
 		kgo.KeepControlRecords(),
 		kgo.OnPartitionsAssigned(s.onAssigned),
 		kgo.OnOffsetsFetched(s.onOffsetsFetched),
@@ -645,8 +645,8 @@ func joinStr(prefix string, b []byte, n int) string {
 	return sb.String()
 }
 
-// updatePauseLocked pauses fetching a partition whose backlog and in-flight
-// records reach its bound, and resumes it below the bound.
+// updatePauseLocked pauses fetching a partition whose backlog and
+// handed-out records reach its bound, and resumes it below the bound.
 func (s *Source) updatePauseLocked(p *partition) {
 	full := p.backlogLen()+p.nheld >= s.cfg.maxPerPart ||
 		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
@@ -662,12 +662,12 @@ func (s *Source) updatePauseLocked(p *partition) {
 	}
 }
 
-// Ack implements adapters.Source: it marks the records done. The commit
-// follows a linger later (see WithCommitLinger), with the records of every
-// partition marked done meanwhile, or on revoke or Close. Records whose partition was
-// revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
-// A record nacked already fails too (it is handed out again); acking a
-// record twice is no error.
+// Ack implements adapters.Source: it marks the records done, in process. The
+// commit follows a linger later (see WithCommitLinger), with the records of
+// every partition marked done meanwhile, or on revoke or Close. Records whose
+// partition was revoked or lost fail with adapters.ErrRevoked: their new
+// owner runs them. A record nacked already fails too (it is handed out
+// again); acking a record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
 	marked := false
