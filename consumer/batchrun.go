@@ -152,8 +152,7 @@ func (r *run) take(g *gatherer, j *job) (leftOver *job) {
 		n++
 	}
 	if n > 0 {
-		clear(q[:n])
-		r.lanes[j.lane] = q[n:]
+		r.lanes[j.lane] = popFront(q, n)
 	}
 	r.lanesMu.Unlock()
 	return nil
