@@ -121,12 +121,21 @@
 //     the message may be with another consumer already, so its receipt
 //     handle is not used again (the runtime does not nack it).
 //
+// # Backlog
+//
+// [Source.Backlog] asks SQS for the queue's ApproximateNumberOfMessages
+// (waiting) and ApproximateNumberOfMessagesNotVisible (in flight) in one
+// GetQueueAttributes request; the runtime polls it at a low rate
+// (consumer.WithBacklogInterval) for its backlog gauges. SQS's API does not
+// tell the age of the oldest message, so none is reported.
+//
 // # Telemetry
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
 // default), with messaging.destination.name set to the queue's name:
 // custody.sqs.requests (SQS requests, by operation: ReceiveMessage,
-// DeleteMessageBatch, ChangeMessageVisibilityBatch; and result: ok, empty
+// DeleteMessageBatch, ChangeMessageVisibilityBatch, GetQueueAttributes for
+// a backlog poll; and result: ok, empty
 // for a receive that brought nothing, error for a request that failed
 // whole), custody.sqs.entries.failed (batch entries SQS failed, by
 // operation and reason: lease_lost, sqs for a fault on SQS's side, refused),
