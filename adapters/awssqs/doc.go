@@ -121,6 +121,20 @@
 //     the message may be with another consumer already, so its receipt
 //     handle is not used again (the runtime does not nack it).
 //
+// # Replaying dead letters
+//
+// [NewReplay] returns a [Replay] of a dead-letter queue. Its List is a dry
+// run: the dead letters with their diagnostics, received for a moment and
+// given back (SQS cannot show a message otherwise; each List adds one to
+// their receive counts). Its Replay moves a selection back to their original
+// queues at a bounded rate, one at a time: copy, wait for SQS's
+// confirmation, delete. The copy is the message as it was sent, marked with
+// custody-replay-of; FIFO copies keep their group and carry a deduplication
+// id derived from the dead letter's id, so that a run repeated after a crash
+// within SQS's five-minute deduplication interval sends no second copy. On
+// a standard queue such a crash can send one message back twice: see
+// [Replay.Replay].
+//
 // # Backlog
 //
 // [Source.Backlog] asks SQS for the queue's ApproximateNumberOfMessages
