@@ -581,3 +581,42 @@ func TestReplayRefusals(t *testing.T) {
 	}
 	waitFor(t, "the three dead letters in sight", func() bool { v, f := s.counts(s.dlqURL); return v == 3 && f == 0 })
 }
+
+// TestReplayRequestsPerDeadLetter: what a replay costs in SQS requests,
+// which SQS bills. Moving a dead letter is a copy and a delete, plus a
+// tenth of a receive; a List is a tenth of a receive and a tenth of a
+// visibility change per dead letter.
+func TestReplayRequestsPerDeadLetter(t *testing.T) {
+	t.Parallel()
+	s := newReplaySetup(t, false)
+	const n = 30
+	diag := fmt.Sprintf(`{%q:%q,%q:"boom"}`, adapters.HeaderOriginalQueue, s.name, adapters.HeaderError)
+	for i := range n {
+		s.sendAttributes(s.dlqURL, fmt.Sprint(i), "", map[string]types.MessageAttributeValue{
+			DefaultDiagnosticsAttribute: {DataType: aws.String("String"), StringValue: aws.String(diag)},
+		})
+	}
+	waitFor(t, "the dead letters in sight", func() bool { v, _ := s.counts(s.dlqURL); return v == n })
+	r := s.newReplay(s.client)
+	s.counter.Reset()
+	if recs, err := r.List(s.ctx(), 100); err != nil || len(recs) != n {
+		t.Fatalf("List: %d records, %v", len(recs), err)
+	}
+	// Three full receives, one that finds nothing new, three releases.
+	if got, want := s.counter.Total(), int64(n/10+1+n/10); got != want {
+		t.Errorf("List of %d dead letters made %d requests (%d receives, %d visibility changes), want %d",
+			n, got, s.counter.Op("ReceiveMessage"), s.counter.Op("ChangeMessageVisibilityBatch"), want)
+	}
+	waitFor(t, "the dead letters back in sight", func() bool { v, _ := s.counts(s.dlqURL); return v == n })
+	s.counter.Reset()
+	if res, err := r.Replay(s.ctx(), adapters.ReplayOptions{Rate: 1000}); err != nil || res.Replayed != n {
+		t.Fatalf("Replay: %+v, %v", res, err)
+	}
+	// A copy and a delete each, three full receives and an empty one, and
+	// one GetQueueUrl for the queue they go back to.
+	want := int64(2*n + n/10 + 1 + 1)
+	if got := s.counter.Total(); got != want {
+		t.Errorf("Replay of %d dead letters made %d requests (%.2f each), want %d", n, got, float64(got)/n, want)
+	}
+	t.Logf("requests per dead letter: List %.2f, Replay %.2f", float64(n/10+1+n/10)/n, float64(want)/n)
+}
