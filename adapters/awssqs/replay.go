@@ -241,6 +241,7 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 //     deduplication interval). WithReplayHold bounds how long the dead
 //     letter stays out of sight after a crash.
 //   - a standard queue: SQS does not deduplicate, and nothing short of a
+//     transaction across two queues tells a second run that the copy was
 //     made, so the message goes back twice. A run makes one copy at a time,
 //     so an interrupted run leaves at most one such duplicate; it carries the
 //     same adapters.HeaderReplayOf as the first, for a consumer to drop (an
@@ -250,10 +251,11 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 //     remembers the dead letters whose deletion failed, and deletes them
 //     without a second copy when it finds them again (counted as Skipped).
 //
-// A dead letter that left a FIFO dead-letter queue's group order behind one
-// Select left out (or beyond Max) waits for a later run: SQS hands out no
-// later message of a group while an earlier one is held. A run ends when
-// Max is reached, or when a receive brings no dead letter it has not seen.
+// On a FIFO dead-letter queue, the dead letters of a group that come after
+// one Select leaves out (or one beyond Max) wait for a later run: SQS hands
+// out no later message of a group while an earlier one is held. A run ends
+// when Max is reached, or when a receive brings no dead letter it has not
+// seen.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
 	var res adapters.ReplayResult
 	switch {
@@ -269,7 +271,10 @@ func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters
 	p := pace.New(rate)
 	// A batch takes (n-1) intervals to copy; keep that within a third of
 	// the hold, so the receipt handles stay good.
-	batch := min(maxBatch, max(1, int(float64(r.hold/3)/float64(p.Interval()))))
+	batch := maxBatch
+	if iv := p.Interval(); iv > 0 {
+		batch = int(min(maxBatch, max(1, (r.hold/3)/iv)))
+	}
 	var (
 		judged = map[string]bool{} // dead letters looked at in this run
 		held   heldMessages

@@ -620,3 +620,55 @@ func TestReplayRequestsPerDeadLetter(t *testing.T) {
 	}
 	t.Logf("requests per dead letter: List %.2f, Replay %.2f", float64(n/10+1+n/10)/n, float64(want)/n)
 }
+
+// receiveCounting counts how often each message id was received.
+type receiveCounting struct {
+	ReplayClient
+	mu       sync.Mutex
+	received map[string]int
+}
+
+func (c *receiveCounting) ReceiveMessage(ctx context.Context, in *sqs.ReceiveMessageInput, optFns ...func(*sqs.Options)) (*sqs.ReceiveMessageOutput, error) {
+	out, err := c.ReplayClient.ReceiveMessage(ctx, in, optFns...)
+	if err == nil {
+		c.mu.Lock()
+		if c.received == nil {
+			c.received = map[string]int{}
+		}
+		for _, m := range out.Messages {
+			c.received[aws.ToString(m.MessageId)]++
+		}
+		c.mu.Unlock()
+	}
+	return out, err
+}
+
+// TestReplaySlowRateKeepsItsHold: at a rate too slow to copy ten dead
+// letters within the hold, a run receives fewer at a time, so that it
+// copies each while it still holds it: none is received twice (which would
+// count against a redrive policy of the dead-letter queue and wait out a
+// hold), and all move in one run.
+func TestReplaySlowRateKeepsItsHold(t *testing.T) {
+	t.Parallel()
+	s := newReplaySetup(t, false)
+	s.deadLetter(bodies("slow", 6)...)
+	c := &receiveCounting{ReplayClient: s.client}
+	res, err := s.newReplay(c, WithReplayHold(3*time.Second)).Replay(s.ctx(), adapters.ReplayOptions{Rate: 2})
+	if err != nil || res.Replayed != 6 {
+		t.Fatalf("Replay at 2 a second with a 3s hold: %+v, %v; want all 6 in one run", res, err)
+	}
+	for id, n := range c.received {
+		if n != 1 {
+			t.Errorf("dead letter %s received %d times, want once", id, n)
+		}
+	}
+	copies := map[string]int{}
+	for _, m := range s.drainAll(s.url) {
+		copies[aws.ToString(m.Body)]++
+	}
+	for _, b := range bodies("slow", 6) {
+		if copies[b] != 1 {
+			t.Errorf("%s went back %d times, want once", b, copies[b])
+		}
+	}
+}
