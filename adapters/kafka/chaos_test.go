@@ -409,8 +409,11 @@ func (ch *chaos) startMember(cfg chaosMemberCfg) *chaosMember {
 		consumer.WithDeadLetter(&chaosDeadLetter{ch: ch, m: m, inner: dl}),
 		consumer.WithShutdownTimeout(5 * time.Second),
 	}
-	if cfg.runtimeInFl > 0 {
-		copts = append(copts, consumer.WithMaxInFlight(cfg.runtimeInFl))
+	if w := cfg.runtimeInFl; w > 0 {
+		if cfg.maxTotal > 0 {
+			w = min(w, cfg.maxTotal) // the runtime refuses a window the Source can never fill
+		}
+		copts = append(copts, consumer.WithMaxInFlight(max(w, cfg.concurrency)))
 	}
 	cons, err := consumer.New(&chaosSource{ch: ch, m: m, inner: src}, consumer.HandlerFunc(ch.handler(m)), copts...)
 	if err != nil {
