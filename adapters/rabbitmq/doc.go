@@ -69,6 +69,13 @@
 // blocks on them. Automatic recovery in amqp091 (Config.Recovery) is
 // refused: it would reuse a channel behind the adapter's back.
 //
+// [Source.Connection] reports those transitions (adapters.Connector):
+// connected while a channel consumes, reconnecting from the moment the
+// adapter sees the connection or channel die until a new channel consumes
+// (with the last failed attempt's error), disconnected after Close. The
+// runtime's readiness (consumer.Status().Ready, Consumer.ReadyHandler) is
+// false while the Source reconnects.
+//
 // # Attempts
 //
 // Delivery.Attempt is 1 on the first delivery where the Source counts

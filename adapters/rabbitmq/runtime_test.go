@@ -25,6 +25,7 @@ import (
 
 // running is a consumer.Consumer running in the background.
 type running struct {
+	c      *consumer.Consumer
 	cancel context.CancelFunc
 	done   chan error
 	once   sync.Once
@@ -37,7 +38,7 @@ func runConsumer(t *testing.T, src adapters.Source, h consumer.Handler, opts ...
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &running{cancel: cancel, done: make(chan error, 1)}
+	r := &running{c: c, cancel: cancel, done: make(chan error, 1)}
 	go func() { r.done <- c.Run(ctx) }()
 	t.Cleanup(func() { r.stop(t) })
 	return r

@@ -38,9 +38,11 @@ type Source struct {
 	lastDialErr error
 	dialErrKind string
 	dialErrNew  bool
-	closed      bool
-	closing     chan struct{}
-	wg          sync.WaitGroup // supervisor, pumps
+	// conn is the connection state Connection reports.
+	conn    adapters.Connection
+	closed  bool
+	closing chan struct{}
+	wg      sync.WaitGroup // supervisor, pumps
 
 	stats counters
 	tel   *telemetry
@@ -115,6 +117,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 
 		publishTimeout: republishTimeout,
 	}
+	s.conn = adapters.Connection{State: adapters.Connecting, Since: time.Now()}
 	g, err := s.connect(ctx)
 	if err != nil {
 		cancel()
@@ -297,6 +300,7 @@ func (s *Source) Close() error {
 		return nil
 	}
 	s.closed = true
+	s.setConnLocked(adapters.Disconnected, nil)
 	close(s.closing)
 	g := s.gen
 	s.gen = nil
