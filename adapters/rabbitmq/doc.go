@@ -76,6 +76,16 @@
 // runtime's readiness (consumer.Status().Ready, Consumer.ReadyHandler) is
 // false while the Source reconnects.
 //
+// # Backlog
+//
+// [Source.Backlog] (adapters.BacklogReporter, polled by the runtime for its
+// custody.backlog.* gauges) asks the broker for the queue's ready messages
+// with a passive queue.declare, on a channel opened for the call on the
+// consuming connection. AMQP tells no unacked count (InFlight is -1: only
+// the management API and rabbitmqctl know it) and no message's age
+// (OldestAge is zero; the management API's head_message_timestamp tells it
+// for classic queues whose messages carry a timestamp).
+//
 // # Attempts
 //
 // Delivery.Attempt is 1 on the first delivery where the Source counts
