@@ -254,6 +254,24 @@
 // and nothing confirms the move: a dead-letter exchange that does not exist
 // or routes the message nowhere drops it.
 //
+// # Replaying dead letters
+//
+// [NewReplay] reads a dead-letter queue: what a DeadLetter wrote, and what
+// the broker dead-lettered itself (x-death). [Replay.List] is a dry run:
+// basic.get without ack, then the channel closes and the broker takes the
+// messages back, flagged redelivered (and on a quorum queue with
+// x-delivery-count one higher, and behind the messages returned before
+// them). [Replay.Replay] publishes a copy of each dead letter selected,
+// with publisher confirms and the mandatory flag, through the default
+// exchange to its original queue (or, with WithReplayThroughExchange,
+// through its original exchange and routing key), without the diagnostics
+// and with adapters.HeaderReplayOf set to the dead letter's ID, and acks
+// the dead letter only after the confirm, at a bounded rate. RabbitMQ does
+// not deduplicate, so a run that ends between a confirm and the ack (a
+// crash, a cut connection) leaves that one dead letter to be published
+// again by the next run: at most one duplicate per run cut short, with the
+// same message-id, which the idempotency middleware absorbs.
+//
 // # Telemetry
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
@@ -267,7 +285,8 @@
 // custody.rabbitmq.copy, delay_queue or queue, and error), all with
 // messaging.destination.name, its queue. A DeadLetter sink reports the
 // last two for its copies (copy dead_letter), with its exchange and
-// messaging.rabbitmq.destination.routing_key. Logs go to WithLogger's
+// messaging.rabbitmq.destination.routing_key; a Replay for its copies (copy
+// replay), with its dead-letter queue. Logs go to WithLogger's
 // logger, slog.Default() by default.
 //
 // # Tracing

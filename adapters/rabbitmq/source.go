@@ -77,6 +77,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	if len(st.sinkOnly) > 0 {
 		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetter; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
 	}
+	if len(st.replayOnly) > 0 {
+		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
+	}
 	tag := st.consumerTag
 	if tag == "" {
 		tag = defaultConsumerTag(queue)
