@@ -81,9 +81,20 @@ func (b *batcher) add(j *job) {
 
 // addAll queues js, as add does each.
 func (b *batcher) addAll(js []*job) {
-	for _, j := range js {
-		b.add(j)
+	if len(js) == 0 {
+		return
 	}
+	b.mu.Lock()
+	if len(b.pending) == 0 && !b.inline {
+		b.oldest = time.Now()
+	}
+	b.pending = append(b.pending, js...)
+	if len(b.pending) >= b.max && b.calls < b.maxCalls {
+		b.sendLocked(false) // unlocks
+		return
+	}
+	b.armLocked()
+	b.mu.Unlock()
 }
 
 // flush sends what is pending now, if a call may start; workers call it

@@ -152,8 +152,7 @@ func (r *run) take(g *gatherer, j *job) (leftOver *job) {
 		n++
 	}
 	if n > 0 {
-		clear(q[:n])
-		r.lanes[j.lane] = q[n:]
+		r.lanes[j.lane] = popFront(q, n)
 	}
 	r.lanesMu.Unlock()
 	return nil
@@ -293,6 +292,7 @@ func (r *run) recordBatch(js []*job, errs []error, start time.Time, timed bool, 
 // the handler recorded for them, so that no message of a lane is settled
 // ahead of an earlier one.
 func (r *run) settleBatch(js []*job, attempts []int, errs []error) {
+	var acks []*job
 	for start := 0; start < len(js); {
 		end := start + 1
 		if lane := js[start].lane; lane != "" {
@@ -300,13 +300,15 @@ func (r *run) settleBatch(js []*job, attempts []int, errs []error) {
 				end++
 			}
 		}
-		r.settleGroup(js[start:end], attempts[start:end], errs[start:end])
+		acks = r.settleGroup(js[start:end], attempts[start:end], errs[start:end], acks)
 		start = end
 	}
+	r.acks.addAll(acks)
 }
 
-// settleGroup settles the jobs of one lane (or one unordered job).
-func (r *run) settleGroup(g []*job, attempts []int, errs []error) {
+// settleGroup settles the jobs of one lane (or one unordered job), and
+// appends those to ack to acks.
+func (r *run) settleGroup(g []*job, attempts []int, errs []error, acks []*job) []*job {
 	k := len(g) - 1
 	for i, j := range g {
 		if breaksLane(j, errs[i]) {
@@ -320,15 +322,19 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error) {
 	parked := false
 	for i := 0; i <= k; i++ {
 		j := g[i]
-		j.batched = true // the lane is passed on below, once
+		j.batched = true // the lane is passed on below, once; the acks are sent together
 		parked = r.afterAttempt(j, attempts[i], errs[i])
 		if !parked {
+			if j.settling.how.acks() {
+				acks = append(acks, j)
+			}
 			j.batched = false
 		}
 	}
 	if !parked && g[k].lane != "" {
 		r.next(g[k])
 	}
+	return acks
 }
 
 // breaksLane reports whether a lane's later jobs must not be settled ahead

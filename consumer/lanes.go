@@ -33,7 +33,7 @@ func (r *run) dispatchLaned(jobs []job, heads []*job) []*job {
 			r.lanes[j.lane] = append(q, j)
 			continue
 		}
-		r.lanes[j.lane] = nil
+		r.lanes[j.lane] = r.spareQueueLocked()
 		heads = append(heads, j)
 	}
 	r.lanesMu.Unlock()
@@ -122,6 +122,7 @@ func (r *run) next(j *job) {
 	r.lanesMu.Lock()
 	q := r.lanes[j.lane]
 	if len(q) == 0 {
+		r.recycleQueueLocked(q)
 		delete(r.lanes, j.lane)
 		r.lanesMu.Unlock()
 		return
@@ -131,8 +132,7 @@ func (r *run) next(j *job) {
 		// for a worker, to be gathered with the lane's later ones.
 		s := q[0]
 		s.queued = false
-		q[0] = nil
-		r.lanes[j.lane] = q[1:]
+		r.lanes[j.lane] = popFront(q, 1)
 		r.lanesMu.Unlock()
 		r.work <- s // never blocks: see newRun
 		return
@@ -148,10 +148,44 @@ func (r *run) next(j *job) {
 		s.queued = false
 	}
 	j.successor = q[0]
-	clear(q[:n])
-	r.lanes[j.lane] = q[n:]
+	r.lanes[j.lane] = popFront(q, n)
 	r.lanesMu.Unlock()
 }
+
+// popFront returns q without its first n jobs. Emptied, the queue keeps
+// its array for the lane's next jobs: a busy lane that keeps emptying
+// would otherwise allocate a queue each time it fills again.
+func popFront(q []*job, n int) []*job {
+	clear(q[:n])
+	if n == len(q) {
+		return q[:0]
+	}
+	return q[n:]
+}
+
+// spareQueueLocked returns an empty queue for a lane that becomes busy,
+// with the array of one that went idle if there is one; called with
+// lanesMu held.
+func (r *run) spareQueueLocked() []*job {
+	if n := len(r.spareQueues); n > 0 {
+		q := r.spareQueues[n-1]
+		r.spareQueues = r.spareQueues[:n-1]
+		return q
+	}
+	return nil
+}
+
+// recycleQueueLocked keeps the array of an idle lane's empty queue for the
+// next lane that becomes busy, a bounded number of them; called with
+// lanesMu held.
+func (r *run) recycleQueueLocked(q []*job) {
+	if cap(q) > 0 && len(r.spareQueues) < maxSpareQueues {
+		r.spareQueues = append(r.spareQueues, q[:0])
+	}
+}
+
+// maxSpareQueues bounds the idle lane queues kept for reuse.
+const maxSpareQueues = 256
 
 // giveBackBehind marks the jobs of j's lane queued behind it for which
 // behind holds to be given back instead of run.

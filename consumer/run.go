@@ -36,8 +36,10 @@ type run struct {
 
 	lanesMu sync.Mutex
 	lanes   map[string][]*job // queued behind the running job of each lane
-	parking parking           // jobs waiting, without a worker, to run again
-	started time.Time         // the origin of job.accepted
+	// spareQueues are emptied lane queues kept for reuse (see popFront).
+	spareQueues [][]*job
+	parking     parking   // jobs waiting, without a worker, to run again
+	started     time.Time // the origin of job.accepted
 
 	spanName      string
 	batchSpanName string

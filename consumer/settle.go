@@ -149,6 +149,8 @@ func (r *run) settle(j *job, v verdict) {
 	}
 	j.settling = v
 	switch {
+	case v.how.acks() && j.batched:
+		// The batch adds its acks together, under one lock (settleGroup).
 	case v.how.acks():
 		r.acks.add(j)
 	case v.how.nacks():

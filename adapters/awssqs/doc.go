@@ -121,12 +121,35 @@
 //     the message may be with another consumer already, so its receipt
 //     handle is not used again (the runtime does not nack it).
 //
+// # Replaying dead letters
+//
+// [NewReplay] returns a [Replay] of a dead-letter queue. Its List is a dry
+// run: the dead letters with their diagnostics, received for a moment and
+// given back (SQS cannot show a message otherwise; each List adds one to
+// their receive counts). Its Replay moves a selection back to their original
+// queues at a bounded rate, one at a time: copy, wait for SQS's
+// confirmation, delete. The copy is the message as it was sent, marked with
+// custody-replay-of; FIFO copies keep their group and carry a deduplication
+// id derived from the dead letter's id, so that a run repeated after a crash
+// within SQS's five-minute deduplication interval sends no second copy. On
+// a standard queue such a crash can send one message back twice: see
+// [Replay.Replay].
+//
+// # Backlog
+//
+// [Source.Backlog] asks SQS for the queue's ApproximateNumberOfMessages
+// (waiting) and ApproximateNumberOfMessagesNotVisible (in flight) in one
+// GetQueueAttributes request; the runtime polls it at a low rate
+// (consumer.WithBacklogInterval) for its backlog gauges. SQS's API does not
+// tell the age of the oldest message, so none is reported.
+//
 // # Telemetry
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
 // default), with messaging.destination.name set to the queue's name:
 // custody.sqs.requests (SQS requests, by operation: ReceiveMessage,
-// DeleteMessageBatch, ChangeMessageVisibilityBatch; and result: ok, empty
+// DeleteMessageBatch, ChangeMessageVisibilityBatch, GetQueueAttributes for
+// a backlog poll; and result: ok, empty
 // for a receive that brought nothing, error for a request that failed
 // whole), custody.sqs.entries.failed (batch entries SQS failed, by
 // operation and reason: lease_lost, sqs for a fault on SQS's side, refused),

@@ -114,7 +114,8 @@ func (e *env) counts(url string) (visible, inFlight int) {
 // stored returns how many messages url holds, visible, in flight or not yet
 // visible. The emulator counts exactly, and has stored a message by the time
 // SendMessage returns; it holds it back as delayed until its next turn even
-// with no delay, which ApproximateNumberOfMessages leaves out.
+// with no delay, which ApproximateNumberOfMessages leaves out, as it leaves
+// out those in flight.
 func (e *env) stored(url string) int {
 	e.t.Helper()
 	out, err := e.client.GetQueueAttributes(e.ctx(), &sqs.GetQueueAttributesInput{QueueUrl: aws.String(url), AttributeNames: []types.QueueAttributeName{"All"}})
@@ -122,7 +123,7 @@ func (e *env) stored(url string) int {
 		e.t.Fatalf("GetQueueAttributes: %v", err)
 	}
 	n := 0
-	for _, a := range []string{"ApproximateNumberOfMessages", "ApproximateNumberOfMessagesDelayed"} {
+	for _, a := range []string{"ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible", "ApproximateNumberOfMessagesDelayed"} {
 		c, err := strconv.Atoi(out.Attributes[a])
 		if err != nil {
 			e.t.Fatalf("GetQueueAttributes: %s = %q", a, out.Attributes[a])

@@ -12,7 +12,8 @@ const meterName = "github.com/custody-go/custody/adapters/awssqs"
 // telemetry holds a Source's instruments:
 //
 //	custody.sqs.requests        counter: SQS requests, by operation (ReceiveMessage,
-//	                            DeleteMessageBatch, ChangeMessageVisibilityBatch) and result
+//	                            DeleteMessageBatch, ChangeMessageVisibilityBatch,
+//	                            GetQueueAttributes: a backlog poll) and result
 //	                            (ok; empty: a receive that brought nothing; error: the request
 //	                            failed whole). SQS bills per request.
 //	custody.sqs.entries.failed  counter: batch entries SQS failed, by operation and reason
@@ -39,10 +40,11 @@ const (
 	opReceive operation = iota
 	opDelete
 	opVisibility
+	opAttributes
 	numOps
 )
 
-var opNames = [numOps]string{"ReceiveMessage", "DeleteMessageBatch", "ChangeMessageVisibilityBatch"}
+var opNames = [numOps]string{"ReceiveMessage", "DeleteMessageBatch", "ChangeMessageVisibilityBatch", "GetQueueAttributes"}
 
 // result is how a request ended.
 type result int

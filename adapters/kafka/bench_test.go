@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -143,7 +144,7 @@ func (bc *benchCluster) rawPollLoop(b *testing.B, total int, first func(), handl
 // every record was handled (the shutdown is not timed).
 func (bc *benchCluster) custodyRun(b *testing.B, total int, h consumer.HandlerFunc, src []Option, opts ...consumer.Option) side {
 	group := newGroup()
-	s, err := NewSource(context.Background(), append([]Option{WithBrokers(bc.addrs...), WithGroup(group), WithTopics("bench"),
+	s, err := New(context.Background(), append([]Option{WithBrokers(bc.addrs...), WithGroup(group), WithTopics("bench"),
 		WithPollWait(100 * time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50 * time.Millisecond))}, src...)...)
 	if err != nil {
 		b.Fatal(err)
@@ -227,7 +228,7 @@ func (discard) Write(p []byte) (int, error) { return len(p), nil }
 // sourceLoop drives the Source directly, without the runtime: receive a
 // batch, ack it. It isolates the adapter's own cost.
 func (bc *benchCluster) sourceLoop(b *testing.B, total int) side {
-	s, err := NewSource(context.Background(), WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
+	s, err := New(context.Background(), WithBrokers(bc.addrs...), WithGroup(newGroup()), WithTopics("bench"),
 		WithPollWait(100*time.Millisecond), WithClientOptions(kgo.FetchMaxWait(50*time.Millisecond)))
 	if err != nil {
 		b.Fatal(err)
@@ -269,13 +270,13 @@ func BenchmarkNoopAgainstRawPollLoop(b *testing.B) {
 		b.ReportMetric(src.perSec()/raw.perSec(), "ratio")
 		b.ReportMetric(src.steadyPerSec()/raw.steadyPerSec(), "steady_ratio")
 	})
-	for _, mode := range []Ordering{ByPartition, Unordered} {
+	for _, mode := range []OrderingScope{ByPartition, Unordered} {
 		b.Run(mode.String(), func(b *testing.B) {
 			var raw, cus, interval side
 			for i := 0; i < b.N; i++ {
 				raw.add(bc.measure(total, func(first func()) { bc.rawPollLoop(b, total, first, func(*kgo.Record) {}) }))
-				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode)}, consumer.WithConcurrency(64)))
-				interval.add(bc.custodyRun(b, total, noop, []Option{WithOrdering(mode), WithCommitLinger(DefaultCommitInterval)}, consumer.WithConcurrency(64)))
+				cus.add(bc.custodyRun(b, total, noop, []Option{WithOrderingScope(mode)}, consumer.WithConcurrency(64)))
+				interval.add(bc.custodyRun(b, total, noop, []Option{WithOrderingScope(mode), WithCommitLinger(DefaultCommitInterval)}, consumer.WithConcurrency(64)))
 			}
 			raw.report(b, "raw")
 			cus.report(b, "custody")
@@ -302,10 +303,10 @@ func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
 		// One record at a time takes total ms; a quarter of the topic
 		// measures its rate well enough.
 		serialRaw.add(bc.measure(total/4, func(first func()) { bc.rawPollLoop(b, total/4, first, func(*kgo.Record) { work() }) }))
-		serial.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
-		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey)}, consumer.WithConcurrency(256)))
-		serialInterval.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByPartition), interval}, consumer.WithConcurrency(benchPartitions)))
-		byKeyInterval.add(bc.custodyRun(b, total, h, []Option{WithOrdering(ByKey), interval}, consumer.WithConcurrency(256)))
+		serial.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByPartition)}, consumer.WithConcurrency(benchPartitions)))
+		byKey.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByKey)}, consumer.WithConcurrency(256)))
+		serialInterval.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByPartition), interval}, consumer.WithConcurrency(benchPartitions)))
+		byKeyInterval.add(bc.custodyRun(b, total, h, []Option{WithOrderingScope(ByKey), interval}, consumer.WithConcurrency(256)))
 	}
 	serialRaw.report(b, "rawserial")
 	serial.report(b, "bypartition")
@@ -314,4 +315,57 @@ func BenchmarkByKeyAgainstPartitionSerial(b *testing.B) {
 	byKeyInterval.report(b, "bykey_interval")
 	b.ReportMetric(byKey.perSec()/serialRaw.perSec(), "ratio_vs_raw")
 	b.ReportMetric(byKey.perSec()/serial.perSec(), "ratio_vs_bypartition")
+}
+
+// rawPartitionLoop is the franz-go baseline for by-partition ordering: poll,
+// run each partition's records in turn on a goroutine of its own, all
+// partitions at once, wait for them, commit what was polled, repeat.
+func (bc *benchCluster) rawPartitionLoop(b *testing.B, total int, first func(), handle func(*kgo.Record)) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(bc.addrs...), kgo.ConsumerGroup(newGroup()), kgo.ConsumeTopics("bench"),
+		kgo.DisableAutoCommit(), kgo.FetchMaxWait(50*time.Millisecond))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cl.Close()
+	ctx := context.Background()
+	for n := 0; n < total; {
+		fs := cl.PollFetches(ctx)
+		if n == 0 && fs.NumRecords() > 0 {
+			first()
+		}
+		var wg sync.WaitGroup
+		fs.EachPartition(func(p kgo.FetchTopicPartition) {
+			n += len(p.Records)
+			wg.Go(func() {
+				for _, r := range p.Records {
+					handle(r)
+				}
+			})
+		})
+		wg.Wait()
+		if err := cl.CommitUncommittedOffsets(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// A 2 ms handler over a backlog of 2,500 records per partition, one record
+// at a time per partition (the default ordering), at concurrency 8 (one
+// worker per partition) and the runtime's default in-flight window: custody
+// against franz-go running each partition on a goroutine of its own. A deep
+// backlog must keep every partition busy, not a few.
+func BenchmarkDeepBacklogByPartition(b *testing.B) {
+	const perPartition = 2500
+	total := benchPartitions * perPartition
+	bc := newBenchCluster(b, perPartition)
+	work := func() { time.Sleep(2 * time.Millisecond) }
+	h := func(context.Context, *consumer.Message) error { work(); return nil }
+	var raw, cus side
+	for i := 0; i < b.N; i++ {
+		raw.add(bc.measure(total, func(first func()) { bc.rawPartitionLoop(b, total, first, func(*kgo.Record) { work() }) }))
+		cus.add(bc.custodyRun(b, total, h, nil, consumer.WithConcurrency(benchPartitions)))
+	}
+	raw.report(b, "raw")
+	cus.report(b, "custody")
+	b.ReportMetric(cus.perSec()/raw.perSec(), "ratio")
 }

@@ -30,7 +30,7 @@ import (
 // closing the Source under a running runtime, or by a crash (the member's
 // handlers stop taking effect, the broker drops its commits from then on, and
 // its Source is closed); now and then a member forces a rebalance. Members
-// draw their ordering, commit interval, revoke drain, concurrency, in-flight
+// draw their ordering, commit interval, revoke drain, concurrency, unacked
 // bounds and metadata limit at random. Handlers succeed, run slow (some
 // ignoring their context), fail transiently, or fail for good on a few poison
 // records that must reach the dead-letter topic. Once everything is produced a last member
@@ -153,7 +153,7 @@ type chaosDLQSend struct {
 }
 
 type chaosMemberCfg struct {
-	ordering       Ordering
+	ordering       OrderingScope
 	commitInterval time.Duration
 	revokeDrain    time.Duration
 	maxTotal       int // 0: the default
@@ -317,7 +317,7 @@ func chaosMix(vals ...uint64) uint64 {
 
 func (ch *chaos) randomCfg(rng *rand.Rand) chaosMemberCfg {
 	cfg := chaosMemberCfg{
-		ordering:       Ordering(rng.Intn(3)),
+		ordering:       OrderingScope(rng.Intn(3)),
 		commitInterval: time.Duration(5+rng.Intn(150)) * time.Millisecond,
 		revokeDrain:    time.Duration(20+rng.Intn(400)) * time.Millisecond,
 		concurrency:    1 + rng.Intn(12),
@@ -335,6 +335,10 @@ func (ch *chaos) randomCfg(rng *rand.Rand) chaosMemberCfg {
 			cfg.ordering = Unordered
 			cfg.concurrency = 8 + rng.Intn(16)
 		}
+	}
+	if cfg.maxTotal > 0 && cfg.maxTotal < cfg.concurrency {
+		// The runtime refuses a concurrency above what the Source hands out.
+		cfg.maxTotal = cfg.concurrency
 	}
 	switch rng.Intn(4) {
 	case 0:
@@ -369,7 +373,7 @@ func (ch *chaos) startMember(cfg chaosMemberCfg) *chaosMember {
 		balancer = kgo.RangeBalancer()
 	}
 	opts := []Option{
-		WithOrdering(cfg.ordering),
+		WithOrderingScope(cfg.ordering),
 		WithCommitInterval(cfg.commitInterval),
 		WithRevokeDrain(cfg.revokeDrain),
 		WithClientOptions(kgo.ClientID(m.name), kgo.Balancers(balancer)),
@@ -388,17 +392,14 @@ func (ch *chaos) startMember(cfg chaosMemberCfg) *chaosMember {
 		}),
 	}
 	if cfg.maxTotal > 0 {
-		opts = append(opts, WithMaxInFlight(cfg.maxTotal), WithMaxInFlightPerPartition(cfg.maxPerPart))
+		opts = append(opts, WithMaxUnacked(cfg.maxTotal), WithMaxUnackedPerPartition(cfg.maxPerPart))
 	}
 	if cfg.metaLimit > 0 {
 		opts = append(opts, WithMetadataLimit(cfg.metaLimit))
 	}
 	src := ch.c.open(t, ch.group, chaosTopic, opts...)
 	m.src.Store(src)
-	dl, err := src.DeadLetter(chaosDLQTopic)
-	if err != nil {
-		t.Fatal(err)
-	}
+	dl := sinkOf(t, src, chaosDLQTopic)
 	m.dl = dl
 	copts := []consumer.Option{
 		consumer.WithName(m.name),

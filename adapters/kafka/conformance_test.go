@@ -53,7 +53,7 @@ func newTestQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue 
 	if _, err := kadm.NewClient(prod).CreateTopic(ctx, 1, 1, nil, dlqTopic); err != nil {
 		t.Fatal(err)
 	}
-	dl, err := kafka.NewDeadLetter(kafka.DeadLetterConfig{Topic: dlqTopic, Brokers: addrs, Group: group})
+	dl, err := kafka.NewDeadLetter(ctx, dlqTopic, kafka.WithBrokers(addrs...), kafka.WithGroup(group))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,9 +91,9 @@ func newTestQueue(t *testing.T, cfg adaptertest.QueueConfig) *adaptertest.Queue 
 			return prod.ProduceSync(ctx, rs...).FirstErr()
 		},
 		Open: func(t *testing.T) adapters.Source {
-			src, err := kafka.NewSource(context.Background(),
+			src, err := kafka.New(context.Background(),
 				kafka.WithBrokers(addrs...), kafka.WithGroup(group), kafka.WithTopics(topic),
-				kafka.WithOrdering(ordering), kafka.WithPollWait(100*time.Millisecond),
+				kafka.WithOrderingScope(ordering), kafka.WithPollWait(100*time.Millisecond),
 				kafka.WithCommitInterval(50*time.Millisecond), kafka.WithRevokeDrain(time.Second),
 				kafka.WithClientOptions(kgo.FetchMaxWait(50*time.Millisecond)),
 			)

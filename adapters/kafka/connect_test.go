@@ -18,25 +18,25 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// NewSource reaches the cluster before it returns: with no broker that
+// New reaches the cluster before it returns: with no broker that
 // answers, it fails with the cause, naming the addresses it tried, instead
 // of returning a Source that polls nothing for ever.
-func TestNewSourceFailsWhenNoBrokerAnswers(t *testing.T) {
+func TestNewFailsWhenNoBrokerAnswers(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	s, err := NewSource(ctx, WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t"), WithLogger(slog.New(slog.DiscardHandler)))
+	s, err := New(ctx, WithBrokers("127.0.0.1:1"), WithGroup("g"), WithTopics("t"), WithLogger(slog.New(slog.DiscardHandler)))
 	if err == nil {
 		s.Close()
-		t.Fatal("NewSource with no reachable broker returned a Source")
+		t.Fatal("New with no reachable broker returned a Source")
 	}
 	if !errors.Is(err, syscall.ECONNREFUSED) || !strings.Contains(err.Error(), "127.0.0.1:1") {
-		t.Fatalf("NewSource = %v; want the refused connection, naming 127.0.0.1:1", err)
+		t.Fatalf("New = %v; want the refused connection, naming 127.0.0.1:1", err)
 	}
 }
 
-// A broker that accepts connections and never answers: NewSource gives up
+// A broker that accepts connections and never answers: New gives up
 // when its context ends, with the context's error.
-func TestNewSourceGivesUpWhenItsContextEnds(t *testing.T) {
+func TestNewGivesUpWhenItsContextEnds(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -71,7 +71,7 @@ func TestNewSourceGivesUpWhenItsContextEnds(t *testing.T) {
 	defer cancel()
 	returned := make(chan error, 1)
 	go func() {
-		s, err := NewSource(ctx, WithBrokers(ln.Addr().String()), WithGroup("g"), WithTopics("t"), WithLogger(slog.New(slog.DiscardHandler)))
+		s, err := New(ctx, WithBrokers(ln.Addr().String()), WithGroup("g"), WithTopics("t"), WithLogger(slog.New(slog.DiscardHandler)))
 		if err == nil {
 			s.Close()
 		}
@@ -80,10 +80,10 @@ func TestNewSourceGivesUpWhenItsContextEnds(t *testing.T) {
 	select {
 	case err := <-returned:
 		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Fatalf("NewSource = %v; want the context's deadline", err)
+			t.Fatalf("New = %v; want the context's deadline", err)
 		}
 	case <-time.After(30 * time.Second): // hang guard
-		t.Fatal("NewSource did not return after its context ended")
+		t.Fatal("New did not return after its context ended")
 	}
 }
 
@@ -148,7 +148,7 @@ func TestLostBrokerIsLoggedOncePerChange(t *testing.T) {
 	failures := &dialFailures{}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	s, err := NewSource(ctx, WithBrokers(addr), WithGroup(newGroup()), WithTopics("orders"),
+	s, err := New(ctx, WithBrokers(addr), WithGroup(newGroup()), WithTopics("orders"),
 		WithPollWait(100*time.Millisecond), WithLogger(slog.New(logs)),
 		WithClientOptions(kgo.WithHooks(failures), kgo.HeartbeatInterval(100*time.Millisecond),
 			kgo.RetryBackoffFn(func(int) time.Duration { return 50 * time.Millisecond })))
@@ -207,27 +207,76 @@ func TestLostBrokerIsLoggedOncePerChange(t *testing.T) {
 // The dead-letter sink's own client logs a broker it cannot reach the same
 // way: once, however often a produce tries it.
 func TestDeadLetterSinkLogsAnUnreachableBrokerOnce(t *testing.T) {
-	logs := &records{}
-	failures := &dialFailures{}
-	dl, err := NewDeadLetter(DeadLetterConfig{Topic: "dlq", Brokers: []string{"127.0.0.1:1"}, Logger: slog.New(logs),
-		ClientOptions: []kgo.Opt{kgo.WithHooks(failures), kgo.MetadataMinAge(50 * time.Millisecond),
-			kgo.RetryBackoffFn(func(int) time.Duration { return 20 * time.Millisecond })}})
+	fake, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "dlq"))
 	if err != nil {
 		t.Fatal(err)
 	}
+	addr := fake.ListenAddrs()[0]
+	logs := &records{}
+	failures := &dialFailures{}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	dl, err := NewDeadLetter(ctx, "dlq", WithBrokers(addr), WithLogger(slog.New(logs)),
+		WithClientOptions(kgo.WithHooks(failures), kgo.MetadataMinAge(50*time.Millisecond),
+			kgo.RetryBackoffFn(func(int) time.Duration { return 20 * time.Millisecond })))
+	if err != nil {
+		fake.Close()
+		t.Fatal(err)
+	}
 	defer dl.Close()
+	fake.Close()
 	sent := make(chan error, 1)
-	ctx, cancel := context.WithCancel(context.Background())
+	sendCtx, stop := context.WithCancel(context.Background())
 	go func() {
-		sent <- dl.Send(ctx, &adapters.Delivery{ID: "t/0/1", Queue: "t", Body: []byte("x")}, adapters.Failure{Err: errors.New("poison")})
+		sent <- dl.Send(sendCtx, &adapters.Delivery{ID: "t/0/1", Queue: "t", Body: []byte("x")}, adapters.Failure{Err: errors.New("poison")})
 	}()
 	eventually(t, "the sink's client to try the broker several times", func() bool { return failures.n.Load() >= 3 })
-	cancel()
+	stop()
 	if err := <-sent; err == nil {
 		t.Fatal("Send to an unreachable cluster returned nil")
 	}
 	warned := logs.find(slog.LevelWarn, "kafka: cannot connect to a broker")
-	if len(warned) != 1 || warned[0]["broker"] != "127.0.0.1:1" || !strings.Contains(warned[0]["client"], "dead-letter") {
-		t.Fatalf("after %d failed attempts, logged %v; want one warning from the dead-letter sink naming 127.0.0.1:1", failures.n.Load(), warned)
+	if len(warned) != 1 || warned[0]["broker"] != addr || !strings.Contains(warned[0]["client"], "dead-letter") {
+		t.Fatalf("after %d failed attempts, logged %v; want one warning from the dead-letter sink naming %s", failures.n.Load(), warned, addr)
 	}
+}
+
+// NewDeadLetter reaches the cluster and looks the topic up before it
+// returns: with no broker that answers, or no such topic, it fails with the
+// cause, instead of returning a sink whose every Send fails, which would
+// keep poison records waiting for ever.
+func TestNewDeadLetterChecksTheClusterAndTheTopic(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	quiet := WithLogger(slog.New(slog.DiscardHandler))
+	dl, err := NewDeadLetter(ctx, "dlq", WithBrokers("127.0.0.1:1"), quiet)
+	if err == nil {
+		dl.Close()
+		t.Fatal("NewDeadLetter with no reachable broker returned a sink")
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) || !strings.Contains(err.Error(), "127.0.0.1:1") {
+		t.Fatalf("NewDeadLetter = %v; want the refused connection, naming 127.0.0.1:1", err)
+	}
+
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	if dl, err := NewDeadLetter(ctx, "orders.dlq", WithBrokers(c.addrs...), quiet); err == nil {
+		dl.Close()
+		t.Fatal("NewDeadLetter on a topic that does not exist returned a sink")
+	} else if !strings.Contains(err.Error(), `dead-letter topic "orders.dlq" does not exist`) {
+		t.Fatalf("NewDeadLetter = %v; want it to say the topic does not exist", err)
+	}
+	s := c.open(t, newGroup(), "orders")
+	if dl, err := s.NewDeadLetter(ctx, "orders.dlq"); err == nil {
+		dl.Close()
+		t.Fatal("Source.NewDeadLetter on a topic that does not exist returned a sink")
+	} else if !strings.Contains(err.Error(), `dead-letter topic "orders.dlq" does not exist`) {
+		t.Fatalf("Source.NewDeadLetter = %v; want it to say the topic does not exist", err)
+	}
+	// A client that creates topics on demand needs none.
+	dl, err = NewDeadLetter(ctx, "orders.dlq", WithBrokers(c.addrs...), quiet, WithClientOptions(kgo.AllowAutoTopicCreation()))
+	if err != nil {
+		t.Fatalf("NewDeadLetter with kgo.AllowAutoTopicCreation = %v, want a sink", err)
+	}
+	dl.Close()
 }

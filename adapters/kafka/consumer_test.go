@@ -54,12 +54,8 @@ func TestPoisonRecordGoesToTheDeadLetterTopic(t *testing.T) {
 		Headers: []kgo.RecordHeader{{Key: "origin", Value: []byte("test")}}})
 	c.produceN(t, "orders", 1, 20, 5) // offsets 1..20, keys other than k0
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond))
-	dl, err := s.DeadLetter("orders.dlq")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dl.Close()
+	s := c.open(t, group, "orders", WithOrderingScope(ByKey), WithCommitInterval(20*time.Millisecond))
+	dl := sinkOf(t, s, "orders.dlq")
 	refuse := failProduceTo(t, c, "orders.dlq")
 
 	var mu sync.Mutex
@@ -120,7 +116,7 @@ func TestByKeyRunsKeysConcurrentlyAndInOrder(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 200, 10)
-	s := c.open(t, newGroup(), "orders", WithOrdering(ByKey))
+	s := c.open(t, newGroup(), "orders", WithOrderingScope(ByKey))
 
 	var mu sync.Mutex
 	last := map[string]int64{}
@@ -157,4 +153,43 @@ func TestByKeyRunsKeysConcurrentlyAndInOrder(t *testing.T) {
 	if peak < 4 {
 		t.Errorf("at most %d handlers ran at once over 20 lanes", peak)
 	}
+}
+
+// By partition, one record that runs long (a slow call, a retry waiting in
+// place, a deferral behind a claimed key) holds up its partition only. The
+// runtime holds few records (its in-flight window, 20 here) and runs one
+// record of a partition at a time, queueing the others: the Source hands
+// out no more of a partition than its share of the window, or the stuck
+// partition's records would fill it, one Receive after another, and every
+// other partition would stop.
+func TestLongRecordHoldsUpItsPartitionOnly(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 8)
+	c.produceN(t, "orders", 8, 50, 50)
+	s := c.open(t, newGroup(), "orders")
+	release := make(chan struct{})
+	var mu sync.Mutex
+	others := 0
+	stop := runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {
+		if m.Partition == 0 && m.Offset == 0 {
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+			return ctx.Err()
+		}
+		if m.Partition != 0 {
+			mu.Lock()
+			others++
+			mu.Unlock()
+		}
+		return nil
+	}, consumer.WithConcurrency(8))
+	defer stop()
+	defer close(release)
+	eventually(t, "every record of the other partitions to be handled", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return others == 7*50
+	})
 }

@@ -4,9 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
+	"strings"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -15,84 +16,102 @@ import (
 // on the record.
 const HeaderGroup = "custody-group"
 
-// DeadLetterConfig configures a dead-letter topic sink.
-type DeadLetterConfig struct {
-	// Topic receives the dead-lettered records. Required.
-	Topic string
-	// Brokers are the seed brokers. Required unless Client is set.
-	Brokers []string
-	// Group is written to the HeaderGroup header (and to the consumer
-	// diagnostic header when the runtime names no consumer).
-	Group string
-	// ClientOptions are extra franz-go options (TLS, SASL, client id,
-	// kgo.ProducerBatchMaxBytes: a copy is its record plus up to about 2 KiB
-	// of diagnostics and its key once more, so records near the size limit
-	// need a higher one here, and on the topic). The sink adds its own: acks
-	// from all in-sync replicas (forced) and no linger. Writes are
-	// idempotent, franz-go's default, unless these options disable it
-	// (kgo.DisableIdempotentWrite), which the sink does not undo.
-	ClientOptions []kgo.Opt
-	// Client, when set, is used instead of creating one; the sink does not
-	// close it. It must produce with acks=all for the guarantee to hold.
-	Client *kgo.Client
-	// Logger receives the connection trouble of the client the sink
-	// creates: a broker it cannot connect to, once, and the connection
-	// back. Default: slog.Default().
-	Logger *slog.Logger
-}
-
 // DeadLetter produces records that will not be processed to a dead-letter
-// topic. It implements adapters.DeadLetter. Create it with NewDeadLetter or
-// Source.DeadLetter.
+// topic. It implements adapters.DeadLetter. Create it with NewDeadLetter, or
+// with Source.NewDeadLetter to produce through the Source's client.
 type DeadLetter struct {
 	cl    *kgo.Client
-	own   bool
+	own   bool // the sink made cl and closes it
 	topic string
 	group string
 }
 
-// NewDeadLetter creates a dead-letter topic sink. Close it after the consumer
-// that uses it has returned.
-func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
-	if cfg.Topic == "" {
-		return nil, errors.New("kafka: DeadLetterConfig.Topic is required")
+// NewDeadLetter creates a sink producing to topic, with a franz-go client of
+// its own, and reaches the cluster within ctx: it fails, with the cause, when
+// no broker answers before ctx ends, or when the topic does not exist (unless
+// the client may create topics, kgo.AllowAutoTopicCreation), so that a wrong
+// address or name shows here rather than at the first poison record, which
+// would then wait for ever. WithBrokers is required; WithGroup (written to
+// the HeaderGroup header), WithClientOptions, WithClientFactory and
+// WithLogger apply; the Source's other options are refused.
+//
+// The sink produces with acks from all in-sync replicas (forced) and no
+// linger. Writes are idempotent, franz-go's default, unless the client
+// options disable it (kgo.DisableIdempotentWrite), which the sink does not
+// undo. A copy is its record plus up to about 2 KiB of diagnostics and its
+// key once more: records near the size limit need a higher
+// kgo.ProducerBatchMaxBytes here, and on the topic. Close the sink after the
+// consumer that uses it has returned.
+func NewDeadLetter(ctx context.Context, topic string, opts ...Option) (*DeadLetter, error) {
+	if topic == "" {
+		return nil, errors.New("kafka: NewDeadLetter: the topic must not be empty")
 	}
-	dl := &DeadLetter{topic: cfg.Topic, group: cfg.Group, cl: cfg.Client}
-	if dl.cl != nil {
-		return dl, nil
+	cfg, err := apply(opts)
+	if err != nil {
+		return nil, err
 	}
-	if len(cfg.Brokers) == 0 {
-		return nil, errors.New("kafka: DeadLetterConfig.Brokers is required when no Client is given")
+	if len(cfg.sourceOnly) > 0 {
+		return nil, fmt.Errorf("kafka: NewDeadLetter: %s only apply to a Source", strings.Join(cfg.sourceOnly, ", "))
 	}
-	logger := cfg.Logger
-	if logger == nil {
-		logger = slog.Default()
+	if err := cfg.validateClient(); err != nil {
+		return nil, err
 	}
-	opts := append([]kgo.Opt(nil), cfg.ClientOptions...)
-	opts = append(opts,
-		kgo.WithHooks(newConnLog(logger, "dead-letter sink of topic "+cfg.Topic)),
-		kgo.SeedBrokers(cfg.Brokers...),
+	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
+	kopts = append(kopts,
+		kgo.WithHooks(newConnLog(cfg.logger, "dead-letter sink of topic "+topic)),
+		kgo.SeedBrokers(cfg.brokers...),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
 	)
-	cl, err := kgo.NewClient(opts...)
+	cl, err := cfg.factory(kopts...)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: creating the dead-letter client: %w", err)
 	}
-	dl.cl, dl.own = cl, true
-	return dl, nil
+	if err := cl.Ping(ctx); err != nil {
+		cl.Close()
+		return nil, fmt.Errorf("kafka: NewDeadLetter: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
+	}
+	if err := checkTopic(ctx, cl, topic); err != nil {
+		cl.Close()
+		return nil, err
+	}
+	return &DeadLetter{cl: cl, own: true, topic: topic, group: cfg.group}, nil
 }
 
-// DeadLetter creates a sink on topic with the Source's brokers, client options
-// and group.
-func (s *Source) DeadLetter(topic string) (*DeadLetter, error) {
-	return NewDeadLetter(DeadLetterConfig{
-		Topic:         topic,
-		Brokers:       s.cfg.brokers,
-		Group:         s.cfg.group,
-		ClientOptions: s.cfg.clientOpts,
-		Logger:        s.cfg.logger,
-	})
+// NewDeadLetter creates a sink producing to topic through the Source's
+// client: its brokers, client options and connections, with its group
+// written to the HeaderGroup header. It fails, with the cause, when the
+// topic does not exist (see the function NewDeadLetter) or ctx ends before
+// the cluster answers. The sink works while the Source is open: the runtime
+// sends its last dead letter before it closes the Source. Its Close does
+// nothing.
+func (s *Source) NewDeadLetter(ctx context.Context, topic string) (*DeadLetter, error) {
+	if topic == "" {
+		return nil, errors.New("kafka: Source.NewDeadLetter: the topic must not be empty")
+	}
+	if err := checkTopic(ctx, s.cl, topic); err != nil {
+		return nil, err
+	}
+	return &DeadLetter{cl: s.cl, topic: topic, group: s.cfg.group}, nil
+}
+
+// checkTopic fails unless topic exists or cl may create it.
+func checkTopic(ctx context.Context, cl *kgo.Client, topic string) error {
+	if auto, _ := cl.OptValue(kgo.AllowAutoTopicCreation).(bool); auto {
+		return nil
+	}
+	details, err := kadm.NewClient(cl).ListTopics(ctx, topic)
+	if err != nil {
+		return fmt.Errorf("kafka: looking up dead-letter topic %q: %w", topic, err)
+	}
+	d, ok := details[topic]
+	switch {
+	case !ok || errors.Is(d.Err, kerr.UnknownTopicOrPartition):
+		return fmt.Errorf("kafka: dead-letter topic %q does not exist: create it, or let the client create it (kgo.AllowAutoTopicCreation)", topic)
+	case d.Err != nil:
+		return fmt.Errorf("kafka: looking up dead-letter topic %q: %w", topic, d.Err)
+	}
+	return nil
 }
 
 // Send implements adapters.DeadLetter. It produces the original key, value and
@@ -138,7 +157,7 @@ func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters
 			// until it leaves: say what to change, on every try.
 			return fmt.Errorf("kafka: the dead-letter copy of %s (%d bytes: the record, its key once more and the diagnostics) "+
 				"is too large for topic %q; the partition waits on it until the copy fits: raise the topic's max.message.bytes "+
-				"and the sink's kgo.ProducerBatchMaxBytes (DeadLetterConfig.ClientOptions) a few KiB above the source topic's: %w",
+				"and the sink's kgo.ProducerBatchMaxBytes (WithClientOptions) a few KiB above the source topic's: %w",
 				d.ID, recordSize(rec), dl.topic, err)
 		}
 		return fmt.Errorf("kafka: producing to dead-letter topic %q: %w", dl.topic, err)
@@ -167,7 +186,8 @@ func keepHeader(k string, diag map[string]string) bool {
 	return !adapters.IsDiagnosticHeader(k) && k != HeaderGroup
 }
 
-// Close closes the sink's client (not a client given in the config).
+// Close closes the sink's client; a sink made by Source.NewDeadLetter leaves
+// the Source's client to the Source.
 func (dl *DeadLetter) Close() error {
 	if dl.own {
 		dl.cl.Close()

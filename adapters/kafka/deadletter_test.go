@@ -87,11 +87,7 @@ func TestDeadLetterCarriesTheRecordAndDiagnostics(t *testing.T) {
 		Headers: []kgo.RecordHeader{{Key: "traceparent", Value: []byte("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")}}})
 	group := newGroup()
 	s := c.open(t, group, "orders")
-	dl, err := s.DeadLetter("orders.dlq")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dl.Close()
+	dl := sinkOf(t, s, "orders.dlq")
 
 	d := receiveN(t, s, 1)[0]
 	now := time.Now()
@@ -138,11 +134,7 @@ func TestDeadLetterFailedProduceReturnsError(t *testing.T) {
 	c.createTopic(t, "orders.dlq", 1)
 	c.produceN(t, "orders", 1, 1, 1)
 	s := c.open(t, newGroup(), "orders")
-	dl, err := s.DeadLetter("orders.dlq")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dl.Close()
+	dl := sinkOf(t, s, "orders.dlq")
 	d := receiveN(t, s, 1)[0]
 
 	refuse := failProduceTo(t, c, "orders.dlq")
@@ -157,6 +149,46 @@ func TestDeadLetterFailedProduceReturnsError(t *testing.T) {
 	}
 	if got := c.readTopic(t, "orders.dlq", 1); len(got) != 1 {
 		t.Fatalf("dead-letter topic holds %d records, want 1", len(got))
+	}
+}
+
+// A sink made from the Source produces through the Source's client: its
+// Close leaves the client to the Source, which goes on receiving, and its
+// Send works until the Source is closed.
+func TestSourceDeadLetterProducesThroughTheSourceClient(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.createTopic(t, "orders.dlq", 1)
+	c.produceN(t, "orders", 1, 2, 2)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered))
+	dl := sinkOf(t, s, "orders.dlq")
+	if dl.cl != s.cl {
+		t.Fatal("the sink made its own client")
+	}
+	ds := receiveN(t, s, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := dl.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := dl.Send(ctx, ds[0], adapters.Failure{Err: errors.New("boom"), Attempts: 1}); err != nil {
+		t.Fatalf("Send after the sink's Close: %v", err)
+	}
+	ds = append(ds, receiveN(t, s, 1)...)
+	r := c.readTopic(t, "orders.dlq", 1)[0]
+	h := map[string]string{}
+	for _, rh := range r.Headers {
+		h[rh.Key] = string(rh.Value)
+	}
+	if h[HeaderGroup] != group || h[adapters.HeaderOriginalOffset] != "0" {
+		t.Fatalf("dead letter headers %v, want the Source's group %s and offset 0", h, group)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := dl.Send(ctx, ds[1], adapters.Failure{Err: errors.New("boom"), Attempts: 1}); err == nil {
+		t.Fatal("Send after the Source was closed returned nil")
 	}
 }
 
@@ -189,7 +221,7 @@ func TestDeadLetterTooLargeSaysWhatToRaise(t *testing.T) {
 		"the topic's limit":    nil,
 		"the producer's limit": {kgo.ProducerBatchMaxBytes(2048)},
 	} {
-		dl, err := NewDeadLetter(DeadLetterConfig{Topic: "orders.dlq", Brokers: c.addrs, ClientOptions: opts})
+		dl, err := NewDeadLetter(ctx, "orders.dlq", WithBrokers(c.addrs...), WithClientOptions(opts...))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -220,7 +252,9 @@ func TestDeadLetterTooLargeSaysWhatToRaise(t *testing.T) {
 func TestDeadLetterCopiesADeliveryFromAnotherBroker(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders.dlq", 1)
-	dl, err := NewDeadLetter(DeadLetterConfig{Topic: "orders.dlq", Brokers: c.addrs})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	dl, err := NewDeadLetter(ctx, "orders.dlq", WithBrokers(c.addrs...))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,8 +263,6 @@ func TestDeadLetterCopiesADeliveryFromAnotherBroker(t *testing.T) {
 		ID: "m-1", Queue: "orders-queue", Partition: -1, Offset: -1, Key: "customer-7", Body: []byte("poison"),
 		Headers: map[string]string{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", adapters.HeaderError: "an earlier failure", HeaderGroup: "an earlier group"},
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
 	if err := dl.Send(ctx, d, adapters.Failure{Err: errors.New("cannot parse"), Permanent: true, Attempts: 1}); err != nil {
 		t.Fatalf("send: %v", err)
 	}

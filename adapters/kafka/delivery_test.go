@@ -12,7 +12,7 @@ import (
 // Deliveries share string buffers: every delivery keeps its own ID, key,
 // ordering key and headers however many are built after it, short or long.
 func TestDeliveryStringsStayIntact(t *testing.T) {
-	for _, mode := range []Ordering{ByPartition, ByKey, Unordered} {
+	for _, mode := range []OrderingScope{ByPartition, ByKey, Unordered} {
 		t.Run(mode.String(), func(t *testing.T) {
 			s := &Source{cfg: defaultConfig()}
 			s.cfg.ordering = mode

@@ -3,30 +3,31 @@
 // topics; a [DeadLetter] produces records that will not be processed to a
 // dead-letter topic.
 //
-//	src, err := kafka.NewSource(ctx,
+//	src, err := kafka.New(ctx,
 //		kafka.WithBrokers("kafka-1:9092", "kafka-2:9092"),
 //		kafka.WithGroup("payments-service"),
 //		kafka.WithTopics("payments"),
-//		kafka.WithOrdering(kafka.ByKey),
+//		kafka.WithOrderingScope(kafka.ByKey),
 //		kafka.WithClientOptions(kgo.DialTLSConfig(tlsCfg), kgo.SASL(mechanism)),
 //	)
-//	dlq, err := src.DeadLetter("payments.dlq")
+//	dlq, err := src.NewDeadLetter(ctx, "payments.dlq")
 //	c, err := consumer.New(src, handler, consumer.WithConcurrency(256), consumer.WithDeadLetter(dlq))
 //
 // A group with nothing committed starts at the earliest record (franz-go's
 // default); kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd()) through
 // [WithClientOptions] starts it at the end.
 //
-// [NewSource] reaches the cluster within its context, and fails with the
-// cause when no broker answers. Later connection trouble does not end the
+// [New] reaches the cluster within its context, and fails with the cause
+// when no broker answers. Later connection trouble does not end the
 // Source: franz-go connects again by itself, and the Source logs (see
 // [WithLogger]) a broker address it cannot connect to once, not once per
 // attempt, and the connection back.
 //
 // # Ordering
 //
-// Kafka keeps order per partition. The Source tells the runtime which
-// records must not overlap through Delivery.OrderingKey:
+// Kafka keeps order per partition. [WithOrderingScope] chooses which
+// records must not overlap, and the Source tells the runtime through
+// Delivery.OrderingKey:
 //
 //   - [ByPartition] (default): one record at a time per partition, in
 //     offset order. Lane "topic/partition".
@@ -40,6 +41,16 @@
 // adapter reports NackDelay=false and the runtime counts attempts itself
 // (CountsDeliveries=false: the count restarts when another member takes the
 // partition).
+//
+// By partition, the Source hands out no more records of a partition at once
+// than the partition's share of what the runtime holds
+// (consumer.WithMaxInFlight, over the partitions assigned; at least two):
+// the runtime runs them one at a time and queues the rest, so that a record
+// that runs long (a slow call, a retry waiting in place) holds up its own
+// partition only, not the runtime's whole in-flight window. By key, a key's
+// records are not bounded so: a record that runs long lets its key's later
+// records fill the window, and the other keys wait; give such a consumer a
+// larger consumer.WithMaxInFlight.
 //
 // # Commits: durable prefixes only
 //
@@ -61,6 +72,21 @@
 // the trade-off). Each commit carries the leader epoch of the last record it
 // covers, as franz-go's own commits do, so that the partition's next owner
 // can tell when the log was truncated under the commit (KIP-320).
+//
+// Acks and commits are two steps, and only the second is the broker's. Ack
+// marks records done, in process, and returns at once: the Source declares
+// no ack batching (zero Capabilities.Ack), so the runtime's workers call it
+// as they finish. The commit is Kafka's own acknowledgement, one offset per
+// partition covering every record below it, sent for every partition in one
+// OffsetCommit request; which offset it carries, when it goes and how a
+// failed one is followed (the next commit carries the same prefix or a
+// longer one) belong to that protocol, so they are the adapter's, as
+// turning acks into multiple=true frames is the RabbitMQ adapter's. The
+// runtime's batching, entries per call and calls in flight, has no notion
+// of a prefix per partition, nor of one request carrying them all: it has
+// nothing to linger for here, and the Source asks it for nothing. Nothing
+// is leased either, so nothing is renewed: records the Source holds before
+// handing them out cost the broker nothing, and a revoke gives them up.
 //
 // Done offsets beyond the committed one travel in the commit metadata,
 // compactly encoded (runs of offsets, base64) with the leader epoch their
@@ -131,15 +157,26 @@
 //
 // # Backpressure
 //
-// [WithMaxInFlightPerPartition] (512, or WithMaxInFlight if lower) bounds the records of one partition
-// handed out and not acked: at the bound the partition's fetching is paused,
-// below it resumed (and resumed on revoke, since franz-go keeps pauses across
-// rebalances). [WithMaxInFlight] (4096) bounds them over all partitions: at
-// the bound the Source stops polling.
+// [WithMaxUnackedPerPartition] (512, or WithMaxUnacked if lower) bounds the
+// records of one partition handed out and not acked; while its records
+// polled and not acked reach it, the partition's fetching is paused, below it
+// resumed (and resumed on revoke, since franz-go keeps pauses across
+// rebalances). [WithMaxUnacked] (4096) bounds the records handed out over
+// all partitions: at the bound the Source stops polling. A poll takes every
+// record the client has fetched, already in memory, into the partitions'
+// backlogs, and Receive shares them out over the partitions: a poll of a
+// number of records would take them partition by partition, and a deep
+// backlog would give the runtime the first partitions' records alone. What
+// one partition holds beyond its bound is therefore at most one fetch of it
+// (kgo.FetchMaxPartitionBytes).
 //
 // # Dead-letter topic
 //
-// [DeadLetter.Send] produces synchronously with acks from all in-sync
+// [Source.NewDeadLetter] makes a sink that produces through the Source's
+// client (its brokers, TLS, SASL and group); [NewDeadLetter] makes one with
+// a client of its own. Both look the topic up within their context and fail,
+// with the cause, when the cluster does not answer or the topic does not
+// exist, rather than at the first poison record. [DeadLetter.Send] produces synchronously with acks from all in-sync
 // replicas and the idempotent producer, and returns nil only once the brokers
 // acknowledged the record: only then does the runtime ack (mark done) the
 // original. The dead-letter record keeps the original key, value and headers

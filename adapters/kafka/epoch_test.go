@@ -65,7 +65,7 @@ func TestDoneOffsetsOfAnOlderLeaderEpochAreNotSkipped(t *testing.T) {
 			group := newGroup()
 			c.commitAs(t, group, topic, 100, 1, tc.meta)
 
-			s := c.open(t, group, topic, WithOrdering(Unordered), WithCommitInterval(time.Hour))
+			s := c.open(t, group, topic, WithOrderingScope(Unordered), WithCommitInterval(time.Hour))
 			got := receiveThrough(t, s, 119)
 			if o := offsets(got); !slices.Equal(o, tc.want) {
 				t.Fatalf("handed out %v, want %v", o, tc.want)

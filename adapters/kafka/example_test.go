@@ -38,16 +38,16 @@ func Example() {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	src, err := kafka.NewSource(ctx, // reaches the cluster, or fails with the reason
+	src, err := kafka.New(ctx, // reaches the cluster, or fails with the reason
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup("payments-service"),
 		kafka.WithTopics("payments"),
-		kafka.WithOrdering(kafka.ByKey),
+		kafka.WithOrderingScope(kafka.ByKey),
 	)
 	if err != nil {
 		log.Fatal(err)
 	}
-	dlq, err := src.DeadLetter("payments.dlq")
+	dlq, err := src.NewDeadLetter(ctx, "payments.dlq")
 	if err != nil {
 		log.Fatal(err)
 	}

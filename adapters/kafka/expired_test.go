@@ -69,7 +69,7 @@ func TestRecordsDeletedAfterTheyWerePolledAreNotReported(t *testing.T) {
 	c.produceN(t, "orders", 1, 10, 10)
 	reader, mp := newMeter(t)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithOrdering(Unordered), WithMeterProvider(mp))
+	s := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithOrderingScope(Unordered), WithMeterProvider(mp))
 	ds := receiveN(t, s, 10)
 	ack(t, s, ds[:3]...)
 	commitNow(t, s) // 3; 3..9 still running

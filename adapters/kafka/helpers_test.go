@@ -122,7 +122,7 @@ func (c *cluster) open(t testing.TB, group, topic string, opts ...Option) *Sourc
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	s, err := NewSource(ctx, append(base, opts...)...)
+	s, err := New(ctx, append(base, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -208,4 +208,18 @@ func offsets(ds []*adapters.Delivery) []int64 {
 func hasCommit(offs map[int32]int64, p int32) bool {
 	o, ok := offs[p]
 	return ok && o >= 0
+}
+
+// sinkOf returns a dead-letter sink on topic producing through s's client,
+// closed at the end of the test.
+func sinkOf(t testing.TB, s *Source, topic string) *DeadLetter {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	dl, err := s.NewDeadLetter(ctx, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dl.Close() })
+	return dl
 }

@@ -19,7 +19,7 @@ func TestAckedRecordsAreCommittedWithoutWaitingForTheInterval(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour))
 	ds := receiveN(t, s, 20)
 	ack(t, s, ds...)
 	eventually(t, "both partitions committed at 10 (the hang guard; the linger is 5ms)", func() bool {
@@ -38,7 +38,7 @@ func TestCommitsAreOneAtATimeAndCoalesceThePartitions(t *testing.T) {
 	c.createTopic(t, "orders", parts)
 	c.produceN(t, "orders", parts, 1, 1)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour))
 	byPart := map[int32][]int64{}
 	ds := receiveN(t, s, parts)
 	for _, d := range ds {
@@ -155,7 +155,7 @@ func TestRefusedCommitIsNotRetriedPerAck(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 10, 10)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour))
 	ds := receiveN(t, s, 10)
 	var requests atomic.Int64
 	c.fake.ControlKey(int16(kmsg.OffsetCommit), func(kreq kmsg.Request) (kmsg.Response, error, bool) {

@@ -207,11 +207,7 @@ func TestRevokeWhileADeadLetterProduceIsUnderWay(t *testing.T) {
 			group := newGroup()
 			s := c.open(t, group, "orders", WithCommitInterval(20*time.Millisecond), WithRevokeDrain(tc.drain),
 				WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
-			sink, err := s.DeadLetter("orders.dlq")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer sink.Close()
+			sink := sinkOf(t, s, "orders.dlq")
 			dl := &blockingDeadLetter{next: sink, started: make(chan struct{}), release: make(chan struct{})}
 			var log runLog
 			stop := runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {
@@ -274,7 +270,7 @@ func TestRevokeWhileACommitIsUnderWay(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, n)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	ds := receiveN(t, s, n)
 	ack(t, s, ds[:3]...)
@@ -325,7 +321,7 @@ func TestByKeyOrderAcrossARevokeWithAHandlerRunningPastTheDrain(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, keys) // key-<offset % 3>
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond), WithRevokeDrain(200*time.Millisecond),
+	s := c.open(t, group, "orders", WithOrderingScope(ByKey), WithCommitInterval(20*time.Millisecond), WithRevokeDrain(200*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	var mu sync.Mutex
 	perKey := map[string][]int64{}
@@ -416,8 +412,8 @@ func TestMetadataAtItsBoundSkipsExactlyTheDoneRecords(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, n, 1)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
-		WithMaxInFlightPerPartition(n), WithMaxInFlight(n),
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour),
+		WithMaxUnackedPerPartition(n), WithMaxUnacked(n),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	// Take what the bound lets the partition track.
 	ds := receiveN(t, s, 1)
@@ -507,7 +503,7 @@ func TestRevokedLaneBehindAHandlerPastTheDrainHoldsNoCredit(t *testing.T) {
 			c.createTopic(t, "orders", 1)
 			c.produceN(t, "orders", 1, n, keys)
 			group := newGroup()
-			s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond), WithRevokeDrain(200*time.Millisecond),
+			s := c.open(t, group, "orders", WithOrderingScope(ByKey), WithCommitInterval(20*time.Millisecond), WithRevokeDrain(200*time.Millisecond),
 				WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 			var log runLog
 			slow, release := make(chan struct{}), make(chan struct{})

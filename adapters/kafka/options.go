@@ -11,15 +11,18 @@ import (
 	"go.opentelemetry.io/otel/metric"
 )
 
-// Ordering chooses which records of a partition may run at the same time. The
-// adapter expresses it through Delivery.OrderingKey; the runtime runs the
-// deliveries of one key one at a time, in offset order.
-type Ordering int
+// OrderingScope chooses which records of a partition may run at the same
+// time. The adapter expresses it through Delivery.OrderingKey; the runtime
+// runs the deliveries of one key one at a time, in offset order. It is not
+// consumer.WithOrdering, which orders by Message.Key the deliveries of
+// adapters that set no ordering key of their own: the Kafka adapter always
+// sets its own (or none, Unordered).
+type OrderingScope int
 
 const (
 	// ByPartition runs one record at a time per partition, in offset order:
 	// the order Kafka promises. The default.
-	ByPartition Ordering = iota
+	ByPartition OrderingScope = iota
 	// ByKey runs records with the same key in a partition in offset order
 	// and records with different keys concurrently. Records without a key
 	// share one lane per partition.
@@ -29,7 +32,7 @@ const (
 	Unordered
 )
 
-func (o Ordering) String() string {
+func (o OrderingScope) String() string {
 	switch o {
 	case ByPartition:
 		return "ByPartition"
@@ -38,19 +41,19 @@ func (o Ordering) String() string {
 	case Unordered:
 		return "Unordered"
 	}
-	return fmt.Sprintf("Ordering(%d)", int(o))
+	return fmt.Sprintf("OrderingScope(%d)", int(o))
 }
 
 // Defaults of the Source options.
 const (
-	DefaultCommitInterval          = time.Second
-	DefaultCommitLinger            = 5 * time.Millisecond
-	DefaultMaxInFlightPerPartition = 512
-	DefaultMaxInFlight             = 4096
-	DefaultRevokeDrain             = 10 * time.Second
-	DefaultPollWait                = time.Second
-	DefaultCommitTimeout           = 10 * time.Second
-	DefaultLagRefresh              = 10 * time.Second
+	DefaultCommitInterval         = time.Second
+	DefaultCommitLinger           = 5 * time.Millisecond
+	DefaultMaxUnackedPerPartition = 512
+	DefaultMaxUnacked             = 4096
+	DefaultRevokeDrain            = 10 * time.Second
+	DefaultPollWait               = time.Second
+	DefaultCommitTimeout          = 10 * time.Second
+	DefaultLagRefresh             = 10 * time.Second
 	// DefaultMetadataLimit is the offset-commit metadata limit of Kafka
 	// brokers (offset.metadata.max.bytes).
 	DefaultMetadataLimit = 4096
@@ -63,8 +66,10 @@ const (
 // options from WithClientOptions.
 type ClientFactory func(opts ...kgo.Opt) (*kgo.Client, error)
 
-// Option configures a Source. Invalid values fail NewSource with an error
-// naming the option.
+// Option configures a Source or a dead-letter sink. Invalid values fail New
+// or NewDeadLetter with an error naming the option. WithBrokers,
+// WithClientOptions, WithClientFactory, WithGroup and WithLogger apply to
+// both; the others to a Source only, and NewDeadLetter refuses them.
 type Option func(*config) error
 
 type config struct {
@@ -73,13 +78,13 @@ type config struct {
 	topics         []string
 	clientOpts     []kgo.Opt
 	factory        ClientFactory
-	ordering       Ordering
+	ordering       OrderingScope
 	commitInterval time.Duration
 	commitLinger   time.Duration
 	lingerSet      bool // commitLinger given by WithCommitLinger
 	commitTimeout  time.Duration
 	maxPerPart     int
-	maxPerPartSet  bool // maxPerPart given by WithMaxInFlightPerPartition
+	maxPerPartSet  bool // maxPerPart given by WithMaxUnackedPerPartition
 	maxTotal       int
 	revokeDrain    time.Duration
 	pollWait       time.Duration
@@ -87,6 +92,27 @@ type config struct {
 	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
 	logger         *slog.Logger
+	// sourceOnly names the options given that apply to a Source only.
+	sourceOnly []string
+}
+
+// sourceOnly marks an option that applies to a Source only.
+func sourceOnly(name string, set func(*config) error) Option {
+	return func(c *config) error {
+		c.sourceOnly = append(c.sourceOnly, name)
+		return set(c)
+	}
+}
+
+// apply returns the configuration opts make of the defaults.
+func apply(opts []Option) (config, error) {
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if err := o(&cfg); err != nil {
+			return cfg, err
+		}
+	}
+	return cfg, nil
 }
 
 func defaultConfig() config {
@@ -95,8 +121,8 @@ func defaultConfig() config {
 		commitInterval: DefaultCommitInterval,
 		commitLinger:   DefaultCommitLinger,
 		commitTimeout:  DefaultCommitTimeout,
-		maxPerPart:     DefaultMaxInFlightPerPartition,
-		maxTotal:       DefaultMaxInFlight,
+		maxPerPart:     DefaultMaxUnackedPerPartition,
+		maxTotal:       DefaultMaxUnacked,
 		revokeDrain:    DefaultRevokeDrain,
 		pollWait:       DefaultPollWait,
 		metadataLimit:  DefaultMetadataLimit,
@@ -120,7 +146,8 @@ func WithBrokers(addrs ...string) Option {
 	}
 }
 
-// WithGroup sets the consumer group. Required.
+// WithGroup sets the consumer group. Required for a Source; a dead-letter
+// sink writes it to the HeaderGroup header.
 func WithGroup(group string) Option {
 	return func(c *config) error {
 		if group == "" {
@@ -133,7 +160,7 @@ func WithGroup(group string) Option {
 
 // WithTopics sets the topics the group consumes. Required.
 func WithTopics(topics ...string) Option {
-	return func(c *config) error {
+	return sourceOnly("WithTopics", func(c *config) error {
 		if len(topics) == 0 {
 			return errors.New("kafka: WithTopics: give at least one topic")
 		}
@@ -144,12 +171,14 @@ func WithTopics(topics ...string) Option {
 		}
 		c.topics = append([]string(nil), topics...)
 		return nil
-	}
+	})
 }
 
 // WithClientOptions adds franz-go options to the client: TLS (kgo.DialTLSConfig),
-// SASL (kgo.SASL), client id, fetch sizes, logger. Options that take over
-// what the adapter manages (group, topics, commits, rebalance callbacks) are
+// SASL (kgo.SASL), client id, fetch sizes, logger; for a dead-letter sink,
+// kgo.ProducerBatchMaxBytes (see NewDeadLetter). Options that take over what
+// the adapter manages (group, topics, commits, rebalance callbacks, and
+// acks from all in-sync replicas without a linger for dead letters) are
 // overridden by the adapter.
 func WithClientOptions(opts ...kgo.Opt) Option {
 	return func(c *config) error {
@@ -170,15 +199,16 @@ func WithClientFactory(f ClientFactory) Option {
 	}
 }
 
-// WithOrdering sets the ordering mode. Default ByPartition.
-func WithOrdering(o Ordering) Option {
-	return func(c *config) error {
+// WithOrderingScope sets which records of a partition may run at the same
+// time: ByPartition, ByKey or Unordered. Default ByPartition.
+func WithOrderingScope(o OrderingScope) Option {
+	return sourceOnly("WithOrderingScope", func(c *config) error {
 		if o < ByPartition || o > Unordered {
-			return fmt.Errorf("kafka: WithOrdering(%d): use ByPartition, ByKey or Unordered", int(o))
+			return fmt.Errorf("kafka: WithOrderingScope(%d): use ByPartition, ByKey or Unordered", int(o))
 		}
 		c.ordering = o
 		return nil
-	}
+	})
 }
 
 // WithCommitInterval sets the longest a done record waits for its commit
@@ -186,13 +216,13 @@ func WithOrdering(o Ordering) Option {
 // failed commit is tried again. Commits also happen on revoke and on Close.
 // Default 1s.
 func WithCommitInterval(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithCommitInterval", func(c *config) error {
 		if d < time.Millisecond {
 			return fmt.Errorf("kafka: WithCommitInterval(%v): must be at least 1ms", d)
 		}
 		c.commitInterval = d
 		return nil
-	}
+	})
 }
 
 // WithCommitLinger sets how long the Source waits, once a record is marked
@@ -207,52 +237,57 @@ func WithCommitInterval(d time.Duration) Option {
 // commits about once per interval. Default 5ms, or the commit interval if
 // that is shorter; it must not exceed the commit interval.
 func WithCommitLinger(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithCommitLinger", func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("kafka: WithCommitLinger(%v): must not be negative", d)
 		}
 		c.commitLinger = d
 		c.lingerSet = true
 		return nil
-	}
+	})
 }
 
 // WithCommitTimeout bounds one commit request. Default 10s.
 func WithCommitTimeout(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithCommitTimeout", func(c *config) error {
 		if d <= 0 {
 			return fmt.Errorf("kafka: WithCommitTimeout(%v): must be positive", d)
 		}
 		c.commitTimeout = d
 		return nil
-	}
+	})
 }
 
-// WithMaxInFlightPerPartition bounds the records of one partition handed to
-// the runtime and not yet acked. At the bound the partition's fetching is
-// paused; it resumes below it. Default 512, or WithMaxInFlight if that is
-// lower. Must not exceed WithMaxInFlight.
-func WithMaxInFlightPerPartition(n int) Option {
-	return func(c *config) error {
+// WithMaxUnackedPerPartition bounds the records of one partition handed out
+// and not yet acked. The partition's fetching pauses while its records
+// polled and not yet acked (waiting to be handed out, or handed out) reach
+// the bound, and resumes below it. Default 512, or WithMaxUnacked if that is
+// lower. Must not exceed WithMaxUnacked.
+func WithMaxUnackedPerPartition(n int) Option {
+	return sourceOnly("WithMaxUnackedPerPartition", func(c *config) error {
 		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d): must be at least 1", n)
+			return fmt.Errorf("kafka: WithMaxUnackedPerPartition(%d): must be at least 1", n)
 		}
 		c.maxPerPart = n
 		c.maxPerPartSet = true
 		return nil
-	}
+	})
 }
 
-// WithMaxInFlight bounds the records handed to the runtime and not yet acked,
-// over all partitions. At the bound the Source stops polling. Default 4096.
-func WithMaxInFlight(n int) Option {
-	return func(c *config) error {
+// WithMaxUnacked bounds the records handed out and not yet acked over all
+// partitions, as AMQP's prefetch does: at the bound the Source stops
+// polling. It is the most the runtime can hold, not what it holds:
+// consumer.WithMaxInFlight (default max(2×concurrency, 20), at most this)
+// bounds that, and consumer.New refuses a concurrency above it, since the
+// extra workers would never get a record. Default 4096.
+func WithMaxUnacked(n int) Option {
+	return sourceOnly("WithMaxUnacked", func(c *config) error {
 		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxInFlight(%d): must be at least 1", n)
+			return fmt.Errorf("kafka: WithMaxUnacked(%d): must be at least 1", n)
 		}
 		c.maxTotal = n
 		return nil
-	}
+	})
 }
 
 // WithRevokeDrain sets how long a revoked partition's running handlers may
@@ -263,24 +298,24 @@ func WithMaxInFlight(n int) Option {
 // rebalance timeout (kgo.RebalanceTimeout, 60s by default): the rebalance
 // waits for it. Default 10s.
 func WithRevokeDrain(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithRevokeDrain", func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("kafka: WithRevokeDrain(%v): must not be negative", d)
 		}
 		c.revokeDrain = d
 		return nil
-	}
+	})
 }
 
 // WithPollWait bounds how long one Receive waits for records. Default 1s.
 func WithPollWait(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithPollWait", func(c *config) error {
 		if d < time.Millisecond {
 			return fmt.Errorf("kafka: WithPollWait(%v): must be at least 1ms", d)
 		}
 		c.pollWait = d
 		return nil
-	}
+	})
 }
 
 // WithMetadataLimit sets the size limit of the offset-commit metadata that
@@ -289,13 +324,13 @@ func WithPollWait(d time.Duration) Option {
 // outgrow it stops taking new records until its prefix catches up. Default
 // 4096 bytes; at least 32.
 func WithMetadataLimit(n int) Option {
-	return func(c *config) error {
+	return sourceOnly("WithMetadataLimit", func(c *config) error {
 		if n < minMetadataLimit {
 			return fmt.Errorf("kafka: WithMetadataLimit(%d): must be at least %d bytes", n, minMetadataLimit)
 		}
 		c.metadataLimit = n
 		return nil
-	}
+	})
 }
 
 // WithLagRefresh sets how old a partition's end offset may grow before the
@@ -306,13 +341,13 @@ func WithMetadataLimit(n int) Option {
 // would stand still exactly while it grows. Default 10s; 0 turns the
 // refresh off, and lag then comes from fetches alone.
 func WithLagRefresh(d time.Duration) Option {
-	return func(c *config) error {
+	return sourceOnly("WithLagRefresh", func(c *config) error {
 		if d < 0 {
 			return fmt.Errorf("kafka: WithLagRefresh(%v): must not be negative (0 turns the refresh off)", d)
 		}
 		c.lagRefresh = d
 		return nil
-	}
+	})
 }
 
 // WithMeterProvider sets where the adapter's metrics go (lag per partition,
@@ -320,19 +355,19 @@ func WithLagRefresh(d time.Duration) Option {
 // metadata, rewinds after data loss). Default: the global otel
 // MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
-	return func(c *config) error {
+	return sourceOnly("WithMeterProvider", func(c *config) error {
 		if mp == nil {
 			return errors.New("kafka: WithMeterProvider: nil provider")
 		}
 		c.meterProvider = mp
 		return nil
-	}
+	})
 }
 
-// WithLogger sets where the Source logs connection trouble: a broker it
-// cannot connect to (once, with the address and the error, not once per
-// attempt, while franz-go keeps trying) and the connection back. Default:
-// slog.Default(), like the consumer's own.
+// WithLogger sets where the Source or the dead-letter sink logs connection
+// trouble: a broker it cannot connect to (once, with the address and the
+// error, not once per attempt, while franz-go keeps trying) and the
+// connection back. Default: slog.Default(), like the consumer's own.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
@@ -344,8 +379,8 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 func (c *config) validate() error {
-	if len(c.brokers) == 0 {
-		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
+	if err := c.validateClient(); err != nil {
+		return err
 	}
 	if c.group == "" {
 		return errors.New("kafka: WithGroup is required: give the consumer group name")
@@ -363,10 +398,19 @@ func (c *config) validate() error {
 		c.maxPerPart = min(c.maxPerPart, c.maxTotal)
 	}
 	if c.maxPerPart > c.maxTotal {
-		return fmt.Errorf("kafka: WithMaxInFlightPerPartition(%d) exceeds WithMaxInFlight(%d)", c.maxPerPart, c.maxTotal)
+		return fmt.Errorf("kafka: WithMaxUnackedPerPartition(%d) exceeds WithMaxUnacked(%d)", c.maxPerPart, c.maxTotal)
 	}
 	if c.meterProvider == nil {
 		c.meterProvider = otel.GetMeterProvider()
+	}
+	return nil
+}
+
+// validateClient checks and completes what a Source and a dead-letter sink
+// both need to build a client.
+func (c *config) validateClient() error {
+	if len(c.brokers) == 0 {
+		return errors.New("kafka: WithBrokers is required: give the seed broker addresses")
 	}
 	if c.logger == nil {
 		c.logger = slog.Default()

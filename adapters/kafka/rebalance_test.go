@@ -27,7 +27,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(200*time.Millisecond))
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(200*time.Millisecond))
 
 	ds := receiveN(t, a, 20)
 	late := map[int32]*adapters.Delivery{}
@@ -39,7 +39,7 @@ func TestRevokedPartitionIsNeverCommittedByItsOldOwner(t *testing.T) {
 		ack(t, a, d)
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	b := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	// b must poll to join; what it receives is the revoked partition's
 	// unfinished record only (5..9 were recorded done in the metadata).
 	var got []*adapters.Delivery
@@ -131,7 +131,7 @@ func TestMembersJoiningAndLeavingLoseNothing(t *testing.T) {
 
 	var wg sync.WaitGroup
 	start := func(name string) (*Source, context.CancelFunc) {
-		s := c.open(t, group, "orders", WithOrdering(ByKey), WithCommitInterval(20*time.Millisecond), WithMaxInFlightPerPartition(32))
+		s := c.open(t, group, "orders", WithOrderingScope(ByKey), WithCommitInterval(20*time.Millisecond), WithMaxUnackedPerPartition(32))
 		ctx, cancel := context.WithCancel(context.Background())
 		wg.Add(1)
 		go func() { defer wg.Done(); work(ctx, name, s) }()
@@ -199,7 +199,7 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 5)
 	ack(t, s, ds[:2]...)
 
@@ -224,7 +224,7 @@ func TestLostPartitionIsFencedWithoutCommit(t *testing.T) {
 // UNKNOWN_MEMBER_ID (the member was kicked out), franz-go declares the
 // partitions lost, and the Source fences them without committing, refuses
 // late acks, rejoins and delivers the uncommitted records again. The
-// partition is lost paused at its in-flight bound: franz-go keeps a
+// partition is lost paused at its unacked bound: franz-go keeps a
 // partition paused across rebalances, and unless the loss resumed it, it
 // was never fetched again once assigned back.
 func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
@@ -232,7 +232,7 @@ func TestFatalGroupErrorLosesPartitionsWithoutCommit(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 5, 5)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMaxInFlightPerPartition(3))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMaxUnackedPerPartition(3))
 	ds := receiveN(t, s, 3)
 	ack(t, s, ds[:2]...)
 	ds = append(ds, receiveN(t, s, 2)...) // three running: the bound
@@ -307,7 +307,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 10, 10)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(30*time.Second))
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(30*time.Second))
 	ds := receiveN(t, a, 20)
 	late := map[int32]*adapters.Delivery{}
 	for _, d := range ds {
@@ -318,7 +318,7 @@ func TestRevokeDrainLetsInFlightRecordsFinish(t *testing.T) {
 		ack(t, a, d)
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	b := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	polled := make(chan struct{})
 	go func() { // b must poll to take part in the rebalance
 		defer close(polled)
@@ -373,7 +373,7 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
 
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	got := receiveN(t, s, 3) // offset 10 is out of range: reset to the log start
 	ack(t, s, got...)
 	c.produceN(t, "orders", 1, 15, 15) // offsets 3..17, new records
@@ -386,14 +386,14 @@ func TestCommitMetadataIsIgnoredAfterAnOffsetReset(t *testing.T) {
 }
 
 // franz-go keeps a partition paused across rebalances. A partition paused
-// when its revoke begins (here at its in-flight bound), or while the revoke
+// when its revoke begins (here at its unacked bound), or while the revoke
 // drains (a nack refills its backlog past the metadata bound), would never
 // be fetched again once assigned back.
 func TestPartitionPausedDuringARevokeIsFetchedWhenAssignedBack(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
-	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32), WithMaxInFlightPerPartition(3),
+	a := c.open(t, newGroup(), "orders", WithOrderingScope(Unordered), WithMetadataLimit(32), WithMaxUnackedPerPartition(3),
 		WithRevokeDrain(500*time.Millisecond), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	ds := receiveN(t, a, 3)
@@ -437,7 +437,7 @@ func TestCloseEndsARevokeDrainUnderWay(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
-	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithRevokeDrain(time.Hour),
+	a := c.open(t, newGroup(), "orders", WithOrderingScope(Unordered), WithRevokeDrain(time.Hour),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer())))
 	receiveN(t, a, 3)
 	a.mu.Lock()
@@ -489,7 +489,7 @@ func TestConcurrentReceivesNeverBookRecordsUnderANewAssignment(t *testing.T) {
 	c.produceN(t, "orders", 1, 5, 5) // 0..4
 	group := newGroup()
 	h := &holdPoll{holding: make(chan struct{}), release: make(chan struct{})}
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithRevokeDrain(100*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()), kgo.WithHooks(h))) // eager: a rejoin revokes everything
 	first := receiveN(t, a, 5) // 0..4 running, never finished
@@ -559,7 +559,7 @@ func TestRevokeDrainBoundsTheWaitForEveryPartition(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 2, 2)
-	a := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
+	a := c.open(t, newGroup(), "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
 		WithRevokeDrain(100*time.Millisecond),
 		WithClientOptions(kgo.Balancers(kgo.RangeBalancer()))) // eager: a rejoin revokes everything
 	first := receiveN(t, a, 4) // running, never finished

@@ -20,7 +20,7 @@ func TestRevokeRecallsTheRevokedPartitionsRecords(t *testing.T) {
 	c.createTopic(t, "orders", 2)
 	c.produceN(t, "orders", 2, 5, 5)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour))
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithRevokeDrain(time.Hour))
 	ds := receiveN(t, a, 10)
 	for _, d := range ds {
 		if d.Signal.Recalled() {
@@ -28,7 +28,7 @@ func TestRevokeRecallsTheRevokedPartitionsRecords(t *testing.T) {
 		}
 	}
 
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	b := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	var mu sync.Mutex
 	var got []*adapters.Delivery
 	ctx, cancel := context.WithCancel(context.Background())

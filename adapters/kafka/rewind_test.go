@@ -205,7 +205,7 @@ func TestDataLossRewindCommitsBackToTheReplacedRecords(t *testing.T) {
 // TestDataLossRewindWithReplacedRecordsAlreadyBuffered: franz-go fetches
 // from the rewind point as soon as it rewinds, and appends its data-loss
 // notice after the fetched records of a poll. When the Source polls late
-// (the runtime busy, the in-flight bound reached), one poll holds the records
+// (the runtime busy, the unacked bound reached), one poll holds the records
 // that replaced the lost ones and then the notice. The records must be
 // handed out: taken for old records already polled, they were dropped, never
 // fetched again, and the commit went past them once later records were done.
@@ -360,7 +360,7 @@ func TestDataLossAtTheLastPolledOffsetRewinds(t *testing.T) {
 }
 
 // TestDataLossRewindResumesAPausedPartition: a partition paused at its
-// in-flight bound when its records are lost is fetched again after the
+// unacked bound when its records are lost is fetched again after the
 // rewind: the old records no longer count against the bound, and paused it
 // would never fetch the records that replaced them.
 func TestDataLossRewindResumesAPausedPartition(t *testing.T) {
@@ -427,7 +427,7 @@ func TestDataLossRewindForgetsDoneOffsetsBeyondTheResetPoint(t *testing.T) {
 	if resp, err := c.admin.CommitOffsets(ctx, group, os); err != nil || resp.Error() != nil {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
-	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithOrdering(Unordered),
+	s := c.open(t, group, topic, WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithOrderingScope(Unordered),
 		WithClientOptions(kgo.DisableFetchSessions(), kgo.FetchMaxWait(100*time.Millisecond)))
 	first := receiveN(t, s, 5)
 	ack(t, s, first[:2]...) // 0..1 done, 2..4 running

@@ -14,7 +14,7 @@ import (
 )
 
 // Source consumes a consumer group's topics and hands records to the custody
-// runtime. It implements adapters.Source. Create it with NewSource.
+// runtime. It implements adapters.Source. Create it with New.
 type Source struct {
 	cfg  config
 	cl   *kgo.Client
@@ -40,12 +40,17 @@ type Source struct {
 	// the broker notices records that became ready in a backlog.
 	pollCancel context.CancelFunc
 	// slab hands out held values allocated heldSlab at a time: one
-	// allocation per batch instead of one per record.
+	// allocation per heldSlab records instead of one each, which the
+	// runtime's per-record cost shows. A held value kept alive keeps its
+	// slab alive, heldSlab values at most.
 	slab []held
 	// strs holds the bytes of the deliveries' strings (IDs, keys, ordering
 	// keys, headers), strChunk at a time. Bytes written are never changed:
 	// a Builder only appends, and Reset starts a new buffer.
 	strs strings.Builder
+	// laneCap is, by partition, the most records of one partition handed
+	// out at once (see setLaneCapLocked); 0 in the other scopes.
+	laneCap int
 	// released lists the partitions an Ack or Nack released deliveries of,
 	// for the bookkeeping done once per call (see settleLocked).
 	released []*partition
@@ -75,6 +80,8 @@ type Source struct {
 	once     sync.Once
 }
 
+// heldSlab is how many held values one allocation makes. Any size works:
+// it is not fitted to the allocator's size classes.
 const heldSlab = 64
 
 // strChunk is the size of the buffers that delivery strings are cut from;
@@ -90,19 +97,16 @@ type tpKey struct {
 	part  int32
 }
 
-// NewSource creates a Source and its franz-go client, and reaches the
-// cluster within ctx: it fails, with the cause, when none of the brokers
-// answers (not reachable, TLS or SASL refused) before ctx ends. The client
-// joins the group when the Source is first polled. Later connection trouble
-// does not fail the Source: franz-go connects again by itself, and the
-// Source logs a broker it cannot connect to and the connection back (see
-// WithLogger).
-func NewSource(ctx context.Context, opts ...Option) (*Source, error) {
-	cfg := defaultConfig()
-	for _, o := range opts {
-		if err := o(&cfg); err != nil {
-			return nil, err
-		}
+// New creates a Source and its franz-go client, and reaches the cluster
+// within ctx: it fails, with the cause, when none of the brokers answers (not
+// reachable, TLS or SASL refused) before ctx ends. The client joins the group
+// when the Source is first polled. Later connection trouble does not fail the
+// Source: franz-go connects again by itself, and the Source logs a broker it
+// cannot connect to and the connection back (see WithLogger).
+func New(ctx context.Context, opts ...Option) (*Source, error) {
+	cfg, err := apply(opts)
+	if err != nil {
+		return nil, err
 	}
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -135,13 +139,17 @@ func NewSource(ctx context.Context, opts ...Option) (*Source, error) {
 		kgo.BlockRebalanceOnPoll(),
 		// Transaction markers take offsets of their own. Seen, they are
 		// marked done like records, so the commit reaches the end of a
-		// partition a transactional producer writes; unseen, it stayed one
-		// short of it for good, and the lag with it.
+		// partition a transactional producer writes; unseen, it would stay
+		// one short of it for good, and the lag with it.
 		kgo.KeepControlRecords(),
 		kgo.OnPartitionsAssigned(s.onAssigned),
 		kgo.OnOffsetsFetched(s.onOffsetsFetched),
 		kgo.OnPartitionsRevoked(s.onRevoked),
 		kgo.OnPartitionsLost(s.onLost),
+		// A dead-letter sink made from the Source (Source.NewDeadLetter)
+		// produces through this client, as one made alone would.
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.ProducerLinger(0),
 	)
 	cl, err := cfg.factory(kopts...)
 	if err != nil {
@@ -175,14 +183,15 @@ func (s *Source) Recalls() <-chan struct{} { return s.recalls }
 // Capabilities implements adapters.Source.
 func (s *Source) Capabilities() adapters.Capabilities {
 	return adapters.Capabilities{
-		Name:    s.name,
-		System:  "kafka",
-		Ordered: s.cfg.ordering != Unordered,
+		Name:       s.name,
+		System:     "kafka",
+		Ordered:    s.cfg.ordering != Unordered,
+		MaxUnacked: s.cfg.maxTotal,
 	}
 }
 
 // Receive implements adapters.Source: it hands out polled records, up to the
-// in-flight bounds, waiting at most the poll wait for new ones. A
+// unacked bounds, waiting at most the poll wait for new ones. A
 // partition's fetch error (a data loss, a topic not authorised) is returned
 // along with the records of the other partitions. Concurrent calls poll one
 // at a time.
@@ -201,10 +210,9 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 		s.mu.Unlock()
 		return nil, err
 	}
+	s.setLaneCapLocked(want)
 	out := s.takeLocked(nil, want)
-	// Backlogs are not counted: each is bounded by its partition's pause.
 	room := s.cfg.maxTotal - s.totalHeld
-	backlog := s.totalBack
 	s.mu.Unlock()
 	if len(out) > 0 {
 		return out, nil
@@ -215,10 +223,7 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 	if room <= 0 {
 		return s.waitForRoom(ctx, want)
 	}
-	// Poll more than this call hands out, so the backlogs hold records of
-	// every partition to interleave, but no more than the room left.
-	n := min(max(want, room-backlog), room)
-	return s.poll(ctx, n, want)
+	return s.poll(ctx, want)
 }
 
 // waitForRoom waits, up to the poll wait, for acks to free capacity.
@@ -237,7 +242,15 @@ func (s *Source) waitForRoom(ctx context.Context, max int) ([]*adapters.Delivery
 	return out, nil
 }
 
-func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, error) {
+// poll takes every record the client has fetched, waiting up to the poll
+// wait for some, into the partitions' backlogs, and hands out up to max.
+// Everything, not a number: a poll takes records partition by partition,
+// each as far as the client has it, so a poll of n would give a deep
+// backlog's first partitions all of n, and the runtime records of those
+// partitions alone until they ran out. The records are in memory already
+// (the client fetched them); a partition whose records polled and not acked
+// reach its bound is paused, so the next fetch leaves it out.
+func (s *Source) poll(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	var out []*adapters.Delivery
 	select {
 	case s.pollSem <- struct{}{}:
@@ -262,7 +275,7 @@ func (s *Source) poll(ctx context.Context, n, max int) ([]*adapters.Delivery, er
 	s.mu.Lock()
 	s.pollCancel = cancel
 	s.mu.Unlock()
-	fs := s.cl.PollRecords(pctx, n)
+	fs := s.cl.PollRecords(pctx, 0)
 	s.mu.Lock()
 	s.pollCancel = nil
 	refetch, lose, notices := s.registerLocked(fs)
@@ -341,7 +354,7 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 	// Data losses first. franz-go appends its data-loss notices after the
 	// fetched records of a poll, and once it has rewound a partition it
 	// fetches from the rewind point at once: a poll that comes late (the
-	// runtime busy, the in-flight bound reached) holds the records read
+	// runtime busy, the unacked bound reached) holds the records read
 	// from the rewind point before the notice. Registered first, those
 	// would pass for old records already polled and be dropped (and with
 	// no refetch, never be fetched again), or they would move lastPolled
@@ -416,7 +429,34 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 	return refetch, lose, notices
 }
 
-// takeLocked hands out ready records up to limit and the in-flight bounds,
+// setLaneCapLocked bounds, by partition, the records of one partition
+// handed out at once to its share of what the runtime holds (what it holds
+// now, and the want more it asks for), over the partitions assigned. The
+// runtime runs them one at a time and queues the others in its in-flight
+// window: more than the share would fill the window with one partition's
+// records, and a partition whose record runs long (a retry waiting in place,
+// a slow call) would end up holding all of it, stopping every other
+// partition. At least two, so that a partition's next record waits in the
+// runtime when its record ends.
+func (s *Source) setLaneCapLocked(want int) {
+	if s.cfg.ordering != ByPartition {
+		return
+	}
+	live := 0
+	for _, p := range s.order {
+		if !p.fenced && !p.draining {
+			live++
+		}
+	}
+	live = max(live, 1)
+	s.laneCap = max(2, (s.totalHeld+want+live-1)/live)
+}
+
+// cappedLocked reports whether p has as many records handed out as the
+// lane cap allows.
+func (s *Source) cappedLocked(p *partition) bool { return s.laneCap > 0 && p.nheld >= s.laneCap }
+
+// takeLocked hands out ready records up to limit and the unacked bounds,
 // sharing them out evenly over the partitions with records waiting, so that a
 // runtime holding few records still gets work for every partition's lane.
 func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Delivery {
@@ -431,7 +471,7 @@ func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Del
 	for len(out) < limit {
 		waiting := 0
 		for _, p := range s.order {
-			if p.backlogLen() > 0 {
+			if p.backlogLen() > 0 && !s.cappedLocked(p) {
 				waiting++
 			}
 		}
@@ -442,7 +482,7 @@ func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Del
 		progress := false
 		for i := 0; i < n && len(out) < limit; i++ {
 			p := s.order[(s.rr+i)%n]
-			if p.backlogLen() == 0 {
+			if p.backlogLen() == 0 || s.cappedLocked(p) {
 				continue
 			}
 			before := len(out)
@@ -465,7 +505,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 	if p.fenced || p.draining {
 		return out
 	}
-	for len(out) < max && len(p.requeue) > 0 && s.totalHeld < s.cfg.maxTotal {
+	for len(out) < max && len(p.requeue) > 0 && s.totalHeld < s.cfg.maxTotal && !s.cappedLocked(p) {
 		h := p.requeue[0]
 		p.requeue[0] = nil
 		p.requeue = p.requeue[1:]
@@ -474,7 +514,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		out = append(out, &h.d)
 	}
 	for len(out) < max && p.backHead < len(p.backlog) {
-		if p.nheld >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal {
+		if p.nheld >= s.cfg.maxPerPart || s.totalHeld >= s.cfg.maxTotal || s.cappedLocked(p) {
 			break
 		}
 		r := p.backlog[p.backHead]
@@ -605,8 +645,8 @@ func joinStr(prefix string, b []byte, n int) string {
 	return sb.String()
 }
 
-// updatePauseLocked pauses fetching a partition whose backlog and in-flight
-// records reach its bound, and resumes it below the bound.
+// updatePauseLocked pauses fetching a partition whose backlog and
+// handed-out records reach its bound, and resumes it below the bound.
 func (s *Source) updatePauseLocked(p *partition) {
 	full := p.backlogLen()+p.nheld >= s.cfg.maxPerPart ||
 		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
@@ -622,12 +662,12 @@ func (s *Source) updatePauseLocked(p *partition) {
 	}
 }
 
-// Ack implements adapters.Source: it marks the records done. The commit
-// follows a linger later (see WithCommitLinger), with the records of every
-// partition marked done meanwhile, or on revoke or Close. Records whose partition was
-// revoked or lost fail with adapters.ErrRevoked: their new owner runs them.
-// A record nacked already fails too (it is handed out again); acking a
-// record twice is no error.
+// Ack implements adapters.Source: it marks the records done, in process. The
+// commit follows a linger later (see WithCommitLinger), with the records of
+// every partition marked done meanwhile, or on revoke or Close. Records whose
+// partition was revoked or lost fail with adapters.ErrRevoked: their new
+// owner runs them. A record nacked already fails too (it is handed out
+// again); acking a record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
 	marked := false
@@ -726,7 +766,7 @@ func (s *Source) settleLocked() {
 			p.drained = nil
 		}
 		s.updatePauseLocked(p)
-		ready = ready || p.backlogLen() > 0
+		ready = ready || (p.backlogLen() > 0 && !s.cappedLocked(p))
 	}
 	s.released = s.released[:0]
 	select {

@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
@@ -20,18 +21,18 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		"WithBrokers":                  {WithGroup("g"), WithTopics("t")},
 		"WithGroup":                    {WithBrokers("b:9092"), WithTopics("t")},
 		"WithTopics":                   {WithBrokers("b:9092"), WithGroup("g")},
-		"WithOrdering":                 {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithOrdering(Ordering(7))},
+		"WithOrderingScope":            {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithOrderingScope(OrderingScope(7))},
 		"WithCommitInterval":           {WithCommitInterval(0)},
 		"WithCommitLinger(2s) exceeds": {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithCommitLinger(2 * time.Second)},
-		"WithMaxInFlightPerPartition":  {WithMaxInFlightPerPartition(0)},
-		"WithMaxInFlight(":             {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithMaxInFlight(2), WithMaxInFlightPerPartition(3)},
+		"WithMaxUnackedPerPartition":   {WithMaxUnackedPerPartition(0)},
+		"WithMaxUnacked(":              {WithBrokers("b:9092"), WithGroup("g"), WithTopics("t"), WithMaxUnacked(2), WithMaxUnackedPerPartition(3)},
 		"WithMetadataLimit":            {WithMetadataLimit(8)},
 		"WithRevokeDrain":              {WithRevokeDrain(-time.Second)},
 		"WithPollWait":                 {WithPollWait(0)},
 		"WithLagRefresh":               {WithLagRefresh(-time.Second)},
 	}
 	for name, opts := range cases {
-		_, err := NewSource(context.Background(), opts...)
+		_, err := New(context.Background(), opts...)
 		if err == nil || !strings.Contains(err.Error(), name) {
 			t.Errorf("%s: got error %v, want one naming the option", name, err)
 		}
@@ -50,26 +51,35 @@ func TestInvalidOptionsNameTheOption(t *testing.T) {
 		{"WithClientFactory: nil", WithClientFactory(nil)},
 		{"WithCommitTimeout(0s)", WithCommitTimeout(0)},
 		{"WithCommitLinger(-1ns): must not be negative", WithCommitLinger(-1)},
-		{"WithMaxInFlight(0)", WithMaxInFlight(0)},
+		{"WithMaxUnacked(0)", WithMaxUnacked(0)},
 		{"WithMeterProvider: nil", WithMeterProvider(nil)},
 	} {
-		_, err := NewSource(context.Background(), append(slices.Clone(required), c.opt)...)
+		_, err := New(context.Background(), append(slices.Clone(required), c.opt)...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("got error %v, want one saying %q", err, c.want)
 		}
 	}
-	// A client the factory cannot make fails NewSource with its reason.
+	// A client the factory cannot make fails New with its reason.
 	refused := errors.New("no TLS configuration")
-	_, err := NewSource(context.Background(), append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
+	_, err := New(context.Background(), append(slices.Clone(required), WithClientFactory(func(...kgo.Opt) (*kgo.Client, error) { return nil, refused }))...)
 	if !errors.Is(err, refused) {
-		t.Errorf("NewSource with a failing client factory = %v, want its error", err)
+		t.Errorf("New with a failing client factory = %v, want its error", err)
 	}
-	for want, cfg := range map[string]DeadLetterConfig{
-		"DeadLetterConfig.Topic is required":   {Brokers: []string{"b:9092"}},
-		"DeadLetterConfig.Brokers is required": {Topic: "dlq"},
+	// The dead-letter sink: its topic and brokers are required, and the
+	// options of a Source alone are refused by name, not ignored.
+	for want, c := range map[string]struct {
+		topic string
+		opts  []Option
+	}{
+		"the topic must not be empty":    {"", []Option{WithBrokers("b:9092")}},
+		"WithBrokers is required":        {"dlq", nil},
+		"WithTopics only apply":          {"dlq", []Option{WithBrokers("b:9092"), WithTopics("t")}},
+		"WithCommitLinger only apply":    {"dlq", []Option{WithBrokers("b:9092"), WithCommitLinger(0)}},
+		"WithMeterProvider only apply":   {"dlq", []Option{WithBrokers("b:9092"), WithMeterProvider(noop.NewMeterProvider())}},
+		"WithClientFactory: nil factory": {"dlq", []Option{WithBrokers("b:9092"), WithClientFactory(nil)}},
 	} {
-		if _, err := NewDeadLetter(cfg); err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("NewDeadLetter(%+v) = %v, want an error saying %q", cfg, err, want)
+		if _, err := NewDeadLetter(context.Background(), c.topic, c.opts...); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("NewDeadLetter(%q, ...) = %v, want an error saying %q", c.topic, err, want)
 		}
 	}
 }
@@ -81,7 +91,7 @@ func TestOutOfOrderCompletionCommitsOnlyTheDonePrefix(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 20, 20)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(10*time.Millisecond))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(10*time.Millisecond))
 
 	ds := receiveN(t, s, 20)
 	var slow *adapters.Delivery
@@ -127,7 +137,7 @@ func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
 	c.produceN(t, "orders", 1, 10, 10)
 	group := newGroup()
 
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, a, 10)
 	for _, d := range ds {
 		if d.Offset != 0 && d.Offset != 5 {
@@ -143,7 +153,7 @@ func TestMetadataSkipsDoneRecordsAfterReassignment(t *testing.T) {
 	}
 
 	reader, mp := newMeter(t)
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp))
+	b := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp))
 	got := receiveN(t, b, 2)
 	if more := receiveFor(t, b, 500*time.Millisecond); len(more) > 0 {
 		got = append(got, more...)
@@ -171,7 +181,7 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 	c.produceN(t, "orders", 1, 100, 100)
 	group := newGroup()
 
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	for _, d := range receiveN(t, a, 100) {
 		if d.Offset != 0 {
 			ack(t, a, d)
@@ -183,8 +193,8 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 
 	// b holds at most two records, so it polls no further than offset 1
 	// before it is closed, with offset 0 still unfinished.
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
-		WithMaxInFlight(2), WithMaxInFlightPerPartition(2))
+	b := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
+		WithMaxUnacked(2), WithMaxUnackedPerPartition(2))
 	if got := offsets(receiveN(t, b, 1)); !slices.Equal(got, []int64{0}) {
 		t.Fatalf("second owner received %v, want [0]", got)
 	}
@@ -205,7 +215,7 @@ func TestMetadataSurvivesAnOwnerThatDidNotReachIt(t *testing.T) {
 		t.Fatalf("second owner's metadata records %v, want [{1 99}]", got)
 	}
 
-	c3 := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	c3 := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	got := receiveN(t, c3, 1)
 	got = append(got, receiveFor(t, c3, 500*time.Millisecond)...)
 	if o := offsets(got); !slices.Equal(o, []int64{0}) {
@@ -220,7 +230,7 @@ func TestMetadataLimitStopsTakingRecords(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 50, 50)
-	s := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMetadataLimit(32))
+	s := c.open(t, newGroup(), "orders", WithOrderingScope(Unordered), WithMetadataLimit(32))
 
 	first := receiveN(t, s, 1)
 	first = append(first, receiveFor(t, s, time.Second)...)
@@ -254,7 +264,7 @@ func TestBackpressurePerPartitionAndTotal(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 4)
 	c.produceN(t, "orders", 4, 30, 30)
-	s := c.open(t, newGroup(), "orders", WithOrdering(Unordered), WithMaxInFlightPerPartition(3), WithMaxInFlight(10))
+	s := c.open(t, newGroup(), "orders", WithOrderingScope(Unordered), WithMaxUnackedPerPartition(3), WithMaxUnacked(10))
 
 	got := receiveN(t, s, 10)
 	if more := receiveFor(t, s, 500*time.Millisecond); len(more) > 0 {
@@ -346,13 +356,13 @@ func TestOrderingKeys(t *testing.T) {
 		&kgo.Record{Topic: "orders", Partition: 1, Key: []byte("a"), Value: []byte("1"), Headers: []kgo.RecordHeader{{Key: "traceparent", Value: []byte("00-abc-def-01")}}},
 		&kgo.Record{Topic: "orders", Partition: 1, Value: []byte("2")},
 	)
-	want := map[Ordering][2]string{
+	want := map[OrderingScope][2]string{
 		ByPartition: {"orders/1", "orders/1"},
 		ByKey:       {"orders/1/a", "orders/1"},
 		Unordered:   {"", ""},
 	}
 	for mode, keys := range want {
-		s := c.open(t, newGroup(), "orders", WithOrdering(mode))
+		s := c.open(t, newGroup(), "orders", WithOrderingScope(mode))
 		ds := receiveN(t, s, 2)
 		if ds[0].OrderingKey != keys[0] || ds[1].OrderingKey != keys[1] {
 			t.Errorf("%v: ordering keys %q %q, want %q %q", mode, ds[0].OrderingKey, ds[1].OrderingKey, keys[0], keys[1])
@@ -412,7 +422,7 @@ func TestCommitsCarryTheLeaderEpochOfTheirLastRecord(t *testing.T) {
 	}
 	c.produceN(t, "orders", 1, 3, 3) // offsets 3..5 under the next one
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 6)
 	epochOf := func(off int64) int32 {
 		for _, d := range ds {
@@ -482,18 +492,18 @@ func TestOptionBoundsAreAccepted(t *testing.T) {
 	c := newCluster(t)
 	required := []Option{WithBrokers(c.addrs...), WithGroup("g"), WithTopics("t")}
 	for name, opts := range map[string][]Option{
-		"WithCommitInterval(1ms)":                               {WithCommitInterval(time.Millisecond)},
-		"WithCommitLinger(0)":                                   {WithCommitLinger(0)},
-		"WithPollWait(1ms)":                                     {WithPollWait(time.Millisecond)},
-		"WithRevokeDrain(0)":                                    {WithRevokeDrain(0)},
-		"WithLagRefresh(0), the refresh off":                    {WithLagRefresh(0)},
-		"WithMetadataLimit(32)":                                 {WithMetadataLimit(32)},
-		"WithMaxInFlightPerPartition equal to WithMaxInFlight":  {WithMaxInFlight(8), WithMaxInFlightPerPartition(8)},
-		"WithMaxInFlight(1) and WithMaxInFlightPerPartition(1)": {WithMaxInFlight(1), WithMaxInFlightPerPartition(1)},
+		"WithCommitInterval(1ms)":                             {WithCommitInterval(time.Millisecond)},
+		"WithCommitLinger(0)":                                 {WithCommitLinger(0)},
+		"WithPollWait(1ms)":                                   {WithPollWait(time.Millisecond)},
+		"WithRevokeDrain(0)":                                  {WithRevokeDrain(0)},
+		"WithLagRefresh(0), the refresh off":                  {WithLagRefresh(0)},
+		"WithMetadataLimit(32)":                               {WithMetadataLimit(32)},
+		"WithMaxUnackedPerPartition equal to WithMaxUnacked":  {WithMaxUnacked(8), WithMaxUnackedPerPartition(8)},
+		"WithMaxUnacked(1) and WithMaxUnackedPerPartition(1)": {WithMaxUnacked(1), WithMaxUnackedPerPartition(1)},
 	} {
-		s, err := NewSource(context.Background(), append(slices.Clone(required), opts...)...)
+		s, err := New(context.Background(), append(slices.Clone(required), opts...)...)
 		if err != nil {
-			t.Errorf("%s: NewSource = %v, want it accepted", name, err)
+			t.Errorf("%s: New = %v, want it accepted", name, err)
 			continue
 		}
 		_ = s.Close()
@@ -506,7 +516,7 @@ func TestPartitionAtItsBoundIsPaused(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
-	s := c.open(t, newGroup(), "orders", WithMaxInFlightPerPartition(3))
+	s := c.open(t, newGroup(), "orders", WithMaxUnackedPerPartition(3))
 	ds := receiveN(t, s, 3)
 	if paused := s.Client().PauseFetchPartitions(nil)["orders"]; !slices.Equal(paused, []int32{0}) {
 		t.Fatalf("paused %v with 3 records of the bound of 3 handed out; want partition 0", paused)
@@ -541,7 +551,7 @@ func TestInheritedDoneOffsetsBeyondTheMetadataLimitAreLeftOut(t *testing.T) {
 		t.Fatalf("commit: %v %v", err, resp.Error())
 	}
 	const limit = 64
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMetadataLimit(limit))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMetadataLimit(limit))
 	ds := receiveN(t, s, 6) // 0 and the odd offsets to 9; the even ones are skipped
 	for _, d := range ds {
 		if d.Offset != 0 {
@@ -571,7 +581,7 @@ func TestAckAfterNackFailsAndTwiceIsIgnored(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 3, 3)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 3)
 	if err := s.Nack(context.Background(), adapters.NackAll(ds[:2], 0)); err != nil {
 		t.Fatal(err)
@@ -608,7 +618,7 @@ func TestReceiveSharesOutOverThePartitions(t *testing.T) {
 	c := newCluster(t)
 	c.createTopic(t, "orders", 4)
 	c.produceN(t, "orders", 4, 10, 10)
-	s := c.open(t, newGroup(), "orders", WithOrdering(Unordered))
+	s := c.open(t, newGroup(), "orders", WithOrderingScope(Unordered))
 	// Wait until every partition has records polled and waiting, taking
 	// one record at a time meanwhile.
 	var held []*adapters.Delivery
@@ -643,6 +653,35 @@ func TestReceiveSharesOutOverThePartitions(t *testing.T) {
 	}
 }
 
+// A deep backlog in every partition: a poll takes records partition by
+// partition, each as far as the client has it, so a poll of a number of
+// records would give the first partitions all of it, and the runtime would
+// get records of those partitions only (one worker busy per partition
+// covered, by partition) until they were all done. The Source takes all the
+// client fetched, and the first Receive hands out records of every
+// partition; the partitions it holds enough of are paused.
+func TestDeepBacklogIsSharedOverThePartitions(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 8)
+	c.produceN(t, "orders", 8, 1000, 10)
+	s := c.open(t, newGroup(), "orders")
+	ds := receiveN(t, s, 16)
+	per := map[int32]int{}
+	for _, d := range ds {
+		per[d.Partition]++
+	}
+	if len(per) != 8 {
+		t.Fatalf("the first 16 records handed out came from partitions %v; want records of all 8", per)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.order {
+		if p.backlogLen()+p.nheld >= s.cfg.maxPerPart && !p.paused {
+			t.Errorf("partition %d holds %d records, at least its bound of %d, and is not paused", p.id, p.backlogLen()+p.nheld, s.cfg.maxPerPart)
+		}
+	}
+}
+
 // Many records of a partition finishing out of order, with two early ones
 // still running, keep track of those two: their acks mark them done, and
 // the commit reaches the end.
@@ -651,7 +690,7 @@ func TestOutOfOrderAcksAroundLongRunningRecords(t *testing.T) {
 	c.createTopic(t, "orders", 1)
 	c.produceN(t, "orders", 1, 120, 120)
 	group := newGroup()
-	s := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	s := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
 	ds := receiveN(t, s, 100)
 	var slow []*adapters.Delivery
 	for _, d := range ds {

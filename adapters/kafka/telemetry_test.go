@@ -145,7 +145,7 @@ func TestLagGrowsWhileThePartitionIsNotFetched(t *testing.T) {
 	c.produceN(t, "slow", 1, 5, 1)
 	reader, mp := newMeter(t)
 	s := c.open(t, newGroup(), "slow", WithMeterProvider(mp), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour),
-		WithMaxInFlightPerPartition(2), WithLagRefresh(20*time.Millisecond))
+		WithMaxUnackedPerPartition(2), WithLagRefresh(20*time.Millisecond))
 	ds := receiveN(t, s, 2) // the bound: the partition is paused
 	ack(t, s, ds[0])
 	commitNow(t, s) // committed 1
@@ -184,7 +184,7 @@ func TestLagStopsForPartitionsNoLongerOwned(t *testing.T) {
 	c.produceN(t, "orders", 2, 10, 10)
 	reader, mp := newMeter(t)
 	group := newGroup()
-	a := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp))
+	a := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mp))
 	ds := receiveN(t, a, 20)
 	for _, d := range ds {
 		if d.Offset < 6 {
@@ -199,7 +199,7 @@ func TestLagStopsForPartitionsNoLongerOwned(t *testing.T) {
 	readerB := sdkmetric.NewManualReader()
 	mpB := sdkmetric.NewMeterProvider(sdkmetric.WithReader(readerB))
 	defer mpB.Shutdown(context.Background())
-	b := c.open(t, group, "orders", WithOrdering(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mpB))
+	b := c.open(t, group, "orders", WithOrderingScope(Unordered), WithCommitInterval(time.Hour), WithCommitLinger(time.Hour), WithMeterProvider(mpB))
 	var moved = int32(-1)
 	eventually(t, "the second member to take a partition", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)

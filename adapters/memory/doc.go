@@ -34,6 +34,21 @@
 // the dead-letter queue. A retry policy with a short constant
 // backoff keeps retries from slowing the test.
 //
+// # Replaying dead letters
+//
+// [Broker.Replay] returns a [Replay] of a dead-letter queue. Its List is a
+// dry run: the dead letters with their diagnostics (adapters.ReadDeadLetter),
+// read without a receive; adapters.GroupDeadLetters groups them by error,
+// consumer and hour. Its Replay moves a selection (adapters.ReplayOptions:
+// Select, Max, a Rate of 10 a second by default) back to the queues named
+// in their adapters.HeaderOriginalQueue header, in the order they were
+// written, with their IDs, keys and headers, without the diagnostics (or
+// with them packed into adapters.HeaderReplayDiagnostics), and marked with
+// adapters.HeaderReplayOf. Each move is one step under the broker's lock, so
+// a replay cut short and run again moves every dead letter exactly once.
+// Backlog of a [Source] reports the queue's visible and in-flight messages
+// and the age of the oldest visible one.
+//
 // Nothing is persisted: the broker lives as long as the process. The IDs it
 // generates for messages published without one carry a random prefix per
 // broker, so they do not repeat after a restart: an idempotency store keyed

@@ -111,18 +111,18 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	}
 
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	src, err := kafka.NewSource(ctx,
+	src, err := kafka.New(ctx,
 		kafka.WithBrokers(brokers...),
 		kafka.WithGroup(group),
 		kafka.WithTopics(cfg.topic),
-		kafka.WithOrdering(kafka.ByKey),
+		kafka.WithOrderingScope(kafka.ByKey),
 		kafka.WithCommitInterval(500*time.Millisecond),
 		kafka.WithLogger(logger),
 	)
 	if err != nil {
 		return err
 	}
-	dlq, err := src.DeadLetter(dlqTopic)
+	dlq, err := src.NewDeadLetter(ctx, dlqTopic)
 	if err != nil {
 		src.Close()
 		return err

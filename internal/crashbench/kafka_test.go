@@ -100,7 +100,7 @@ func kafkaMember(cfg childConfig) kgo.Opt { return kgo.InstanceID(cfg.group + "-
 // kafkaCustody is custody's consumer with the adapter's defaults (one
 // record at a time per partition, commits a linger after records are done).
 func kafkaCustody(ctx context.Context, cfg childConfig, effect func(context.Context, []byte) error) error {
-	src, err := kafka.NewSource(ctx,
+	src, err := kafka.New(ctx,
 		kafka.WithBrokers(strings.Split(cfg.addr, ",")...),
 		kafka.WithGroup(cfg.group),
 		kafka.WithTopics(cfg.queue),

@@ -72,6 +72,35 @@ func TestVisibilityChangeIsNotAReceive(t *testing.T) {
 	}
 }
 
+// The emulator is patched at start-up so that ApproximateNumberOfMessages
+// counts the messages available for retrieval only, as SQS does, and not
+// those in flight, which ApproximateNumberOfMessagesNotVisible counts.
+func TestInFlightMessagesAreNotCountedAsAvailable(t *testing.T) {
+	c := NewClient(Start(t), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	q, err := c.CreateQueue(ctx, &sqs.CreateQueueInput{QueueName: aws.String(QueueName(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if _, err := c.SendMessage(ctx, &sqs.SendMessageInput{QueueUrl: q.QueueUrl, MessageBody: aws.String("hi")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, err := c.ReceiveMessage(ctx, &sqs.ReceiveMessageInput{QueueUrl: q.QueueUrl, MaxNumberOfMessages: 1, VisibilityTimeout: 60})
+	if err != nil || len(out.Messages) != 1 {
+		t.Fatalf("receive: %v, %d messages", err, len(out.Messages))
+	}
+	a, err := c.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{QueueUrl: q.QueueUrl, AttributeNames: []types.QueueAttributeName{"All"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, nv := a.Attributes["ApproximateNumberOfMessages"], a.Attributes["ApproximateNumberOfMessagesNotVisible"]; v != "2" || nv != "1" {
+		t.Fatalf("ApproximateNumberOfMessages %s, ApproximateNumberOfMessagesNotVisible %s; want 2 available and 1 in flight", v, nv)
+	}
+}
+
 func TestQueueNameIsValidAndUnique(t *testing.T) {
 	a, b := QueueName(t), QueueName(t)
 	if a == b || len(a) > 80 || strings.ContainsAny(a, "/ .") {
