@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/pace"
 )
 
 // defaultReplayRate is the rate of a replay whose ReplayOptions.Rate is
@@ -229,7 +230,7 @@ func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters
 	if err != nil {
 		return res, err
 	}
-	p := newPacer(rate)
+	p := pace.New(rate)
 	err = r.call(ctx, func(conn *amqp.Connection, ch *amqp.Channel) error {
 		q, err := ch.QueueDeclarePassive(r.queue, true, false, false, false, nil)
 		if err != nil {
@@ -251,7 +252,7 @@ func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters
 				res.Skipped++
 				continue // held until the channel closes, then put back
 			}
-			if err := p.wait(ctx); err != nil {
+			if err := p.Wait(ctx); err != nil {
 				return err
 			}
 			if err := r.publishCopy(ctx, dl, o.KeepDiagnostics); err != nil {
@@ -366,30 +367,4 @@ func replayRate(o adapters.ReplayOptions) (float64, error) {
 		return defaultReplayRate, nil
 	}
 	return o.Rate, nil
-}
-
-// pacer spaces a replay's copies out to a rate: the first at once, each
-// later one an interval after the one before.
-type pacer struct {
-	interval time.Duration
-	next     time.Time
-}
-
-func newPacer(perSecond float64) *pacer {
-	return &pacer{interval: max(time.Duration(float64(time.Second)/perSecond), 0)}
-}
-
-// wait waits until the next copy may go, and counts it as gone.
-func (p *pacer) wait(ctx context.Context) error {
-	if d := time.Until(p.next); d > 0 {
-		t := time.NewTimer(d)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	p.next = time.Now().Add(p.interval)
-	return nil
 }
