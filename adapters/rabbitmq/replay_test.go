@@ -431,3 +431,33 @@ func TestReplayKeepsToTheRate(t *testing.T) {
 		t.Fatalf("five copies at 20 a second took %v, less than the four intervals of 50 ms between them", took)
 	}
 }
+
+// A run reads only the dead letters the queue held when it began: those
+// that arrive meanwhile (a replayed copy that failed again, say) wait for
+// the next run instead of being replayed, failing and replayed again in a
+// loop.
+func TestReplayReadsOnlyWhatTheQueueHeldAtItsStart(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, nil)
+	deadLetterAll(t, a, q, dlq, fixedCause, names("m", 3)...)
+	r := newReplay(t, dlq)
+	arrived := 0
+	r.testHookConfirmed = func(*amqp.Connection) {
+		// Each copy fails again and comes back as a new dead letter.
+		arrived++
+		a.publishMsg(dlq, amqp.Publishing{MessageId: fmt.Sprint("again", arrived), Body: []byte("again"),
+			Headers: amqp.Table{adapters.HeaderOriginalQueue: q, adapters.HeaderError: "boom again"}})
+	}
+	res, err := r.Replay(context.Background(), adapters.ReplayOptions{Rate: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Replayed != 3 {
+		t.Fatalf("Replay: %+v, want the 3 dead letters the queue held at the start", res)
+	}
+	a.waitReady(dlq, 3)
+	if ids := messageIDs(a.drain(dlq)); !slices.Equal(ids, []string{"again1", "again2", "again3"}) {
+		t.Fatalf("left in the dead-letter queue %v, want the three that arrived during the run", ids)
+	}
+}
