@@ -366,51 +366,108 @@ func TestReplayRoutes(t *testing.T) {
 
 // Dead letters the broker made (NativeDeadLetter) are listed with their
 // queue and reason, and replayed to that queue without the broker's
-// headers.
+// headers, or with WithReplayThroughExchange through the exchange and
+// routing key of their first death.
 func TestReplayOfNativeDeadLetters(t *testing.T) {
 	a := newAdmin(t)
 	dlq := a.queue(QuorumQueue, nil)
 	q := uniqueName(t, "classic")
 	t.Cleanup(func() { deleteQueues(q) })
 	s := openSource(t, q, WithDeclare(ClassicQueue, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq}))
-	a.publishMsg(q, amqp.Publishing{MessageId: "n1", Body: []byte("n1"), Headers: amqp.Table{"tenant": "acme"}})
+	ex := a.exchangeTo(q, "orders.created")
+	for _, id := range []string{"n1", "n2"} {
+		dc, err := a.ch.PublishWithDeferredConfirm(ex, "orders.created", true, false,
+			amqp.Publishing{MessageId: id, Body: []byte(id), Headers: amqp.Table{"tenant": "acme"}})
+		if err != nil || !dc.Wait() {
+			t.Fatalf("publish: %v", err)
+		}
+	}
 	native, err := s.NativeDeadLetter()
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := receiveN(t, s, 1)[0]
-	if err := native.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom")}); err != nil {
-		t.Fatal(err)
+	for _, d := range receiveN(t, s, 2) {
+		if err := native.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom")}); err != nil {
+			t.Fatal(err)
+		}
 	}
-	a.waitReady(dlq, 1)
+	a.waitReady(dlq, 2)
 	r := newReplay(t, dlq)
 	recs, err := r.List(context.Background(), 10)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(recs) != 1 || recs[0].OriginalQueue != q || recs[0].Error != "rejected" || recs[0].OriginalID != "n1" ||
+	if len(recs) != 2 || recs[0].OriginalQueue != q || recs[0].Error != "rejected" || recs[0].OriginalID != "n1" ||
 		recs[0].LastFailure.IsZero() || recs[0].Diagnostics["x-death"] == "" || len(recs[0].Headers) != 1 {
 		t.Fatalf("native dead letters listed as %+v", recs)
 	}
-	res, err := r.Replay(context.Background(), adapters.ReplayOptions{Rate: 1000})
-	if err != nil || res.Replayed != 1 {
+	check := func(wantExchange, wantKey string, rec adapters.DeadLetterRecord) {
+		t.Helper()
+		got := receiveN(t, s, 1)[0]
+		m := got.Native.(amqp.Delivery)
+		if m.MessageId != rec.OriginalID || m.Headers["tenant"] != "acme" || m.Headers[adapters.HeaderReplayOf] != rec.ID {
+			t.Fatalf("replayed copy %+v", m)
+		}
+		if m.Exchange != wantExchange || m.RoutingKey != wantKey {
+			t.Fatalf("%s came through exchange %q with routing key %q, want %q and %q", m.MessageId, m.Exchange, m.RoutingKey, wantExchange, wantKey)
+		}
+		for _, k := range brokerHeaders {
+			if _, ok := m.Headers[k]; ok {
+				t.Errorf("the copy carries the broker's %s", k)
+			}
+		}
+		if err := s.Ack(context.Background(), []*adapters.Delivery{got}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if res, err := r.Replay(context.Background(), adapters.ReplayOptions{Max: 1, Rate: 1000}); err != nil || res.Replayed != 1 {
+		t.Fatalf("Replay: %+v, %v", res, err)
+	}
+	check("", q, recs[0])
+	if res, err := newReplay(t, dlq, WithReplayThroughExchange()).Replay(context.Background(), adapters.ReplayOptions{Rate: 1000}); err != nil || res.Replayed != 1 {
+		t.Fatalf("Replay through the exchange: %+v, %v", res, err)
+	}
+	check(ex, "orders.created", recs[1])
+	if n := a.ready(dlq); n != 0 {
+		t.Fatalf("%d dead letters left", n)
+	}
+}
+
+// A dead letter of a message published without a message-id is replayed
+// with its ID as one, so that a second copy of it can be recognised.
+func TestReplayGivesAMessageWithoutAnIDOne(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, nil)
+	a.publishMsg(q, amqp.Publishing{Body: []byte("anonymous")})
+	s := openSource(t, q)
+	d := receiveN(t, s, 1)[0]
+	sink, err := NewDeadLetter(context.Background(), "", dlq, WithURL(brokerURL))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sink.Close()
+	if err := sink.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom"), LastFailure: time.Now()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ack(context.Background(), []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(dlq, 1)
+	r := newReplay(t, dlq)
+	recs, err := r.List(context.Background(), 1)
+	if err != nil || len(recs) != 1 || recs[0].OriginalID != "" {
+		t.Fatalf("List: %+v, %v", recs, err)
+	}
+	if res, err := r.Replay(context.Background(), adapters.ReplayOptions{Rate: 1000}); err != nil || res.Replayed != 1 {
 		t.Fatalf("Replay: %+v, %v", res, err)
 	}
 	got := receiveN(t, s, 1)[0]
-	m := got.Native.(amqp.Delivery)
-	if m.MessageId != "n1" || m.Headers["tenant"] != "acme" || m.Headers[adapters.HeaderReplayOf] != recs[0].ID {
-		t.Fatalf("replayed copy %+v", m)
-	}
-	for _, k := range brokerHeaders {
-		if _, ok := m.Headers[k]; ok {
-			t.Errorf("the copy carries the broker's %s", k)
-		}
+	if got.ID != recs[0].ID {
+		t.Fatalf("the copy's message-id is %q, want the dead letter's ID %s", got.ID, recs[0].ID)
 	}
 	if err := s.Ack(context.Background(), []*adapters.Delivery{got}); err != nil {
 		t.Fatal(err)
-	}
-	if n := a.ready(dlq); n != 0 {
-		t.Fatalf("%d dead letters left", n)
 	}
 }
 
