@@ -294,7 +294,7 @@ func (r *Replay) publishCopy(ctx context.Context, dl deadLetter, keep bool) erro
 	exchange, key := "", dl.rec.OriginalQueue
 	if r.s.replayThroughExchange {
 		if !dl.routed {
-			return fmt.Errorf("it records no original exchange and routing key (%s, %s) to replay it through (WithReplayThroughExchange); leave it out with ReplayOptions.Select",
+			return fmt.Errorf("it records no original exchange and routing key (%s and %s, or the broker's x-death) to replay it through (WithReplayThroughExchange); leave it out with ReplayOptions.Select",
 				adapters.HeaderOriginalExchange, adapters.HeaderOriginalRoutingKey)
 		}
 		exchange, key = dl.exchange, dl.key
