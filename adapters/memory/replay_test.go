@@ -76,7 +76,7 @@ func (e *replayEnv) consume(fail bool) (handled []string) {
 			e.t.Errorf("message %s reached the handler without its header: %v", m.Body, m.Headers)
 		}
 		for k := range m.Headers {
-			if adapters.IsDiagnosticHeader(k) {
+			if adapters.IsDiagnosticHeader(k) && k != adapters.HeaderReplayOf {
 				e.t.Errorf("message %s reached the handler with diagnostic header %s", m.Body, k)
 			}
 		}
@@ -205,7 +205,7 @@ func TestReplayMovesDeadLettersBackOnce(t *testing.T) {
 					t.Errorf("replayed %d keeps its diagnostics without KeepDiagnostics", i)
 				}
 				for k := range m.Headers {
-					if adapters.IsDiagnosticHeader(k) {
+					if adapters.IsDiagnosticHeader(k) && k != adapters.HeaderReplayOf {
 						t.Errorf("replayed %d carries diagnostic %s", i, k)
 					}
 				}
@@ -440,5 +440,47 @@ func TestReplayRefusals(t *testing.T) {
 	}
 	if n := len(e.messages("orders-dlq")); n != 2 {
 		t.Errorf("dead-letter queue holds %d messages after the refusals, want 2", n)
+	}
+}
+
+// A replayed message that is dead-lettered again describes its latest
+// failure only: the earlier trip's replay headers do not follow it into the
+// new dead letter.
+func TestDeadLetterOfAReplayedMessageDropsTheEarlierTrip(t *testing.T) {
+	b := memory.NewBroker()
+	for _, q := range []string{"q", "dlq"} {
+		if err := b.CreateQueue(q, memory.QueueOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := context.Background()
+	if err := b.Publish(ctx, "q", memory.Message{Body: []byte("x"), Headers: map[string]string{
+		adapters.HeaderReplayOf: "m-1", adapters.HeaderReplayDiagnostics: `{"custody-error":"old"}`, "tenant": "acme"}}); err != nil {
+		t.Fatal(err)
+	}
+	src, err := b.Source("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dlq, err := b.DeadLetterQueue("dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	ds, err := src.Receive(rctx, 1)
+	if err != nil || len(ds) != 1 {
+		t.Fatalf("Receive: %v, %d", err, len(ds))
+	}
+	if err := dlq.Send(ctx, ds[0], adapters.Failure{Err: errors.New("new failure"), Attempts: 1}); err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := b.Messages("dlq")
+	if err != nil || len(msgs) != 1 {
+		t.Fatalf("dead letters %v, %v", msgs, err)
+	}
+	h := msgs[0].Headers
+	if _, ok := h[adapters.HeaderReplayDiagnostics]; ok || h[adapters.HeaderReplayOf] != "" || h["tenant"] != "acme" || h[adapters.HeaderError] != "new failure" {
+		t.Fatalf("dead letter headers %v, want the tenant and the new failure, no earlier replay's", h)
 	}
 }
