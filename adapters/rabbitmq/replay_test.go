@@ -518,3 +518,42 @@ func TestReplayReadsOnlyWhatTheQueueHeldAtItsStart(t *testing.T) {
 		t.Fatalf("left in the dead-letter queue %v, want the three that arrived during the run", ids)
 	}
 }
+
+// A replayed copy that fails again is dead-lettered with its latest trip's
+// diagnostics only: the sink drops the custody-replay-of it came back with.
+func TestReplayedCopyDeadLetteredAgainDescribesItsLatestTrip(t *testing.T) {
+	a := newAdmin(t)
+	q := a.queue(ClassicQueue, nil)
+	dlq := a.queue(ClassicQueue, nil)
+	deadLetterAll(t, a, q, dlq, fixedCause, "m1")
+	r := newReplay(t, dlq)
+	if res, err := r.Replay(context.Background(), adapters.ReplayOptions{Rate: 1000, KeepDiagnostics: true}); err != nil || res.Replayed != 1 {
+		t.Fatalf("Replay: %+v, %v", res, err)
+	}
+	s := openSource(t, q)
+	d := receiveN(t, s, 1)[0]
+	if d.Headers[adapters.HeaderReplayOf] == "" || d.Headers[adapters.HeaderReplayDiagnostics] == "" {
+		t.Fatalf("the replayed copy's headers %v lack the replay's", d.Headers)
+	}
+	sink, err := NewDeadLetter(context.Background(), "", dlq, WithURL(brokerURL))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sink.Close()
+	if err := sink.Send(context.Background(), d, adapters.Failure{Err: errors.New("boom again"), LastFailure: time.Now()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ack(context.Background(), []*adapters.Delivery{d}); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(dlq, 1)
+	recs, err := r.List(context.Background(), 10)
+	if err != nil || len(recs) != 1 {
+		t.Fatalf("List: %+v, %v", recs, err)
+	}
+	rec := recs[0]
+	if rec.Error != "boom again" || rec.Diagnostics[adapters.HeaderReplayOf] != "" || rec.Diagnostics[adapters.HeaderReplayDiagnostics] != "" ||
+		rec.Headers[adapters.HeaderReplayOf] != "" || len(rec.Headers) != 2 {
+		t.Fatalf("the second dead letter: error %q, headers %v, diagnostics %v; want the latest trip only", rec.Error, rec.Headers, rec.Diagnostics)
+	}
+}
