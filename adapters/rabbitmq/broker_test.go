@@ -185,7 +185,13 @@ func (a *admin) waitReady(queue string, want int) {
 // the broker's own count, which the client cannot see.
 func unacked(t testing.TB, queue string) int {
 	t.Helper()
-	out, err := exec.Command("rabbitmqctl", "list_queues", "-q", "--no-table-headers", "name", "messages_unacknowledged").Output()
+	return queueInfo(t, queue, "messages_unacknowledged")
+}
+
+// queueInfo asks rabbitmqctl for one of queue's counts (list_queues item).
+func queueInfo(t testing.TB, queue, item string) int {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "list_queues", "-q", "--no-table-headers", "name", item).Output()
 	if err != nil {
 		testbroker.Unavailable(t, "rabbitmqctl (to inspect the broker)", err)
 	}

@@ -75,6 +75,9 @@ func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Opt
 	if len(st.sourceOnly) > 0 {
 		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to a Source", strings.Join(st.sourceOnly, ", "))
 	}
+	if len(st.replayOnly) > 0 {
+		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
+	}
 	if exchange == "" && routingKey == "" {
 		return nil, errors.New("rabbitmq: NewDeadLetter: with the default exchange the routing key names the dead-letter queue and must not be empty")
 	}

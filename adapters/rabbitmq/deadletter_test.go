@@ -229,16 +229,28 @@ func deleteExchange(exchange string) {
 // around the destination hides that) succeeds and sends nothing: a second
 // frame for the tag would close the channel.
 func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
-	for _, typ := range []QueueType{ClassicQueue, QuorumQueue} {
-		t.Run(typ.String(), func(t *testing.T) {
+	for _, v := range []struct {
+		typ   QueueType
+		delay bool // with delay queues, where a Nack with a delay publishes a copy
+	}{{ClassicQueue, false}, {QuorumQueue, false}, {QuorumQueue, true}} {
+		name := v.typ.String()
+		if v.delay {
+			name += "-delay-queues"
+		}
+		t.Run(name, func(t *testing.T) {
+			typ := v.typ
 			a := newAdmin(t)
 			dlq := a.queue(ClassicQueue, nil)
 			q := uniqueName(t, typ.String())
 			t.Cleanup(func() { deleteQueues(q) })
-			s := openSource(t, q, WithPrefetch(10), WithDeclare(typ, amqp.Table{
+			opts := []Option{WithPrefetch(10), WithDeclare(typ, amqp.Table{
 				"x-dead-letter-exchange":    "",
 				"x-dead-letter-routing-key": dlq,
-			}))
+			})}
+			if v.delay {
+				opts = append(opts, WithDelayQueues())
+			}
+			s := openSource(t, q, opts...)
 			a.publish(q, "poison", "fine")
 			dl, err := s.NativeDeadLetter()
 			if err != nil {
@@ -258,6 +270,9 @@ func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 			if err := s.Nack(ctx, adapters.NackAll(ds[:1], 0)); err != nil {
 				t.Fatalf("Nack after the native dead letter: %v, want nil", err)
 			}
+			if err := s.Nack(ctx, adapters.NackAll(ds[:1], time.Second)); err != nil {
+				t.Fatalf("Nack with a delay after the native dead letter: %v, want nil", err)
+			}
 			if err := s.Ack(ctx, ds[1:]); err != nil {
 				t.Fatal(err)
 			}
@@ -274,8 +289,8 @@ func TestNativeDeadLetterRejectsIntoQueueDLX(t *testing.T) {
 			if n := a.ready(q); n != 0 {
 				t.Fatalf("%d left on the source queue", n)
 			}
-			if st := s.Stats(); st.Generations != 1 || st.Rejects != 1 || st.Acked != 1 {
-				t.Fatalf("stats %+v: want one reject and one ack on one channel", st)
+			if st := s.Stats(); st.Generations != 1 || st.Rejects != 1 || st.Acked != 1 || st.DelayQueued != 0 || st.RetriedAtOnce != 0 {
+				t.Fatalf("stats %+v: want one reject and one ack on one channel, no retry copy", st)
 			}
 		})
 	}

@@ -69,6 +69,23 @@
 // blocks on them. Automatic recovery in amqp091 (Config.Recovery) is
 // refused: it would reuse a channel behind the adapter's back.
 //
+// [Source.Connection] reports those transitions (adapters.Connector):
+// connected while a channel consumes, reconnecting from the moment the
+// adapter sees the connection or channel die until a new channel consumes
+// (with the last failed attempt's error), disconnected after Close. The
+// runtime's readiness (consumer.Status().Ready, Consumer.ReadyHandler) is
+// false while the Source reconnects.
+//
+// # Backlog
+//
+// [Source.Backlog] (adapters.BacklogReporter, polled by the runtime for its
+// custody.backlog.* gauges) asks the broker for the queue's ready messages
+// with a passive queue.declare, on a channel opened for the call on the
+// consuming connection. AMQP tells no unacked count (InFlight is -1: only
+// the management API and rabbitmqctl know it) and no message's age
+// (OldestAge is zero; the management API's head_message_timestamp tells it
+// for classic queues whose messages carry a timestamp).
+//
 // # Attempts
 //
 // Delivery.Attempt is 1 on the first delivery where the Source counts
@@ -237,6 +254,24 @@
 // and nothing confirms the move: a dead-letter exchange that does not exist
 // or routes the message nowhere drops it.
 //
+// # Replaying dead letters
+//
+// [NewReplay] reads a dead-letter queue: what a DeadLetter wrote, and what
+// the broker dead-lettered itself (x-death). [Replay.List] is a dry run:
+// basic.get without ack, then the channel closes and the broker takes the
+// messages back, flagged redelivered (and on a quorum queue with
+// x-delivery-count one higher, and behind the messages returned before
+// them). [Replay.Replay] publishes a copy of each dead letter selected,
+// with publisher confirms and the mandatory flag, through the default
+// exchange to its original queue (or, with WithReplayThroughExchange,
+// through its original exchange and routing key), without the diagnostics
+// and with adapters.HeaderReplayOf set to the dead letter's ID, and acks
+// the dead letter only after the confirm, at a bounded rate. RabbitMQ does
+// not deduplicate, so a run that ends between a confirm and the ack (a
+// crash, a cut connection) leaves that one dead letter to be published
+// again by the next run: at most one duplicate per run cut short, with the
+// same message-id, which the idempotency middleware absorbs.
+//
 // # Telemetry
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
@@ -250,7 +285,8 @@
 // custody.rabbitmq.copy, delay_queue or queue, and error), all with
 // messaging.destination.name, its queue. A DeadLetter sink reports the
 // last two for its copies (copy dead_letter), with its exchange and
-// messaging.rabbitmq.destination.routing_key. Logs go to WithLogger's
+// messaging.rabbitmq.destination.routing_key; a Replay for its copies (copy
+// replay), with its dead-letter queue. Logs go to WithLogger's
 // logger, slog.Default() by default.
 //
 // # Tracing

@@ -3,10 +3,12 @@ package rabbitmq_test
 import (
 	"context"
 	"log"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/rabbitmq"
 	"github.com/custody-go/custody/consumer"
 )
@@ -70,4 +72,28 @@ func ExampleSource_NativeDeadLetter() {
 		log.Fatal(err)
 	}
 	_ = c.Run(ctx)
+}
+
+// A look at the dead letters of orders.dlq, grouped by error, then a replay
+// of those that failed on a timeout, 50 a second, back to the queue each
+// came from.
+func ExampleNewReplay() {
+	ctx := context.Background()
+	r, err := rabbitmq.NewReplay(ctx, "orders.dlq", rabbitmq.WithURL("amqp://guest:guest@127.0.0.1:5672/"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer r.Close()
+	recs, err := r.List(ctx, 1000) // a dry run: nothing leaves the queue
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, g := range adapters.GroupDeadLetters(recs) {
+		log.Printf("%d × %q (consumer %s, %s)", g.Count, g.Error, g.Consumer, g.Hour.Format(time.RFC3339))
+	}
+	res, err := r.Replay(ctx, adapters.ReplayOptions{
+		Select: func(d adapters.DeadLetterRecord) bool { return strings.Contains(d.Error, "timeout") },
+		Rate:   50,
+	})
+	log.Printf("replayed %d, left %d: %v", res.Replayed, res.Skipped, err)
 }

@@ -17,11 +17,12 @@ import (
 // is given: the conventional local development broker.
 const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
-// Option configures a Source (New) or a dead-letter exchange sink
-// (NewDeadLetter). Connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc), WithLogger and WithMeterProvider apply to both;
-// WithDeclareDeadLetter only to the sink, the others only to a Source, and
-// each constructor rejects the other's by name.
+// Option configures a Source (New), a dead-letter exchange sink
+// (NewDeadLetter) or a dead-letter replay (NewReplay). Connection options
+// (WithURL, WithConfig, WithTLS, WithDialFunc), WithLogger and
+// WithMeterProvider apply to all three; WithDeclareDeadLetter only to the
+// sink, WithReplayThroughExchange only to a replay, the others only to a
+// Source, and each constructor rejects the others' by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -70,6 +71,9 @@ type settings struct {
 
 	sourceOnly []string // names of Source-only options given, for the sink's error
 	sinkOnly   []string // names of sink-only options given, for New's error
+	replayOnly []string // names of replay-only options given, for New's and the sink's error
+
+	replayThroughExchange bool // WithReplayThroughExchange
 
 	deadLetterDeclare *deadLetterDeclare // WithDeclareDeadLetter
 }

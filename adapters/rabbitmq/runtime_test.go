@@ -3,6 +3,7 @@ package rabbitmq
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,6 +13,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
@@ -25,6 +27,7 @@ import (
 
 // running is a consumer.Consumer running in the background.
 type running struct {
+	c      *consumer.Consumer
 	cancel context.CancelFunc
 	done   chan error
 	once   sync.Once
@@ -37,7 +40,7 @@ func runConsumer(t *testing.T, src adapters.Source, h consumer.Handler, opts ...
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &running{cancel: cancel, done: make(chan error, 1)}
+	r := &running{c: c, cancel: cancel, done: make(chan error, 1)}
 	go func() { r.done <- c.Run(ctx) }()
 	t.Cleanup(func() { r.stop(t) })
 	return r
@@ -305,5 +308,76 @@ func TestTraceContextFromAMQPHeaders(t *testing.T) {
 	r.stop(t)
 	if id := got.Load().(string); id != traceID {
 		t.Fatalf("handler span has trace id %s, want the published %s", id, traceID)
+	}
+}
+
+// hiddenSettler passes dead letters to a destination and hides whether it
+// settles the original, as a user's wrapper (logging, metrics) does.
+type hiddenSettler struct{ dl adapters.DeadLetter }
+
+func (h hiddenSettler) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
+	return h.dl.Send(ctx, d, f)
+}
+
+// Behind a wrapper that hides adapters.OriginalSettler, the runtime acks
+// the original the native dead letter already rejected: that ack succeeds
+// without effect, so nothing reports an ack failure (nor a redelivery to
+// expect) for a message that left the queue.
+func TestNativeDeadLetterBehindAWrapperUnderRuntime(t *testing.T) {
+	a := newAdmin(t)
+	dlq := a.queue(ClassicQueue, nil)
+	q := uniqueName(t, "classic")
+	t.Cleanup(func() { deleteQueues(q) })
+	src := openSource(t, q, WithPrefetch(16), WithDeclare(ClassicQueue, amqp.Table{
+		"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq,
+	}))
+	native, err := src.NativeDeadLetter()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.publish(q, "poison", "good")
+	logs := &recordLog{}
+	reader, mp := newMeter(t)
+	var seen handled
+	r := runConsumer(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		seen.add(m.ID)
+		if m.ID == "poison" {
+			return consumer.Permanent(errors.New("cannot handle poison"))
+		}
+		return nil
+	}), consumer.WithDeadLetter(hiddenSettler{native}), consumer.WithLogger(slog.New(logs)), consumer.WithMeterProvider(mp))
+	a.waitReady(dlq, 1)
+	waitUntil(t, "both handled", func() bool { return seen.distinct() == 2 })
+	r.stop(t)
+	if failed := logs.with("ack failed"); len(failed) > 0 {
+		t.Errorf("the runtime reports a failed ack:\n%s", strings.Join(failed, "\n"))
+	}
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != "custody.ack.failures" {
+				continue
+			}
+			for _, p := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				if p.Value != 0 {
+					t.Errorf("custody.ack.failures = %d, want 0", p.Value)
+				}
+			}
+		}
+	}
+	if err := src.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if left := a.ready(q); left != 0 {
+		t.Fatalf("%d messages left on the source queue", left)
+	}
+	if m := a.drain(dlq); len(m) != 1 || m[0].MessageId != "poison" {
+		t.Fatalf("dead-letter queue holds %d messages, want poison once", len(m))
+	}
+	if st := src.Stats(); st.Rejects != 1 || st.Generations != 1 {
+		t.Fatalf("stats %+v: want one reject on one channel", st)
 	}
 }

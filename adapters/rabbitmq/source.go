@@ -38,9 +38,11 @@ type Source struct {
 	lastDialErr error
 	dialErrKind string
 	dialErrNew  bool
-	closed      bool
-	closing     chan struct{}
-	wg          sync.WaitGroup // supervisor, pumps
+	// conn is the connection state Connection reports.
+	conn    adapters.Connection
+	closed  bool
+	closing chan struct{}
+	wg      sync.WaitGroup // supervisor, pumps
 
 	stats counters
 	tel   *telemetry
@@ -74,6 +76,9 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	}
 	if len(st.sinkOnly) > 0 {
 		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetter; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
+	}
+	if len(st.replayOnly) > 0 {
+		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
 	}
 	tag := st.consumerTag
 	if tag == "" {
@@ -115,6 +120,7 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 
 		publishTimeout: republishTimeout,
 	}
+	s.conn = adapters.Connection{State: adapters.Connecting, Since: time.Now()}
 	g, err := s.connect(ctx)
 	if err != nil {
 		cancel()
@@ -297,6 +303,7 @@ func (s *Source) Close() error {
 		return nil
 	}
 	s.closed = true
+	s.setConnLocked(adapters.Disconnected, nil)
 	close(s.closing)
 	g := s.gen
 	s.gen = nil

@@ -93,6 +93,7 @@ func (s *Source) install(g *generation) bool {
 	g.id = s.genSeq
 	s.gen = g
 	s.lastDialErr, s.dialErrKind, s.dialErrNew = nil, "", false
+	s.setConnLocked(adapters.Connected, nil)
 	s.wg.Add(1)
 	s.mu.Unlock()
 	s.stats.generations.Add(1)
@@ -177,6 +178,9 @@ func (s *Source) kill(g *generation, cause error) {
 	s.mu.Lock()
 	if s.gen == g {
 		s.gen = nil
+		if !s.closed {
+			s.setConnLocked(adapters.Reconnecting, fmt.Errorf("rabbitmq: queue %q lost its channel: %w", s.queue, cause))
+		}
 	}
 	s.mu.Unlock()
 	if len(held) > 0 || cause != nil {
@@ -225,6 +229,7 @@ func (s *Source) reconnect(flaps int) *generation {
 			if kind := errorKind(err); kind != s.dialErrKind {
 				s.dialErrKind, s.dialErrNew = kind, true
 			}
+			s.setConnLocked(adapters.Reconnecting, s.lastDialErr)
 			s.mu.Unlock()
 			continue
 		}

@@ -22,6 +22,7 @@ const (
 	copyDelayQueue = "delay_queue" // a retry's copy, to its delay queue
 	copyQueue      = "queue"       // a retry's copy, to the queue at once
 	copyDeadLetter = "dead_letter" // a dead letter's copy, through the sink
+	copyReplay     = "replay"      // a dead letter's copy, replayed to its queue
 )
 
 // telemetry holds the instruments of a Source or of a DeadLetter sink:
@@ -37,14 +38,16 @@ const (
 //	custody.rabbitmq.reconnects       counter, {connection}: channels replaced after one died
 //	custody.rabbitmq.publishes        counter, {message}: copies published with confirms, by
 //	                                  attributes custody.rabbitmq.copy (delay_queue, queue,
-//	                                  dead_letter) and error (not confirmed, refused or not sent)
+//	                                  dead_letter, replay) and error (not confirmed, refused or
+//	                                  not sent)
 //	custody.rabbitmq.publish.duration histogram, seconds: one copy's publish until its confirm, by
 //	                                  the same attributes
 //
 // A Source's measurements carry messaging.destination.name, its queue; a
 // sink's carry messaging.destination.name, its exchange, and
-// messaging.rabbitmq.destination.routing_key, its routing key. A sink
-// reports publishes only.
+// messaging.rabbitmq.destination.routing_key, its routing key; a replay's
+// carry messaging.destination.name, its dead-letter queue. A sink and a
+// replay report publishes only.
 type telemetry struct {
 	acked, frames, dropped, rejects, lost, reconnects, publishes metric.Int64Counter
 	publishDur                                                   metric.Float64Histogram
@@ -59,6 +62,12 @@ type telemetry struct {
 
 // sourceTelemetry returns the instruments of the Source for queue.
 func sourceTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
+	return newTelemetry(mp, attribute.String("messaging.destination.name", queue))
+}
+
+// replayTelemetry returns the instruments of the replay of dead-letter
+// queue queue.
+func replayTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
 	return newTelemetry(mp, attribute.String("messaging.destination.name", queue))
 }
 
@@ -84,7 +93,7 @@ func newTelemetry(mp metric.MeterProvider, dest ...attribute.KeyValue) (*telemet
 	t.requeue = opts(with(attribute.Bool("rabbitmq.requeue", true)))
 	t.reject = opts(with(attribute.Bool("rabbitmq.requeue", false)))
 	t.pubOK, t.pubErr = map[string]metric.MeasurementOption{}, map[string]metric.MeasurementOption{}
-	for _, kind := range []string{copyDelayQueue, copyQueue, copyDeadLetter} {
+	for _, kind := range []string{copyDelayQueue, copyQueue, copyDeadLetter, copyReplay} {
 		t.pubOK[kind] = metric.WithAttributeSet(with(attribute.String("custody.rabbitmq.copy", kind), attribute.Bool("error", false)))
 		t.pubErr[kind] = metric.WithAttributeSet(with(attribute.String("custody.rabbitmq.copy", kind), attribute.Bool("error", true)))
 	}

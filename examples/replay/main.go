@@ -26,12 +26,27 @@
 // packed into one header (custody-replay-diagnostics); by default they are
 // stripped. Every copy carries custody-replay-of, the dead letter's id.
 //
+// On RabbitMQ, -dlq names the dead-letter queue and -url the broker:
+//
+//	go run ./examples/replay -broker rabbitmq -url amqp://guest:guest@127.0.0.1:5672/ -dlq orders.dlq -list
+//	go run ./examples/replay -broker rabbitmq -dlq orders.dlq -replay -error timeout -rate 50
+//
+// Copies go to each dead letter's original queue through the default
+// exchange; -through-exchange publishes them through the exchange and
+// routing key the message was first published with instead, which reaches
+// every queue bound to that route.
+//
 // On SQS, -list receives the dead letters for a moment and gives them back
 // (SQS cannot show a message otherwise; each listing adds one to their
 // receive counts), and a replay cut short between a copy and its deletion
 // sends that one message back twice when run again into a standard queue
 // (with the same custody-replay-of), and once into a FIFO queue: see
-// docs/sqs.md.
+// docs/sqs.md. On RabbitMQ, -list takes the dead letters without acking
+// them and gives them back (each comes back flagged redelivered; on a
+// quorum queue its delivery count grows and the order can change), and a
+// replay cut short between a copy's confirm and the dead letter's ack sends
+// that one message back twice when run again, with the same message-id and
+// custody-replay-of: see docs/rabbitmq.md.
 //
 // Each broker is a value of -broker with a function that opens its
 // dead-letter destination (see brokers below); -dlq names the destination
@@ -76,8 +91,9 @@ type destination struct {
 
 // brokers opens a -broker's dead-letter destination.
 var brokers = map[string]func(ctx context.Context, cfg config, out io.Writer) (*destination, error){
-	"memory": openMemory,
-	"sqs":    openSQS,
+	"memory":   openMemory,
+	"rabbitmq": openRabbitMQ,
+	"sqs":      openSQS,
 }
 
 type config struct {
@@ -98,6 +114,10 @@ type config struct {
 	// SQS
 	wait time.Duration
 	hold time.Duration
+
+	// RabbitMQ
+	url             string
+	throughExchange bool
 }
 
 func main() {
@@ -131,7 +151,7 @@ func parseFlags(args []string, now time.Time) (config, error) {
 	var since string
 	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
 	fs.StringVar(&cfg.broker, "broker", "memory", "the broker: "+brokerNames())
-	fs.StringVar(&cfg.dlq, "dlq", "", "the dead-letter destination: an SQS queue URL (the memory demo makes its own)")
+	fs.StringVar(&cfg.dlq, "dlq", "", "the dead-letter destination: an SQS queue URL, a RabbitMQ queue name (the memory demo makes its own)")
 	fs.BoolVar(&cfg.list, "list", false, "list the dead letters, grouped by error, consumer and hour (a dry run)")
 	fs.BoolVar(&cfg.replay, "replay", false, "replay the selected dead letters to their original queues")
 	fs.IntVar(&cfg.listMax, "list-max", 1000, "the most dead letters -list reads")
@@ -143,6 +163,8 @@ func parseFlags(args []string, now time.Time) (config, error) {
 	fs.BoolVar(&cfg.keepDiag, "keep-diagnostics", false, "keep the diagnostics on the replayed copies, in custody-replay-diagnostics")
 	fs.DurationVar(&cfg.wait, "wait", time.Second, "SQS: the long-poll wait of each receive (whole seconds, up to 20s)")
 	fs.DurationVar(&cfg.hold, "hold", time.Minute, "SQS: how long dead letters being looked at stay out of other receivers' sight")
+	fs.StringVar(&cfg.url, "url", "amqp://guest:guest@localhost:5672/", "RabbitMQ: the broker's AMQP URL")
+	fs.BoolVar(&cfg.throughExchange, "through-exchange", false, "RabbitMQ: replay through the original exchange and routing key, to every queue bound to that route, instead of to the original queue alone")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -151,6 +173,15 @@ func parseFlags(args []string, now time.Time) (config, error) {
 	}
 	if _, ok := brokers[cfg.broker]; !ok {
 		return cfg, fmt.Errorf("-broker %q: unknown; one of %s", cfg.broker, brokerNames())
+	}
+	var misplaced error
+	fs.Visit(func(f *flag.Flag) {
+		if (f.Name == "url" || f.Name == "through-exchange") && cfg.broker != "rabbitmq" && misplaced == nil {
+			misplaced = fmt.Errorf("-%s applies to -broker rabbitmq only", f.Name)
+		}
+	})
+	if misplaced != nil {
+		return cfg, misplaced
 	}
 	if since != "" {
 		if d, err := time.ParseDuration(since); err == nil && d >= 0 {

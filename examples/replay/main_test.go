@@ -90,6 +90,8 @@ func TestFlagsRefuseBadInput(t *testing.T) {
 		{[]string{"-max", "-1"}, "-max"},
 		{[]string{"-list-max", "0"}, "-list-max"},
 		{[]string{"extra"}, "unexpected"},
+		{[]string{"-broker", "sqs", "-list", "-through-exchange"}, "-through-exchange"},
+		{[]string{"-url", "amqp://elsewhere/"}, "-url"},
 	} {
 		if _, err := parseFlags(c.args, time.Now()); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("flags %q: %v, want an error naming %s", c.args, err, c.want)

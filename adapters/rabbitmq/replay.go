@@ -1,0 +1,370 @@
+package rabbitmq
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/pace"
+)
+
+// defaultReplayRate is the rate of a replay whose ReplayOptions.Rate is
+// zero, as package adapters documents it.
+const defaultReplayRate = 10
+
+// Replay lists the dead letters in a RabbitMQ queue and moves a selection of
+// them back to the queues they came from. Create it with NewReplay. Its
+// methods are safe for concurrent use: each call reads the dead-letter queue
+// over a connection of its own, and copies go out one at a time over the
+// replay's publishing connection.
+//
+// It reads what a DeadLetter sink wrote (the custody diagnostics) and what
+// the broker dead-lettered itself (NativeDeadLetter, a TTL, a length limit, a
+// delivery limit: the x-death and x-first-death-* headers). A dead letter's
+// ID (adapters.DeadLetterRecord.ID) is a digest of its properties, headers
+// and body: RabbitMQ gives a message no id of its own, and the digest is the
+// same on every delivery of the dead letter and differs between two
+// dead-letter copies of one message (their failure times differ). Its
+// OriginalID is the message-id.
+type Replay struct {
+	s     *settings
+	queue string
+	pub   *publisher
+	tel   *telemetry
+
+	// testHookConfirmed, when set by a test, runs between a copy's confirm
+	// and its dead letter's ack, with the connection the dead letter was read
+	// on.
+	testHookConfirmed func(conn *amqp.Connection)
+}
+
+// NewReplay connects, checks that the dead-letter queue exists, and returns
+// a Replay of it. The connection options (WithURL, WithConfig, WithTLS,
+// WithDialFunc), WithLogger, WithMeterProvider and
+// WithReplayThroughExchange apply. Close it when done.
+func NewReplay(ctx context.Context, queue string, opts ...Option) (*Replay, error) {
+	if queue == "" {
+		return nil, errors.New("rabbitmq: NewReplay: the dead-letter queue name is empty")
+	}
+	if len(queue) > maxShortstr {
+		return nil, fmt.Errorf("rabbitmq: NewReplay: queue name of %d bytes; AMQP allows at most %d", len(queue), maxShortstr)
+	}
+	st, err := apply(opts)
+	if err != nil {
+		return nil, err
+	}
+	if others := append(st.sourceOnly, st.sinkOnly...); len(others) > 0 {
+		return nil, fmt.Errorf("rabbitmq: NewReplay: %s do not apply to a replay (only the connection options, WithLogger, WithMeterProvider and WithReplayThroughExchange do)", strings.Join(others, ", "))
+	}
+	tel, err := replayTelemetry(st.meters, queue)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: NewReplay: telemetry: %w", err)
+	}
+	r := &Replay{s: st, queue: queue, pub: newPublisher(st), tel: tel}
+	conn, _, err := r.open(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: NewReplay: %w", err)
+	}
+	_ = conn.CloseDeadline(time.Now().Add(st.closeTimeout))
+	return r, nil
+}
+
+// WithReplayThroughExchange makes a Replay publish each copy through the
+// exchange and routing key its message was first published with
+// (custody-original-exchange and custody-original-routing-key, or for a
+// dead letter the broker made, the exchange and first routing key of its
+// first death), as a new publish would. The copy then reaches every queue
+// that route is bound to now, not only the queue whose consumer failed:
+// with a fanout or topic exchange, consumers that handled the message the
+// first time get it again. Default: off; each copy goes through the default
+// exchange to its original queue alone. Only for NewReplay.
+func WithReplayThroughExchange() Option {
+	return func(s *settings) error {
+		s.replayOnly = append(s.replayOnly, "WithReplayThroughExchange")
+		s.replayThroughExchange = true
+		return nil
+	}
+}
+
+// Close closes the replay's publishing connection.
+func (r *Replay) Close() error {
+	r.pub.close()
+	return nil
+}
+
+// open dials a connection for one call, opens a channel on it and checks
+// that the dead-letter queue exists, returning its declare-ok.
+func (r *Replay) open(ctx context.Context) (*amqp.Connection, *amqp.Channel, error) {
+	conn, err := r.s.dial(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(r.s.closeTimeout))
+		return nil, nil, fmt.Errorf("open a channel: %w", err)
+	}
+	if _, err := ch.QueueDeclarePassive(r.queue, true, false, false, false, nil); err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(r.s.closeTimeout))
+		return nil, nil, fmt.Errorf("dead-letter queue %q: %w (check the name)", r.queue, err)
+	}
+	return conn, ch, nil
+}
+
+// call runs f with a connection and channel of its own, ending the
+// connection when ctx ends (amqp091's calls take no context) and when f
+// returns; the broker then requeues every dead letter f read and did not
+// ack. An error of the connection that ctx's end caused is reported as
+// ctx's error.
+func (r *Replay) call(ctx context.Context, f func(conn *amqp.Connection, ch *amqp.Channel) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	conn, ch, err := r.open(ctx)
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
+	err = f(conn, ch)
+	if stop() {
+		// Closing the channel first, and waiting for the broker's answer,
+		// hands every unacked dead letter back before the call returns; a
+		// broker that does not answer has the connection closed instead,
+		// which hands them back too.
+		late := time.AfterFunc(r.s.closeTimeout, func() { _ = conn.CloseDeadline(time.Now()) })
+		_ = ch.Close()
+		late.Stop()
+	} else if err != nil {
+		err = fmt.Errorf("%w (%v)", ctx.Err(), err)
+	}
+	_ = conn.CloseDeadline(time.Now().Add(r.s.closeTimeout))
+	return err
+}
+
+// List returns up to max of the queue's dead letters, from its head, with
+// their diagnostics: a dry run that removes nothing. It reads them with
+// basic.get without acking, then closes its channel, and the broker takes
+// them back. What that leaves: every message listed is flagged redelivered;
+// on a quorum queue its x-delivery-count grows by one, which counts towards
+// an x-delivery-limit the dead-letter queue may have; and a classic queue
+// puts the messages back where they were, while a quorum queue delivers the
+// messages returned to it ahead of the others but behind those returned
+// before them, so that a List of fewer messages than an earlier one moves
+// those it read behind the rest of the earlier one's. Messages another
+// consumer holds are not seen.
+func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord, error) {
+	if max < 1 {
+		return nil, fmt.Errorf("rabbitmq: Replay.List(max=%d): max must be at least 1", max)
+	}
+	var out []adapters.DeadLetterRecord
+	err := r.call(ctx, func(_ *amqp.Connection, ch *amqp.Channel) error {
+		for len(out) < max {
+			m, ok, err := ch.Get(r.queue, false)
+			if err != nil {
+				return fmt.Errorf("basic.get: %w", err)
+			}
+			if !ok {
+				return nil
+			}
+			out = append(out, readDeadLetter(&m).rec)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: Replay.List of queue %q: %w", r.queue, err)
+	}
+	return out, nil
+}
+
+// Replay moves the dead letters o selects, up to o.Max, back where they came
+// from, at most o.Rate a second, in the order the queue delivers them (see
+// List for what a quorum queue does to it). A run reads at most
+// the messages the queue held when it began, so that a copy that fails and
+// is dead-lettered again during the run is not replayed again by it.
+//
+// For each dead letter it publishes a copy, persistent, mandatory and with
+// publisher confirms, through the default exchange to its original queue
+// (custody-original-queue, or for one the broker dead-lettered,
+// x-first-death-queue), or with WithReplayThroughExchange through its
+// original exchange and routing key; and only once the broker confirmed
+// the copy routed and stored, it acks the dead letter, and waits for the
+// broker to have read that ack (a basic.qos round trip on the same
+// channel) before it counts the dead letter replayed. The copy keeps the
+// dead letter's body, properties and headers, less the diagnostics
+// (adapters.IsDiagnosticHeader) and the broker's own headers (x-death,
+// x-first-death-*, x-last-death-*, x-delivery-count), with
+// adapters.HeaderReplayOf set to the dead letter's ID, and, when
+// o.KeepDiagnostics, every diagnostic header packed as a JSON object into
+// adapters.HeaderReplayDiagnostics. Its message-id is the dead letter's (the
+// original message's), or the dead letter's ID when it has none.
+//
+// Dead letters o.Select leaves out stay in the queue, held by the run's
+// channel until it ends, then taken back by the broker as after List (the
+// broker's consumer_timeout, 30 minutes by default, may close the channel
+// of a run that holds one that long: the run then fails, and the broker
+// takes back what it held). The run stops at the
+// first error: an unroutable copy (the original queue is gone), one the
+// broker refuses or does not confirm, a dead letter that names no original
+// queue, a lost connection, ctx's end. The dead letter it was at stays in
+// the queue, and so does every one after it.
+//
+// RabbitMQ does not deduplicate publishes, and nothing in AMQP ties a
+// copy's confirm to the dead letter's ack. A run that ends between the two
+// (a crash, a cut connection, ctx's end, a confirm that never came) leaves
+// the dead letter in the queue with its copy possibly stored: the next run
+// publishes it again. Since a run has at most one dead letter in that
+// state at a time, each run that ends early leaves at most one duplicate,
+// with the same message-id and HeaderReplayOf as the first copy, which the
+// idempotency middleware (keyed on the message id, its default) absorbs.
+// ReplayResult.Skipped counts only what Select left out: a dead letter
+// replayed before cannot be recognised as such.
+func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
+	var res adapters.ReplayResult
+	rate, err := replayRate(o)
+	if err != nil {
+		return res, err
+	}
+	p := pace.New(rate)
+	err = r.call(ctx, func(conn *amqp.Connection, ch *amqp.Channel) error {
+		q, err := ch.QueueDeclarePassive(r.queue, true, false, false, false, nil)
+		if err != nil {
+			return fmt.Errorf("passive declare: %w", err)
+		}
+		for range q.Messages {
+			if o.Max > 0 && res.Replayed >= o.Max {
+				return nil
+			}
+			m, ok, err := ch.Get(r.queue, false)
+			if err != nil {
+				return fmt.Errorf("basic.get: %w", err)
+			}
+			if !ok {
+				return nil
+			}
+			dl := readDeadLetter(&m)
+			if o.Select != nil && !o.Select(dl.rec) {
+				res.Skipped++
+				continue // held until the channel closes, then put back
+			}
+			if err := p.Wait(ctx); err != nil {
+				return err
+			}
+			if err := r.publishCopy(ctx, dl, o.KeepDiagnostics); err != nil {
+				return fmt.Errorf("dead letter %s (message-id %q) stays in the queue: %w", dl.rec.ID, m.MessageId, err)
+			}
+			if r.testHookConfirmed != nil {
+				r.testHookConfirmed(conn)
+			}
+			if err := removeDeadLetter(ch, m.DeliveryTag); err != nil {
+				return fmt.Errorf("dead letter %s (message-id %q): its copy is confirmed, but its removal was cut short, so it stays in the queue and the next run publishes it again (the same message-id and %s): %w",
+					dl.rec.ID, m.MessageId, adapters.HeaderReplayOf, err)
+			}
+			res.Replayed++
+		}
+		return nil
+	})
+	if err != nil {
+		return res, fmt.Errorf("rabbitmq: Replay of queue %q (%d replayed before): %w", r.queue, res.Replayed, err)
+	}
+	return res, nil
+}
+
+// removeDeadLetter acks tag and returns once the broker has read the ack:
+// acks have no answer, but a channel's methods are handled in order, so the
+// answer to a basic.qos sent after it follows it.
+func removeDeadLetter(ch *amqp.Channel, tag uint64) error {
+	if err := ch.Ack(tag, false); err != nil {
+		return fmt.Errorf("basic.ack: %w", err)
+	}
+	if err := ch.Qos(0, 0, false); err != nil {
+		return fmt.Errorf("waiting for the broker to read the ack: %w", err)
+	}
+	return nil
+}
+
+// publishCopy publishes dl's copy to its original destination and returns
+// once the broker confirmed it routed and stored.
+func (r *Replay) publishCopy(ctx context.Context, dl deadLetter, keep bool) error {
+	exchange, key := "", dl.rec.OriginalQueue
+	if r.s.replayThroughExchange {
+		if !dl.routed {
+			return fmt.Errorf("it records no original exchange and routing key (%s and %s, or the broker's x-death) to replay it through (WithReplayThroughExchange); leave it out with ReplayOptions.Select",
+				adapters.HeaderOriginalExchange, adapters.HeaderOriginalRoutingKey)
+		}
+		exchange, key = dl.exchange, dl.key
+	} else if key == "" {
+		return fmt.Errorf("it names no original queue (no %s header, nor x-first-death-queue); leave it out with ReplayOptions.Select",
+			adapters.HeaderOriginalQueue)
+	}
+	msg := replayCopy(dl.msg)
+	msg.Headers[adapters.HeaderReplayOf] = dl.rec.ID
+	if msg.MessageId == "" {
+		msg.MessageId = dl.rec.ID
+	}
+	if keep {
+		js, err := json.Marshal(dl.rec.Diagnostics)
+		if err != nil {
+			return fmt.Errorf("packing its diagnostics: %w", err)
+		}
+		msg.Headers[adapters.HeaderReplayDiagnostics] = string(js)
+	}
+	queue := ""
+	if exchange == "" {
+		queue = key
+	}
+	start := time.Now()
+	err := r.pub.publish(ctx, exchange, key, msg, brokerAdditions(queue, exchange, key), nil)
+	r.tel.published(copyReplay, time.Since(start), err != nil)
+	return err
+}
+
+// replayCopy copies a dead letter into the publishing that replays it: the
+// same body and properties, without the diagnostics, the broker's own
+// headers and an earlier replay's headers.
+func replayCopy(m *amqp.Delivery) amqp.Publishing {
+	h := make(amqp.Table, len(m.Headers)+2)
+	for k, v := range m.Headers {
+		h[k] = v
+	}
+	for _, k := range brokerHeaders {
+		delete(h, k)
+	}
+	dropDiagnostics(h)
+	delete(h, adapters.HeaderReplayOf)
+	delete(h, adapters.HeaderReplayDiagnostics)
+	return amqp.Publishing{
+		Headers:         h,
+		ContentType:     m.ContentType,
+		ContentEncoding: m.ContentEncoding,
+		DeliveryMode:    amqp.Persistent,
+		Priority:        m.Priority,
+		CorrelationId:   m.CorrelationId,
+		ReplyTo:         m.ReplyTo,
+		Expiration:      m.Expiration,
+		MessageId:       m.MessageId,
+		Timestamp:       m.Timestamp,
+		Type:            m.Type,
+		UserId:          m.UserId,
+		AppId:           m.AppId,
+		Body:            m.Body,
+	}
+}
+
+// replayRate is o's rate, checked.
+func replayRate(o adapters.ReplayOptions) (float64, error) {
+	switch {
+	case !(o.Rate >= 0): // negative, or NaN
+		return 0, fmt.Errorf("rabbitmq: Replay: ReplayOptions.Rate %v must not be negative (zero means %d a second)", o.Rate, defaultReplayRate)
+	case o.Max < 0:
+		return 0, errors.New("rabbitmq: Replay: ReplayOptions.Max must not be negative (zero means no bound)")
+	case o.Rate == 0:
+		return defaultReplayRate, nil
+	}
+	return o.Rate, nil
+}
