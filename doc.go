@@ -51,28 +51,61 @@
 //     real lease semantics, for the quickstart and for testing handlers.
 //   - [github.com/custody-go/custody/adapters/awssqs],
 //     [github.com/custody-go/custody/adapters/rabbitmq],
-//     [github.com/custody-go/custody/adapters/kafka] and
-//     [github.com/custody-go/custody/adapters/jetstream]: the broker adapters.
+//     [github.com/custody-go/custody/adapters/kafka],
+//     [github.com/custody-go/custody/adapters/jetstream] and
+//     [github.com/custody-go/custody/adapters/redisstream]: the broker
+//     adapters. Each also offers a dead-letter destination (NewDeadLetter)
+//     and, for operators, its backlog and a replay of its dead letters
+//     (NewReplay).
 //   - [github.com/custody-go/custody/adapters/adaptertest]: the conformance
 //     suite every adapter passes.
 //   - [github.com/custody-go/custody/idempotency]: deduplication middleware and
-//     stores.
+//     stores (memory, Redis, PostgreSQL), and exactly-once in scope for an
+//     effect written to PostgreSQL (package idempotency/pgtx).
 //   - [github.com/custody-go/custody/lease]: the lease keeper, one scheduler
 //     for many leases.
+//
+// # Batches
+//
+// consumer.NewBatch runs a BatchHandler on up to WithBatchSize messages at
+// once (a bulk insert, one produce call) and takes a result per message:
+// the ones it marks done are acked, the others are retried or dead-lettered
+// on their own, exactly as single messages are. The guarantees above hold
+// message by message.
+//
+// # Operations
+//
+// A Consumer reports its Status (running, paused, connection, backlog) and
+// serves it as liveness and readiness handlers; it can be paused and
+// resumed, and paused by itself by a kill switch that trips when too large
+// a share of attempts fail over a window, then probes before it resumes. Dead letters can be replayed to their source queue with
+// each broker's NewReplay, and every adapter reports its backlog
+// (custody.backlog.* gauges). docs/operations.md is the operator's guide.
+//
+// # Faults
+//
+// A fault around the handler is not the message's fault: a handler error
+// marked consumer.Unavailable (a database down, a store unreachable), a
+// failed dead-letter write or an idempotency store outage waits and tries
+// again without using up an attempt or dead-lettering the message. Logs are
+// levelled and rate-limited, so an outage reads as a few lines per kind.
 //
 // # Observability
 //
 // The runtime records OpenTelemetry metrics (custody.messages.received,
 // .redelivered, .settled by outcome, .in_flight, custody.handler.duration,
-// custody.handler.panics, custody.lease.extensions,
-// custody.lease.renewal_failures, custody.lease.lost, custody.ack.failures,
-// custody.deadletter.failures) and one consumer span per handler attempt,
-// continuing the trace found in the message's headers and carrying, from
-// its start, OpenTelemetry's messaging attributes (messaging.system, the
-// queue or topic, the message id; a Kafka record's partition and offset).
-// The Kafka adapter
-// adds its own (custody.kafka.lag, .commit.duration, .commit.failures,
-// .skipped, .rewinds, .expired), the JetStream adapter its backlog and
-// requests (custody.jetstream.pending, .requests), and the idempotency
-// middleware counts duplicates (custody.idempotency.*).
+// custody.handler.panics, custody.handler.unavailable,
+// custody.lease.extensions, custody.lease.renewal_failures,
+// custody.lease.lost, custody.ack.failures, custody.deadletter.failures,
+// custody.batch.size, custody.batch.failed, custody.killswitch.trips and,
+// with WithBacklogInterval, custody.backlog.waiting, .in_flight and
+// .oldest_age) and one consumer span per handler attempt (per batch, with a
+// link to each message's trace, for a batch handler), continuing the trace
+// found in the message's headers and carrying, from its start,
+// OpenTelemetry's messaging attributes (messaging.system, the queue or
+// topic, the message id; a Kafka record's partition and offset). Each
+// adapter adds its own under custody.<broker>.* (requests per operation,
+// Kafka lag and commits, RabbitMQ frames and reconnects, JetStream and
+// Redis pending counts), and the idempotency middleware counts duplicates
+// (custody.idempotency.*).
 package custody

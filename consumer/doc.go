@@ -144,11 +144,18 @@
 //
 // # Acks
 //
-// Acks are sent in batches, never before the handler returned. Where the
-// adapter asks for a linger (SQS fills delete batches of ten), a few ack
-// goroutines wait up to that long; otherwise the workers send the pending
-// acks themselves as soon as a batch is full, a worker runs out of work, or
-// a millisecond has passed since the oldest was queued.
+// Acks and nacks are sent in batches, never before the handler returned,
+// shaped by the adapter's [adapters.Batching] for each operation: how many
+// entries one call may carry, how long an entry may wait for company (the
+// linger), and how many calls may be in flight. Where the adapter asks for
+// a linger (SQS fills delete batches of ten; RabbitMQ waits a millisecond
+// to fold acks into one multiple-ack frame), a few goroutines owned by the
+// consumer make the calls, so a handler never waits for a round trip.
+// Otherwise the workers send the pending acks themselves as soon as a batch
+// is full, a worker runs out of work, or a millisecond has passed since the
+// oldest was queued. A message's lease stops being renewed when its handler
+// returns, before its ack is queued; the longest linger an adapter may ask
+// for (one second) is far shorter than any lease it renews.
 //
 // # Logs
 //
