@@ -76,7 +76,9 @@
 // Nack naks with the retry policy's delay (NakWithDelay), so a retry waits
 // in the server, not in the process, and a bare nak never burns through
 // redeliveries in milliseconds. A delivery is settled once: a Nack after its
-// Ack (or an Ack after its Nack) fails that entry without a request. Acks,
+// Ack (or an Ack after its Nack) fails that entry without a request. An Ack
+// or Nack of a delivery one of the package's dead-letter destinations
+// settled succeeds without a request (see Dead letters). Acks,
 // naks and renewals name their message by stream sequence, so one sent for
 // a delivery the server has since handed to another consumer would act on
 // that consumer's delivery: a nak or renewal of a delivery whose lease may
@@ -100,6 +102,12 @@
 //     MaxDeliver counts deliveries, including those given back unstarted at
 //     shutdown or lost with a connection, so a message may be left there
 //     after fewer handler runs than MaxAttempts.
+//
+// Both report that they settle the original (adapters.OriginalSettler), so
+// the runtime does not ack it. A wrapper around them (one that logs its
+// writes, say) hides that, and the runtime then acks the original: that Ack,
+// like a Nack, succeeds without a request, since the server delivers the
+// message no more.
 //
 // New refuses a consumer with a MaxDeliver limit unless WithMaxAttempts says
 // the runtime's MaxAttempts and MaxDeliver is not below it: the server would
