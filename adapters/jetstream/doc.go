@@ -122,6 +122,13 @@
 // with the connection. A server that restarts keeps the consumer's state in
 // file storage, and redelivers what was unacked once its AckWait ran out.
 //
+// The Source reports its connection (adapters.Connector) from nats.go's
+// status changes (nats.Conn.StatusChanged, which leaves your connection
+// handlers alone): connected, reconnecting while the client reconnects,
+// disconnected once the connection is closed or draining, or the Source
+// closed. The runtime's Status().Ready, and its readiness probe, are false
+// while it is not connected.
+//
 // # Deleting and recreating a stream
 //
 // Do not delete a stream and create it again under the same name while a

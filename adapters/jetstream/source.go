@@ -29,6 +29,7 @@ type Source struct {
 	opts     options
 	caps     adapters.Capabilities
 	replies  *replies
+	conn     *connWatch
 	stats    counters
 	tel      *telemetry
 
@@ -154,6 +155,7 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 		r.close()
 		return nil, fmt.Errorf("jetstream.New: metrics: %w", err)
 	}
+	s.conn = watchConn(nc)
 	return s, nil
 }
 
@@ -249,6 +251,7 @@ func (s *Source) Close() error {
 	s.closeNow()
 	s.replies.close()
 	s.tel.close()
+	s.conn.stop()
 	return nil
 }
 
