@@ -144,7 +144,14 @@
 // deleted and created again on the same stream is harmless: a sequence
 // still names the same message.)
 //
-// # Metrics
+// # Backlog and metrics
+//
+// [Source.Backlog] (adapters.BacklogReporter), which the runtime polls for
+// its custody.backlog.* gauges and Status().Backlog, asks the server for the
+// consumer's info: NumPending is the messages waiting, NumAckPending those
+// in flight (held, or given back and waiting to be delivered again), and,
+// while messages wait, a second request reads the next one the consumer
+// will deliver, whose timestamp gives the oldest waiting message's age.
 //
 // custody.jetstream.pending (gauge: the consumer's backlog as of the latest
 // fetch) and custody.jetstream.requests (counter, by request kind and

@@ -33,6 +33,9 @@ type Source struct {
 	stats    counters
 	tel      *telemetry
 
+	streamMu     sync.Mutex
+	streamHandle jetstream.Stream // looked up by the first Backlog that needs it
+
 	closeCtx context.Context // done once Close is called
 	closeNow context.CancelFunc
 	closeMu  sync.Mutex
