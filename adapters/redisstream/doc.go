@@ -114,7 +114,10 @@
 //
 // [DeadLetter] appends the original fields plus the diagnostics to
 // the dead-letter stream and acknowledges the original in one atomic step on
-// one server (see DeadLetter for what a cluster changes).
+// one server (see DeadLetter for what a cluster changes). It reports so
+// (adapters.OriginalSettler), and the runtime does not ack the original; a
+// wrapper around the DeadLetter hides that, and the runtime then acks it:
+// that Ack, like a Nack, succeeds without a command.
 //
 // # Consumer names
 //

@@ -38,7 +38,8 @@ func (s *Source) foreign(d *adapters.Delivery) error {
 // longer pending (acked already, or by the consumer that reclaimed it) will
 // not be delivered again either: so every entry of a call that reached the
 // server succeeds. Only deliveries from another stream, group or client
-// fail, alone.
+// fail, alone. An entry a DeadLetter acknowledged with its copy succeeds
+// without a command (see DeadLetter.SettlesOriginal).
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	s.unhold(ds)
 	var failed map[int]error
@@ -51,6 +52,9 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			failed[i] = s.foreign(d)
 			continue
 		}
+		if isDeadLettered(d) {
+			continue // acknowledged by its dead letter: nothing left to do
+		}
 		ids = append(ids, d.ID)
 	}
 	if len(ids) > 0 {
@@ -59,7 +63,7 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 				return err
 			}
 			for i, d := range ds {
-				if s.owns(d) {
+				if s.owns(d) && !isDeadLettered(d) {
 					failed[i] = err
 				}
 			}
@@ -170,8 +174,9 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 		switch {
 		case !s.owns(dl):
 			failed[i] = s.foreign(dl)
-		case s.isGone(dl.ID):
-			// Deleted while held: nothing to renew, and no one to lose it to.
+		case s.isGone(dl.ID), isDeadLettered(dl):
+			// Deleted while held, or acknowledged by its dead letter:
+			// nothing to renew, and no one to lose it to.
 		default:
 			args = append(args, dl.ID)
 			idx = append(idx, i)
@@ -324,7 +329,8 @@ func (s *Source) deletedWhileHeld(id string) {
 // them at their next scan, so a retry survives this process. One script
 // call for the batch; entries claimed by another consumer, or no longer
 // pending, fail with an error wrapping adapters.ErrLeaseLost, and entries
-// deleted from the stream with one wrapping ErrDeleted.
+// deleted from the stream with one wrapping ErrDeleted. An entry a
+// DeadLetter acknowledged with its copy succeeds without a command.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ds := make([]*adapters.Delivery, len(ns))
 	for i, n := range ns {
@@ -357,6 +363,9 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 		switch {
 		case !s.owns(d):
 			failed[i] = s.foreign(d)
+		case isDeadLettered(d):
+			// Acknowledged by its dead letter: there is nothing to give
+			// back, and the entry is delivered no more.
 		case s.isGone(d.ID):
 			failed[i] = fmt.Errorf("%w: entry %s of stream %q", ErrDeleted, d.ID, s.stream)
 		default:
