@@ -148,6 +148,20 @@
 // This is the only loss the Source reports through a Signal; every other
 // one is an entry error of the Ack, Nack or Extend that found it.
 //
+// # Connection and readiness
+//
+// go-redis has no connection-state callback (it dials as commands need a
+// connection), so the Source reports its connection (adapters.Connector)
+// from the outcome of its own commands, which a running consumer sends all
+// the time (a read at least every WithBlock): connected after any answer,
+// error replies included; reconnecting after a command that found no
+// server (refused, cut, timed out, or a server loading its data, without
+// its master or cluster, full, or refusing the credentials), until one gets
+// an answer; disconnected once the client or the Source is closed. The
+// runtime's Status().Ready, and its readiness probe, are false while it is
+// not connected. The state is as fresh as the last command: a consumer
+// paused with nothing held sends none.
+//
 // # Metrics
 //
 // Besides the runtime's, the Source records custody.redis.commands (by

@@ -80,7 +80,9 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 func (s *Source) xack(ctx context.Context, ids []string) error {
 	if len(ids) <= ackChunk && !s.opts.deleteOnAck {
 		s.count(cmdAck)
+		sent := time.Now()
 		n, err := s.client.XAck(ctx, s.stream, s.group, ids...).Result()
+		s.conn.observe(sent, err)
 		if err != nil {
 			s.failed(cmdAck)
 			return fmt.Errorf("redisstream: XACK on stream %q: %w", s.stream, err)
@@ -99,7 +101,9 @@ func (s *Source) xack(ctx context.Context, ids []string) error {
 			pipe.XDel(ctx, s.stream, chunk...)
 		}
 	}
+	sent := time.Now()
 	cmds, err := pipe.Exec(ctx)
+	s.conn.observe(sent, err)
 	if err != nil {
 		// Which commands failed: an XACK that failed fails the call (the
 		// runtime tries it again; XACK is idempotent), an XDEL does not
@@ -227,8 +231,11 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 // can only renew an entry this consumer still owns, never take back one
 // another consumer claimed. Close waits for such calls.
 func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
+	sent := time.Now()
 	if ctx.Done() == nil {
-		return extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		s.conn.observe(sent, err)
+		return res, err
 	}
 	type result struct {
 		res []any
@@ -239,6 +246,7 @@ func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	go func() {
 		defer s.calls.Done()
 		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		s.conn.observe(sent, err)
 		done <- result{res, err}
 	}()
 	select {
@@ -376,7 +384,9 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 	}
 	if len(idx) > 0 {
 		s.count(cmdNack)
+		sent := time.Now()
 		res, err := nackScript.Run(ctx, s.client, []string{s.stream, s.delays}, args...).Slice()
+		s.conn.observe(sent, err)
 		switch {
 		case err != nil && isNoGroup(err):
 			s.failed(cmdNack)

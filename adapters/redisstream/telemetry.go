@@ -151,7 +151,9 @@ type Backlog struct {
 // lag.
 func (s *Source) Backlog(ctx context.Context) (Backlog, error) {
 	s.count(cmdInfo)
+	sent := time.Now()
 	groups, err := s.client.XInfoGroups(ctx, s.stream).Result()
+	s.conn.observe(sent, err)
 	if err != nil {
 		s.failed(cmdInfo)
 		return Backlog{}, err
