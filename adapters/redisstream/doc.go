@@ -162,7 +162,16 @@
 // not connected. The state is as fresh as the last command: a consumer
 // paused with nothing held sends none.
 //
-// # Metrics
+// # Backlog and metrics
+//
+// [Source.Backlog] (adapters.BacklogReporter), which the runtime polls for
+// its custody.backlog.* gauges and Status().Backlog, reads in one script
+// call the group's lag (entries not yet delivered: waiting), its pending
+// count (delivered, not yet acked: in flight), and the id of the first
+// entry after the group's last delivered id, whose milliseconds against
+// the server's clock give the oldest waiting entry's age. (The idle time of
+// the oldest pending entry would not: pending entries are in flight, and
+// their idle time restarts with every renewal.)
 //
 // Besides the runtime's, the Source records custody.redis.commands (by
 // command and error), custody.redis.pending and custody.redis.lag (the
