@@ -144,7 +144,9 @@ func (q *DeadLetter) Subject() string { return q.subject }
 
 // SettlesOriginal reports whether Send terminated d: true for a delivery of
 // a Source whose term the server answered, false otherwise (the runtime then
-// acks it).
+// acks it). The Source's Ack or Nack of a terminated delivery, which comes
+// when a wrapper around the DeadLetter hides this method, succeeds without a
+// request.
 func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	h, ok := d.Handle.(*handle)
 	if !ok {
@@ -385,7 +387,7 @@ func (n *nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f ada
 	}
 	var err error
 	if d.Attempt >= n.maxDeliver {
-		err = n.s.Nack(ctx, []adapters.Nack{{Delivery: d}})
+		err = n.s.settle(ctx, []*adapters.Delivery{d}, opNak, func(int) []byte { return ackNak }, stateLeft)
 	} else {
 		err = n.s.term(ctx, []*adapters.Delivery{d})
 	}
@@ -396,5 +398,7 @@ func (n *nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f ada
 }
 
 // SettlesOriginal reports true: Send returns nil only once the server took
-// the nak or the term.
+// the nak or the term. An Ack or Nack of the delivery that comes all the
+// same (through a wrapper that hides this method) succeeds without a
+// request.
 func (n *nativeDeadLetter) SettlesOriginal(*adapters.Delivery) bool { return true }

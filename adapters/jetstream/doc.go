@@ -76,7 +76,9 @@
 // Nack naks with the retry policy's delay (NakWithDelay), so a retry waits
 // in the server, not in the process, and a bare nak never burns through
 // redeliveries in milliseconds. A delivery is settled once: a Nack after its
-// Ack (or an Ack after its Nack) fails that entry without a request. Acks,
+// Ack (or an Ack after its Nack) fails that entry without a request. An Ack
+// or Nack of a delivery one of the package's dead-letter destinations
+// settled succeeds without a request (see Dead letters). Acks,
 // naks and renewals name their message by stream sequence, so one sent for
 // a delivery the server has since handed to another consumer would act on
 // that consumer's delivery: a nak or renewal of a delivery whose lease may
@@ -101,6 +103,12 @@
 //     shutdown or lost with a connection, so a message may be left there
 //     after fewer handler runs than MaxAttempts.
 //
+// Both report that they settle the original (adapters.OriginalSettler), so
+// the runtime does not ack it. A wrapper around them (one that logs its
+// writes, say) hides that, and the runtime then acks the original: that Ack,
+// like a Nack, succeeds without a request, since the server delivers the
+// message no more.
+//
 // New refuses a consumer with a MaxDeliver limit unless WithMaxAttempts says
 // the runtime's MaxAttempts and MaxDeliver is not below it: the server would
 // stop delivering a message, with only an advisory, before the runtime
@@ -113,6 +121,13 @@
 // Deliveries stay held across a reconnect; their acks and renewals resume
 // with the connection. A server that restarts keeps the consumer's state in
 // file storage, and redelivers what was unacked once its AckWait ran out.
+//
+// The Source reports its connection (adapters.Connector) from nats.go's
+// status changes (nats.Conn.StatusChanged, which leaves your connection
+// handlers alone): connected, reconnecting while the client reconnects,
+// disconnected once the connection is closed or draining, or the Source
+// closed. The runtime's Status().Ready, and its readiness probe, are false
+// while it is not connected.
 //
 // # Deleting and recreating a stream
 //
@@ -129,7 +144,14 @@
 // deleted and created again on the same stream is harmless: a sequence
 // still names the same message.)
 //
-// # Metrics
+// # Backlog and metrics
+//
+// [Source.Backlog] (adapters.BacklogReporter), which the runtime polls for
+// its custody.backlog.* gauges and Status().Backlog, asks the server for the
+// consumer's info: NumPending is the messages waiting, NumAckPending those
+// in flight (held, or given back and waiting to be delivered again), and,
+// while messages wait, a second request reads the next one the consumer
+// will deliver, whose timestamp gives the oldest waiting message's age.
 //
 // custody.jetstream.pending (gauge: the consumer's backlog as of the latest
 // fetch) and custody.jetstream.requests (counter, by request kind and

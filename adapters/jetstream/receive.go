@@ -211,6 +211,7 @@ const (
 	stateAcked
 	stateNacked
 	stateTermed
+	stateLeft // nacked at the last delivery MaxDeliver allows, by NativeDeadLetter
 )
 
 // Message returns the JetStream message a delivery was made from (for a

@@ -32,7 +32,10 @@ var (
 // replies awaited together (bounded by WithRequestTimeout). An entry not
 // answered in time fails, and the message may come back; acking a delivery
 // already acked succeeds again without a request; acking one already given
-// back (Nack) fails.
+// back (Nack) fails. Acking one the Source's dead-letter destinations
+// settled (NewDeadLetter's term, NativeDeadLetter's term or nak past
+// MaxDeliver) succeeds without a request, as adapters.OriginalSettler
+// asks, and so does a Nack of it.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	return s.settle(ctx, ds, opAck, func(int) []byte { return ackAck }, stateAcked)
 }
@@ -70,8 +73,9 @@ func (s *Source) term(ctx context.Context, ds []*adapters.Delivery) error {
 
 // settle sends body(i) to the ack subject of ds[i] and moves the deliveries
 // the server answered for to state to. A delivery is settled once: an entry
-// already in state to succeeds without a request (a repeated ack), one
-// settled otherwise fails.
+// already in state to succeeds without a request (a repeated ack), and so
+// does one its dead-letter destination settled (terminated, or left past
+// MaxDeliver); one settled otherwise fails.
 func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, body func(i int) []byte, to settleState) error {
 	if len(ds) == 0 {
 		return nil
@@ -104,6 +108,14 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 			h.state = stateSettling
 			hs[i] = h
 			reqs[i] = request{subject: h.reply, body: body(i)}
+		case stateTermed, stateLeft:
+			// Settled by its dead-letter destination: the server
+			// delivers it no more. An Ack or Nack that comes all the
+			// same (a wrapper around the destination hides
+			// adapters.OriginalSettler) has nothing to do, and a
+			// request could only disturb the message's advisory.
+			done[i] = true
+			reqs[i].skip = errAlready
 		case to:
 			done[i] = true
 			reqs[i].skip = errAlready
@@ -173,6 +185,8 @@ func (st settleState) String() string {
 		return "nacked"
 	case stateTermed:
 		return "terminated"
+	case stateLeft:
+		return "left to MaxDeliver"
 	}
 	return "unknown"
 }

@@ -29,8 +29,12 @@ type Source struct {
 	opts     options
 	caps     adapters.Capabilities
 	replies  *replies
+	conn     *connWatch
 	stats    counters
 	tel      *telemetry
+
+	streamMu     sync.Mutex
+	streamHandle jetstream.Stream // looked up by the first Backlog that needs it
 
 	closeCtx context.Context // done once Close is called
 	closeNow context.CancelFunc
@@ -154,6 +158,7 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 		r.close()
 		return nil, fmt.Errorf("jetstream.New: metrics: %w", err)
 	}
+	s.conn = watchConn(nc)
 	return s, nil
 }
 
@@ -249,6 +254,7 @@ func (s *Source) Close() error {
 	s.closeNow()
 	s.replies.close()
 	s.tel.close()
+	s.conn.stop()
 	return nil
 }
 

@@ -19,6 +19,10 @@ type Stats struct {
 	Naks, NaksFailed         int64
 	Renewals, RenewalsFailed int64
 	Terms, TermsFailed       int64
+	// BacklogRequests counts the requests Backlog made (the consumer's
+	// info, the stream's lookup, reads of the next message for its age);
+	// BacklogRequestsFailed those that failed.
+	BacklogRequests, BacklogRequestsFailed int64
 	// LeaseLost counts renewals refused because the delivery was last
 	// renewed more than AckWait before.
 	LeaseLost int64
@@ -45,20 +49,22 @@ func (c *counters) count(op, n, failed int) {
 func (s *Source) Stats() Stats {
 	c := &s.stats
 	return Stats{
-		Fetches:        c.fetches.Load(),
-		EmptyFetches:   c.emptyFetches.Load(),
-		FetchErrors:    c.fetchErrors.Load(),
-		Received:       c.received.Load(),
-		Acks:           c.ops[opAck].Load(),
-		AcksFailed:     c.opsFailed[opAck].Load(),
-		Naks:           c.ops[opNak].Load(),
-		NaksFailed:     c.opsFailed[opNak].Load(),
-		Renewals:       c.ops[opProgress].Load(),
-		RenewalsFailed: c.opsFailed[opProgress].Load(),
-		Terms:          c.ops[opTerm].Load(),
-		TermsFailed:    c.opsFailed[opTerm].Load(),
-		LeaseLost:      c.leaseLost.Load(),
-		Released:       c.released.Load(),
-		Pending:        c.pending.Load(),
+		Fetches:               c.fetches.Load(),
+		EmptyFetches:          c.emptyFetches.Load(),
+		FetchErrors:           c.fetchErrors.Load(),
+		Received:              c.received.Load(),
+		Acks:                  c.ops[opAck].Load(),
+		AcksFailed:            c.opsFailed[opAck].Load(),
+		Naks:                  c.ops[opNak].Load(),
+		NaksFailed:            c.opsFailed[opNak].Load(),
+		Renewals:              c.ops[opProgress].Load(),
+		RenewalsFailed:        c.opsFailed[opProgress].Load(),
+		Terms:                 c.ops[opTerm].Load(),
+		TermsFailed:           c.opsFailed[opTerm].Load(),
+		BacklogRequests:       c.ops[opBacklog].Load(),
+		BacklogRequestsFailed: c.opsFailed[opBacklog].Load(),
+		LeaseLost:             c.leaseLost.Load(),
+		Released:              c.released.Load(),
+		Pending:               c.pending.Load(),
 	}
 }

@@ -16,18 +16,19 @@ const (
 	opNak
 	opProgress
 	opTerm
+	opBacklog // the consumer info and message reads of Backlog
 	opCount
 )
 
-var opNames = [opCount]string{"fetch", "ack", "nak", "progress", "term"}
+var opNames = [opCount]string{"fetch", "ack", "nak", "progress", "term", "backlog"}
 
 // telemetry holds the Source's instruments:
 //
 //	custody.jetstream.pending   gauge: messages the consumer has not delivered yet (the
 //	                            backlog), as of the latest fetch
 //	custody.jetstream.requests  counter: requests to the server, by custody.jetstream.request
-//	                            (fetch, ack, nak, progress, term) and error (true when it
-//	                            failed or was not answered in time)
+//	                            (fetch, ack, nak, progress, term, backlog) and error (true
+//	                            when it failed or was not answered in time)
 //
 // Both carry messaging.destination.name (the stream) and
 // messaging.consumer.group.name (the durable consumer).
@@ -51,7 +52,7 @@ func newTelemetry(mp metric.MeterProvider, s *Source) (*telemetry, error) {
 	}
 	var err error
 	if t.counter, err = m.Int64Counter("custody.jetstream.requests", metric.WithUnit("{request}"),
-		metric.WithDescription("Requests to the JetStream server: fetches, acks, naks, renewals (InProgress), terms.")); err != nil {
+		metric.WithDescription("Requests to the JetStream server: fetches, acks, naks, renewals (InProgress), terms, backlog reads.")); err != nil {
 		return nil, err
 	}
 	pending, err := m.Int64ObservableGauge("custody.jetstream.pending", metric.WithUnit("{message}"),

@@ -151,6 +151,9 @@ func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.
 		if err := deadLetterScript.Run(ctx, q.client, []string{q.stream, src.stream}, args...).Err(); err != nil {
 			return fmt.Errorf("redisstream: dead-lettering entry %s of stream %q into %q (the original stays pending): %w", d.ID, src.stream, q.stream, err)
 		}
+		h := heldOf(d)
+		h.deadLettered.Store(true)
+		h.src.unhold([]*adapters.Delivery{d})
 		return nil
 	}
 	xadd := &redis.XAddArgs{Stream: q.stream, Values: fields}
@@ -178,7 +181,9 @@ func (q *DeadLetter) settles(d *adapters.Delivery) (*Source, bool) {
 // that appends its copy (adapters.OriginalSettler): true for an entry of a
 // Source on the same client whose stream shares the dead-letter stream's
 // slot. The runtime acks every other delivery through its own source once
-// Send returned nil.
+// Send returned nil. An entry Send acknowledged so is marked: the Source's
+// Ack or Nack of it, which comes when a wrapper around the DeadLetter hides
+// this method, succeeds without a command.
 func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	_, ok := q.settles(d)
 	return ok

@@ -114,7 +114,10 @@
 //
 // [DeadLetter] appends the original fields plus the diagnostics to
 // the dead-letter stream and acknowledges the original in one atomic step on
-// one server (see DeadLetter for what a cluster changes).
+// one server (see DeadLetter for what a cluster changes). It reports so
+// (adapters.OriginalSettler), and the runtime does not ack the original; a
+// wrapper around the DeadLetter hides that, and the runtime then acks it:
+// that Ack, like a Nack, succeeds without a command.
 //
 // # Consumer names
 //
@@ -145,7 +148,30 @@
 // This is the only loss the Source reports through a Signal; every other
 // one is an entry error of the Ack, Nack or Extend that found it.
 //
-// # Metrics
+// # Connection and readiness
+//
+// go-redis has no connection-state callback (it dials as commands need a
+// connection), so the Source reports its connection (adapters.Connector)
+// from the outcome of its own commands, which a running consumer sends all
+// the time (a read at least every WithBlock): connected after any answer,
+// error replies included; reconnecting after a command that found no
+// server (refused, cut, timed out, or a server loading its data, without
+// its master or cluster, full, or refusing the credentials), until one gets
+// an answer; disconnected once the client or the Source is closed. The
+// runtime's Status().Ready, and its readiness probe, are false while it is
+// not connected. The state is as fresh as the last command: a consumer
+// paused with nothing held sends none.
+//
+// # Backlog and metrics
+//
+// [Source.Backlog] (adapters.BacklogReporter), which the runtime polls for
+// its custody.backlog.* gauges and Status().Backlog, reads in one script
+// call the group's lag (entries not yet delivered: waiting), its pending
+// count (delivered, not yet acked: in flight), and the id of the first
+// entry after the group's last delivered id, whose milliseconds against
+// the server's clock give the oldest waiting entry's age. (The idle time of
+// the oldest pending entry would not: pending entries are in flight, and
+// their idle time restarts with every renewal.)
 //
 // Besides the runtime's, the Source records custody.redis.commands (by
 // command and error), custody.redis.pending and custody.redis.lag (the

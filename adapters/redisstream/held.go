@@ -1,6 +1,8 @@
 package redisstream
 
 import (
+	"sync/atomic"
+
 	"github.com/custody-go/custody/adapters"
 )
 
@@ -12,6 +14,16 @@ type held struct {
 	d   adapters.Delivery
 	sig adapters.Signal
 	src *Source
+	// deadLettered is set once a DeadLetter acknowledged the entry in the
+	// script that stored its copy: an Ack, Nack or renewal of it then
+	// succeeds without a command.
+	deadLettered atomic.Bool
+}
+
+// isDeadLettered reports whether a DeadLetter acknowledged d with its copy.
+func isDeadLettered(d *adapters.Delivery) bool {
+	h := heldOf(d)
+	return h != nil && h.deadLettered.Load()
 }
 
 // heldOf returns the Source's state of d, or nil for a delivery no Source

@@ -144,7 +144,9 @@ func (s *Source) reclaim(ctx context.Context, gen uint64, job reclaimJob, max in
 		args = append(args, id)
 	}
 	s.count(cmdReclaim)
+	sent := time.Now()
 	res, err := reclaimScript.Run(ctx, s.client, []string{s.stream, s.delays}, args...).Slice()
+	s.conn.observe(sent, err)
 	now := time.Now()
 	if err != nil {
 		s.failed(cmdReclaim)
@@ -271,6 +273,7 @@ func parseReclaim(res []any) (reclaimed, error) {
 // read reads up to n new entries, blocking for block (-1: not at all).
 func (s *Source) read(ctx context.Context, gen uint64, n int, block time.Duration) ([]*adapters.Delivery, error) {
 	s.count(cmdRead)
+	sent := time.Now()
 	res, err := s.client.XReadGroup(ctx, &redis.XReadGroupArgs{
 		Group:    s.group,
 		Consumer: s.consumer,
@@ -278,6 +281,7 @@ func (s *Source) read(ctx context.Context, gen uint64, n int, block time.Duratio
 		Count:    int64(n),
 		Block:    block,
 	}).Result()
+	s.conn.observe(sent, err)
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}

@@ -38,7 +38,8 @@ func (s *Source) foreign(d *adapters.Delivery) error {
 // longer pending (acked already, or by the consumer that reclaimed it) will
 // not be delivered again either: so every entry of a call that reached the
 // server succeeds. Only deliveries from another stream, group or client
-// fail, alone.
+// fail, alone. An entry a DeadLetter acknowledged with its copy succeeds
+// without a command (see DeadLetter.SettlesOriginal).
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	s.unhold(ds)
 	var failed map[int]error
@@ -51,6 +52,9 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			failed[i] = s.foreign(d)
 			continue
 		}
+		if isDeadLettered(d) {
+			continue // acknowledged by its dead letter: nothing left to do
+		}
 		ids = append(ids, d.ID)
 	}
 	if len(ids) > 0 {
@@ -59,7 +63,7 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 				return err
 			}
 			for i, d := range ds {
-				if s.owns(d) {
+				if s.owns(d) && !isDeadLettered(d) {
 					failed[i] = err
 				}
 			}
@@ -76,7 +80,9 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 func (s *Source) xack(ctx context.Context, ids []string) error {
 	if len(ids) <= ackChunk && !s.opts.deleteOnAck {
 		s.count(cmdAck)
+		sent := time.Now()
 		n, err := s.client.XAck(ctx, s.stream, s.group, ids...).Result()
+		s.conn.observe(sent, err)
 		if err != nil {
 			s.failed(cmdAck)
 			return fmt.Errorf("redisstream: XACK on stream %q: %w", s.stream, err)
@@ -95,7 +101,9 @@ func (s *Source) xack(ctx context.Context, ids []string) error {
 			pipe.XDel(ctx, s.stream, chunk...)
 		}
 	}
+	sent := time.Now()
 	cmds, err := pipe.Exec(ctx)
+	s.conn.observe(sent, err)
 	if err != nil {
 		// Which commands failed: an XACK that failed fails the call (the
 		// runtime tries it again; XACK is idempotent), an XDEL does not
@@ -170,8 +178,9 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 		switch {
 		case !s.owns(dl):
 			failed[i] = s.foreign(dl)
-		case s.isGone(dl.ID):
-			// Deleted while held: nothing to renew, and no one to lose it to.
+		case s.isGone(dl.ID), isDeadLettered(dl):
+			// Deleted while held, or acknowledged by its dead letter:
+			// nothing to renew, and no one to lose it to.
 		default:
 			args = append(args, dl.ID)
 			idx = append(idx, i)
@@ -222,8 +231,11 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 // can only renew an entry this consumer still owns, never take back one
 // another consumer claimed. Close waits for such calls.
 func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
+	sent := time.Now()
 	if ctx.Done() == nil {
-		return extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		s.conn.observe(sent, err)
+		return res, err
 	}
 	type result struct {
 		res []any
@@ -234,6 +246,7 @@ func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	go func() {
 		defer s.calls.Done()
 		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
+		s.conn.observe(sent, err)
 		done <- result{res, err}
 	}()
 	select {
@@ -324,7 +337,8 @@ func (s *Source) deletedWhileHeld(id string) {
 // them at their next scan, so a retry survives this process. One script
 // call for the batch; entries claimed by another consumer, or no longer
 // pending, fail with an error wrapping adapters.ErrLeaseLost, and entries
-// deleted from the stream with one wrapping ErrDeleted.
+// deleted from the stream with one wrapping ErrDeleted. An entry a
+// DeadLetter acknowledged with its copy succeeds without a command.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ds := make([]*adapters.Delivery, len(ns))
 	for i, n := range ns {
@@ -357,6 +371,9 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 		switch {
 		case !s.owns(d):
 			failed[i] = s.foreign(d)
+		case isDeadLettered(d):
+			// Acknowledged by its dead letter: there is nothing to give
+			// back, and the entry is delivered no more.
 		case s.isGone(d.ID):
 			failed[i] = fmt.Errorf("%w: entry %s of stream %q", ErrDeleted, d.ID, s.stream)
 		default:
@@ -367,7 +384,9 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 	}
 	if len(idx) > 0 {
 		s.count(cmdNack)
+		sent := time.Now()
 		res, err := nackScript.Run(ctx, s.client, []string{s.stream, s.delays}, args...).Slice()
+		s.conn.observe(sent, err)
 		switch {
 		case err != nil && isNoGroup(err):
 			s.failed(cmdNack)

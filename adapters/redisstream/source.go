@@ -34,6 +34,7 @@ type Source struct {
 	logger   *slog.Logger
 	tel      *telemetry
 	stats    counters
+	conn     connTracker
 	calls    sync.WaitGroup // renewals whose caller stopped waiting for them
 
 	mu       sync.Mutex
@@ -134,6 +135,7 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 	if err := s.checkGroup(ctx); err != nil {
 		return nil, err
 	}
+	s.conn.connected(time.Now())
 	tel, err := newTelemetry(o.meterProvider, s)
 	if err != nil {
 		return nil, fmt.Errorf("redisstream.New: metrics: %w", err)
@@ -203,7 +205,9 @@ func checkVersion(ctx context.Context, client redis.UniversalClient) error {
 
 // checkGroup makes sure the group exists, creating it when allowed.
 func (s *Source) checkGroup(ctx context.Context) error {
+	sent := time.Now()
 	groups, err := s.client.XInfoGroups(ctx, s.stream).Result()
+	s.conn.observe(sent, err)
 	if err != nil && !isNoSuchKey(err) {
 		return fmt.Errorf("redisstream.New: reading the groups of stream %q: %w", s.stream, err)
 	}
@@ -221,7 +225,9 @@ func (s *Source) checkGroup(ctx context.Context) error {
 // createGroup creates the group (and the stream) at start; a group created
 // meanwhile by another consumer is no error.
 func (s *Source) createGroup(ctx context.Context, start string) error {
+	sent := time.Now()
 	err := s.client.XGroupCreateMkStream(ctx, s.stream, s.group, start).Err()
+	s.conn.observe(sent, err)
 	if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
 		return fmt.Errorf("redisstream: creating consumer group %q of stream %q: %w", s.group, s.stream, err)
 	}
@@ -287,7 +293,9 @@ const closeTimeout = 5 * time.Second
 // logged: nothing depends on it.
 func (s *Source) cleanup(ctx context.Context, idle time.Duration) {
 	s.count(cmdCleanup)
+	sent := time.Now()
 	gone, err := cleanupScript.Run(ctx, s.client, []string{s.stream}, s.group, s.consumer, idle.Milliseconds()).StringSlice()
+	s.conn.observe(sent, err)
 	if err != nil {
 		s.failed(cmdCleanup)
 		if !isNoGroup(err) && !isNoSuchKey(err) {

@@ -20,7 +20,7 @@ const (
 	cmdExtend         // the renewal script
 	cmdNack           // the give-back script
 	cmdCleanup        // the consumer clean-up script
-	cmdInfo           // XINFO GROUPS, for the backlog gauges
+	cmdInfo           // XINFO GROUPS for the backlog gauges, and the backlog script
 	cmdCount
 )
 
@@ -33,7 +33,8 @@ const infoTimeout = 2 * time.Second
 //
 //	custody.redis.commands     counter: commands sent, by custody.redis.command
 //	                           (xreadgroup, reclaim, xack, xdel, renew, nack,
-//	                           cleanup, xinfo) and error (true when it failed)
+//	                           cleanup, xinfo: XINFO GROUPS or the backlog
+//	                           script) and error (true when it failed)
 //	custody.redis.pending      gauge: entries in the group's pending list, all
 //	                           consumers together (XINFO GROUPS pending)
 //	custody.redis.lag          gauge: entries of the stream not yet delivered to
@@ -100,13 +101,13 @@ func newTelemetry(mp metric.MeterProvider, s *Source) (*telemetry, error) {
 	t.reg, err = m.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, infoTimeout)
 		defer cancel()
-		b, err := s.Backlog(ctx)
+		p, l, err := s.groupInfo(ctx)
 		if err != nil {
 			return nil // nothing to report; the command counter shows the failure
 		}
-		o.ObserveInt64(pending, b.Pending, t.base)
-		if b.Lag >= 0 {
-			o.ObserveInt64(lag, b.Lag, t.base)
+		o.ObserveInt64(pending, p, t.base)
+		if l >= 0 {
+			o.ObserveInt64(lag, l, t.base)
 		}
 		return nil
 	}, pending, lag)
@@ -137,29 +138,21 @@ func (s *Source) failed(c int) {
 	}
 }
 
-// Backlog is what the group has yet to finish, as the server reports it.
-type Backlog struct {
-	// Pending counts the entries delivered to the group's consumers and not
-	// acked yet, held or waiting to be reclaimed.
-	Pending int64
-	// Lag counts the entries of the stream not yet delivered to the group;
-	// -1 when Redis cannot tell (entries were deleted in that range).
-	Lag int64
-}
-
-// Backlog asks the server (XINFO GROUPS) for the group's pending count and
-// lag.
-func (s *Source) Backlog(ctx context.Context) (Backlog, error) {
+// groupInfo asks the server (XINFO GROUPS) for the group's pending count
+// and lag (-1 when Redis cannot tell), for the gauges.
+func (s *Source) groupInfo(ctx context.Context) (pending, lag int64, err error) {
 	s.count(cmdInfo)
+	sent := time.Now()
 	groups, err := s.client.XInfoGroups(ctx, s.stream).Result()
+	s.conn.observe(sent, err)
 	if err != nil {
 		s.failed(cmdInfo)
-		return Backlog{}, err
+		return 0, 0, err
 	}
 	for _, g := range groups {
 		if g.Name == s.group {
-			return Backlog{Pending: g.Pending, Lag: g.Lag}, nil
+			return g.Pending, g.Lag, nil
 		}
 	}
-	return Backlog{}, ErrGroupMissing
+	return 0, 0, ErrGroupMissing
 }
