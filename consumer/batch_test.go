@@ -14,7 +14,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // runBatch runs a batch consumer on src, stopped when the test ends.

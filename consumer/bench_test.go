@@ -8,7 +8,7 @@ import (
 
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // The runtime's overhead per message, against a raw receive-then-ack loop over

@@ -10,7 +10,7 @@ import (
 
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // WithHandlerTimeout's godoc: a handler that returns nil after its timeout

@@ -11,7 +11,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // startConsumer runs c in the background and returns Run's result channel.

@@ -14,7 +14,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/soaktest"
+	"github.com/custody-go/custody/internal/testkit/soaktest"
 )
 
 // TestSoakKeepsTheInvariants runs the runtime on the memory broker through

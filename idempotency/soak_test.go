@@ -16,7 +16,7 @@ import (
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/teststores"
-	"github.com/custody-go/custody/internal/soaktest"
+	"github.com/custody-go/custody/internal/testkit/soaktest"
 )
 
 // TestSoakNeverRunsOneKeyTwiceAtOnce runs the middleware, on every store,

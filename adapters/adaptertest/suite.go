@@ -24,7 +24,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // checks are the suite's tests, by name.

@@ -12,7 +12,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // gauges returns the last value of every int64 gauge the reader holds, by

@@ -13,7 +13,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // The benchmarks compare, on the same emulator in the same run, a naive

@@ -19,8 +19,8 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/sqsemu"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // failing is a handler that fails the message whose body is poison (with

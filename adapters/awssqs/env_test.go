@@ -11,7 +11,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
-	"github.com/custody-go/custody/internal/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
 )
 
 // patience bounds waits for things that should happen; tests poll rather

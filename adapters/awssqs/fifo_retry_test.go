@@ -15,7 +15,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 
-	"github.com/custody-go/custody/internal/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
 )
 
 // lostAnswerTransport lets the first ReceiveMessage reach SQS, drops its

@@ -6,7 +6,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/custody-go/custody/internal/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
 )
 
 func TestMain(m *testing.M) {
@@ -16,8 +16,8 @@ func TestMain(m *testing.M) {
 		// goroutines. Idle HTTP keep-alive connections belong to the
 		// transport, and the emulator's watchers to package sqsemu.
 		if err := goleak.Find(
-			goleak.IgnoreAnyFunction("github.com/custody-go/custody/internal/sqsemu.Launch.func1"),
-			goleak.IgnoreAnyFunction("github.com/custody-go/custody/internal/sqsemu.Launch.func2"),
+			goleak.IgnoreAnyFunction("github.com/custody-go/custody/internal/testkit/sqsemu.Launch.func1"),
+			goleak.IgnoreAnyFunction("github.com/custody-go/custody/internal/testkit/sqsemu.Launch.func2"),
 			goleak.IgnoreTopFunction("net/http.(*persistConn).readLoop"),
 			goleak.IgnoreTopFunction("net/http.(*persistConn).writeLoop"),
 			goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"),

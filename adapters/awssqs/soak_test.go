@@ -26,9 +26,9 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/soaktest"
-	"github.com/custody-go/custody/internal/sqsemu"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/soaktest"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // TestSoakSQSKeepsTheInvariants runs the runtime over the SQS adapter, on the

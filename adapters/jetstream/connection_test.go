@@ -9,7 +9,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // TestReadinessFollowsTheConnection stops the test's own server under a

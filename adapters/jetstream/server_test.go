@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 // testServer is a nats-server of a test's own, for tests that stop and

@@ -21,7 +21,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // TestChaosRebalancesLoseNothing runs a group of custody consumers over a

@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // WithMaxUnacked below the per-partition default is a valid setting by

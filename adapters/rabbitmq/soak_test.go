@@ -21,7 +21,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/soaktest"
+	"github.com/custody-go/custody/internal/testkit/soaktest"
 )
 
 // TestSoakKeepsTheInvariants runs the runtime over this adapter, against

@@ -13,7 +13,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/adaptertest"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 func TestConformance(t *testing.T) {

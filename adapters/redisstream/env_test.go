@@ -11,8 +11,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/custody-go/custody/internal/testbroker"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // redisAddr is the shared Redis the tests use (CUSTODY_REDIS_ADDR, default

@@ -15,7 +15,7 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 // server is a redis-server of a test's own, on a free port with its own

@@ -19,8 +19,8 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/soaktest"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/soaktest"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // TestSoakKeepsTheInvariants runs the runtime over this adapter, against the

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 func TestExampleRuns(t *testing.T) {

@@ -17,8 +17,8 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/awssqs"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/sqsemu"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 func TestMain(m *testing.M) { os.Exit(sqsemu.Run(m)) }

@@ -15,8 +15,8 @@ import (
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/rabbitmq"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testbroker"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
 // The RabbitMQ mode against the local broker: five dead letters written by

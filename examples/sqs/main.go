@@ -12,8 +12,8 @@
 //
 //	# the emulator the tests use (it exits when its standard input closes,
 //	# so a plain "&" in a script stops it at once; keep a pipe open)
-//	(cd internal/sqsemu && npm ci)
-//	sleep infinity | node internal/sqsemu/server.js 4566 &
+//	(cd internal/testkit/sqsemu && npm ci)
+//	sleep infinity | node internal/testkit/sqsemu/server.js 4566 &
 //	AWS_ENDPOINT_URL_SQS=http://127.0.0.1:4566 AWS_REGION=us-east-1 \
 //	AWS_ACCESS_KEY_ID=fake AWS_SECRET_ACCESS_KEY=fake go run ./examples/sqs -create -wait 1s
 //

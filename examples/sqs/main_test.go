@@ -10,7 +10,7 @@ import (
 	awsconfig "github.com/aws/aws-sdk-go-v2/config"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 
-	"github.com/custody-go/custody/internal/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
 )
 
 func TestMain(m *testing.M) { os.Exit(sqsemu.Run(m)) }

@@ -22,7 +22,7 @@ import (
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
 	"github.com/custody-go/custody/idempotency/pgtx"
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 // fixture is a processed-keys table and an effects table of the test's own.

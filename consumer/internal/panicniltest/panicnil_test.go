@@ -12,7 +12,7 @@ import (
 
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testlog"
+	"github.com/custody-go/custody/internal/testkit/testlog"
 	"go.uber.org/goleak"
 )
 

@@ -13,7 +13,7 @@ import (
 	"github.com/custody-go/custody/idempotency/pgstore"
 	"github.com/custody-go/custody/idempotency/redisstore"
 	"github.com/custody-go/custody/idempotency/storetest"
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 // Store names a constructor.

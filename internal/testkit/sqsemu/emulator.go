@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 // startTimeout bounds how long the emulator may take to print its address

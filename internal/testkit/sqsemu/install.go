@@ -23,12 +23,12 @@ func findDir() (string, error) {
 		return "", err
 	}
 	for dir := wd; ; {
-		candidate := filepath.Join(dir, "internal", "sqsemu")
+		candidate := filepath.Join(dir, "internal", "testkit", "sqsemu")
 		if _, err := os.Stat(filepath.Join(candidate, "package-lock.json")); err == nil {
 			return candidate, nil
 		}
 		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return "", fmt.Errorf("sqsemu: no internal/sqsemu/package-lock.json under the module root %s", dir)
+			return "", fmt.Errorf("sqsemu: no internal/testkit/sqsemu/package-lock.json under the module root %s", dir)
 		}
 		parent := filepath.Dir(dir)
 		if parent == dir {

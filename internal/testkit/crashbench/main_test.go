@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/custody-go/custody/internal/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
 )
 
 var (

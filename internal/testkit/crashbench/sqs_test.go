@@ -13,7 +13,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/adapters/awssqs"
-	"github.com/custody-go/custody/internal/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/sqsemu"
 )
 
 // sqsVisibility is the queues' visibility timeout: what a killed child held

@@ -5,8 +5,8 @@
 // its effect, on SQS (the emulator), RabbitMQ and Kafka (kfake). The package
 // holds tests only:
 //
-//	go test -run '^$' -bench Crash ./internal/crashbench/                  # 5 kills per run
-//	go test -run '^$' -bench Crash ./internal/crashbench/ -crash.kills 15  # the figures of docs/benchmarks.md
+//	go test -run '^$' -bench Crash ./internal/testkit/crashbench/                  # 5 kills per run
+//	go test -run '^$' -bench Crash ./internal/testkit/crashbench/ -crash.kills 15  # the figures of docs/benchmarks.md
 //
 // # How it counts
 //

@@ -13,7 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/custody-go/custody/adapters/rabbitmq"
-	"github.com/custody-go/custody/internal/testbroker"
+	"github.com/custody-go/custody/internal/testkit/testbroker"
 )
 
 var (
