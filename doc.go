@@ -6,36 +6,65 @@
 //
 // # What custody guarantees
 //
+// This section is the contract; the README and the docs link here rather
+// than restate it.
+//
 //   - Effect, then ack. A message is acknowledged only after its handler
 //     returned nil, or after the dead-letter destination confirmed it holds a
-//     copy. If the process dies at any point, every message whose effect did
-//     not complete is delivered again. This is at-least-once delivery, the
-//     default and the only mode that cannot lose work.
-//   - Leases are kept alive while work runs. Where the broker redelivers a
-//     message whose lease runs out (SQS visibility timeout, JetStream
-//     AckWait, the memory broker), custody renews the lease of every held
-//     message at a third of its length, stops before the ack, and cancels
-//     the handler's context if the lease is lost anyway.
+//     copy; a failed dead-letter write keeps the original. This is
+//     at-least-once delivery, the default and the only mode that cannot lose
+//     work. (RabbitMQ's native dead-lettering is the one exception to the
+//     confirmation: the broker moves a rejected message without a confirm,
+//     and drops it if its dead-letter exchange routes it nowhere.)
+//   - Nothing is lost by the consumer. If the process dies at any point,
+//     every message whose effect did not complete is delivered again by the
+//     broker.
+//   - Leases are kept alive while, and only while, work runs. Every held
+//     delivery (SQS visibility, JetStream AckWait, a Redis entry's idle
+//     time, the memory broker's lease) is renewed at a third of its lease,
+//     in batches, by one scheduler; a renewal that fails without the broker
+//     saying the lease is gone is tried again while the lease lasts;
+//     renewals stop before the ack; a lost lease cancels the handler's
+//     context with a cause that says so.
 //   - Offsets are committed only for durable prefixes. On Kafka the committed
 //     offset never passes a record that is still running, even when later
-//     records finished first.
+//     records finished first, and a revoked partition is never committed by
+//     its old owner.
 //   - Poison messages leave the stream: after bounded retries with backoff, or
 //     at once for errors marked permanent, they go to the dead-letter
 //     destination (consumer.WithDeadLetter) with diagnostics, and stop
 //     stalling their queue or partition. Without a destination (and without
 //     a broker redrive policy) they are retried at the backoff's pace for
 //     ever; New warns about it.
+//   - A fault around the handler is not the message's fault (see Faults):
+//     it uses up no attempt and dead-letters nothing.
 //   - Order is kept where the broker promised it (Kafka partitions, SQS FIFO
 //     groups, memory FIFO queues), and can be asked for per message key.
+//     When a delivery is lost, the deliveries of its key queued behind it
+//     are given back rather than run ahead of its redelivery.
 //   - Shutdown drains: cancelling Run's context, or Consumer.Shutdown, stops
 //     receiving, lets running handlers finish, acks them, gives back the
 //     rest, and returns with no goroutine left behind.
 //
-// Exactly-once is not something a broker consumer can promise in general: a
-// crash between the effect and the ack repeats the effect. custody absorbs
-// such duplicates with an idempotency layer, and offers exactly-once only
-// within a named scope: an effect written to PostgreSQL in the same
-// transaction as its deduplication record (package idempotency).
+// What custody does not guarantee:
+//
+//   - Exactly-once in general. A crash between the effect and the ack
+//     repeats the effect; so do lost acks and rebalances. Acks are sent in
+//     batches, so that window includes a batch's wait (a millisecond or less
+//     on most brokers, 20 ms on SQS, the commit linger and a round trip on
+//     Kafka: each adapter's documentation gives its figure). custody absorbs
+//     such duplicates with an idempotency layer, and offers exactly-once
+//     only within a named scope: an effect written to PostgreSQL in the same
+//     transaction as its deduplication record (package idempotency/pgtx).
+//   - One dead-letter copy per message. The copy is written first and the
+//     original acked after; a crash or a failed ack between the two brings
+//     the original back, and it is dead-lettered again. Deduplicate dead
+//     letters by their original id (the custody-original-id header) where a
+//     second copy matters.
+//   - That a handler which ignores its context stops. Run waits for it;
+//     Shutdown returns when its own context ends, while Run still waits.
+//   - Order across keys, partitions or queues, or on brokers that promise
+//     none, unless consumer.OrderByKey is asked for.
 //
 // At-most-once exists only as an explicit, loudly named option
 // (consumer.WithAtMostOnceAckBeforeProcessingUnsafe) for data where losing

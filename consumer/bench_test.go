@@ -13,7 +13,7 @@ import (
 
 // The runtime's overhead per message, against a raw receive-then-ack loop over
 // the same memory broker doing the same work: receive, call a no-op handler,
-// ack. Compare the figures of one run; the README reports the ratio.
+// ack. Compare the figures of one run; docs/benchmarks.md reports the ratio.
 //
 // Both sides work in rounds over a backlog of benchRound messages published
 // while the timer is stopped, so the broker's own cost per message (which
