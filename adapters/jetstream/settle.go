@@ -86,7 +86,6 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 	now := time.Now()
 	reqs := make([]request, len(ds))
 	hs := make([]*handle, len(ds))
-	done := make([]bool, len(ds)) // already in state to: nothing to send
 	for i, d := range ds {
 		h, ok := d.Handle.(*handle)
 		if !ok || h.src != s {
@@ -114,10 +113,8 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 			// same (a wrapper around the destination hides
 			// adapters.OriginalSettler) has nothing to do, and a
 			// request could only disturb the message's advisory.
-			done[i] = true
 			reqs[i].skip = errAlready
 		case to:
-			done[i] = true
 			reqs[i].skip = errAlready
 		case stateNacked:
 			reqs[i].skip = errNacked
@@ -136,27 +133,39 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 		errs = s.replies.send(rctx, reqs)
 		cancel()
 	}
+	for i, err := range errs {
+		h := hs[i]
+		if h == nil {
+			continue
+		}
+		h.mu.Lock()
+		if err == nil {
+			h.state = to
+		} else {
+			h.state = stateHeld
+		}
+		h.mu.Unlock()
+		if err != nil {
+			errs[i] = fmt.Errorf("jetstream: %s of message %s: %w", opNames[op], ds[i].ID, err)
+		}
+	}
+	return s.result(op, hs, errs)
+}
+
+// result counts the requests of op made for the entries sent names, and
+// returns errs as the result of the call: entries that failed with
+// errAlready succeed, without a request.
+func (s *Source) result(op int, sent []*handle, errs []error) error {
 	var failed map[int]error
 	n, bad := 0, 0
 	for i, err := range errs {
-		if done[i] {
-			continue
-		}
-		if h := hs[i]; h != nil {
-			h.mu.Lock()
-			if err == nil {
-				h.state = to
-			} else {
-				h.state = stateHeld
-			}
-			h.mu.Unlock()
+		if sent[i] != nil {
 			n++
 			if err != nil {
 				bad++
-				err = fmt.Errorf("jetstream: %s of message %s: %w", opNames[op], ds[i].ID, err)
 			}
 		}
-		if err != nil {
+		if err != nil && err != errAlready {
 			if failed == nil {
 				failed = make(map[int]error)
 			}
@@ -238,36 +247,19 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 	rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
 	errs := s.replies.send(rctx, reqs)
 	cancel()
-	var failed map[int]error
-	n, bad := 0, 0
 	for i, err := range errs {
-		if err == errAlready {
-			continue
-		}
-		if h := hs[i]; h != nil {
-			n++
-			if err == nil {
-				h.mu.Lock()
-				if until := now.Add(s.caps.Lease); until.After(h.leasedUntil) {
-					h.leasedUntil = until
-				}
-				h.mu.Unlock()
-			} else {
-				bad++
-				err = fmt.Errorf("jetstream: renewing message %s: %w", ds[i].ID, err)
+		h := hs[i]
+		switch {
+		case h == nil:
+		case err == nil:
+			h.mu.Lock()
+			if until := now.Add(s.caps.Lease); until.After(h.leasedUntil) {
+				h.leasedUntil = until
 			}
-		}
-		if err != nil {
-			if failed == nil {
-				failed = make(map[int]error)
-			}
-			failed[i] = err
+			h.mu.Unlock()
+		default:
+			errs[i] = fmt.Errorf("jetstream: renewing message %s: %w", ds[i].ID, err)
 		}
 	}
-	s.stats.count(opProgress, n, bad)
-	s.tel.requests(opProgress, n-bad, bad)
-	if failed != nil {
-		return &adapters.BatchError{Failed: failed}
-	}
-	return nil
+	return s.result(opProgress, hs, errs)
 }
