@@ -86,27 +86,30 @@ func (c *core) releaseAll(ctx context.Context, held []HeldClaim) {
 	}
 }
 
-// completeMany and releaseMany call the store once where it takes
-// batches, and once per claim where it does not.
-
+// completeMany completes held, in one call where the store takes batches.
 func (c *core) completeMany(ctx context.Context, held []HeldClaim) []error {
-	if bs, ok := c.store.(BatchStore); ok && len(held) > 1 {
-		return checkedErrors(bs.CompleteBatch(ctx, held, c.cfg.retention), len(held), "CompleteBatch")
-	}
-	errs := make([]error, len(held))
-	for i, h := range held {
-		errs[i] = c.store.Complete(ctx, h.Key, h.Token, c.cfg.retention)
-	}
-	return errs
+	return c.callStore(held, "CompleteBatch",
+		func(bs BatchStore) []error { return bs.CompleteBatch(ctx, held, c.cfg.retention) },
+		func(h HeldClaim) error { return c.store.Complete(ctx, h.Key, h.Token, c.cfg.retention) })
 }
 
+// releaseMany releases held, in one call where the store takes batches.
 func (c *core) releaseMany(ctx context.Context, held []HeldClaim) []error {
+	return c.callStore(held, "ReleaseBatch",
+		func(bs BatchStore) []error { return bs.ReleaseBatch(ctx, held) },
+		func(h HeldClaim) error { return c.store.Release(ctx, h.Key, h.Token) })
+}
+
+// callStore calls the store for held: batch once, where the store takes
+// batches (method names it in the error of a wrong count of results), and
+// one for each claim where it does not, or held has only one.
+func (c *core) callStore(held []HeldClaim, method string, batch func(BatchStore) []error, one func(HeldClaim) error) []error {
 	if bs, ok := c.store.(BatchStore); ok && len(held) > 1 {
-		return checkedErrors(bs.ReleaseBatch(ctx, held), len(held), "ReleaseBatch")
+		return checkedErrors(batch(bs), len(held), method)
 	}
 	errs := make([]error, len(held))
 	for i, h := range held {
-		errs[i] = c.store.Release(ctx, h.Key, h.Token)
+		errs[i] = one(h)
 	}
 	return errs
 }

@@ -149,14 +149,9 @@ func (k *keeper) extend() {
 
 // extendAll extends held, in one call where the store takes batches.
 func (c *core) extendAll(ctx context.Context, held []HeldClaim) []error {
-	if bs, ok := c.store.(BatchStore); ok && len(held) > 1 {
-		return checkedErrors(bs.ExtendBatch(ctx, held, c.cfg.lease), len(held), "ExtendBatch")
-	}
-	errs := make([]error, len(held))
-	for i, h := range held {
-		errs[i] = c.store.Extend(ctx, h.Key, h.Token, c.cfg.lease)
-	}
-	return errs
+	return c.callStore(held, "ExtendBatch",
+		func(bs BatchStore) []error { return bs.ExtendBatch(ctx, held, c.cfg.lease) },
+		func(h HeldClaim) error { return c.store.Extend(ctx, h.Key, h.Token, c.cfg.lease) })
 }
 
 // lostCounted reports whether the keeper lost a claim and counted it.

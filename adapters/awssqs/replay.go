@@ -27,9 +27,6 @@ const (
 	DefaultReplayHold = time.Minute
 	// DefaultReplayWaitTime is the long-poll wait of their receives.
 	DefaultReplayWaitTime = time.Second
-	// defaultReplayRate is the rate of a replay whose ReplayOptions.Rate is
-	// zero, as package adapters documents it.
-	defaultReplayRate = 10
 )
 
 // ReplayClient is the part of *sqs.Client a [Replay] uses.
@@ -258,17 +255,10 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 // seen.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
 	var res adapters.ReplayResult
-	switch {
-	case !(o.Rate >= 0): // negative, or NaN
-		return res, fmt.Errorf("awssqs: Replay: ReplayOptions.Rate %v must not be negative (zero means %d a second)", o.Rate, defaultReplayRate)
-	case o.Max < 0:
-		return res, errors.New("awssqs: Replay: ReplayOptions.Max must not be negative (zero means no bound)")
+	p, err := pace.ForReplay(o.Rate, o.Max)
+	if err != nil {
+		return res, fmt.Errorf("awssqs: Replay: %w", err)
 	}
-	rate := o.Rate
-	if rate == 0 {
-		rate = defaultReplayRate
-	}
-	p := pace.New(rate)
 	// A batch takes (n-1) intervals to copy; keep that within a third of
 	// the hold, so the receipt handles stay good.
 	batch := maxBatch

@@ -77,23 +77,8 @@ func (s *Source) term(ctx context.Context, ds []*adapters.Delivery) error {
 // does one its dead-letter destination settled (terminated, or left past
 // MaxDeliver); one settled otherwise fails.
 func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, body func(i int) []byte, to settleState) error {
-	if len(ds) == 0 {
-		return nil
-	}
-	if s.isClosed() {
-		return adapters.ErrClosed
-	}
 	now := time.Now()
-	reqs := make([]request, len(ds))
-	hs := make([]*handle, len(ds))
-	done := make([]bool, len(ds)) // already in state to: nothing to send
-	for i, d := range ds {
-		h, ok := d.Handle.(*handle)
-		if !ok || h.src != s {
-			reqs[i].skip = errForeign
-			continue
-		}
-		h.mu.Lock()
+	hs, errs, err := s.exchange(ctx, ds, op == opAck && s.opts.unconfirmedAcks, func(i int, h *handle) ([]byte, error) {
 		switch h.state {
 		case stateHeld:
 			if op == opNak && !now.Before(h.leasedUntil) {
@@ -102,61 +87,103 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 				// the redelivery another consumer now runs (redeliver it
 				// beside that run, or reset its timer to the delay). The
 				// message comes back by itself.
-				reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, d.ID, s.caps.Lease)
-				break
+				return nil, fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, ds[i].ID, s.caps.Lease)
 			}
 			h.state = stateSettling
-			hs[i] = h
-			reqs[i] = request{subject: h.reply, body: body(i)}
+			return body(i), nil
 		case stateTermed, stateLeft:
 			// Settled by its dead-letter destination: the server
 			// delivers it no more. An Ack or Nack that comes all the
 			// same (a wrapper around the destination hides
 			// adapters.OriginalSettler) has nothing to do, and a
 			// request could only disturb the message's advisory.
-			done[i] = true
-			reqs[i].skip = errAlready
+			return nil, errAlready
 		case to:
-			done[i] = true
-			reqs[i].skip = errAlready
+			return nil, errAlready
 		case stateNacked:
-			reqs[i].skip = errNacked
+			return nil, errNacked
 		case stateSettling:
-			reqs[i].skip = errSettling
-		default: // acked or termed, asked for another settlement
-			reqs[i].skip = fmt.Errorf("jetstream: the delivery was already settled (%s)", h.state)
+			return nil, errSettling
+		}
+		// Acked or terminated, and asked for another settlement.
+		return nil, fmt.Errorf("jetstream: the delivery was already settled (%s)", h.state)
+	})
+	if err != nil {
+		return err
+	}
+	for i, err := range errs {
+		h := hs[i]
+		if h == nil {
+			continue
+		}
+		h.mu.Lock()
+		if err == nil {
+			h.state = to
+		} else {
+			h.state = stateHeld
 		}
 		h.mu.Unlock()
+		if err != nil {
+			errs[i] = fmt.Errorf("jetstream: %s of message %s: %w", opNames[op], ds[i].ID, err)
+		}
 	}
-	var errs []error
-	if op == opAck && s.opts.unconfirmedAcks {
-		errs = s.replies.publish(reqs)
-	} else {
-		rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
-		errs = s.replies.send(rctx, reqs)
-		cancel()
+	return s.result(op, hs, errs)
+}
+
+// exchange sends each delivery of ds what next, called under the
+// delivery's lock, returns for it: a body to its reply subject, or an error
+// that is the entry's result without a request. It sends every body at once
+// and returns the handles it sent for (nil for the others) with each
+// entry's reply or error; with publish, it waits for no reply
+// (WithUnconfirmedAcks). It fails with adapters.ErrClosed once the Source
+// is closed.
+func (s *Source) exchange(ctx context.Context, ds []*adapters.Delivery, publish bool, next func(i int, h *handle) ([]byte, error)) ([]*handle, []error, error) {
+	if len(ds) == 0 {
+		return nil, nil, nil
 	}
+	if s.isClosed() {
+		return nil, nil, adapters.ErrClosed
+	}
+	reqs := make([]request, len(ds))
+	hs := make([]*handle, len(ds))
+	for i, d := range ds {
+		h, ok := d.Handle.(*handle)
+		if !ok || h.src != s {
+			reqs[i].skip = errForeign
+			continue
+		}
+		h.mu.Lock()
+		body, err := next(i, h)
+		h.mu.Unlock()
+		if err != nil {
+			reqs[i].skip = err
+			continue
+		}
+		hs[i] = h
+		reqs[i] = request{subject: h.reply, body: body}
+	}
+	if publish {
+		return hs, s.replies.publish(reqs), nil
+	}
+	rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
+	defer cancel()
+	return hs, s.replies.send(rctx, reqs), nil
+}
+
+// result counts the requests of op made for the entries sent names, and
+// returns errs as the result of the call: entries that failed with
+// errAlready succeed, without a request.
+func (s *Source) result(op int, sent []*handle, errs []error) error {
 	var failed map[int]error
 	n, bad := 0, 0
 	for i, err := range errs {
-		if done[i] {
-			continue
-		}
-		if h := hs[i]; h != nil {
-			h.mu.Lock()
-			if err == nil {
-				h.state = to
-			} else {
-				h.state = stateHeld
-			}
-			h.mu.Unlock()
+		if sent[i] != nil {
 			n++
 			if err != nil {
 				bad++
-				err = fmt.Errorf("jetstream: %s of message %s: %w", opNames[op], ds[i].ID, err)
 			}
 		}
-		if err != nil {
+		if err != nil && err != errAlready {
 			if failed == nil {
 				failed = make(map[int]error)
 			}
@@ -203,71 +230,36 @@ func (st settleState) String() string {
 // succeeds without a request; one given back fails with
 // adapters.ErrLeaseLost.
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
-	if len(ds) == 0 {
-		return nil
-	}
-	if s.isClosed() {
-		return adapters.ErrClosed
-	}
 	now := time.Now()
-	reqs := make([]request, len(ds))
-	hs := make([]*handle, len(ds))
-	for i, dl := range ds {
-		h, ok := dl.Handle.(*handle)
-		if !ok || h.src != s {
-			reqs[i].skip = errForeign
-			continue
-		}
-		h.mu.Lock()
+	hs, errs, err := s.exchange(ctx, ds, false, func(i int, h *handle) ([]byte, error) {
 		switch h.state {
 		case stateHeld:
 			if !now.Before(h.leasedUntil) {
-				reqs[i].skip = fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago, so the server may have delivered it again", adapters.ErrLeaseLost, dl.ID, s.caps.Lease)
 				s.stats.leaseLost.Add(1)
-			} else {
-				hs[i] = h
-				reqs[i] = request{subject: h.reply, body: ackProgress}
+				return nil, fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago, so the server may have delivered it again", adapters.ErrLeaseLost, ds[i].ID, s.caps.Lease)
 			}
+			return ackProgress, nil
 		case stateNacked:
-			reqs[i].skip = fmt.Errorf("%w: %w", adapters.ErrLeaseLost, errNacked)
-		default:
-			reqs[i].skip = errAlready
+			return nil, fmt.Errorf("%w: %w", adapters.ErrLeaseLost, errNacked)
 		}
-		h.mu.Unlock()
+		return nil, errAlready
+	})
+	if err != nil {
+		return err
 	}
-	rctx, cancel := context.WithTimeout(ctx, s.opts.requestTimeout)
-	errs := s.replies.send(rctx, reqs)
-	cancel()
-	var failed map[int]error
-	n, bad := 0, 0
 	for i, err := range errs {
-		if err == errAlready {
-			continue
-		}
-		if h := hs[i]; h != nil {
-			n++
-			if err == nil {
-				h.mu.Lock()
-				if until := now.Add(s.caps.Lease); until.After(h.leasedUntil) {
-					h.leasedUntil = until
-				}
-				h.mu.Unlock()
-			} else {
-				bad++
-				err = fmt.Errorf("jetstream: renewing message %s: %w", ds[i].ID, err)
+		h := hs[i]
+		switch {
+		case h == nil:
+		case err == nil:
+			h.mu.Lock()
+			if until := now.Add(s.caps.Lease); until.After(h.leasedUntil) {
+				h.leasedUntil = until
 			}
-		}
-		if err != nil {
-			if failed == nil {
-				failed = make(map[int]error)
-			}
-			failed[i] = err
+			h.mu.Unlock()
+		default:
+			errs[i] = fmt.Errorf("jetstream: renewing message %s: %w", ds[i].ID, err)
 		}
 	}
-	s.stats.count(opProgress, n, bad)
-	s.tel.requests(opProgress, n-bad, bad)
-	if failed != nil {
-		return &adapters.BatchError{Failed: failed}
-	}
-	return nil
+	return s.result(opProgress, hs, errs)
 }

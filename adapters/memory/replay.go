@@ -4,17 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/internal/pace"
 )
-
-// defaultReplayRate is the rate of a replay whose ReplayOptions.Rate is
-// zero, as package adapters documents it.
-const defaultReplayRate = 10
 
 // Replay lists the dead letters of a memory queue and moves a selection of
 // them back to the queues they came from. Create it with [Broker.Replay].
@@ -83,11 +78,10 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 // out with o.Select.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
 	var res adapters.ReplayResult
-	rate, err := replayRate(o)
+	p, err := pace.ForReplay(o.Rate, o.Max)
 	if err != nil {
-		return res, err
+		return res, fmt.Errorf("memory: Replay: %w", err)
 	}
-	p := pace.New(rate)
 	r.b.mu.Lock()
 	q, ok := r.b.queues[r.queue]
 	if !ok {
@@ -188,17 +182,4 @@ func deadLetterRecord(m *message) adapters.DeadLetterRecord {
 		rec.Key = m.key
 	}
 	return rec
-}
-
-// replayRate is o's rate, checked.
-func replayRate(o adapters.ReplayOptions) (float64, error) {
-	switch {
-	case !(o.Rate >= 0): // negative, or NaN
-		return 0, fmt.Errorf("memory: Replay: ReplayOptions.Rate %v must not be negative (zero means %d a second)", o.Rate, defaultReplayRate)
-	case o.Max < 0:
-		return 0, errors.New("memory: Replay: ReplayOptions.Max must not be negative (zero means no bound)")
-	case o.Rate == 0:
-		return defaultReplayRate, nil
-	}
-	return o.Rate, nil
 }

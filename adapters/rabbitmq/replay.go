@@ -14,10 +14,6 @@ import (
 	"github.com/custody-go/custody/internal/pace"
 )
 
-// defaultReplayRate is the rate of a replay whose ReplayOptions.Rate is
-// zero, as package adapters documents it.
-const defaultReplayRate = 10
-
 // Replay lists the dead letters in a RabbitMQ queue and moves a selection of
 // them back to the queues they came from. Create it with NewReplay. Its
 // methods are safe for concurrent use: each call reads the dead-letter queue
@@ -226,11 +222,10 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 // replayed before cannot be recognised as such.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
 	var res adapters.ReplayResult
-	rate, err := replayRate(o)
+	p, err := pace.ForReplay(o.Rate, o.Max)
 	if err != nil {
-		return res, err
+		return res, fmt.Errorf("rabbitmq: Replay: %w", err)
 	}
-	p := pace.New(rate)
 	err = r.call(ctx, func(conn *amqp.Connection, ch *amqp.Channel) error {
 		q, err := ch.QueueDeclarePassive(r.queue, true, false, false, false, nil)
 		if err != nil {
@@ -354,17 +349,4 @@ func replayCopy(m *amqp.Delivery) amqp.Publishing {
 		AppId:           m.AppId,
 		Body:            m.Body,
 	}
-}
-
-// replayRate is o's rate, checked.
-func replayRate(o adapters.ReplayOptions) (float64, error) {
-	switch {
-	case !(o.Rate >= 0): // negative, or NaN
-		return 0, fmt.Errorf("rabbitmq: Replay: ReplayOptions.Rate %v must not be negative (zero means %d a second)", o.Rate, defaultReplayRate)
-	case o.Max < 0:
-		return 0, errors.New("rabbitmq: Replay: ReplayOptions.Max must not be negative (zero means no bound)")
-	case o.Rate == 0:
-		return defaultReplayRate, nil
-	}
-	return o.Rate, nil
 }

@@ -63,9 +63,6 @@ var _ consumer.BatchHandler = (*BatchHandler)(nil)
 // n keys takes n slots of PostgreSQL's lock table, which has room for
 // max_locks_per_transaction × max_connections (6,400 by default) at once.
 func NewBatch(db DB, fn BatchFunc, opts ...Option) (*BatchHandler, error) {
-	if db == nil {
-		return nil, errors.New("pgtx: NewBatch(nil db): pass a *pgxpool.Pool")
-	}
 	if fn == nil {
 		return nil, errors.New("pgtx: NewBatch(nil func): pass the function that performs the batch's effects")
 	}

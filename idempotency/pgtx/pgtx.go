@@ -216,9 +216,6 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 // on db. It does not touch the database: call CreateSchema, or apply DDL
 // with your migrations, first.
 func New(db DB, fn Func, opts ...Option) (*Handler, error) {
-	if db == nil {
-		return nil, errors.New("pgtx: New(nil db): pass a *pgxpool.Pool")
-	}
 	if fn == nil {
 		return nil, errors.New("pgtx: New(nil func): pass the function that performs the effect")
 	}
@@ -229,7 +226,8 @@ func New(db DB, fn Func, opts ...Option) (*Handler, error) {
 	return &Handler{base: *b, fn: fn}, nil
 }
 
-// newBase checks the arguments of the constructor name.
+// newBase checks the database and the options given to the constructor
+// name, and builds what Handler and BatchHandler share.
 func newBase(name string, db DB, opts []Option) (*base, error) {
 	if db == nil {
 		return nil, fmt.Errorf("pgtx: %s(nil db): pass a *pgxpool.Pool", name)

@@ -5,6 +5,8 @@ package pace
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"time"
 )
 
@@ -22,6 +24,26 @@ type Pacer struct {
 func New(perSecond float64) *Pacer {
 	iv := time.Duration(float64(time.Second) / perSecond)
 	return &Pacer{interval: max(iv, 0)}
+}
+
+// DefaultReplayRate is the rate of a dead-letter replay whose
+// adapters.ReplayOptions.Rate is zero, as package adapters documents it.
+const DefaultReplayRate = 10
+
+// ForReplay returns the Pacer of a dead-letter replay asked for rate
+// messages a second (zero means DefaultReplayRate) and at most max messages
+// (zero means no bound): the fields of adapters.ReplayOptions. It fails,
+// naming the field, when either is negative or rate is NaN.
+func ForReplay(rate float64, max int) (*Pacer, error) {
+	switch {
+	case !(rate >= 0): // negative, or NaN
+		return nil, fmt.Errorf("ReplayOptions.Rate %v must not be negative (zero means %d a second)", rate, DefaultReplayRate)
+	case max < 0:
+		return nil, errors.New("ReplayOptions.Max must not be negative (zero means no bound)")
+	case rate == 0:
+		rate = DefaultReplayRate
+	}
+	return New(rate), nil
 }
 
 // Interval is the spacing between two operations.

@@ -3,6 +3,8 @@ package pace
 import (
 	"context"
 	"errors"
+	"math"
+	"strings"
 	"testing"
 	"time"
 )
@@ -55,5 +57,30 @@ func TestCancelledWaitCountsNothing(t *testing.T) {
 	}
 	if !p.next.After(time.Now()) {
 		t.Fatal("the first slot was given up")
+	}
+}
+
+// ForReplay refuses negative and NaN rates and a negative bound, naming the
+// field, and paces a zero rate at DefaultReplayRate.
+func TestForReplay(t *testing.T) {
+	for _, c := range []struct {
+		rate float64
+		max  int
+		bad  string
+	}{
+		{rate: -1, bad: "ReplayOptions.Rate"},
+		{rate: math.NaN(), bad: "ReplayOptions.Rate"},
+		{max: -1, bad: "ReplayOptions.Max"},
+	} {
+		if _, err := ForReplay(c.rate, c.max); err == nil || !strings.Contains(err.Error(), c.bad) {
+			t.Errorf("ForReplay(%v, %d) = %v, want an error naming %s", c.rate, c.max, err, c.bad)
+		}
+	}
+	p, err := ForReplay(0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := time.Second / DefaultReplayRate; p.Interval() != want {
+		t.Errorf("ForReplay(0, 0) paces at %v, want %v", p.Interval(), want)
 	}
 }
