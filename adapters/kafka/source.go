@@ -509,6 +509,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		h := p.requeue[0]
 		p.requeue[0] = nil
 		p.requeue = p.requeue[1:]
+		h.d.ReceivedAt = now
 		p.hold(h)
 		s.totalHeld++
 		out = append(out, &h.d)
@@ -601,6 +602,24 @@ func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 		}
 	}
 	return h
+}
+
+// redeliveryLocked returns the delivery that hands out h's record again
+// after a nack: a copy of h's delivery with a Signal and a Handle of its own,
+// so that nothing done to the nacked delivery (a Lose, a late Ack or Nack)
+// reaches the redelivery. The nacked delivery stays nacked: an Ack of it
+// fails with errNacked. Called under s.mu.
+func (s *Source) redeliveryLocked(h *held) *held {
+	if len(s.slab) == 0 {
+		s.slab = make([]held, heldSlab)
+	}
+	r := &s.slab[0]
+	s.slab = s.slab[1:]
+	r.p, r.slot = h.p, -1
+	r.d = h.d
+	r.d.Signal = &r.sig
+	r.d.Handle = r
+	return r
 }
 
 // str returns b as a string, prefixed with prefix and '/' unless prefix is
@@ -710,8 +729,9 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 
 // Nack implements adapters.Source. Kafka has no delayed redelivery: the
 // record is not marked done, so its offset is not committed, and it is handed
-// out again by a later Receive. At shutdown this leaves it uncommitted for the
-// partition's next owner.
+// out again by a later Receive, as a new Delivery with a Signal of its own
+// (the nacked one stays nacked: acking it fails). At shutdown this leaves it
+// uncommitted for the partition's next owner.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed map[int]error
 	s.mu.Lock()
@@ -729,7 +749,7 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 		s.releaseLocked(h.p, h)
 		h.slot = slotNacked
 		if !s.closing {
-			h.p.requeue = append(h.p.requeue, h)
+			h.p.requeue = append(h.p.requeue, s.redeliveryLocked(h))
 		}
 	}
 	s.settleLocked()
