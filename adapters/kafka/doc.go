@@ -170,6 +170,35 @@
 // one partition holds beyond its bound is therefore at most one fetch of it
 // (kgo.FetchMaxPartitionBytes).
 //
+// # Operations: connection, pause, assignment, backlog
+//
+// The Source implements the runtime's optional interfaces, which
+// consumer.Status, the readiness probe and the custody.backlog.* gauges
+// read:
+//
+//   - [Source.Connection] (adapters.Connector): connecting until the client
+//     first reaches a broker (New returns only then), connected while its
+//     last attempt to at least one broker succeeded, reconnecting, with the
+//     last attempt's error, once every broker's last attempt failed (a
+//     cluster that is down: the group's heartbeats and the fetches notice
+//     within a heartbeat interval or a retry backoff), disconnected after
+//     Close. A consumer is not ready while it reconnects.
+//   - [Source.Pause] and [Source.Resume] (adapters.Pauser): consumer.Pause
+//     stops the client fetching the Source's topics
+//     (kgo.Client.PauseFetchTopics) while the member stays in its group,
+//     heartbeating and keeping its partitions; partitions assigned meanwhile
+//     are paused too. The Source's own pause of a partition at its bound
+//     (see Backpressure) is kept apart: a partition is fetched only when
+//     neither holds.
+//   - [Source.Assigned] (adapters.Assigner): the member's partitions, as
+//     "topic/partition", in Status().Assigned.
+//   - [Source.Backlog] (adapters.BacklogReporter): the group's lag over the
+//     member's partitions (end offset, or read committed the last stable
+//     offset, minus the committed offset, or the log start where nothing is
+//     committed: as kadm and kafka-consumer-groups.sh count) as waiting, and
+//     of it the records this member fetched and has not committed as in
+//     flight; no age. One ListOffsets request per broker a poll.
+//
 // # Dead-letter topic
 //
 // [Source.NewDeadLetter] makes a sink that produces through the Source's

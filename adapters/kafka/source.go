@@ -20,6 +20,7 @@ type Source struct {
 	cl   *kgo.Client
 	tel  *telemetry
 	name string
+	conn *connWatch
 	// readCommitted is set when the client reads committed records only
 	// (kgo.FetchIsolationLevel(kgo.ReadCommitted())): lag then counts to
 	// the last stable offset.
@@ -54,6 +55,13 @@ type Source struct {
 	// released lists the partitions an Ack or Nack released deliveries of,
 	// for the bookkeeping done once per call (see settleLocked).
 	released []*partition
+	// intakePaused is set between Pause and Resume: the topics are paused
+	// in the client (see Pause).
+	intakePaused bool
+	pausedTopics []string // the topics Pause paused in the client
+	// pauseMu orders Pause and Resume, so that the client's topic pauses
+	// end as the last call left them.
+	pauseMu sync.Mutex
 
 	// commitMu serialises building and sending commits, so a commit built
 	// before a fence is never sent after the revoke's own commit.
@@ -123,6 +131,7 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		marked:     make(chan struct{}, 1),
 		recalls:    make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
+		conn:       newConnWatch(),
 	}
 	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
 	if err != nil {
@@ -131,7 +140,7 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 	s.tel = tel
 	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
 	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group)),
+		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group), s.conn),
 		kgo.SeedBrokers(cfg.brokers...),
 		kgo.ConsumerGroup(cfg.group),
 		kgo.ConsumeTopics(cfg.topics...),
@@ -815,6 +824,7 @@ func addFailure(m map[int]error, i int, err error) map[int]error {
 // contexts are cancelled with adapters.ErrClosed) and stay uncommitted.
 func (s *Source) Close() error {
 	s.once.Do(func() {
+		s.conn.close()
 		s.mu.Lock()
 		s.closing = true
 		var lose []*held
