@@ -214,6 +214,20 @@
 // [HeaderGroup]. A failed produce returns an error; the original stays
 // unmarked and its partition's commit does not pass it.
 //
+// # Dead-letter replay
+//
+// [NewReplay] lists the dead letters of a dead-letter topic
+// ([Replay.List], a dry run that joins no group and commits nothing; group
+// them with adapters.GroupDeadLetters) and copies a selection back to their
+// original topics ([Replay.Replay]) at a bounded rate, with their key (so a
+// key's records stay in one partition), their headers without the
+// diagnostics, and adapters.HeaderReplayOf. Kafka deletes no record: a
+// consumer group of the replay's own on the dead-letter topic records what
+// was looked at, replayed or left out by the selection, and each batch of
+// copies is committed with that group's offsets in one Kafka transaction,
+// so that a run cut short anywhere loses no dead letter and, for consumers
+// that read committed records only, copies none twice.
+//
 // # Shutdown
 //
 // The runtime drains, acks what finished and nacks the rest; a nacked record
