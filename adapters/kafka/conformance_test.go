@@ -20,9 +20,6 @@ func TestConformance(t *testing.T) {
 	adaptertest.Run(t, adaptertest.Harness{
 		NewQueue: newTestQueue,
 		Dispatch: adaptertest.Partitions,
-		Pending: map[string]string{
-			"SignalPerDelivery": "a nacked record is handed out again as the same *adapters.Delivery, with the same Signal (Nack requeues its held state): a redelivery needs a Delivery and a Signal of its own",
-		},
 	})
 }
 

@@ -170,6 +170,35 @@
 // one partition holds beyond its bound is therefore at most one fetch of it
 // (kgo.FetchMaxPartitionBytes).
 //
+// # Operations: connection, pause, assignment, backlog
+//
+// The Source implements the runtime's optional interfaces, which
+// consumer.Status, the readiness probe and the custody.backlog.* gauges
+// read:
+//
+//   - [Source.Connection] (adapters.Connector): connecting until the client
+//     first reaches a broker (New returns only then), connected while its
+//     last attempt to at least one broker succeeded, reconnecting, with the
+//     last attempt's error, once every broker's last attempt failed (a
+//     cluster that is down: the group's heartbeats and the fetches notice
+//     within a heartbeat interval or a retry backoff), disconnected after
+//     Close. A consumer is not ready while it reconnects.
+//   - [Source.Pause] and [Source.Resume] (adapters.Pauser): consumer.Pause
+//     stops the client fetching the Source's topics
+//     (kgo.Client.PauseFetchTopics) while the member stays in its group,
+//     heartbeating and keeping its partitions; partitions assigned meanwhile
+//     are paused too. The Source's own pause of a partition at its bound
+//     (see Backpressure) is kept apart: a partition is fetched only when
+//     neither holds.
+//   - [Source.Assigned] (adapters.Assigner): the member's partitions, as
+//     "topic/partition", in Status().Assigned.
+//   - [Source.Backlog] (adapters.BacklogReporter): the group's lag over the
+//     member's partitions (end offset, or read committed the last stable
+//     offset, minus the committed offset, or the log start where nothing is
+//     committed: as kadm and kafka-consumer-groups.sh count) as waiting, and
+//     of it the records this member fetched and has not committed as in
+//     flight; no age. One ListOffsets request per broker a poll.
+//
 // # Dead-letter topic
 //
 // [Source.NewDeadLetter] makes a sink that produces through the Source's
@@ -184,6 +213,20 @@
 // partition, offset, timestamp, key, attempts, error, failure times) plus
 // [HeaderGroup]. A failed produce returns an error; the original stays
 // unmarked and its partition's commit does not pass it.
+//
+// # Dead-letter replay
+//
+// [NewReplay] lists the dead letters of a dead-letter topic
+// ([Replay.List], a dry run that joins no group and commits nothing; group
+// them with adapters.GroupDeadLetters) and copies a selection back to their
+// original topics ([Replay.Replay]) at a bounded rate, with their key (so a
+// key's records stay in one partition), their headers without the
+// diagnostics, and adapters.HeaderReplayOf. Kafka deletes no record: a
+// consumer group of the replay's own on the dead-letter topic records what
+// was looked at, replayed or left out by the selection, and each batch of
+// copies is committed with that group's offsets in one Kafka transaction,
+// so that a run cut short anywhere loses no dead letter and, for consumers
+// that read committed records only, copies none twice.
 //
 // # Shutdown
 //

@@ -51,17 +51,30 @@ func (s *Source) refreshEnds(ctx context.Context) {
 	if len(topics) == 0 {
 		return
 	}
-	adm := kadm.NewClient(s.cl)
-	list := adm.ListEndOffsets
-	if s.readCommitted {
-		list = adm.ListCommittedOffsets
-	}
-	ends, _ := list(ctx, topics...) // a shard's error leaves its partitions out
+	ends, _ := s.listEnds(ctx, topics) // a shard's error leaves its partitions out
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.noteEndsLocked(ends, asked)
+}
+
+// listEnds lists the end offsets of the partitions of topics, in one
+// ListOffsets request per broker: the high watermarks, or read committed
+// the last stable offsets (records of a transaction still open cannot be
+// read yet, so they are no lag; Kafka's own consumer counts the same way).
+func (s *Source) listEnds(ctx context.Context, topics []string) (kadm.ListedOffsets, error) {
+	adm := kadm.NewClient(s.cl)
+	if s.readCommitted {
+		return adm.ListCommittedOffsets(ctx, topics...)
+	}
+	return adm.ListEndOffsets(ctx, topics...)
+}
+
+// noteEndsLocked keeps the ends listed at asked as the assigned partitions'
+// ends, but where a fetch brought a fresher one since.
+func (s *Source) noteEndsLocked(ends kadm.ListedOffsets, asked time.Time) {
 	for _, p := range s.order {
 		if p.fenced || p.hwmAt.After(asked) {
-			continue // a fetch since brought a fresher end
+			continue
 		}
 		if o, ok := ends.Lookup(p.topic, p.id); ok && o.Err == nil && o.Offset >= 0 {
 			p.hwm, p.hwmAt = o.Offset, asked

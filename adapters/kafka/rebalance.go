@@ -27,6 +27,7 @@ func (s *Source) onAssigned(_ context.Context, _ *kgo.Client, assigned map[strin
 		}
 	}
 	s.rebuildOrderLocked()
+	s.pauseAssignedLocked(assigned)
 }
 
 // onOffsetsFetched reads the committed offset and the done offsets beyond it

@@ -20,6 +20,7 @@ type Source struct {
 	cl   *kgo.Client
 	tel  *telemetry
 	name string
+	conn *connWatch
 	// readCommitted is set when the client reads committed records only
 	// (kgo.FetchIsolationLevel(kgo.ReadCommitted())): lag then counts to
 	// the last stable offset.
@@ -54,6 +55,13 @@ type Source struct {
 	// released lists the partitions an Ack or Nack released deliveries of,
 	// for the bookkeeping done once per call (see settleLocked).
 	released []*partition
+	// intakePaused is set between Pause and Resume: the topics are paused
+	// in the client (see Pause).
+	intakePaused bool
+	pausedTopics []string // the topics Pause paused in the client
+	// pauseMu orders Pause and Resume, so that the client's topic pauses
+	// end as the last call left them.
+	pauseMu sync.Mutex
 
 	// commitMu serialises building and sending commits, so a commit built
 	// before a fence is never sent after the revoke's own commit.
@@ -123,6 +131,7 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		marked:     make(chan struct{}, 1),
 		recalls:    make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
+		conn:       newConnWatch(),
 	}
 	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
 	if err != nil {
@@ -131,7 +140,7 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 	s.tel = tel
 	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
 	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group)),
+		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group), s.conn),
 		kgo.SeedBrokers(cfg.brokers...),
 		kgo.ConsumerGroup(cfg.group),
 		kgo.ConsumeTopics(cfg.topics...),
@@ -509,6 +518,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		h := p.requeue[0]
 		p.requeue[0] = nil
 		p.requeue = p.requeue[1:]
+		h.d.ReceivedAt = now
 		p.hold(h)
 		s.totalHeld++
 		out = append(out, &h.d)
@@ -601,6 +611,24 @@ func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 		}
 	}
 	return h
+}
+
+// redeliveryLocked returns the delivery that hands out h's record again
+// after a nack: a copy of h's delivery with a Signal and a Handle of its own,
+// so that nothing done to the nacked delivery (a Lose, a late Ack or Nack)
+// reaches the redelivery. The nacked delivery stays nacked: an Ack of it
+// fails with errNacked. Called under s.mu.
+func (s *Source) redeliveryLocked(h *held) *held {
+	if len(s.slab) == 0 {
+		s.slab = make([]held, heldSlab)
+	}
+	r := &s.slab[0]
+	s.slab = s.slab[1:]
+	r.p, r.slot = h.p, -1
+	r.d = h.d
+	r.d.Signal = &r.sig
+	r.d.Handle = r
+	return r
 }
 
 // str returns b as a string, prefixed with prefix and '/' unless prefix is
@@ -710,8 +738,9 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 
 // Nack implements adapters.Source. Kafka has no delayed redelivery: the
 // record is not marked done, so its offset is not committed, and it is handed
-// out again by a later Receive. At shutdown this leaves it uncommitted for the
-// partition's next owner.
+// out again by a later Receive, as a new Delivery with a Signal of its own
+// (the nacked one stays nacked: acking it fails). At shutdown this leaves it
+// uncommitted for the partition's next owner.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed map[int]error
 	s.mu.Lock()
@@ -729,7 +758,7 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 		s.releaseLocked(h.p, h)
 		h.slot = slotNacked
 		if !s.closing {
-			h.p.requeue = append(h.p.requeue, h)
+			h.p.requeue = append(h.p.requeue, s.redeliveryLocked(h))
 		}
 	}
 	s.settleLocked()
@@ -795,6 +824,7 @@ func addFailure(m map[int]error, i int, err error) map[int]error {
 // contexts are cancelled with adapters.ErrClosed) and stay uncommitted.
 func (s *Source) Close() error {
 	s.once.Do(func() {
+		s.conn.close()
 		s.mu.Lock()
 		s.closing = true
 		var lose []*held

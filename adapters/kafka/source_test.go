@@ -611,6 +611,44 @@ func TestAckAfterNackFailsAndTwiceIsIgnored(t *testing.T) {
 	}
 }
 
+// A nacked record comes back as a delivery of its own: the runtime's
+// losing the nacked one (its handler's context cancelled late), or a late
+// Ack of it, reaches neither the redelivery nor the record's commit.
+func TestRedeliveryIsANewDelivery(t *testing.T) {
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	c.produceN(t, "orders", 1, 1, 1)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithCommitInterval(time.Hour), WithCommitLinger(time.Hour))
+	first := receiveN(t, s, 1)[0]
+	if err := s.Nack(context.Background(), adapters.NackAll([]*adapters.Delivery{first}, 0)); err != nil {
+		t.Fatal(err)
+	}
+	again := receiveN(t, s, 1)[0]
+	if again == first || again.Signal == first.Signal || again.Handle == first.Handle {
+		t.Fatal("the redelivery shares the nacked delivery, its Signal or its Handle")
+	}
+	if again.ID != first.ID || again.Offset != 0 || string(again.Body) != string(first.Body) {
+		t.Fatalf("the redelivery is %s at %d, want the record of %s", again.ID, again.Offset, first.ID)
+	}
+	first.Signal.Lose(errors.New("lost late"))
+	if err := again.Signal.LostCause(); err != nil {
+		t.Fatalf("losing the nacked delivery lost the redelivery: %v", err)
+	}
+	if err := s.Ack(context.Background(), []*adapters.Delivery{first}); adapters.EntryError(err, 0) == nil {
+		t.Fatalf("Ack of the nacked delivery after its redelivery returned %v, want its entry failed", err)
+	}
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 0 {
+		t.Fatalf("committed %d: the nacked delivery's Ack settled its redelivery", offs[0])
+	}
+	ack(t, s, again)
+	commitNow(t, s)
+	if offs, _ := c.committed(t, group, "orders"); offs[0] != 1 {
+		t.Fatalf("committed %d, want 1", offs[0])
+	}
+}
+
 // One Receive shares its records out over the partitions with records
 // waiting, so that a runtime asking for few still gets work for every
 // partition's lane, not a batch of one partition's.

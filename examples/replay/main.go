@@ -36,6 +36,22 @@
 // routing key the message was first published with instead, which reaches
 // every queue bound to that route.
 //
+// On Kafka, -dlt names the dead-letter topic, -brokers the cluster and
+// -group the replay group, whose offsets on the topic are the replay's
+// progress (Kafka deletes no record):
+//
+//	go run ./examples/replay -broker kafka -brokers kafka-1:9092 -dlt orders.dlq -group orders.dlq-replay -list
+//	go run ./examples/replay -broker kafka -brokers kafka-1:9092 -dlt orders.dlq -group orders.dlq-replay -replay -error timeout
+//
+// Copies go to each dead letter's original topic with its key, so they land
+// in the key's partition. -list reads beyond the group's offsets and
+// commits nothing; -replay commits each batch of copies with the group's
+// offsets in one Kafka transaction, so a run cut short and run again copies
+// every dead letter once, for consumers that read committed records only.
+// The group passes the dead letters the selection leaves out: to replay
+// them later, use another -group (which starts at the topic's start, and
+// sees what this one replayed as well).
+//
 // On SQS, -list receives the dead letters for a moment and gives them back
 // (SQS cannot show a message otherwise; each listing adds one to their
 // receive counts), and a replay cut short between a copy and its deletion
@@ -50,7 +66,7 @@
 //
 // Each broker is a value of -broker with a function that opens its
 // dead-letter destination (see brokers below); -dlq names the destination
-// in that broker's terms.
+// in that broker's terms (-dlt and -group on Kafka).
 package main
 
 import (
@@ -87,10 +103,14 @@ type destination struct {
 	after func(ctx context.Context, out io.Writer) error
 	// close releases what opening took; may be nil.
 	close func()
+	// skipped says what the replay's Skipped count holds; empty for the
+	// usual sentence.
+	skipped string
 }
 
 // brokers opens a -broker's dead-letter destination.
 var brokers = map[string]func(ctx context.Context, cfg config, out io.Writer) (*destination, error){
+	"kafka":    openKafka,
 	"memory":   openMemory,
 	"rabbitmq": openRabbitMQ,
 	"sqs":      openSQS,
@@ -118,6 +138,11 @@ type config struct {
 	// RabbitMQ
 	url             string
 	throughExchange bool
+
+	// Kafka
+	brokers string
+	dlt     string
+	group   string
 }
 
 func main() {
@@ -151,7 +176,7 @@ func parseFlags(args []string, now time.Time) (config, error) {
 	var since string
 	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
 	fs.StringVar(&cfg.broker, "broker", "memory", "the broker: "+brokerNames())
-	fs.StringVar(&cfg.dlq, "dlq", "", "the dead-letter destination: an SQS queue URL, a RabbitMQ queue name (the memory demo makes its own)")
+	fs.StringVar(&cfg.dlq, "dlq", "", "the dead-letter destination: an SQS queue URL, a RabbitMQ queue name (the memory demo makes its own; Kafka: -dlt)")
 	fs.BoolVar(&cfg.list, "list", false, "list the dead letters, grouped by error, consumer and hour (a dry run)")
 	fs.BoolVar(&cfg.replay, "replay", false, "replay the selected dead letters to their original queues")
 	fs.IntVar(&cfg.listMax, "list-max", 1000, "the most dead letters -list reads")
@@ -165,6 +190,9 @@ func parseFlags(args []string, now time.Time) (config, error) {
 	fs.DurationVar(&cfg.hold, "hold", time.Minute, "SQS: how long dead letters being looked at stay out of other receivers' sight")
 	fs.StringVar(&cfg.url, "url", "amqp://guest:guest@localhost:5672/", "RabbitMQ: the broker's AMQP URL")
 	fs.BoolVar(&cfg.throughExchange, "through-exchange", false, "RabbitMQ: replay through the original exchange and routing key, to every queue bound to that route, instead of to the original queue alone")
+	fs.StringVar(&cfg.brokers, "brokers", "localhost:9092", "Kafka: the seed brokers, comma-separated")
+	fs.StringVar(&cfg.dlt, "dlt", "", "Kafka: the dead-letter topic")
+	fs.StringVar(&cfg.group, "group", "", "Kafka: the replay group, whose offsets on the dead-letter topic record what was looked at (a new group starts at the topic's start)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -176,8 +204,14 @@ func parseFlags(args []string, now time.Time) (config, error) {
 	}
 	var misplaced error
 	fs.Visit(func(f *flag.Flag) {
-		if (f.Name == "url" || f.Name == "through-exchange") && cfg.broker != "rabbitmq" && misplaced == nil {
+		switch {
+		case misplaced != nil:
+		case (f.Name == "url" || f.Name == "through-exchange") && cfg.broker != "rabbitmq":
 			misplaced = fmt.Errorf("-%s applies to -broker rabbitmq only", f.Name)
+		case (f.Name == "brokers" || f.Name == "dlt" || f.Name == "group") && cfg.broker != "kafka":
+			misplaced = fmt.Errorf("-%s applies to -broker kafka only", f.Name)
+		case f.Name == "dlq" && cfg.broker == "kafka":
+			misplaced = errors.New("-dlq: -broker kafka names its dead-letter topic with -dlt, and its replay group with -group")
 		}
 	})
 	if misplaced != nil {
@@ -242,7 +276,11 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 			Max:             cfg.max,
 			KeepDiagnostics: cfg.keepDiag,
 		})
-		fmt.Fprintf(out, "replayed %d, skipped %d (left out by the selection, or copied before and now deleted)\n", res.Replayed, res.Skipped)
+		skipped := dst.skipped
+		if skipped == "" {
+			skipped = "left out by the selection, or copied before and now deleted"
+		}
+		fmt.Fprintf(out, "replayed %d, skipped %d (%s)\n", res.Replayed, res.Skipped, skipped)
 		if err != nil {
 			return fmt.Errorf("the replay stopped: %w", err)
 		}

@@ -92,6 +92,9 @@ func TestFlagsRefuseBadInput(t *testing.T) {
 		{[]string{"extra"}, "unexpected"},
 		{[]string{"-broker", "sqs", "-list", "-through-exchange"}, "-through-exchange"},
 		{[]string{"-url", "amqp://elsewhere/"}, "-url"},
+		{[]string{"-broker", "sqs", "-list", "-dlt", "orders.dlq"}, "-dlt"},
+		{[]string{"-group", "replay"}, "-group"},
+		{[]string{"-broker", "kafka", "-list", "-dlq", "orders.dlq"}, "-dlq"},
 	} {
 		if _, err := parseFlags(c.args, time.Now()); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("flags %q: %v, want an error naming %s", c.args, err, c.want)
@@ -118,6 +121,14 @@ func TestFlagsRefuseBadInput(t *testing.T) {
 	}
 	if err := run(context.Background(), config{broker: "memory", dlq: "somewhere", list: true}, &strings.Builder{}); err == nil {
 		t.Error("the memory demo accepted a -dlq")
+	}
+	for _, cfg := range []config{
+		{broker: "kafka", brokers: "127.0.0.1:1", group: "g", list: true},
+		{broker: "kafka", brokers: "127.0.0.1:1", dlt: "orders.dlq", list: true},
+	} {
+		if err := run(context.Background(), cfg, &strings.Builder{}); err == nil || !strings.Contains(err.Error(), map[bool]string{true: "-dlt", false: "-group"}[cfg.dlt == ""]) {
+			t.Errorf("-broker kafka with %+v: %v; want the missing flag named", cfg, err)
+		}
 	}
 }
 

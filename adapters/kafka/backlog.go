@@ -1,0 +1,119 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/custody-go/custody/adapters"
+	"github.com/twmb/franz-go/pkg/kadm"
+)
+
+var _ adapters.BacklogReporter = (*Source)(nil)
+
+// Backlog implements adapters.BacklogReporter with the group's lag over the
+// partitions assigned to this member: one ListOffsets request per broker
+// for their end offsets (the high watermarks, or, reading committed records
+// only, the last stable offsets), and one more for their start offsets
+// while a partition has no committed offset yet. The committed offsets are
+// the Source's own: fetched on assignment, then those it commits.
+//
+// Waiting is, summed over the assigned partitions, the end offset minus the
+// committed offset, or minus the log start offset where nothing is
+// committed yet: what kadm's Lag and Kafka's kafka-consumer-groups.sh
+// report for the same partitions. Offsets, not records: transaction
+// markers, and on a compacted topic the offsets compaction emptied, count
+// too. Every member reports its own partitions; the group's lag is the sum
+// over its members, and a partition being moved is in neither while it has
+// no owner.
+//
+// InFlight is, of Waiting, the records this member has fetched and not yet
+// committed: handed out to the runtime, waiting in the Source for it, or
+// done and waiting for the next commit (see WithCommitInterval). Kafka
+// counts nothing in flight for a group; this member's handed-out share
+// alone is the runtime's Status().Held.
+//
+// OldestAge stays zero: Kafka tells a record's timestamp only by fetching
+// it.
+//
+// It fails with adapters.ErrClosed once the Source is closed, and with the
+// listing's error, naming the partition, while the brokers do not answer.
+// A partition's end is also kept for the custody.kafka.lag gauge.
+func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
+	var topics []string
+	uncommitted := false
+	s.mu.Lock()
+	if s.closing || s.closed {
+		s.mu.Unlock()
+		return adapters.Backlog{}, adapters.ErrClosed
+	}
+	for _, p := range s.order {
+		if p.fenced {
+			continue
+		}
+		if !slices.Contains(topics, p.topic) {
+			topics = append(topics, p.topic)
+		}
+		uncommitted = uncommitted || p.committed < 0
+	}
+	s.mu.Unlock()
+	if len(topics) == 0 {
+		return adapters.Backlog{}, nil
+	}
+
+	asked := time.Now()
+	ends, err := s.listEnds(ctx, topics)
+	if err != nil && len(ends) == 0 {
+		return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing end offsets: %w", s.cfg.group, err)
+	}
+	var starts kadm.ListedOffsets
+	if uncommitted {
+		starts, err = kadm.NewClient(s.cl).ListStartOffsets(ctx, topics...)
+		if err != nil && len(starts) == 0 {
+			return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing start offsets: %w", s.cfg.group, err)
+		}
+	}
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.noteEndsLocked(ends, asked)
+	var b adapters.Backlog
+	for _, p := range s.order {
+		if p.fenced {
+			continue
+		}
+		end, ok := ends.Lookup(p.topic, p.id)
+		if !ok || end.Err != nil {
+			// Assigned since the listing: its end is unknown. A listing
+			// error leaves a sum that would look like progress.
+			if !ok && !slices.Contains(topics, p.topic) {
+				continue
+			}
+			return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing the end offset of %s: %w", s.cfg.group, p.lane, listErr(end.Err))
+		}
+		from := p.committed
+		if from < 0 {
+			from = 0 // as kadm counts a partition whose start is unknown
+			if st, ok := starts.Lookup(p.topic, p.id); ok && st.Err == nil && st.Offset >= 0 {
+				from = st.Offset
+			}
+		}
+		b.Waiting += max(0, end.Offset-from)
+		if p.lastPolled >= from {
+			b.InFlight += max(0, min(p.lastPolled+1, end.Offset)-from)
+		}
+	}
+	return b, nil
+}
+
+// listErr is the error of a partition a listing left out.
+func listErr(err error) error {
+	if err == nil {
+		return errNotListed
+	}
+	return err
+}
+
+var errNotListed = errors.New("the brokers did not list it")
