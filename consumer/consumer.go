@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 
 	"github.com/custody-go/custody/adapters"
@@ -26,6 +27,12 @@ type Consumer struct {
 	state  atomic.Int32        // a State
 	cur    atomic.Pointer[run] // the run under way, or the last one
 	intake gate                // closed by Pause and by a tripped kill switch
+	// sourcePause serialises what an adapters.Pauser source is told, and
+	// remembers it, so that the source ends in the gate's latest state.
+	sourcePause struct {
+		sync.Mutex
+		paused bool
+	}
 
 	// stop is cancelled by Shutdown: Run stops receiving and drains.
 	stop    context.Context
@@ -146,9 +153,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.cur.Store(r)
 	if c.intake.closed() {
 		c.state.Store(int32(StatePaused))
-		if p, ok := c.src.(adapters.Pauser); ok {
-			p.Pause()
-		}
+		c.syncSourcePause()
 	} else {
 		c.state.Store(int32(StateRunning))
 	}

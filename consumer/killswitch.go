@@ -207,6 +207,7 @@ func (k *killSwitch) openLocked(now time.Time, why string) {
 	k.r.logs.log(logKillSwitchOpen, slog.String("reason", why), slog.Duration("cooldown", k.cfg.Cooldown))
 	k.r.c.intake.trip(true)
 	k.r.c.state.CompareAndSwap(int32(StateRunning), int32(StatePaused))
+	k.r.c.syncSourcePause()
 	if k.timer != nil && k.timer.Stop() {
 		k.timerWG.Done()
 	}
@@ -227,6 +228,7 @@ func (k *killSwitch) halfOpen() {
 	// Intake resumes so that there is something to probe with; what is
 	// not a probe waits as while the switch was open.
 	k.r.c.intake.trip(false)
+	k.r.c.syncSourcePause()
 	k.r.unparkAll(func(j *job) bool { return j.heldBySwitch })
 }
 

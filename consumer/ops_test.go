@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -238,4 +239,66 @@ func TestBacklogGaugeMatchesTheBrokersCount(t *testing.T) {
 			t.Errorf("%s not exported before the first message", name)
 		}
 	}
+}
+
+// pausingSource is a memory source that fetches ahead on its own, as a
+// Kafka source does: it records what the consumer tells it.
+type pausingSource struct {
+	*memory.Source
+	mu     sync.Mutex
+	paused bool
+}
+
+func (s *pausingSource) Pause()  { s.mu.Lock(); s.paused = true; s.mu.Unlock() }
+func (s *pausingSource) Resume() { s.mu.Lock(); s.paused = false; s.mu.Unlock() }
+func (s *pausingSource) isPaused() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.paused
+}
+
+// A source that fetches ahead stops fetching while either Pause or a
+// tripped kill switch holds intake, and fetches again only once neither
+// does: the kill switch closing does not undo the caller's Pause, nor
+// Resume the switch's.
+func TestSourceFetchesOnlyWhileNeitherPauseNorTheKillSwitchHoldsIntake(t *testing.T) {
+	e := newEnv(t, memory.QueueOptions{Lease: time.Minute})
+	const n = 60
+	for i := range n {
+		e.publish(strconv.Itoa(i))
+	}
+	var down atomic.Bool
+	down.Store(true)
+	src := &pausingSource{Source: e.source()}
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if down.Load() {
+			return errors.New("payments API: connection refused")
+		}
+		return nil
+	}), consumer.WithLogger(testlog.New(t)), consumer.WithConcurrency(8), consumer.WithMaxInFlight(40),
+		consumer.WithRetry(consumer.Retry{MaxAttempts: 3, Backoff: consumer.ConstantBackoff(50 * time.Millisecond)}),
+		consumer.WithKillSwitch(consumer.KillSwitch{MinAttempts: 10, Ratio: 0.5, Cooldown: 200 * time.Millisecond, Probes: 2}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	waitFor(t, "the kill switch to trip", func() bool { return c.Status().KillSwitch == "open" })
+	if !src.isPaused() {
+		t.Fatal("the kill switch tripped and the source was not paused")
+	}
+	c.Pause(consumer.FinishHeld)
+	down.Store(false) // the held messages probe, and the switch closes
+	waitFor(t, "the kill switch to close", func() bool { return c.Status().KillSwitch == "closed" })
+	if !src.isPaused() {
+		t.Fatal("the kill switch closed while the consumer was paused, and the source was resumed")
+	}
+	c.Resume()
+	if src.isPaused() {
+		t.Fatal("Resume left the source paused")
+	}
+	waitFor(t, "every message acked", func() bool { return e.stats("q").Acked == n })
 }

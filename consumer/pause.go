@@ -45,20 +45,38 @@ func (c *Consumer) Resume() {
 	c.reportPaused(false)
 }
 
-// reportPaused tells the source, if it fetches ahead on its own
-// (adapters.Pauser), and records the state.
+// reportPaused records the state and tells the source, if it fetches
+// ahead on its own (adapters.Pauser).
 func (c *Consumer) reportPaused(paused bool) {
-	if p, ok := c.src.(adapters.Pauser); ok && c.cur.Load() != nil {
-		if paused {
-			p.Pause()
-		} else {
-			p.Resume()
-		}
-	}
+	c.syncSourcePause()
 	if paused {
 		c.state.CompareAndSwap(int32(StateRunning), int32(StatePaused))
 	} else if !c.intake.closed() {
 		c.state.CompareAndSwap(int32(StatePaused), int32(StateRunning))
+	}
+}
+
+// syncSourcePause tells a source that fetches ahead on its own
+// (adapters.Pauser) whether intake is stopped, by Pause or by the kill
+// switch, whichever changed it: the source fetches only while neither
+// holds intake. Nothing is told before Run (which tells it at its start).
+func (c *Consumer) syncSourcePause() {
+	p, ok := c.src.(adapters.Pauser)
+	if !ok || c.cur.Load() == nil {
+		return
+	}
+	sp := &c.sourcePause
+	sp.Lock()
+	defer sp.Unlock()
+	closed := c.intake.closed()
+	if closed == sp.paused {
+		return
+	}
+	sp.paused = closed
+	if closed {
+		p.Pause()
+	} else {
+		p.Resume()
 	}
 }
 
