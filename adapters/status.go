@@ -77,8 +77,10 @@ type BacklogReporter interface {
 
 // Pauser is implemented by sources that fetch ahead of Receive on their
 // own (a Kafka client's fetches): the runtime tells them when the consumer
-// pauses intake, so that they stop fetching without giving up what they
-// hold (a paused Kafka partition stays assigned), and when it resumes.
+// stops intake (Pause, or a tripped kill switch), so that they stop
+// fetching without giving up what they hold (a paused Kafka partition stays
+// assigned), and when intake starts again. Calls are serialised and
+// alternate: Pause, then Resume, then Pause.
 type Pauser interface {
 	Pause()
 	Resume()
