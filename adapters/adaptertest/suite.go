@@ -6,6 +6,26 @@
 // timing policy (fetching ahead, renewing leases, batching and retrying acks)
 // to the runtime.
 //
+// The checks named Batch... run the runtime with a batch handler
+// (consumer.NewBatch), since a batch holds many deliveries at once, from
+// several receives and lanes, and an adapter's per-delivery bookkeeping
+// (receipts, delivery tags, offsets, pending entries) must keep each one
+// apart: each message of a batch is acked only once its effect is done,
+// failed ones come back with their attempt counted, one left without an
+// outcome is not acked, and a permanent failure reaches the dead-letter
+// destination with its diagnostics while its batch-mates are acked
+// (BatchOutcomesPerMessage); a consumer cut off or stopped in the middle of
+// a batch loses nothing, and where the Source can be cut off the batch's
+// context ends with the loss (BatchCrashLosesNothing); a batch running for
+// several leases keeps every message's lease, those waiting behind it too
+// (BatchKeepsLeases), and one held past the maximum processing time has its
+// context cancelled with adapters.ErrLeaseLost and acks nothing
+// (BatchLeaseLostCancelsContext); on an ordered queue, a key's messages
+// after a failed one of its batch run again after it, never ahead, other
+// keys untouched (BatchOrderPerLane); and a shutdown lets running batches
+// finish and gives back the rest, a message waiting in place for its retry
+// and its lane included (BatchShutdownDrains).
+//
 // An adapter's test fills in a [Harness] and calls [Run]. Tests that need
 // something the broker or the harness does not offer (a lease, an ordered
 // queue, a way to cut a Source off from the broker) skip with a message
@@ -68,6 +88,12 @@ var checks = []struct {
 	{"MaxReceive", testMaxReceive},
 	{"ConcurrentReceives", testConcurrentReceives},
 	{"SignalPerDelivery", testSignalPerDelivery},
+	{"BatchOutcomesPerMessage", testBatchOutcomes},
+	{"BatchCrashLosesNothing", testBatchCrash},
+	{"BatchKeepsLeases", testBatchKeepsLeases},
+	{"BatchLeaseLostCancelsContext", testBatchLeaseLost},
+	{"BatchOrderPerLane", testBatchOrderPerLane},
+	{"BatchShutdownDrains", testBatchShutdownDrains},
 }
 
 // checkNamed returns the check called name, or nil.
@@ -156,6 +182,11 @@ func start(t *testing.T, src adapters.Source, h consumer.Handler, opts ...consum
 	if err != nil {
 		t.Fatalf("consumer.New: %v", err)
 	}
+	return launch(t, c)
+}
+
+// launch runs c in the background until the test ends or stop is called.
+func launch(t *testing.T, c *consumer.Consumer) *started {
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &started{t: t, cancel: cancel, done: make(chan error, 1)}
 	go func() { s.done <- c.Run(ctx) }()
