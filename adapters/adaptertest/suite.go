@@ -24,7 +24,8 @@
 // after a failed one of its batch run again after it, never ahead, other
 // keys untouched (BatchOrderPerLane); and a shutdown lets running batches
 // finish and gives back the rest, a message waiting in place for its retry
-// and its lane included (BatchShutdownDrains).
+// and its lane included (BatchShutdownDrains). The Batch checks run in
+// parallel with one another, after the others, each on a queue of its own.
 //
 // An adapter's test fills in a [Harness] and calls [Run]. Tests that need
 // something the broker or the harness does not offer (a lease, an ordered
@@ -47,11 +48,14 @@ import (
 	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
-// checks are the suite's tests, by name.
-var checks = []struct {
+// A check is one of the suite's tests, by name.
+type check struct {
 	name string
 	fn   func(*testing.T, Harness)
-}{
+}
+
+// checks are the suite's tests that run one after another.
+var checks = []check{
 	{"EffectThenAck", testEffectThenAck},
 	{"RedeliveryAfterFailure", testRedeliveryAfterFailure},
 	{"RedeliveryAfterCrash", testRedeliveryAfterCrash},
@@ -88,6 +92,12 @@ var checks = []struct {
 	{"MaxReceive", testMaxReceive},
 	{"ConcurrentReceives", testConcurrentReceives},
 	{"SignalPerDelivery", testSignalPerDelivery},
+}
+
+// batchChecks run the runtime with a batch handler. They run in parallel
+// with one another, after the others: each spends most of its time waiting
+// for leases and quiet periods, on a queue of its own.
+var batchChecks = []check{
 	{"BatchOutcomesPerMessage", testBatchOutcomes},
 	{"BatchCrashLosesNothing", testBatchCrash},
 	{"BatchKeepsLeases", testBatchKeepsLeases},
@@ -98,7 +108,7 @@ var checks = []struct {
 
 // checkNamed returns the check called name, or nil.
 func checkNamed(name string) func(*testing.T, Harness) {
-	for _, c := range checks {
+	for _, c := range append(checks[:len(checks):len(checks)], batchChecks...) {
 		if c.name == name {
 			return c.fn
 		}
@@ -122,6 +132,15 @@ func Run(t *testing.T, h Harness) {
 			if why, ok := h.Pending[tc.name]; ok {
 				t.Skip("pending: " + why)
 			}
+			tc.fn(t, h)
+		})
+	}
+	for _, tc := range batchChecks {
+		t.Run(tc.name, func(t *testing.T) {
+			if why, ok := h.Pending[tc.name]; ok {
+				t.Skip("pending: " + why)
+			}
+			t.Parallel()
 			tc.fn(t, h)
 		})
 	}
