@@ -100,7 +100,9 @@
 // once (a bulk insert, one produce call) and takes a result per message:
 // the ones it marks done are acked, the others are retried or dead-lettered
 // on their own, exactly as single messages are. The guarantees above hold
-// message by message.
+// message by message; a batch's context serves all its messages, so the
+// loss of any one's delivery cancels it, and the batch-mates it cut short
+// run again without using up an attempt.
 //
 // # Operations
 //

@@ -21,11 +21,18 @@ import (
 // Outcomes follow the effects they report: mark a message done only once
 // its effect is durable.
 //
-// HandleBatch must honour ctx, which is cancelled at the handler timeout
-// and at the shutdown deadline. A message whose delivery is lost while its
-// batch runs (its lease, its channel, its partition) is settled as a single
-// message's would be: its outcome counts only where the broker may still
-// take its ack.
+// HandleBatch must honour ctx, which is cancelled at the handler timeout,
+// at the shutdown deadline, and when the delivery of any message of the
+// batch is lost while the batch runs (its lease could not be kept, its
+// channel closed, its partition was revoked); context.Cause then says why,
+// as for a Handler. The broker hands a lost message to another consumer: a
+// bulk effect that went on would run beside that consumer's. The lost
+// message is settled as a single message's would be: its outcome counts
+// only where the broker may still take its ack (a lease that merely ran
+// out). Its batch-mates keep their outcomes: one recorded done is acked;
+// one that failed once ctx was cancelled (with HandleBatch's error, or an
+// error recorded for it) is taken to have failed for the cut, not for
+// itself, and runs again at once, using up no attempt.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, b *Batch) error
 }

@@ -173,19 +173,33 @@ func (r *run) runBatch(js []*job) {
 		m.batch, m.batchPos = b, i
 		b.Messages[i] = m
 	}
-	errs := r.callBatchHandler(js, b, attempts)
-	r.settleBatch(js, attempts, errs)
+	errs, cut := r.callBatchHandler(js, b, attempts)
+	r.settleBatch(js, attempts, errs, cut)
 }
 
 // callBatchHandler calls the batch handler with its own context, span and panic
 // recovery, and returns each job's error: the batch's, when the handler
 // failed as a whole (an error, a panic, runtime.Goexit), else the outcome
-// it recorded for each message.
-func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []error) {
+// it recorded for each message. It reports whether the loss of one of the
+// batch's deliveries cut the batch short (cancelled its context).
+//
+// The batch's context is the context of every message's attempt at once:
+// the loss of any of its deliveries (a lease that could not be kept, a
+// closed channel, a revoked partition) cancels it, with the loss as its
+// cause, as a Handler's context is cancelled by its delivery's. The broker
+// hands a lost message to another consumer; a bulk effect that went on
+// would run beside that consumer's. The context is cancelled, too, once
+// the handler returned: a goroutine it left running sees that.
+func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []error, cut bool) {
 	ctx := r.handlerCtx
 	var span trace.Span
 	if r.tel.spans() {
 		ctx, span = r.tel.tracer.Start(ctx, r.batchSpanName, r.tel.batchSpanOptions(r.cfg.propagator, js)...)
+	}
+	ctx, cancelOnLoss := context.WithCancelCause(ctx)
+	lossCtx := ctx
+	for _, j := range js {
+		j.d.Signal.OnLost(cancelOnLoss) // at once if it is lost already
 	}
 	if t := r.cfg.handlerTimeout; t > 0 {
 		var cancel context.CancelFunc
@@ -202,6 +216,13 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 	var err error
 	defer func() {
 		p := recover()
+		for _, j := range js {
+			j.d.Signal.OnLost(nil)
+		}
+		// Cut by a loss, not by the shutdown deadline, which cancels
+		// r.handlerCtx, and lossCtx with it.
+		cut = lossCtx.Err() != nil && r.handlerCtx.Err() == nil
+		cancelOnLoss(nil)
 		switch {
 		case p != nil:
 			pe := &PanicError{Value: p, Stack: debug.Stack()}
@@ -234,23 +255,24 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 				errs[i] = e
 			}
 		}
-		r.recordBatch(js, errs, start, timed, span)
+		r.recordBatch(js, errs, cut, start, timed, span)
 		if !returned && p == nil {
-			r.settleBatch(js, attempts, errs) // Goexit: nothing after this runs
+			r.settleBatch(js, attempts, errs, cut) // Goexit: nothing after this runs
 		}
 	}()
 	r.running.Add(int64(len(js)))
 	defer r.running.Add(-int64(len(js)))
 	err = r.batchHandler().HandleBatch(ctx, b)
 	returned = true
-	return errs
+	return errs, cut
 }
 
 func (r *run) batchHandler() BatchHandler { return r.c.batchHandler }
 
 // recordBatch records the batch's duration under each message's result,
-// and ends the batch's span.
-func (r *run) recordBatch(js []*job, errs []error, start time.Time, timed bool, span trace.Span) {
+// and ends the batch's span. A message that failed once the batch was cut
+// short (by a loss, or the shutdown deadline) is recorded as cancelled.
+func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Time, timed bool, span trace.Span) {
 	var took float64
 	if timed {
 		took = time.Since(start).Seconds()
@@ -259,7 +281,7 @@ func (r *run) recordBatch(js []*job, errs []error, start time.Time, timed bool, 
 	for i, j := range js {
 		res := r.tel.resultOK
 		if e := errs[i]; e != nil {
-			cut := j.lostCause() != nil || r.handlerCtx.Err() != nil
+			cut := batchCut || j.lostCause() != nil || r.handlerCtx.Err() != nil
 			switch {
 			case IsUnavailable(e) && !cut:
 				res = r.tel.resultUnavailable
@@ -290,8 +312,9 @@ func (r *run) recordBatch(js []*job, errs []error, start time.Time, timed bool, 
 // the batch are neither acked nor given back: they go back to the front of
 // the lane's queue, behind the failed one, and run again after it, whatever
 // the handler recorded for them, so that no message of a lane is settled
-// ahead of an earlier one.
-func (r *run) settleBatch(js []*job, attempts []int, errs []error) {
+// ahead of an earlier one. cut says the loss of one of the batch's
+// deliveries cut the batch short: see runAgainAfterCut.
+func (r *run) settleBatch(js []*job, attempts []int, errs []error, cut bool) {
 	var acks []*job
 	for start := 0; start < len(js); {
 		end := start + 1
@@ -300,7 +323,7 @@ func (r *run) settleBatch(js []*job, attempts []int, errs []error) {
 				end++
 			}
 		}
-		acks = r.settleGroup(js[start:end], attempts[start:end], errs[start:end], acks)
+		acks = r.settleGroup(js[start:end], attempts[start:end], errs[start:end], cut, acks)
 		start = end
 	}
 	r.acks.addAll(acks)
@@ -308,7 +331,7 @@ func (r *run) settleBatch(js []*job, attempts []int, errs []error) {
 
 // settleGroup settles the jobs of one lane (or one unordered job), and
 // appends those to ack to acks.
-func (r *run) settleGroup(g []*job, attempts []int, errs []error, acks []*job) []*job {
+func (r *run) settleGroup(g []*job, attempts []int, errs []error, cut bool, acks []*job) []*job {
 	k := len(g) - 1
 	for i, j := range g {
 		if breaksLane(j, errs[i]) {
@@ -323,7 +346,11 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error, acks []*job) [
 	for i := 0; i <= k; i++ {
 		j := g[i]
 		j.batched = true // the lane is passed on below, once; the acks are sent together
-		parked = r.afterAttempt(j, attempts[i], errs[i])
+		if cut && errs[i] != nil && j.lostCause() == nil && r.handlerCtx.Err() == nil {
+			parked = r.runAgainAfterCut(j)
+		} else {
+			parked = r.afterAttempt(j, attempts[i], errs[i])
+		}
 		if !parked {
 			if j.settling.how.acks() {
 				acks = append(acks, j)
@@ -335,6 +362,20 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error, acks []*job) [
 		r.next(g[k])
 	}
 	return acks
+}
+
+// runAgainAfterCut parks j, whose attempt failed in a batch that the loss
+// of another of its deliveries cut short, to run again at once. The failure
+// is taken for the cut's doing, not the message's: it uses up no attempt
+// (the message runs again with the same Attempt), counts for no kill
+// switch, and never dead-letters the message. It waits in place, not at the
+// broker, whose delivery count a redelivery would raise; its lane, if any,
+// waits with it. It reports that j was parked.
+func (r *run) runAgainAfterCut(j *job) (parked bool) {
+	r.logs.log(logBatchCut, slog.String("id", j.d.ID))
+	j.failure = nil // given back at once should the drain begin meanwhile
+	r.park(j, minBackoff)
+	return true
 }
 
 // breaksLane reports whether a lane's later jobs must not be settled ahead

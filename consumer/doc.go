@@ -105,6 +105,21 @@
 // [BatchMiddleware], as Chain does a Handler (the idempotency package has
 // one for batches).
 //
+// A batch's context is every one of its messages' context at once. When
+// the delivery of any of them is lost while the batch runs (its lease
+// could not be kept, its channel closed, its partition was revoked), the
+// context is cancelled and context.Cause says why, as for a Handler: the
+// broker hands that message to another consumer, and the batch's effect
+// must not run on beside it. The lost message is settled as a Handler's
+// would be (acked if it was done and only its lease ran out; else left to
+// the broker, which delivers it again). Its batch-mates keep their
+// outcomes: those recorded done are acked; those that failed once the
+// context was cancelled (with HandleBatch's error, or an error recorded
+// for them) failed for the cut, not for themselves, and run again at once,
+// in place and in their lanes' order, using up no attempt and never
+// dead-lettered for it. A bulk effect that is all or nothing loses nothing
+// by stopping at the cancellation and returning its error.
+//
 // # Concurrency and order
 //
 // [WithConcurrency] handlers run at once. Deliveries the adapter marks with an
@@ -166,7 +181,8 @@
 //
 //   - DEBUG: a failed attempt whose message is tried again after a backoff
 //     ("attempt", "max_attempts", "retry_in", "retry": "in place" or
-//     "redelivered", "error"), and a deferred one ([Defer]); a message given
+//     "redelivered", "error"), and a deferred one ([Defer]); a message of a
+//     batch cut short by the loss of another, run again; a message given
 //     back to the broker ("reason": "shutdown", "shutdown deadline",
 //     "recalled by the adapter", "behind a lost message", "handler called
 //     Goexit"), or left to its lease at shutdown.

@@ -27,6 +27,7 @@ type logKind uint8
 const (
 	logRetry logKind = iota
 	logDeferred
+	logBatchCut
 	logUnavailable
 	logDeadLettered
 	logNoDeadLetter
@@ -63,6 +64,7 @@ var logLines = [numLogKinds]struct {
 }{
 	logRetry:              {slog.LevelDebug, "custody: handler failed; the message is retried after a backoff"},
 	logDeferred:           {slog.LevelDebug, "custody: handler deferred the message; it is tried again later without using up an attempt"},
+	logBatchCut:           {slog.LevelDebug, "custody: batch cut short by the loss of another of its messages; the message runs again without using up an attempt"},
 	logUnavailable:        {slog.LevelWarn, "custody: a dependency is unavailable; the message waits in place without using up an attempt"},
 	logDeadLettered:       {slog.LevelWarn, "custody: message dead-lettered"},
 	logNoDeadLetter:       {slog.LevelError, "custody: message failed for good and there is no dead-letter destination (WithDeadLetter); it is retried after a backoff"},

@@ -23,6 +23,10 @@ type parking struct {
 // consumer timeout), the wait ends no later than the maximum processing
 // time, counted from the receive, when process gives the delivery back.
 func (r *run) park(j *job, delay time.Duration) {
+	// Parked, a job leaves the batch that ran it: whatever settles it next
+	// (its dead-letter write, the drain, a loss) passes its lane on and
+	// queues its ack itself, as for a job no batch holds.
+	j.batched = false
 	if r.keeper == nil {
 		delay = min(delay, max(time.Until(r.holdEnd(j)), 0))
 	}

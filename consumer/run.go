@@ -90,7 +90,8 @@ type job struct {
 	// behind the lane's running job; such a job does not hold its lane.
 	queued bool
 	// batched is set while a batch settles the job: the batch, not the
-	// job's settlement, passes its lane on.
+	// job's settlement, passes its lane on and queues its ack. Cleared
+	// when the batch is done with the job, or parks it.
 	batched bool
 	// heldBySwitch is set while the job waits for the kill switch to let
 	// it run.

@@ -6,6 +6,27 @@
 // timing policy (fetching ahead, renewing leases, batching and retrying acks)
 // to the runtime.
 //
+// The checks named Batch... run the runtime with a batch handler
+// (consumer.NewBatch), since a batch holds many deliveries at once, from
+// several receives and lanes, and an adapter's per-delivery bookkeeping
+// (receipts, delivery tags, offsets, pending entries) must keep each one
+// apart: each message of a batch is acked only once its effect is done,
+// failed ones come back with their attempt counted, one left without an
+// outcome is not acked, and a permanent failure reaches the dead-letter
+// destination with its diagnostics while its batch-mates are acked
+// (BatchOutcomesPerMessage); a consumer cut off or stopped in the middle of
+// a batch loses nothing, and where the Source can be cut off the batch's
+// context ends with the loss (BatchCrashLosesNothing); a batch running for
+// several leases keeps every message's lease, those waiting behind it too
+// (BatchKeepsLeases), and one held past the maximum processing time has its
+// context cancelled with adapters.ErrLeaseLost and acks nothing
+// (BatchLeaseLostCancelsContext); on an ordered queue, a key's messages
+// after a failed one of its batch run again after it, never ahead, other
+// keys untouched (BatchOrderPerLane); and a shutdown lets running batches
+// finish and gives back the rest, a message waiting in place for its retry
+// and its lane included (BatchShutdownDrains). The Batch checks run in
+// parallel with one another, after the others, each on a queue of its own.
+//
 // An adapter's test fills in a [Harness] and calls [Run]. Tests that need
 // something the broker or the harness does not offer (a lease, an ordered
 // queue, a way to cut a Source off from the broker) skip with a message
@@ -27,11 +48,14 @@ import (
 	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
-// checks are the suite's tests, by name.
-var checks = []struct {
+// A check is one of the suite's tests, by name.
+type check struct {
 	name string
 	fn   func(*testing.T, Harness)
-}{
+}
+
+// checks are the suite's tests that run one after another.
+var checks = []check{
 	{"EffectThenAck", testEffectThenAck},
 	{"RedeliveryAfterFailure", testRedeliveryAfterFailure},
 	{"RedeliveryAfterCrash", testRedeliveryAfterCrash},
@@ -70,9 +94,21 @@ var checks = []struct {
 	{"SignalPerDelivery", testSignalPerDelivery},
 }
 
+// batchChecks run the runtime with a batch handler. They run in parallel
+// with one another, after the others: each spends most of its time waiting
+// for leases and quiet periods, on a queue of its own.
+var batchChecks = []check{
+	{"BatchOutcomesPerMessage", testBatchOutcomes},
+	{"BatchCrashLosesNothing", testBatchCrash},
+	{"BatchKeepsLeases", testBatchKeepsLeases},
+	{"BatchLeaseLostCancelsContext", testBatchLeaseLost},
+	{"BatchOrderPerLane", testBatchOrderPerLane},
+	{"BatchShutdownDrains", testBatchShutdownDrains},
+}
+
 // checkNamed returns the check called name, or nil.
 func checkNamed(name string) func(*testing.T, Harness) {
-	for _, c := range checks {
+	for _, c := range append(checks[:len(checks):len(checks)], batchChecks...) {
 		if c.name == name {
 			return c.fn
 		}
@@ -96,6 +132,15 @@ func Run(t *testing.T, h Harness) {
 			if why, ok := h.Pending[tc.name]; ok {
 				t.Skip("pending: " + why)
 			}
+			tc.fn(t, h)
+		})
+	}
+	for _, tc := range batchChecks {
+		t.Run(tc.name, func(t *testing.T) {
+			if why, ok := h.Pending[tc.name]; ok {
+				t.Skip("pending: " + why)
+			}
+			t.Parallel()
 			tc.fn(t, h)
 		})
 	}
@@ -156,6 +201,11 @@ func start(t *testing.T, src adapters.Source, h consumer.Handler, opts ...consum
 	if err != nil {
 		t.Fatalf("consumer.New: %v", err)
 	}
+	return launch(t, c)
+}
+
+// launch runs c in the background until the test ends or stop is called.
+func launch(t *testing.T, c *consumer.Consumer) *started {
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &started{t: t, cancel: cancel, done: make(chan error, 1)}
 	go func() { s.done <- c.Run(ctx) }()
