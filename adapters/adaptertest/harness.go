@@ -19,7 +19,7 @@ type Harness struct {
 	// NewQueue creates a fresh, empty queue (or topic, or subscription) for
 	// one test, with a dead-letter destination beside it, and registers its
 	// clean-up with t.Cleanup. It calls t.Skip when the broker cannot offer
-	// what cfg asks for. The Batch checks run in parallel with one another
+	// what cfg asks for. The checks run in parallel with one another
 	// (t.Parallel): NewQueue, and the functions of the Queues it returns,
 	// must be safe to call from several tests at once.
 	NewQueue func(t *testing.T, cfg QueueConfig) *Queue

@@ -24,8 +24,11 @@
 // after a failed one of its batch run again after it, never ahead, other
 // keys untouched (BatchOrderPerLane); and a shutdown lets running batches
 // finish and gives back the rest, a message waiting in place for its retry
-// and its lane included (BatchShutdownDrains). The Batch checks run in
-// parallel with one another, after the others, each on a queue of its own.
+// and its lane included (BatchShutdownDrains).
+//
+// Every check runs on a queue of its own, in parallel with the others
+// (t.Parallel), as many at once as -test.parallel allows: most of their
+// time is spent waiting for leases and quiet periods.
 //
 // An adapter's test fills in a [Harness] and calls [Run]. Tests that need
 // something the broker or the harness does not offer (a lease, an ordered
@@ -54,7 +57,8 @@ type check struct {
 	fn   func(*testing.T, Harness)
 }
 
-// checks are the suite's tests that run one after another.
+// checks are the suite's tests. They run in parallel with one another
+// (each on a queue of its own), as many at once as -test.parallel allows.
 var checks = []check{
 	{"EffectThenAck", testEffectThenAck},
 	{"RedeliveryAfterFailure", testRedeliveryAfterFailure},
@@ -132,6 +136,7 @@ func Run(t *testing.T, h Harness) {
 			if why, ok := h.Pending[tc.name]; ok {
 				t.Skip("pending: " + why)
 			}
+			t.Parallel()
 			tc.fn(t, h)
 		})
 	}

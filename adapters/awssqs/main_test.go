@@ -7,9 +7,11 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/custody-go/custody/internal/testkit/sqsemu"
+	"github.com/custody-go/custody/internal/testkit/testparallel"
 )
 
 func TestMain(m *testing.M) {
+	testparallel.AtLeast(8) // the conformance checks wait on visibility timeouts
 	code := m.Run()
 	if code == 0 {
 		// Every Source and consumer a test started must have stopped its

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/custody-go/custody/internal/testkit/testparallel"
 )
 
 // TestMain runs the tests, or, in a child process a test started, the
@@ -14,5 +16,6 @@ func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) != "" {
 		os.Exit(runChild())
 	}
+	testparallel.AtLeast(8) // the conformance checks wait on leases and quiet periods
 	goleak.VerifyTestMain(m)
 }
