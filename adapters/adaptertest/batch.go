@@ -254,24 +254,7 @@ func testBatchKeepsLeases(t *testing.T, h Harness) {
 	waitFor(t, "every message handled and the long batch done", func() bool {
 		return slowDone.Load() && rec.distinct() == len(bodies)
 	})
-	if err := a.stop(); err != nil {
-		t.Errorf("Run: %v", err)
-	}
-	if err := b.stop(); err != nil {
-		t.Errorf("Run: %v", err)
-	}
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	for _, body := range bodies {
-		got := rec.attempts[body]
-		if len(got) != 1 {
-			t.Errorf("message %q handled %d times (attempts %v), want once: its lease ran out while a batch held it", body, len(got), got)
-			continue
-		}
-		if counts && got[0] != 1 {
-			t.Errorf("message %q handled on delivery %d, want 1: its lease ran out while a batch held it, and the broker delivered it again", body, got[0])
-		}
-	}
+	stopAndExpectOnce(t, rec, bodies, counts, "while a batch held it", a, b)
 }
 
 // testBatchLeaseLost holds a batch past the maximum processing time, as
