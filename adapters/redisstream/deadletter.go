@@ -111,10 +111,13 @@ func (q *DeadLetter) Stream() string { return q.stream }
 // order, atomically: a failing XADD (the key replaced by another type, say)
 // stops the script before the XACK. (MULTI/EXEC would run the XACK even
 // after the XADD failed at run time, acking an original whose copy was never
-// stored.) It returns {copy id, entries acked}.
+// stored.) With ARGV[4] = 1 (the Source's WithDeleteOnAck) it deletes the
+// original from its stream too, as the Source's own ack would. It returns
+// {copy id, entries acked}.
 //
 //	KEYS[1] dead-letter stream, KEYS[2] the original's stream
-//	ARGV[1] group, ARGV[2] original id, ARGV[3] MAXLEN (0: none), ARGV[4..] field, value pairs
+//	ARGV[1] group, ARGV[2] original id, ARGV[3] MAXLEN (0: none),
+//	ARGV[4] delete the original (0 or 1), ARGV[5..] field, value pairs
 var deadLetterScript = redis.NewScript(`
 local args = {'XADD', KEYS[1]}
 if tonumber(ARGV[3]) > 0 then
@@ -123,9 +126,10 @@ if tonumber(ARGV[3]) > 0 then
   args[#args + 1] = ARGV[3]
 end
 args[#args + 1] = '*'
-for i = 4, #ARGV do args[#args + 1] = ARGV[i] end
+for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
 local id = redis.call(unpack(args))
 local acked = redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[4] == '1' then redis.call('XDEL', KEYS[2], ARGV[2]) end
 return {id, acked}
 `)
 
@@ -143,8 +147,12 @@ const maxDiagnostics = 32
 func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	fields := q.fields(d, f)
 	if src, ok := q.settles(d); ok {
-		args := make([]any, 0, 3+len(fields))
-		args = append(args, src.group, d.ID, q.maxLen)
+		del := 0
+		if src.opts.deleteOnAck {
+			del = 1
+		}
+		args := make([]any, 0, 4+len(fields))
+		args = append(args, src.group, d.ID, q.maxLen, del)
 		for _, v := range fields {
 			args = append(args, v)
 		}

@@ -180,3 +180,32 @@ func TestNewDeadLetterChecksTheKey(t *testing.T) {
 		t.Error("NewDeadLetter on a string key returned no error")
 	}
 }
+
+// TestDeadLetterDeletesTheOriginalUnderDeleteOnAck: with WithDeleteOnAck an
+// acked entry leaves the stream, and so must one whose dead letter
+// acknowledged it, or a stream trimmed by deletion alone keeps every poison
+// entry for ever.
+func TestDeadLetterDeletesTheOriginalUnderDeleteOnAck(t *testing.T) {
+	e := newEnv(t)
+	e.publish("good", "poison")
+	dlq, err := NewDeadLetter(e.ctx(), e.client, e.dlq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := e.open(WithDeleteOnAck())
+	s := start(t, src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "poison" {
+			return consumer.Permanent(errors.New("cannot parse"))
+		}
+		return nil
+	}), consumer.WithDeadLetter(dlq))
+	waitFor(t, "a dead letter", func() bool { n, _ := e.client.XLen(e.ctx(), e.dlq).Result(); return n > 0 })
+	waitFor(t, "nothing pending", func() bool { return len(e.pending()) == 0 })
+	waitFor(t, "both entries deleted from the stream", func() bool { n, _ := e.client.XLen(e.ctx(), e.stream).Result(); return n == 0 })
+	if err := s.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if n, _ := e.client.XLen(e.ctx(), e.dlq).Result(); n != 1 {
+		t.Fatalf("dead-letter stream holds %d entries, want 1", n)
+	}
+}

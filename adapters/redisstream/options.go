@@ -146,7 +146,8 @@ func WithBodyField(name string) Option {
 }
 
 // WithDeleteOnAck makes Ack delete the acknowledged entries from the stream
-// (XDEL) after XACK, in the same round trip. Use it only when this group is
+// (XDEL) after XACK, in the same round trip; an entry a DeadLetter of this
+// client acknowledges is deleted in the same script. Use it only when this group is
 // the stream's only reader: XDEL deletes the entry for every group. Default
 // off: entries stay until the stream is trimmed.
 func WithDeleteOnAck() Option {
