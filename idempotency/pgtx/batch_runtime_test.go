@@ -14,7 +14,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/memory"
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency/internal/teststores"
@@ -50,7 +49,7 @@ func TestBatchExactlyOnceUnderFaults(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	var batchFaults, messageFaults, ackFaults, crashes atomic.Int64
+	var batchFaults, messageFaults atomic.Int64
 	h := f.batchHandler(t, func(ctx context.Context, tx pgx.Tx, b *consumer.Batch) error {
 		var write []*consumer.Message
 		for _, m := range b.Messages {
@@ -71,92 +70,22 @@ func TestBatchExactlyOnceUnderFaults(t *testing.T) {
 		return nil
 	}, pgtx.WithOverlapRetryDelay(20*time.Millisecond))
 
-	faults := memory.Faults{Ack: func(*adapters.Delivery) error {
-		if rand.N(20) == 0 {
-			ackFaults.Add(1)
-			return errors.New("injected ack failure")
-		}
-		return nil
-	}}
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
-	type process struct {
-		src    *memory.Source
-		cancel context.CancelFunc
-		done   chan error
-	}
-	start := func() *process {
-		src, err := broker.Source(queue, memory.WithPollWait(50*time.Millisecond), memory.WithFaults(faults))
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := consumer.NewBatch(src, h,
+	ackFaults, crashes := crashRun(t, ctx, broker, queue, 2, func(src *memory.Source) (*consumer.Consumer, error) {
+		return consumer.NewBatch(src, h,
 			consumer.WithBatchSize(100),
 			consumer.WithConcurrency(4),
 			consumer.WithRetry(consumer.Retry{MaxAttempts: 1000, Backoff: consumer.ConstantBackoff(5 * time.Millisecond)}),
 			consumer.WithShutdownTimeout(10*time.Second),
 			consumer.WithLogger(quiet),
 		)
-		if err != nil {
-			t.Fatal(err)
-		}
-		rctx, cancel := context.WithCancel(ctx)
-		p := &process{src: src, cancel: cancel, done: make(chan error, 1)}
-		go func() { p.done <- c.Run(rctx) }()
-		return p
-	}
-	stop := func(p *process) {
-		p.cancel()
-		select {
-		case <-p.done:
-		case <-time.After(60 * time.Second):
-			t.Fatal("a consumer did not stop within 60s")
-		}
-	}
-	procs := []*process{start(), start()}
-	drained := func() bool {
-		st, err := broker.Stats(queue)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st.Visible == 0 && st.InFlight == 0
-	}
-	deadline := time.Now().Add(5 * time.Minute)
-	for i := 0; !drained(); i++ {
-		if time.Now().After(deadline) {
-			st, _ := broker.Stats(queue)
-			t.Fatalf("queue not drained after 5 minutes: %+v", st)
-		}
-		time.Sleep(20 * time.Millisecond)
-		// Every 250ms, for the first dozen times, one process dies
-		// holding its batches and a new one takes its place.
-		if i%12 == 11 && crashes.Load() < 12 {
-			victim := procs[0]
-			procs = append(procs[1:], start())
-			victim.src.Crash()
-			crashes.Add(1)
-			stop(victim)
-		}
-	}
-	for _, p := range procs {
-		stop(p)
-	}
-
-	var rows, distinct int
-	if err := f.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT message_id) FROM `+f.effects).Scan(&rows, &distinct); err != nil {
-		t.Fatal(err)
-	}
-	seq := f.duplicates(t, "sequential")
+	})
+	seq := f.expectEachEffectOnce(t, ctx, n)
 	t.Logf("%d messages (%d deliveries published): %d message faults, %d batch faults, %d ack faults, %d crashes; %d sequential and %d overlapping duplicates absorbed",
-		n, len(msgs), messageFaults.Load(), batchFaults.Load(), ackFaults.Load(), crashes.Load(), seq, f.duplicates(t, "overlapping"))
-	if rows != n || distinct != n {
-		t.Fatalf("effect table has %d rows for %d distinct messages, want exactly %d", rows, distinct, n)
-	}
-	if k := f.rows(t, f.processed); k != n {
-		t.Fatalf("processed table has %d keys, want %d", k, n)
-	}
-	if messageFaults.Load() == 0 || batchFaults.Load() == 0 || ackFaults.Load() == 0 || crashes.Load() == 0 || seq == 0 {
+		n, len(msgs), messageFaults.Load(), batchFaults.Load(), ackFaults, crashes, seq, f.duplicates(t, "overlapping"))
+	if messageFaults.Load() == 0 || batchFaults.Load() == 0 || ackFaults == 0 || crashes == 0 || seq == 0 {
 		t.Fatalf("faults did not bite: %d message faults, %d batch faults, %d ack faults, %d crashes, %d sequential duplicates",
-			messageFaults.Load(), batchFaults.Load(), ackFaults.Load(), crashes.Load(), seq)
+			messageFaults.Load(), batchFaults.Load(), ackFaults, crashes, seq)
 	}
 }
 
