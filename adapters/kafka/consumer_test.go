@@ -10,35 +10,13 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/internal/testkit/testlog"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // runConsumer runs a custody consumer over s until the returned stop is called.
 func runConsumer(t *testing.T, s *Source, h consumer.HandlerFunc, opts ...consumer.Option) (stop func()) {
 	t.Helper()
-	c, err := consumer.New(s, h, append([]consumer.Option{consumer.WithLogger(testlog.New(t))}, opts...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Run: %v", err)
-				}
-			case <-time.After(60 * time.Second):
-				t.Errorf("Run did not return")
-			}
-		})
-	}
-	t.Cleanup(stop)
+	_, stop = startConsumer(t, s, h, opts...)
 	return stop
 }
 
