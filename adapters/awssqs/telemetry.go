@@ -9,22 +9,8 @@ import (
 
 const meterName = "github.com/custody-go/custody/adapters/awssqs"
 
-// telemetry holds a Source's instruments:
-//
-//	custody.sqs.requests        counter: SQS requests, by operation (ReceiveMessage,
-//	                            DeleteMessageBatch, ChangeMessageVisibilityBatch,
-//	                            GetQueueAttributes: a backlog poll) and result
-//	                            (ok; empty: a receive that brought nothing; error: the request
-//	                            failed whole). SQS bills per request.
-//	custody.sqs.entries.failed  counter: batch entries SQS failed, by operation and reason
-//	                            (lease_lost: the receipt handle no longer names a message in
-//	                            flight; sqs: a fault on SQS's side, which the runtime sends
-//	                            again; refused: any other)
-//	custody.sqs.received        counter: messages received
-//	custody.sqs.released        counter: messages received but not handed out (their Receive
-//	                            gave up, or the Source closed), made visible again
-//
-// All carry messaging.destination.name (the queue's name).
+// telemetry holds a Source's instruments (see the package documentation,
+// section Telemetry).
 type telemetry struct {
 	requests, entriesFailed, received, released metric.Int64Counter
 
