@@ -40,26 +40,23 @@ const (
 )
 
 // DeadLetter is an adapters.DeadLetter that sends failed messages to an
-// SQS queue of your choosing. The copy keeps the original body and message
-// attributes, and the X-Ray trace header SQS keeps beside them (the
-// AWSTraceHeader system attribute, which the Source asks for), and adds one
-// attribute (custody-diagnostics) holding a JSON object of the diagnostic
-// headers (package adapters' Header* names: error, attempts, first and last
-// failure, original queue and message id, ...). One attribute keeps the copy
-// within SQS's limit of ten per message; when the original already has ten,
-// the ones that do not fit travel inside the JSON as
-// "custody-original-attribute.NAME". To read a copy back as the original
-// message, take those keys as attributes NAME (see also NewDeadLetter
-// for the body of another broker's delivery).
+// SQS queue of your choosing. The copy keeps the original body, message
+// attributes and X-Ray trace header (the AWSTraceHeader system attribute),
+// and adds one attribute (custody-diagnostics) holding a JSON object of the
+// diagnostic headers (package adapters' Header* names). One attribute keeps
+// the copy within SQS's limit of ten per message; when the original already
+// has ten, those that do not fit travel inside the JSON as
+// "custody-original-attribute.NAME": to read a copy back as the original
+// message, take those keys as attributes NAME (see also NewDeadLetter for
+// the body of another broker's delivery).
 //
-// A message dead-lettered before and replayed (moved back to its queue with
-// SQS's StartMessageMoveTask, say) gets fresh diagnostics: the copy drops the
-// earlier diagnostics attribute and any attribute or header named like a
-// diagnostic header (adapters.IsDiagnosticHeader; another broker's
-// dead-letter destination writes them so), so that no value of the earlier
-// trip is left beside the new ones. What the earlier diagnostics held of the
-// message itself stays: its "custody-original-attribute.NAME" keys (unless
-// the message has an attribute NAME again) and, for an SQS message, its
+// A message dead-lettered before and replayed (by SQS's StartMessageMoveTask,
+// say) gets fresh diagnostics: the copy drops the earlier diagnostics
+// attribute and any attribute or header named like a diagnostic header
+// (adapters.IsDiagnosticHeader; another broker's dead-letter destination
+// writes them so). What the earlier diagnostics held of the message itself
+// stays: its "custody-original-attribute.NAME" keys (unless the message has
+// an attribute NAME again) and, for an SQS message, its
 // "custody-body-encoding".
 //
 // For a FIFO dead-letter queue the copy keeps the original's MessageGroupId.
@@ -399,8 +396,7 @@ func deduplicationID(d *adapters.Delivery) string {
 	instant(d.PublishedAt)
 	instant(d.FirstReceivedAt)
 	instant(d.ReceivedAt)
-	binary.BigEndian.PutUint64(n[:], uint64(len(d.Body)))
-	h.Write(n[:])
+	number(int64(len(d.Body)))
 	h.Write(d.Body)
 	names := make([]string, 0, len(d.Headers))
 	for k := range d.Headers {

@@ -61,12 +61,11 @@ type Replay struct {
 	hold   time.Duration
 	wait   time.Duration
 
-	mu      sync.Mutex
-	targets map[string]replayTarget // by original queue name
-	// copied is the dead letters whose copy SQS confirmed and whose
-	// deletion failed: a later run of this Replay deletes them without a
-	// second copy.
-	copied map[string]bool
+	targets sync.Map // original queue name → replayTarget
+	// copied holds the ids of the dead letters whose copy SQS confirmed and
+	// whose deletion failed: a later run of this Replay deletes them without
+	// a second copy.
+	copied sync.Map
 }
 
 // replayTarget is a queue dead letters go back to.
@@ -141,14 +140,12 @@ func NewReplay(ctx context.Context, client ReplayClient, dlqURL string, opts ...
 		return nil, fmt.Errorf("awssqs.NewReplay: %w", err)
 	}
 	r := &Replay{
-		client:  client,
-		url:     dlqURL,
-		name:    name,
-		attr:    DefaultDiagnosticsAttribute,
-		hold:    DefaultReplayHold,
-		wait:    DefaultReplayWaitTime,
-		targets: map[string]replayTarget{},
-		copied:  map[string]bool{},
+		client: client,
+		url:    dlqURL,
+		name:   name,
+		attr:   DefaultDiagnosticsAttribute,
+		hold:   DefaultReplayHold,
+		wait:   DefaultReplayWaitTime,
 	}
 	for _, opt := range opts {
 		if opt == nil {
@@ -296,12 +293,12 @@ func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters
 				continue
 			}
 			judged[id] = true
-			if r.wasCopied(id) {
+			if _, copied := r.copied.Load(id); copied {
 				if err := r.deleteDeadLetter(ctx, m); err != nil {
 					held.addAll(ms[i+1:])
 					return res, err
 				}
-				r.forgetCopied(id)
+				r.copied.Delete(id)
 				res.Skipped++
 				continue
 			}
@@ -346,24 +343,10 @@ func (r *Replay) replayOne(ctx context.Context, m types.Message, rec adapters.De
 		return fmt.Errorf("awssqs: Replay: sending the copy of dead letter %s to %s (the dead letter stays): %w", rec.ID, aws.ToString(in.QueueUrl), err)
 	}
 	if err := r.deleteDeadLetter(ctx, m); err != nil {
-		r.mu.Lock()
-		r.copied[rec.ID] = true
-		r.mu.Unlock()
+		r.copied.Store(rec.ID, true)
 		return fmt.Errorf("%w (its copy is in %s: a later run of this Replay deletes it without a second copy; another run copies it again, which SQS drops if the queue is FIFO and the copies are less than five minutes apart)", err, aws.ToString(in.QueueUrl))
 	}
 	return nil
-}
-
-func (r *Replay) wasCopied(id string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.copied[id]
-}
-
-func (r *Replay) forgetCopied(id string) {
-	r.mu.Lock()
-	delete(r.copied, id)
-	r.mu.Unlock()
 }
 
 func (r *Replay) deleteDeadLetter(ctx context.Context, m types.Message) error {
@@ -575,11 +558,8 @@ func (r *Replay) target(ctx context.Context, m types.Message, rec adapters.DeadL
 		return replayTarget{}, fmt.Errorf("awssqs: Replay: dead letter %s names no original queue (no %s diagnostic, no DeadLetterQueueSourceArn); leave it out with ReplayOptions.Select",
 			rec.ID, adapters.HeaderOriginalQueue)
 	}
-	r.mu.Lock()
-	t, ok := r.targets[name]
-	r.mu.Unlock()
-	if ok {
-		return t, nil
+	if t, ok := r.targets.Load(name); ok {
+		return t.(replayTarget), nil
 	}
 	in := &sqs.GetQueueUrlInput{QueueName: aws.String(name)}
 	if arn := m.Attributes[string(types.MessageSystemAttributeNameDeadLetterQueueSourceArn)]; arn != "" && rec.Diagnostics[adapters.HeaderOriginalQueue] == "" {
@@ -593,9 +573,7 @@ func (r *Replay) target(ctx context.Context, m types.Message, rec adapters.DeadL
 		return replayTarget{}, fmt.Errorf("awssqs: Replay: finding the original queue %q of dead letter %s (GetQueueUrl; the queue must exist in the client's account and region; or leave the dead letter out with ReplayOptions.Select): %w",
 			name, rec.ID, err)
 	}
-	t = replayTarget{url: aws.ToString(out.QueueUrl), fifo: strings.HasSuffix(name, ".fifo")}
-	r.mu.Lock()
-	r.targets[name] = t
-	r.mu.Unlock()
+	t := replayTarget{url: aws.ToString(out.QueueUrl), fifo: strings.HasSuffix(name, ".fifo")}
+	r.targets.Store(name, t)
 	return t, nil
 }
