@@ -27,10 +27,7 @@ type DeadLetterQueue struct {
 // DeadLetterQueue returns a dead-letter destination that publishes into the
 // named queue, which must exist.
 func (b *Broker) DeadLetterQueue(queueName string) (*DeadLetterQueue, error) {
-	b.mu.Lock()
-	_, ok := b.queues[queueName]
-	b.mu.Unlock()
-	if !ok {
+	if _, ok := b.lookup(queueName); !ok {
 		return nil, fmt.Errorf("memory: DeadLetterQueue(%q): %w", queueName, ErrNoQueue)
 	}
 	return &DeadLetterQueue{b: b, queue: queueName}, nil
