@@ -308,15 +308,7 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 			m.deleted = true
 			q.stats.Redriven++
 			dlq := b.queues[q.opts.DeadLetterQueue]
-			h := make(map[string]string, len(m.headers)+2)
-			for k, v := range m.headers {
-				// An earlier trip's diagnostics (the message was
-				// dead-lettered and replayed) would mix with this one's,
-				// as DeadLetterQueue.Send also avoids.
-				if !adapters.IsDiagnosticHeader(k) {
-					h[k] = v
-				}
-			}
+			h := withoutDiagnostics(m.headers)
 			h[adapters.HeaderOriginalQueue] = q.name
 			h[adapters.HeaderAttempts] = strconv.Itoa(m.receives - 1)
 			// The move keeps the original publish time, as an SQS redrive
@@ -371,6 +363,19 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 	}
 	q.noteIfEmpty() // the messages redriven may have been its last
 	return out, lostHolders, next
+}
+
+// withoutDiagnostics copies headers for a dead-letter copy, without the
+// diagnostic headers of an earlier trip (the message was dead-lettered and
+// replayed), which would mix with the new ones.
+func withoutDiagnostics(headers map[string]string) map[string]string {
+	h := make(map[string]string, len(headers)+12)
+	for k, v := range headers {
+		if !adapters.IsDiagnosticHeader(k) {
+			h[k] = v
+		}
+	}
+	return h
 }
 
 // handle is a delivery's receipt: valid while the message is not deleted and

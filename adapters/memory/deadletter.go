@@ -53,12 +53,7 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 			return err
 		}
 	}
-	h := make(map[string]string, len(d.Headers)+12)
-	for k, v := range d.Headers {
-		if !adapters.IsDiagnosticHeader(k) { // an earlier trip's diagnostics
-			h[k] = v
-		}
-	}
+	h := withoutDiagnostics(d.Headers)
 	maps.Copy(h, adapters.Diagnostics(d, f))
 	// Durable means the caller may reuse its buffer once Send returns, as
 	// after Publish.
