@@ -112,10 +112,7 @@
 //   - [Source.NativeDeadLetter] leaves it to the queue's redrive policy: the
 //     message is made visible again and SQS moves it when its receive count
 //     passes maxReceiveCount. It checks at start-up that maxReceiveCount
-//     equals the consumer's MaxAttempts. A release not answered before the
-//     handler's context ends (at the shutdown deadline) loses the delivery:
-//     the message may be with another consumer already, so its receipt
-//     handle is not used again (the runtime does not nack it).
+//     equals the consumer's MaxAttempts.
 //
 // # Replaying dead letters
 //

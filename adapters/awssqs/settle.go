@@ -16,17 +16,16 @@ import (
 )
 
 // Ack deletes the messages, one DeleteMessageBatch request per ten entries.
-// An entry whose receipt handle SQS rejects fails with an error wrapping
-// adapters.ErrLeaseLost; an entry SQS failed on its side fails alone (see
-// IsRetryable); a request that fails whole returns its error.
+// Entries fail alone and requests whole (see the package documentation,
+// section Leases).
 //
 // A delivery NativeDeadLetter gave back to the redrive policy is not
 // deleted, and its entry succeeds: the policy must find the message, and
 // the ack only completes the dead-lettering (the runtime may not know the
 // sink settled the original, if a wrapper hides adapters.OriginalSettler).
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	if sent, ok := s.withoutHandedBack(ds); !ok {
-		return remapEntries(s.Ack(ctx, sent.ds), sent.idx)
+	if sent, idx := s.notHandedBack(ds); len(sent) < len(ds) {
+		return remapEntries(s.Ack(ctx, sent), idx)
 	}
 	return s.runBatches(ctx, opDelete, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.DeleteMessageBatchRequestEntry, len(idx))
@@ -185,32 +184,22 @@ func capTimeout(d *adapters.Delivery, want time.Duration, now time.Time) (int32,
 	return int32(secs), nil
 }
 
-// subset is some of a call's deliveries and their indexes in the call.
-type subset struct {
-	ds  []*adapters.Delivery
-	idx []int
-}
-
-// withoutHandedBack returns the deliveries of ds that were not given back
-// to the redrive policy, and reports true when that is all of them.
-func (s *Source) withoutHandedBack(ds []*adapters.Delivery) (subset, bool) {
+// notHandedBack returns the deliveries of ds that were not given back to
+// the redrive policy, and their indexes in ds.
+func (s *Source) notHandedBack(ds []*adapters.Delivery) (sent []*adapters.Delivery, idx []int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var sub subset
-	all := true
 	for i, d := range ds {
-		if h, ok := d.Handle.(*handle); ok && h.handedBack {
-			all = false
-			continue
+		if h, ok := d.Handle.(*handle); !ok || !h.handedBack {
+			sent = append(sent, d)
+			idx = append(idx, i)
 		}
-		sub.ds = append(sub.ds, d)
-		sub.idx = append(sub.idx, i)
 	}
-	return sub, all
+	return sent, idx
 }
 
-// remapEntries renumbers the failed entries of a call made for a subset
-// to their indexes in the whole call.
+// remapEntries renumbers the failed entries of a call made for some of a
+// call's deliveries to their indexes idx in the whole call.
 func remapEntries(err error, idx []int) error {
 	var be *adapters.BatchError
 	if !errors.As(err, &be) {
