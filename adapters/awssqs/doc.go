@@ -29,11 +29,11 @@
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
 // base64), which is where the runtime finds the W3C trace context
-// (traceparent, tracestate; see consumer.WithPropagator); Attempt is SQS's
-// ApproximateReceiveCount, asked for through both AttributeNames and
-// MessageSystemAttributeNames (with the other system attributes the Source
-// uses, and AWSTraceHeader, the X-Ray trace the message was sent in); Key is
-// the FIFO MessageGroupId. [Message], [GroupID] and [DeduplicationID] reach
+// (traceparent, tracestate; once a propagator is set, see
+// consumer.WithPropagator); Attempt is SQS's ApproximateReceiveCount, asked
+// for through both AttributeNames and MessageSystemAttributeNames (with the
+// other system attributes the Source uses, and AWSTraceHeader, the X-Ray
+// trace the message was sent in); Key is the FIFO MessageGroupId. [Message], [GroupID] and [DeduplicationID] reach
 // the received types.Message from a handler's consumer.Message (m.As(&msg)
 // does too).
 //
