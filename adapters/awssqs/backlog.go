@@ -14,20 +14,15 @@ import (
 
 var _ adapters.BacklogReporter = (*Source)(nil)
 
-// Backlog asks SQS for the queue's backlog, in one GetQueueAttributes
-// request: Waiting is ApproximateNumberOfMessages (the messages available
-// for retrieval), InFlight is ApproximateNumberOfMessagesNotVisible (received
-// by any consumer, not yet deleted, their visibility timeout not run out).
-// Messages sent with a delay and not yet visible
-// (ApproximateNumberOfMessagesDelayed) are in neither. OldestAge stays zero:
-// SQS's API does not tell the age of the oldest message (CloudWatch's
-// ApproximateAgeOfOldestMessage metric does, at a one-minute resolution).
-//
-// SQS documents the counts as approximate, and as settling up to a minute
-// after producers stop sending. The runtime polls Backlog at a low rate
-// (consumer.WithBacklogInterval, 30 s by default); each poll is one billed
-// request and needs sqs:GetQueueAttributes. It fails with adapters.ErrClosed
-// once the Source is closed.
+// Backlog asks SQS for the queue's backlog in one GetQueueAttributes
+// request (billed; it needs sqs:GetQueueAttributes): Waiting is
+// ApproximateNumberOfMessages, InFlight ApproximateNumberOfMessagesNotVisible
+// (received by any consumer, not yet deleted, their visibility timeout not
+// run out). Delayed messages (ApproximateNumberOfMessagesDelayed) are in
+// neither. OldestAge stays zero: only CloudWatch's
+// ApproximateAgeOfOldestMessage tells it. SQS documents the counts as
+// approximate, settling up to a minute after producers stop. Backlog fails
+// with adapters.ErrClosed once the Source is closed.
 func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 	s.mu.Lock()
 	closed := s.closed

@@ -63,7 +63,7 @@ func TestTwelveHoursCountFromTheReceiveAtSQS(t *testing.T) {
 	if secs > 10 {
 		t.Errorf("renewal 10 s before the cap asks %d s; SQS would refuse anything past its 12 hours", secs)
 	}
-	if secs := nackTimeout(ds[0], time.Minute, now); secs > 10 {
+	if secs, _ := capTimeout(ds[0], time.Minute, now); secs > 10 {
 		t.Errorf("nack 10 s before the cap asks %d s; SQS would refuse it", secs)
 	}
 }

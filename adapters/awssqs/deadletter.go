@@ -40,26 +40,23 @@ const (
 )
 
 // DeadLetter is an adapters.DeadLetter that sends failed messages to an
-// SQS queue of your choosing. The copy keeps the original body and message
-// attributes, and the X-Ray trace header SQS keeps beside them (the
-// AWSTraceHeader system attribute, which the Source asks for), and adds one
-// attribute (custody-diagnostics) holding a JSON object of the diagnostic
-// headers (package adapters' Header* names: error, attempts, first and last
-// failure, original queue and message id, ...). One attribute keeps the copy
-// within SQS's limit of ten per message; when the original already has ten,
-// the ones that do not fit travel inside the JSON as
-// "custody-original-attribute.NAME". To read a copy back as the original
-// message, take those keys as attributes NAME (see also NewDeadLetter
-// for the body of another broker's delivery).
+// SQS queue of your choosing. The copy keeps the original body, message
+// attributes and X-Ray trace header (the AWSTraceHeader system attribute),
+// and adds one attribute (custody-diagnostics) holding a JSON object of the
+// diagnostic headers (package adapters' Header* names). One attribute keeps
+// the copy within SQS's limit of ten per message; when the original already
+// has ten, those that do not fit travel inside the JSON as
+// "custody-original-attribute.NAME": to read a copy back as the original
+// message, take those keys as attributes NAME (see also NewDeadLetter for
+// the body of another broker's delivery).
 //
-// A message dead-lettered before and replayed (moved back to its queue with
-// SQS's StartMessageMoveTask, say) gets fresh diagnostics: the copy drops the
-// earlier diagnostics attribute and any attribute or header named like a
-// diagnostic header (adapters.IsDiagnosticHeader; another broker's
-// dead-letter destination writes them so), so that no value of the earlier
-// trip is left beside the new ones. What the earlier diagnostics held of the
-// message itself stays: its "custody-original-attribute.NAME" keys (unless
-// the message has an attribute NAME again) and, for an SQS message, its
+// A message dead-lettered before and replayed (by SQS's StartMessageMoveTask,
+// say) gets fresh diagnostics: the copy drops the earlier diagnostics
+// attribute and any attribute or header named like a diagnostic header
+// (adapters.IsDiagnosticHeader; another broker's dead-letter destination
+// writes them so). What the earlier diagnostics held of the message itself
+// stays: its "custody-original-attribute.NAME" keys (unless the message has
+// an attribute NAME again) and, for an SQS message, its
 // "custody-body-encoding".
 //
 // For a FIFO dead-letter queue the copy keeps the original's MessageGroupId.
@@ -71,13 +68,10 @@ const (
 // answer was lost is stored once, and differs between deliveries, so that
 // SQS (which drops a message whose deduplication id it saw in the last five
 // minutes, and reports it sent) never drops a copy whose original the
-// runtime then deletes. It is a hash of the delivery: for a message from SQS
-// its receipt handle tells one receive from the next, so a message that fails
-// again after being received again (redriven, or after a lost lease) is
-// stored again; a delivery from another broker is told apart by its id,
-// queue, partition, offset, key, attempt, times (received to the nanosecond),
-// body and headers, since its id alone may repeat. The original group and
-// deduplication ids are also in the diagnostics.
+// runtime then deletes: it is a hash of the delivery, its receipt handle
+// included, so a message that fails again after another receive is stored
+// again. The original group and deduplication ids are also in the
+// diagnostics.
 //
 // Send returns nil only when SQS has accepted the copy; the runtime deletes
 // the original only then.
@@ -101,9 +95,8 @@ type DeadLetterOption func(*DeadLetter) error
 // leading, trailing or doubled '.', and no AWS. or Amazon. prefix.
 func WithDiagnosticsAttribute(name string) DeadLetterOption {
 	return func(q *DeadLetter) error {
-		// SQS would refuse every copy carrying a name it does not allow,
-		// and the originals, never dead-lettered, would stay in their
-		// queues for good: refuse the name here instead.
+		// SQS would refuse every copy, and the originals would never
+		// leave their queues.
 		if !validAttributeName(name) {
 			return fmt.Errorf("awssqs.WithDiagnosticsAttribute(%q): SQS refuses that attribute name; use 1 to 256 letters, digits, '_', '-' and '.', with no leading, trailing or doubled '.', not starting with \"AWS.\" or \"Amazon.\"", name)
 		}
@@ -133,14 +126,12 @@ func WithMaxMessageSize(n int) DeadLetterOption {
 
 // NewDeadLetter returns a DeadLetter sending to the queue at queueURL.
 // It reads the queue's attributes once (GetQueueAttributes, bounded by ctx),
-// so that a wrong URL, region, endpoint or credentials fail here, with what
-// to check, rather than at the first poison message, whose Send would then
-// fail on every attempt and leave the message retried for ever. Whether the
+// so that a wrong URL, region, endpoint or credentials fail here rather than
+// at every attempt to dead-letter the first poison message. Whether the
 // queue is FIFO comes from its FifoQueue attribute (or a name ending in
 // .fifo), and the largest copy from its MaximumMessageSize (see
-// WithMaxMessageSize). The check shows that the queue exists and that the
-// client may read it, not that it may send to it: the sink needs
-// sqs:GetQueueAttributes and sqs:SendMessage on the queue.
+// WithMaxMessageSize). The check does not show that the client may send:
+// the sink needs sqs:GetQueueAttributes and sqs:SendMessage on the queue.
 //
 // It also takes deliveries from other brokers. Their headers become String
 // attributes where SQS allows the name and the value; the others (names with
@@ -171,8 +162,7 @@ func NewDeadLetter(ctx context.Context, client Sender, queueURL string, opts ...
 	}
 	if n, err := strconv.Atoi(out.Attributes[string(types.QueueAttributeNameMaximumMessageSize)]); err == nil && n > 0 {
 		if q.sizeSet && q.maxSize > n {
-			// SQS would refuse every copy between the two sizes, and
-			// their originals would never leave their queues.
+			// SQS would refuse the copies between the two sizes.
 			return nil, fmt.Errorf("awssqs.WithMaxMessageSize(%d): dead-letter queue %s takes messages of at most %d bytes (its MaximumMessageSize); lower the option or raise the queue's MaximumMessageSize", q.maxSize, queueURL, n)
 		}
 		if !q.sizeSet {
@@ -239,14 +229,7 @@ func (q *DeadLetter) message(d *adapters.Delivery, f adapters.Failure) (*sqs.Sen
 		if v, ok := attrs[q.attr]; ok {
 			earlier = decodeDiagnostics(attributeString(v))
 		}
-		if trace := m.Attributes[string(types.MessageSystemAttributeNameAWSTraceHeader)]; trace != "" {
-			// The X-Ray trace the message was sent in: SQS keeps it apart
-			// from the message attributes, and sets it on a copy only when
-			// asked to.
-			system = map[string]types.MessageSystemAttributeValue{
-				string(types.MessageSystemAttributeNameForSendsAWSTraceHeader): {DataType: aws.String("String"), StringValue: aws.String(trace)},
-			}
-		}
+		system = traceAttribute(m)
 	} else {
 		// Another broker's delivery: what SQS would refuse travels in the
 		// diagnostics (see foreign.go).
@@ -255,11 +238,8 @@ func (q *DeadLetter) message(d *adapters.Delivery, f adapters.Failure) (*sqs.Sen
 			earlier = decodeDiagnostics(v)
 		}
 	}
-	// A message dead-lettered before (and replayed) carries that trip's
-	// diagnostics: in the JSON attribute, or as plain attributes or headers
-	// named like them (another broker's dead-letter destination writes them
-	// so). The copy describes this failure only, so they all go; what the
-	// earlier JSON held of the message itself stays (carryOver).
+	// An earlier trip's diagnostics go (see DeadLetter); carryOver keeps
+	// what they held of the message itself.
 	for k := range attrs {
 		if q.stale(k) {
 			delete(attrs, k)
@@ -342,12 +322,10 @@ func (q *DeadLetter) stale(name string) bool {
 }
 
 // carryOver copies into diag what the diagnostics of an earlier trip
-// (earlier, nil if none) say about the message itself rather than about that
-// trip: the attributes that travelled in them, unless the message has an
-// attribute of that name again (has reports it; the live one wins), and, for
-// a message received from SQS (whose body is the earlier copy's, unchanged),
-// how its body is encoded. Without it a message dead-lettered a second time
-// would lose them.
+// (earlier, nil if none) say about the message itself: the attributes that
+// travelled in them, unless the message has one of that name again (has
+// reports it; the live one wins), and, for a message received from SQS
+// (whose body is the earlier copy's, unchanged), how its body is encoded.
 func (q *DeadLetter) carryOver(diag, earlier map[string]string, native bool, has func(name string) bool) {
 	for k, v := range earlier {
 		if name, ok := strings.CutPrefix(k, diagAttrPrefix); ok && name != "" && !q.stale(name) && !has(name) {
@@ -387,15 +365,10 @@ func foreignGroup(d *adapters.Delivery, dedup string) string {
 }
 
 // deduplicationID returns the MessageDeduplicationId of d's copy in a FIFO
-// dead-letter queue: the same for every Send of one delivery, so that a Send
-// retried after an answer was lost stores one copy, and different for every
-// other delivery, so that SQS, which drops a message whose id it saw in the
-// last five minutes while reporting it sent, never drops a copy whose
-// original the runtime then deletes. An SQS message gets a new receipt
-// handle at every receive; a delivery from another broker is told apart by
-// everything it carries, down to the nanosecond it was received, since its
-// id alone may repeat (an AMQP message-id is the publisher's choice, and
-// often empty).
+// dead-letter queue (see DeadLetter): a hash of everything d carries, down
+// to the nanosecond it was received, since another broker's message id alone
+// may repeat (an AMQP message-id is the publisher's choice, and often
+// empty).
 func deduplicationID(d *adapters.Delivery) string {
 	h := sha256.New()
 	var n [8]byte
@@ -423,8 +396,7 @@ func deduplicationID(d *adapters.Delivery) string {
 	instant(d.PublishedAt)
 	instant(d.FirstReceivedAt)
 	instant(d.ReceivedAt)
-	binary.BigEndian.PutUint64(n[:], uint64(len(d.Body)))
-	h.Write(n[:])
+	number(int64(len(d.Body)))
 	h.Write(d.Body)
 	names := make([]string, 0, len(d.Headers))
 	for k := range d.Headers {
@@ -448,14 +420,26 @@ func escapeNonCharacters(js []byte) []byte {
 	return bytes.ReplaceAll(js, []byte("\uFFFF"), []byte(`\uffff`))
 }
 
-// nativeAttributes returns a received SQS message's attributes with their
-// SQS types.
+// nativeAttributes returns a copy of a received SQS message's attributes.
 func nativeAttributes(m types.Message) map[string]types.MessageAttributeValue {
 	attrs := map[string]types.MessageAttributeValue{}
 	for k, v := range m.MessageAttributes {
 		attrs[k] = types.MessageAttributeValue{DataType: v.DataType, StringValue: v.StringValue, BinaryValue: v.BinaryValue}
 	}
 	return attrs
+}
+
+// traceAttribute returns the system attributes that give a copy of m the
+// X-Ray trace m was sent in (nil if none): SQS keeps it apart from the
+// message attributes, and sets it on a copy only when asked to.
+func traceAttribute(m types.Message) map[string]types.MessageSystemAttributeValue {
+	trace := m.Attributes[string(types.MessageSystemAttributeNameAWSTraceHeader)]
+	if trace == "" {
+		return nil
+	}
+	return map[string]types.MessageSystemAttributeValue{
+		string(types.MessageSystemAttributeNameForSendsAWSTraceHeader): {DataType: aws.String("String"), StringValue: aws.String(trace)},
+	}
 }
 
 // messageSize is the size SQS counts against MaximumMessageSize: the body

@@ -18,14 +18,13 @@
 // Each Receive is one ReceiveMessage call, long-polling (20 s by default)
 // for up to ten messages, or fewer when the runtime has less room; it
 // returns what that call brought. The runtime runs up to eight Receive
-// calls at once on a standard queue, one on a FIFO queue (WithPollers), so
-// receives stay full while earlier batches are handled. The Source fetches
-// nothing ahead: every message it received is in the runtime's hands, its
-// lease kept by the runtime, or already visible again. A Receive whose
-// context ends (shutdown) while its call is in flight returns at once and
-// hands out nothing; the call's answer, when it comes, is made visible
-// again at once. Close cuts the calls still in flight: a message SQS had
-// picked for a call cut before its answer arrived stays invisible until its
+// calls at once on a standard queue, one on a FIFO queue (WithPollers). The
+// Source fetches nothing ahead: every message it received is in the
+// runtime's hands, its lease kept by the runtime, or already visible again.
+// A Receive whose context ends (shutdown) while its call is in flight
+// returns at once and hands out nothing; the call's answer, when it comes,
+// is made visible again at once. Close cuts the calls still in flight: a
+// message SQS had picked for a cut call stays invisible until its
 // visibility timeout runs out (SQS does not say which messages it picked).
 //
 // Every delivery carries the message's attributes as Headers (Binary ones in
@@ -34,56 +33,53 @@
 // consumer.WithPropagator); Attempt is SQS's ApproximateReceiveCount, asked
 // for through both AttributeNames and MessageSystemAttributeNames (with the
 // other system attributes the Source uses, and AWSTraceHeader, the X-Ray
-// trace the message was sent in); Key is the FIFO MessageGroupId. [Message],
-// [GroupID] and [DeduplicationID] reach the received types.Message from a
-// handler's consumer.Message (m.As(&msg) does too).
+// trace the message was sent in); Key is the FIFO MessageGroupId. [Message], [GroupID] and [DeduplicationID] reach
+// the received types.Message from a handler's consumer.Message (m.As(&msg)
+// does too).
 //
 // # Leases
 //
 // A received message is invisible to other consumers for the queue's
-// visibility timeout (read from the queue when the Source is created, or set
-// with WithVisibilityTimeout). That is the Source's lease: the runtime renews
-// every message it holds, running or waiting, at a third of it, through
-// Extend, with ChangeMessageVisibilityBatch requests of up to ten. Renewals
-// stop before the delete, and SQS's limit of 12 hours of invisibility per
-// receive is respected, counted from when the ReceiveMessage call was made
-// (SQS starts it before the answer arrives). The Source announces a cap
-// (Capabilities.MaxLeaseAge) shorter by the long poll's wait and a few
-// seconds, so the runtime, which counts from Delivery.ReceivedAt, gives up
-// first: the handler's context is cancelled with the runtime's
-// lease.ErrMaxHold (or, should the adapter's count run out first,
-// [ErrMaxVisibility]; both wrap adapters.ErrLeaseLost) and the message comes
-// back.
+// visibility timeout (read when the Source is created, or set with
+// WithVisibilityTimeout): the Source's lease. The runtime renews every
+// message it holds, running or waiting, at a third of it, through Extend
+// (ChangeMessageVisibilityBatch, ten entries a request). Renewals stop
+// before the delete. SQS keeps a message invisible for at most 12 hours per
+// receive, counted from the ReceiveMessage call (SQS starts them before the
+// answer arrives). The Source announces a cap (Capabilities.MaxLeaseAge)
+// shorter by the long poll's wait and a few seconds, so the runtime, which
+// counts from Delivery.ReceivedAt, gives up first: the handler's context is
+// cancelled with lease.ErrMaxHold (or, should the adapter's count run out
+// first, [ErrMaxVisibility]; both wrap adapters.ErrLeaseLost) and the
+// message comes back.
 //
 // A batch entry SQS refuses because the receipt handle no longer names an
 // in-flight message (the timeout ran out and the message was received again
-// or deleted) fails alone, with an error wrapping adapters.ErrLeaseLost: the
-// runtime loses that delivery, and the other entries of the batch stand. An
-// entry SQS fails on its side fails alone too, and a request that fails for
-// a passing reason (the network, throttling, a server error) fails whole:
-// [Source.IsRetryable] reports both worth another try, and the runtime sends
-// them again; the Source itself never retries. A lost delivery's receipt
-// handle is never sent in a visibility change again, since it may be stale.
-// A running message whose renewal SQS has not answered when a twelfth of
-// the timeout is left is lost by the runtime's lease keeper, so its
-// handler's context is cancelled before SQS can hand the message to another
-// consumer. Every delete and visibility request times out after 30 s, so a
-// request SQS never answers holds neither the runtime nor its shutdown; it
-// fails like any other. A receive times out after its long poll's wait
-// plus 30 s, so a hung poll gives its poller back (a FIFO queue has only
-// one).
+// or deleted) fails alone, wrapping adapters.ErrLeaseLost: the runtime
+// loses that delivery, and the other entries stand. An entry SQS fails on
+// its side fails alone too, and a request that fails for a passing reason
+// (the network, throttling, a server error) fails whole: [Source.IsRetryable]
+// reports both worth another try, and the runtime sends them again; the
+// Source never retries. A lost delivery's receipt handle, which may be
+// stale, is never sent in a visibility change again. A running message
+// whose renewal SQS has not answered when a twelfth of the timeout is left
+// is lost by the runtime's lease keeper, so its handler's context is
+// cancelled before SQS can hand the message to another consumer. Delete and
+// visibility requests time out after 30 s, a receive after its long poll's
+// wait plus 30 s: a request SQS never answers holds neither the runtime,
+// its shutdown, nor a poller (a FIFO queue has only one); it fails like any
+// other.
 //
 // # Acks, retries and shutdown
 //
-// The runtime batches: the Source declares batches of ten for Ack, Nack and
-// Extend, up to four calls of each at once, and the runtime waits at most
-// WithAckLinger (20 ms) to fill a batch of acks and WithNackLinger (10 ms)
-// one of nacks; Ack, Nack and Extend turn each batch into one request at
-// once. Ack deletes with DeleteMessageBatch, so at steady state a message
-// costs one tenth of a receive and one tenth of a delete: 0.2 requests.
-// Nack makes each message visible again after its retry delay
+// The Source declares batches of ten for Ack, Nack and Extend, up to four
+// calls of each at once; the runtime waits at most WithAckLinger (20 ms) to
+// fill a batch of acks and WithNackLinger (10 ms) one of nacks, and each
+// batch is one request. Ack deletes with DeleteMessageBatch, so at steady
+// state a message costs a tenth of a receive and a tenth of a delete: 0.2
+// requests. Nack makes each message visible again after its retry delay
 // (ChangeMessageVisibilityBatch, a timeout per entry), so a retry waits in
-// SQS, not in the process. FIFO queues are retried in place by the runtime
+// SQS, not in the process. On FIFO queues the runtime retries in place
 // instead, to keep group order.
 //
 // At shutdown the runtime nacks with no delay what did not finish: other
@@ -92,9 +88,9 @@
 // # FIFO queues
 //
 // On a FIFO queue (name ending in .fifo) every delivery's OrderingKey is its
-// MessageGroupId: the runtime runs one message per group at a time, in order,
-// while groups run concurrently. SQS itself never hands out a group's next
-// message while one is in flight. Each poll carries its own
+// MessageGroupId: the runtime runs one message per group at a time, in
+// order, while groups run concurrently; SQS itself never hands out a group's
+// next message while one is in flight. Each poll carries its own
 // ReceiveRequestAttemptId, which the SDK's retries of that poll reuse: when
 // a receive's answer is lost, the retry gets the same messages back instead
 // of leaving them invisible, and their groups blocked, for a visibility
@@ -108,18 +104,15 @@
 //     attributes, AWSTraceHeader, FIFO group) to a queue you name, with the
 //     runtime's diagnostics in one JSON attribute (custody-diagnostics); the
 //     runtime deletes the original only after SQS accepted the copy. A
-//     message dead-lettered again after a replay gets fresh diagnostics,
-//     none of the earlier trip's. It also takes other brokers' deliveries,
-//     carrying in the diagnostics what SQS would refuse. NewDeadLetter
-//     checks that the queue exists and can be read, so a wrong URL fails at
-//     start-up rather than at the first poison message.
+//     message dead-lettered again after a replay gets fresh diagnostics. It
+//     also takes other brokers' deliveries, carrying in the diagnostics what
+//     SQS would refuse. NewDeadLetter checks that the queue exists and can
+//     be read, so a wrong URL fails at start-up, not at the first poison
+//     message.
 //   - [Source.NativeDeadLetter] leaves it to the queue's redrive policy: the
 //     message is made visible again and SQS moves it when its receive count
 //     passes maxReceiveCount. It checks at start-up that maxReceiveCount
-//     equals the consumer's MaxAttempts. A release not answered before the
-//     handler's context ends (at the shutdown deadline) loses the delivery:
-//     the message may be with another consumer already, so its receipt
-//     handle is not used again (the runtime does not nack it).
+//     equals the consumer's MaxAttempts.
 //
 // # Replaying dead letters
 //
@@ -147,15 +140,21 @@
 //
 // Through the MeterProvider of [WithMeterProvider] (the global one by
 // default), with messaging.destination.name set to the queue's name:
-// custody.sqs.requests (SQS requests, by operation: ReceiveMessage,
-// DeleteMessageBatch, ChangeMessageVisibilityBatch, GetQueueAttributes for
-// a backlog poll; and result: ok, empty
-// for a receive that brought nothing, error for a request that failed
-// whole), custody.sqs.entries.failed (batch entries SQS failed, by
-// operation and reason: lease_lost, sqs for a fault on SQS's side, refused),
-// custody.sqs.received and custody.sqs.released (messages received but not
-// handed out, made visible again). The runtime's own metrics (package
-// consumer) count what happened to each message.
+//
+//   - custody.sqs.requests: SQS requests, by operation (ReceiveMessage,
+//     DeleteMessageBatch, ChangeMessageVisibilityBatch, GetQueueAttributes
+//     for a backlog poll) and result (ok; empty: a receive that brought
+//     nothing; error: the request failed whole);
+//   - custody.sqs.entries.failed: batch entries SQS failed, by operation and
+//     reason (lease_lost: the receipt handle no longer names a message in
+//     flight; sqs: a fault on SQS's side, which the runtime sends again;
+//     refused: any other);
+//   - custody.sqs.received: messages received;
+//   - custody.sqs.released: messages received but not handed out (their
+//     Receive gave up, or the Source closed), made visible again.
+//
+// The runtime's own metrics (package consumer) count what happened to each
+// message.
 //
 // # Cost
 //

@@ -11,20 +11,16 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// A delivery from another broker (RabbitMQ, Kafka, the memory broker) can
-// carry what SQS refuses: arbitrary bytes as a body, header names SQS does
-// not allow, empty header values. Sent as is, the copy would be refused and,
-// since the original is kept whenever the dead-letter write fails, the
-// message would never leave its queue. These functions decide what can be
-// sent as it is and what must travel in the diagnostics instead.
+// A delivery from another broker can carry what SQS refuses (a binary body,
+// header names SQS does not allow, empty header values); a refused copy
+// would keep the original in its queue for good. These functions decide what
+// is sent as it is and what travels in the diagnostics instead.
 
-// Keys the DeadLetter adds to the diagnostics of a foreign delivery.
-const (
-	// diagBodyEncoding says how the copy's body encodes the original's:
-	// "base64" when the original was not text SQS accepts, "empty" when it
-	// was empty (SQS refuses an empty body; the copy's is one space).
-	diagBodyEncoding = "custody-body-encoding"
-)
+// diagBodyEncoding is the diagnostics key saying how the copy's body encodes
+// the original's: "base64" when the original was not text SQS accepts,
+// "empty" when it was empty (SQS refuses an empty body; the copy's is one
+// space).
+const diagBodyEncoding = "custody-body-encoding"
 
 // foreignBody returns the body to send for a delivery not received from SQS
 // and, when it had to be encoded, how.

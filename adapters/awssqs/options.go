@@ -58,14 +58,13 @@ func defaultOptions() options {
 }
 
 // WithWaitTime sets the long-poll wait of each ReceiveMessage call, in whole
-// seconds from 0 to 20. Default 20 s. Zero makes short polls; an empty short
-// poll is then followed by a one-second pause so an idle queue is not polled
-// in a hot loop. (aws-sdk-go-v2 leaves a zero wait out of the request, so a
-// queue whose ReceiveMessageWaitTimeSeconds is not 0 long-polls for that
-// long instead.)
+// seconds from 0 to 20. Default 20 s. Zero makes short polls, and an empty
+// one is followed by a one-second pause so an idle queue is not polled in a
+// hot loop. (aws-sdk-go-v2 leaves a zero wait out of the request, so the
+// queue's ReceiveMessageWaitTimeSeconds applies then.)
 func WithWaitTime(d time.Duration) Option {
 	return func(o *options) error {
-		if d < 0 || d > 20*time.Second || d%time.Second != 0 {
+		if !wholeSeconds(d, 0, 20*time.Second) {
 			return fmt.Errorf("awssqs.WithWaitTime(%v): must be whole seconds from 0s to 20s", d)
 		}
 		o.waitTime = d
@@ -73,10 +72,8 @@ func WithWaitTime(d time.Duration) Option {
 	}
 }
 
-// WithMaxMessages sets the most messages one ReceiveMessage call asks for,
-// from 1 to 10. Default 10. The Source reports it as
-// Capabilities.MaxReceive: the runtime asks each Receive for no more than
-// that, and fewer when it has less room.
+// WithMaxMessages sets the most messages one ReceiveMessage call asks for
+// (Capabilities.MaxReceive), from 1 to 10. Default 10.
 func WithMaxMessages(n int) Option {
 	return func(o *options) error {
 		if n < 1 || n > 10 {
@@ -95,13 +92,10 @@ func WithMaxMessages(n int) Option {
 // message of a group while one is in flight (real SQS keeps it; the test
 // emulator does not).
 //
-// Each poll asks only for what the runtime has room for, so how many run at
-// once also depends on the consumer's room (WithConcurrency,
+// Each poll asks only for what the runtime has room for (WithConcurrency,
 // WithMaxInFlight). Concurrent polls keep receives full while earlier
-// batches are handled: on the emulator each poll takes at least 10 ms, so
-// one poller tops out near 800 msg/s (see the package benchmarks). Each
-// poll is one request whether it returns one message or ten, so on a queue
-// without a backlog more pollers cost more empty receives.
+// batches are handled (on the emulator one poller tops out near 800 msg/s);
+// on a queue without a backlog they cost more empty receives.
 func WithPollers(n int) Option {
 	return func(o *options) error {
 		if n < 1 {
@@ -118,7 +112,7 @@ func WithPollers(n int) Option {
 // Source is created. The runtime renews the lease at a third of it.
 func WithVisibilityTimeout(d time.Duration) Option {
 	return func(o *options) error {
-		if d < time.Second || d > MaxLeaseAge || d%time.Second != 0 {
+		if !wholeSeconds(d, time.Second, MaxLeaseAge) {
 			return fmt.Errorf("awssqs.WithVisibilityTimeout(%v): must be whole seconds from 1s to 12h", d)
 		}
 		o.visibility = d
@@ -145,13 +139,7 @@ func WithMessageAttributes(names ...string) Option {
 // under light load a message stays invisible (and renewed) at most that much
 // longer. Zero sends whatever is ready at once.
 func WithAckLinger(d time.Duration) Option {
-	return func(o *options) error {
-		if d < 0 || d > time.Second {
-			return fmt.Errorf("awssqs.WithAckLinger(%v): must be from 0s to 1s", d)
-		}
-		o.ackLinger = d
-		return nil
-	}
+	return lingerOption("WithAckLinger", d, func(o *options) { o.ackLinger = d })
 }
 
 // WithNackLinger sets how long the runtime may hold a nack to fill a
@@ -160,19 +148,28 @@ func WithAckLinger(d time.Duration) Option {
 // linger every retry would cost a request of its own. Zero sends whatever
 // is ready at once.
 func WithNackLinger(d time.Duration) Option {
+	return lingerOption("WithNackLinger", d, func(o *options) { o.nackLinger = d })
+}
+
+func lingerOption(name string, d time.Duration, set func(*options)) Option {
 	return func(o *options) error {
 		if d < 0 || d > time.Second {
-			return fmt.Errorf("awssqs.WithNackLinger(%v): must be from 0s to 1s", d)
+			return fmt.Errorf("awssqs.%s(%v): must be from 0s to 1s", name, d)
 		}
-		o.nackLinger = d
+		set(o)
 		return nil
 	}
 }
 
-// WithMeterProvider sets where the Source's metrics go (requests by
-// operation and result, batch entries SQS failed by reason, messages
-// received and released; see the package documentation). Default: the
-// global OpenTelemetry MeterProvider.
+// wholeSeconds reports whether d is whole seconds from lo to hi, as SQS
+// takes waits and visibility timeouts.
+func wholeSeconds(d, lo, hi time.Duration) bool {
+	return d >= lo && d <= hi && d%time.Second == 0
+}
+
+// WithMeterProvider sets where the Source's metrics go (see the package
+// documentation, section Telemetry). Default: the global OpenTelemetry
+// MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(o *options) error {
 		if mp == nil {

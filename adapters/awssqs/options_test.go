@@ -123,7 +123,7 @@ func TestVisibilityCappedAtTwelveHours(t *testing.T) {
 	if _, err := capTimeout(old, time.Minute, now); !errors.Is(err, ErrMaxVisibility) || !errors.Is(err, adapters.ErrLeaseLost) {
 		t.Errorf("renewal past 12 h: %v; want ErrMaxVisibility, a lost lease", err)
 	}
-	if secs := nackTimeout(&adapters.Delivery{ReceivedAt: now.Add(-MaxLeaseAge)}, time.Minute, now); secs != 0 {
+	if secs, _ := capTimeout(&adapters.Delivery{ReceivedAt: now.Add(-MaxLeaseAge)}, time.Minute, now); secs != 0 {
 		t.Errorf("a nack past 12 h asks %d s, want 0 (visible at once)", secs)
 	}
 }

@@ -58,6 +58,6 @@ func (s *Source) releasePoison(ds []*adapters.Delivery) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.opts.requestTimeout)
 	defer cancel()
-	// A failure only delays the message until its visibility timeout ends.
+	// A failure only keeps them away until their visibility timeout runs out.
 	_ = s.changeVisibility(ctx, ds, make([]int32, len(ds)), nil)
 }

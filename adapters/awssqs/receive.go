@@ -16,9 +16,9 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// systemAttributes are the system attributes every receive asks for. They
-// are asked through both AttributeNames (deprecated, but the only field some
-// emulators read) and MessageSystemAttributeNames (what SQS documents now).
+// systemAttributes are the system attributes every receive asks for,
+// through both AttributeNames (deprecated, but the only field some emulators
+// read) and MessageSystemAttributeNames (what SQS documents now).
 var systemAttributes = []string{
 	string(types.MessageSystemAttributeNameApproximateReceiveCount),
 	string(types.MessageSystemAttributeNameApproximateFirstReceiveTimestamp),
@@ -26,24 +26,19 @@ var systemAttributes = []string{
 	string(types.MessageSystemAttributeNameMessageGroupId),
 	string(types.MessageSystemAttributeNameMessageDeduplicationId),
 	string(types.MessageSystemAttributeNameSequenceNumber),
-	// The X-Ray trace header the message was sent with, which a
-	// DeadLetter copy keeps.
+	// The X-Ray trace header, which a DeadLetter copy keeps.
 	string(types.MessageSystemAttributeNameAWSTraceHeader),
 }
 
 // Receive makes one ReceiveMessage call for up to min(max, WithMaxMessages)
 // messages, long-polling for WithWaitTime, and returns what it brought: an
 // empty result and a nil error when the queue was empty, ctx's error once
-// ctx is done, and an error wrapping adapters.ErrClosed after Close. The
-// runtime runs up to WithPollers Receive calls at once
-// (Capabilities.Receivers), each for what it has room for.
+// ctx is done, and an error wrapping adapters.ErrClosed after Close.
 //
 // A Receive whose ctx ends while its call is in flight returns at once and
-// hands out nothing. The call goes on until SQS answers (or Close cuts it),
-// and the messages it brought are made visible again at once, for any
-// consumer. A call cut before its answer arrived (by Close, or by its own
-// timeout) may leave messages SQS had already picked invisible until their
-// visibility timeout runs out: SQS does not say which.
+// hands out nothing; the call goes on until SQS answers (or Close or its
+// timeout cuts it), and the messages it brought are made visible again at
+// once (see the package documentation, section Receiving).
 func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	s.mu.Lock()
 	if s.closed {
@@ -83,8 +78,7 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		return nil, p.err
 	}
 	if len(p.ds) == 0 && p.empty && s.opts.waitTime == 0 {
-		// A short poll on an empty queue returns at once; pause so an idle
-		// consumer does not spin.
+		// An idle consumer of short polls must not spin.
 		t := time.NewTimer(s.opts.emptyPollBackoff)
 		defer t.Stop()
 		select {
@@ -109,8 +103,8 @@ type polled struct {
 // deliveries to the Receive waiting on got, or, once abandoned is closed
 // (that Receive's ctx ended), makes them visible again. The call is not cut
 // when the Receive gives up: SQS may have picked messages for it, and only
-// the answer says which. It is bounded by the long poll's wait and the
-// request timeout, and cut by Close.
+// the answer says which. Close and the timeout (the long poll's wait plus
+// the request timeout) cut it.
 func (s *Source) poll(ctx context.Context, n int, got chan<- polled, abandoned <-chan struct{}) {
 	defer s.calls.Done()
 	in := &sqs.ReceiveMessageInput{
@@ -129,12 +123,10 @@ func (s *Source) poll(ctx context.Context, n int, got chan<- polled, abandoned <
 		in.VisibilityTimeout = int32(s.opts.visibility / time.Second)
 	}
 	if s.fifo {
-		// The SDK retries a call whose answer was lost with this same
-		// input. With an attempt id SQS returns the messages of the lost
-		// answer again; without one it picks afresh, and those messages
-		// stay invisible for a whole visibility timeout, blocking their
-		// groups. (FIFO queues only; random, since SQS matches ids across
-		// all the queue's consumers.)
+		// The SDK's retry of a call whose answer was lost reuses this id,
+		// so SQS returns the same messages again instead of leaving them
+		// invisible, their groups blocked. Random: SQS matches ids across
+		// all the queue's consumers.
 		in.ReceiveRequestAttemptId = aws.String(rand.Text())
 	}
 	s.stats.receives.Add(1)
@@ -181,9 +173,8 @@ func (s *Source) poll(ctx context.Context, n int, got chan<- polled, abandoned <
 	s.releasePoison(poison)
 }
 
-// release makes ds visible again at once: they were received but not handed
-// out. A failure only keeps them away until their visibility timeout runs
-// out.
+// release makes ds, received but not handed out, visible again at once. A
+// failure only keeps them away until their visibility timeout runs out.
 func (s *Source) release(ds []*adapters.Delivery) {
 	if len(ds) == 0 {
 		return
@@ -282,9 +273,8 @@ func DeduplicationID(m interface{ As(any) bool }) string {
 // handle is the Delivery.Handle of a delivery received by a Source.
 type handle struct {
 	receipt string
-	// signal is the delivery's Signal, through which the runtime loses it
-	// too: NativeDeadLetter.Send loses a delivery whose release may have
-	// landed unanswered.
+	// signal is the delivery's Signal; NativeDeadLetter.Send loses through
+	// it a delivery whose release may have landed unanswered.
 	signal adapters.Signal
 	// asked is when the ReceiveMessage call that brought the message was
 	// made. SQS received the message no earlier, so its 12 hours of

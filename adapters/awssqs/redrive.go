@@ -12,7 +12,7 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// redrivePolicy is the part of a queue's RedrivePolicy attribute we read.
+// redrivePolicy is the part of a queue's RedrivePolicy attribute the Source reads.
 type redrivePolicy struct {
 	DeadLetterTargetArn string
 	MaxReceiveCount     int
@@ -142,9 +142,9 @@ func (r *NativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f ada
 	if d.Attempt < r.maxReceive {
 		r.s.rememberPoison(d.ID)
 	}
-	// The runtime renews the message until Send returns: renewals from now
-	// on are not sent, and those on the wire must land before the release,
-	// or one would hide the message for a whole timeout again.
+	// The runtime renews the message until Send returns: later renewals are
+	// not sent, and those on the wire must land before the release, or one
+	// would hide the message for a whole timeout again.
 	if h, ok := d.Handle.(*handle); ok {
 		r.s.mu.Lock()
 		h.handedBack = true
@@ -167,15 +167,10 @@ func (r *NativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f ada
 	err := adapters.EntryError(r.s.changeVisibility(ctx, []*adapters.Delivery{d}, []int32{0}, nil), 0)
 	if err != nil && !errors.Is(err, adapters.ErrLeaseLost) {
 		err = fmt.Errorf("awssqs: handing message %s back to the redrive policy: %w", d.ID, err)
-		// The release may have landed unanswered (its context ended, as at
-		// the shutdown deadline, or the answer was lost), and another
-		// consumer may hold the message by now under a new receipt handle.
-		// SQS accepts a stale handle at times (the emulator applies it to
-		// the new receive), so a nack or renewal sent with this one could
-		// change the visibility of the other consumer's copy: the delivery
-		// is lost, neither nacked nor renewed again, and its message comes
-		// back, released or when its visibility runs out, for the redrive
-		// policy.
+		// The release may have landed unanswered, and another consumer may
+		// hold the message under a new receipt handle, whose visibility a
+		// nack or renewal with this stale one could change (see
+		// changeVisibility): lose the delivery.
 		if d.Signal != nil {
 			d.Signal.Lose(fmt.Errorf("%w: %w", adapters.ErrLeaseLost, err))
 		}

@@ -61,12 +61,11 @@ type Replay struct {
 	hold   time.Duration
 	wait   time.Duration
 
-	mu      sync.Mutex
-	targets map[string]replayTarget // by original queue name
-	// copied is the dead letters whose copy SQS confirmed and whose
-	// deletion failed: a later run of this Replay deletes them without a
-	// second copy.
-	copied map[string]bool
+	targets sync.Map // original queue name → replayTarget
+	// copied holds the ids of the dead letters whose copy SQS confirmed and
+	// whose deletion failed: a later run of this Replay deletes them without
+	// a second copy.
+	copied sync.Map
 }
 
 // replayTarget is a queue dead letters go back to.
@@ -89,7 +88,7 @@ type ReplayOption func(*Replay) error
 // dead letters at a time when its rate is low).
 func WithReplayHold(d time.Duration) ReplayOption {
 	return func(r *Replay) error {
-		if d < time.Second || d > MaxLeaseAge || d%time.Second != 0 {
+		if !wholeSeconds(d, time.Second, MaxLeaseAge) {
 			return fmt.Errorf("awssqs.WithReplayHold(%v): must be whole seconds from 1s to 12h", d)
 		}
 		r.hold = d
@@ -105,7 +104,7 @@ func WithReplayHold(d time.Duration) ReplayOption {
 // queue's ReceiveMessageWaitTimeSeconds applies then.)
 func WithReplayWaitTime(d time.Duration) ReplayOption {
 	return func(r *Replay) error {
-		if d < 0 || d > 20*time.Second || d%time.Second != 0 {
+		if !wholeSeconds(d, 0, 20*time.Second) {
 			return fmt.Errorf("awssqs.WithReplayWaitTime(%v): must be whole seconds from 0s to 20s", d)
 		}
 		r.wait = d
@@ -141,14 +140,12 @@ func NewReplay(ctx context.Context, client ReplayClient, dlqURL string, opts ...
 		return nil, fmt.Errorf("awssqs.NewReplay: %w", err)
 	}
 	r := &Replay{
-		client:  client,
-		url:     dlqURL,
-		name:    name,
-		attr:    DefaultDiagnosticsAttribute,
-		hold:    DefaultReplayHold,
-		wait:    DefaultReplayWaitTime,
-		targets: map[string]replayTarget{},
-		copied:  map[string]bool{},
+		client: client,
+		url:    dlqURL,
+		name:   name,
+		attr:   DefaultDiagnosticsAttribute,
+		hold:   DefaultReplayHold,
+		wait:   DefaultReplayWaitTime,
 	}
 	for _, opt := range opts {
 		if opt == nil {
@@ -218,20 +215,19 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 //
 // The copy is the message as it was sent: the dead letter's body and
 // attributes (those the DeadLetter packed into the diagnostics for want of
-// room come back as String attributes), its X-Ray trace header, without the
-// diagnostics attribute, and with adapters.HeaderReplayOf set to the dead
-// letter's message id; with o.KeepDiagnostics the diagnostics go along
-// packed into adapters.HeaderReplayDiagnostics. The copy must fit SQS's ten
-// attributes: a dead letter whose own attributes leave no room for these
-// stops the run with an error before anything is sent. A copy for a FIFO
-// queue goes in the original's MessageGroupId, with a deduplication id
-// derived from the dead letter's id, and in the order the dead letters come
-// from the dead-letter queue (their groups' order, on a FIFO one).
+// room come back as String attributes) and X-Ray trace header, without the
+// diagnostics attribute, with adapters.HeaderReplayOf set to the dead
+// letter's message id, and with o.KeepDiagnostics the diagnostics packed
+// into adapters.HeaderReplayDiagnostics. A dead letter whose own attributes
+// leave no room for these within SQS's ten stops the run before anything is
+// sent. A copy for a FIFO queue goes in the original's MessageGroupId, with
+// a deduplication id derived from the dead letter's id. Copies go in the
+// order the dead letters come (their groups' order, from a FIFO queue).
 //
-// Running it twice is safe, and so is running it again after a run that
-// stopped between a confirmed copy and its deletion (a failed delete, a
-// crash); what the second run does with such a dead letter depends on the
-// queue it goes back to:
+// Running it again is safe, also after a run that stopped between a
+// confirmed copy and its deletion (a failed delete, a crash); what the
+// second run does with such a dead letter depends on the queue it goes
+// back to:
 //
 //   - a FIFO queue: the second copy has the first's deduplication id, so SQS
 //     drops it, if it comes within five minutes of the first (SQS's
@@ -239,20 +235,19 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 //     letter stays out of sight after a crash.
 //   - a standard queue: SQS does not deduplicate, and nothing short of a
 //     transaction across two queues tells a second run that the copy was
-//     made, so the message goes back twice. A run makes one copy at a time,
-//     so an interrupted run leaves at most one such duplicate; it carries the
+//     made, so the message goes back twice. One copy at a time means an
+//     interrupted run leaves at most one such duplicate; it carries the
 //     same adapters.HeaderReplayOf as the first, for a consumer to drop (an
-//     idempotency key that prefers it to the message id). (As with any send
-//     to a standard queue, the SDK's retry of a SendMessage whose answer was
-//     lost can store a copy twice too, with the same mark.) This Replay itself
-//     remembers the dead letters whose deletion failed, and deletes them
-//     without a second copy when it finds them again (counted as Skipped).
+//     idempotency key that prefers it to the message id). (The SDK's retry
+//     of a SendMessage whose answer was lost can store a copy twice too,
+//     with the same mark.) This Replay itself remembers the dead letters
+//     whose deletion failed, and deletes them without a second copy when it
+//     finds them again (counted as Skipped).
 //
 // On a FIFO dead-letter queue, the dead letters of a group that come after
 // one Select leaves out (or one beyond Max) wait for a later run: SQS hands
 // out no later message of a group while an earlier one is held. A run ends
-// when Max is reached, or when a receive brings no dead letter it has not
-// seen.
+// at Max, or when a receive brings no dead letter it has not seen.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
 	var res adapters.ReplayResult
 	p, err := pace.ForReplay(o.Rate, o.Max)
@@ -298,12 +293,12 @@ func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters
 				continue
 			}
 			judged[id] = true
-			if r.wasCopied(id) {
+			if _, copied := r.copied.Load(id); copied {
 				if err := r.deleteDeadLetter(ctx, m); err != nil {
 					held.addAll(ms[i+1:])
 					return res, err
 				}
-				r.forgetCopied(id)
+				r.copied.Delete(id)
 				res.Skipped++
 				continue
 			}
@@ -348,24 +343,10 @@ func (r *Replay) replayOne(ctx context.Context, m types.Message, rec adapters.De
 		return fmt.Errorf("awssqs: Replay: sending the copy of dead letter %s to %s (the dead letter stays): %w", rec.ID, aws.ToString(in.QueueUrl), err)
 	}
 	if err := r.deleteDeadLetter(ctx, m); err != nil {
-		r.mu.Lock()
-		r.copied[rec.ID] = true
-		r.mu.Unlock()
+		r.copied.Store(rec.ID, true)
 		return fmt.Errorf("%w (its copy is in %s: a later run of this Replay deletes it without a second copy; another run copies it again, which SQS drops if the queue is FIFO and the copies are less than five minutes apart)", err, aws.ToString(in.QueueUrl))
 	}
 	return nil
-}
-
-func (r *Replay) wasCopied(id string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.copied[id]
-}
-
-func (r *Replay) forgetCopied(id string) {
-	r.mu.Lock()
-	delete(r.copied, id)
-	r.mu.Unlock()
 }
 
 func (r *Replay) deleteDeadLetter(ctx context.Context, m types.Message) error {
@@ -384,8 +365,7 @@ func (r *Replay) receive(ctx context.Context, n int) ([]types.Message, error) {
 		VisibilityTimeout:   int32(r.hold / time.Second),
 		WaitTimeSeconds:     int32(r.wait / time.Second),
 		// Every system attribute (DeadLetterQueueSourceArn, MessageGroupId,
-		// AWSTraceHeader, ...), asked through both fields as the Source
-		// asks (see systemAttributes).
+		// AWSTraceHeader, ...), through both fields (see systemAttributes).
 		MessageAttributeNames:       []string{"All"},
 		AttributeNames:              []types.QueueAttributeName{types.QueueAttributeNameAll},
 		MessageSystemAttributeNames: []types.MessageSystemAttributeName{types.MessageSystemAttributeNameAll},
@@ -446,12 +426,9 @@ func (r *Replay) release(ctx context.Context, h *heldMessages) {
 // record reads a received dead letter.
 func (r *Replay) record(m types.Message) adapters.DeadLetterRecord {
 	rec := adapters.DeadLetterRecord{ID: aws.ToString(m.MessageId)}
-	diag := map[string]string{}
+	var diag map[string]string // nil if the dead letter carries none
 	if v, ok := m.MessageAttributes[r.attr]; ok {
 		diag = decodeDiagnostics(attributeString(v))
-		if diag == nil {
-			diag = map[string]string{}
-		}
 	}
 	// What ReadDeadLetter splits: the attributes as headers, beside the
 	// diagnostics proper.
@@ -500,18 +477,14 @@ func (r *Replay) record(m types.Message) adapters.DeadLetterRecord {
 		// Moved by SQS: the message as it was, in its group.
 		rec.Key = m.Attributes[string(types.MessageSystemAttributeNameMessageGroupId)]
 	}
-	body := aws.ToString(m.Body)
+	rec.Body = []byte(aws.ToString(m.Body))
 	switch diag[diagBodyEncoding] {
 	case "base64":
-		if b, err := base64.StdEncoding.DecodeString(body); err == nil {
+		if b, err := base64.StdEncoding.DecodeString(string(rec.Body)); err == nil {
 			rec.Body = b
-		} else {
-			rec.Body = []byte(body)
 		}
 	case "empty":
 		rec.Body = []byte{}
-	default:
-		rec.Body = []byte(body)
 	}
 	return rec
 }
@@ -526,12 +499,11 @@ func (r *Replay) copyInput(ctx context.Context, m types.Message, rec adapters.De
 	if err != nil {
 		return nil, err
 	}
-	attrs := map[string]types.MessageAttributeValue{}
-	for k, v := range m.MessageAttributes {
+	attrs := nativeAttributes(m)
+	for k := range attrs {
 		if k == r.attr || adapters.IsDiagnosticHeader(k) || k == adapters.HeaderReplayOf || k == adapters.HeaderReplayDiagnostics {
-			continue
+			delete(attrs, k)
 		}
-		attrs[k] = types.MessageAttributeValue{DataType: v.DataType, StringValue: v.StringValue, BinaryValue: v.BinaryValue}
 	}
 	for k, v := range rec.Headers {
 		if _, ok := attrs[k]; ok || k == adapters.HeaderReplayOf || k == adapters.HeaderReplayDiagnostics {
@@ -553,14 +525,10 @@ func (r *Replay) copyInput(ctx context.Context, m types.Message, rec adapters.De
 			rec.ID, len(attrs), adapters.HeaderReplayOf, map[bool]string{true: " and " + adapters.HeaderReplayDiagnostics}[keep], maxAttributes)
 	}
 	in := &sqs.SendMessageInput{
-		QueueUrl:          aws.String(target.url),
-		MessageBody:       m.Body,
-		MessageAttributes: attrs,
-	}
-	if trace := m.Attributes[string(types.MessageSystemAttributeNameAWSTraceHeader)]; trace != "" {
-		in.MessageSystemAttributes = map[string]types.MessageSystemAttributeValue{
-			string(types.MessageSystemAttributeNameForSendsAWSTraceHeader): {DataType: aws.String("String"), StringValue: aws.String(trace)},
-		}
+		QueueUrl:                aws.String(target.url),
+		MessageBody:             m.Body,
+		MessageAttributes:       attrs,
+		MessageSystemAttributes: traceAttribute(m),
 	}
 	if target.fifo {
 		group := rec.Key
@@ -573,9 +541,9 @@ func (r *Replay) copyInput(ctx context.Context, m types.Message, rec adapters.De
 	return in, nil
 }
 
-// replayDeduplicationID is the MessageDeduplicationId of the copy of the
-// dead letter with message id id: the same in every run, so that SQS drops
-// a second copy sent within five minutes of the first.
+// replayDeduplicationID is the MessageDeduplicationId of the copy of dead
+// letter id: the same in every run, so that SQS drops a second copy sent
+// within five minutes of the first.
 func replayDeduplicationID(id string) string {
 	sum := sha256.Sum256([]byte("custody-replay\x00" + id))
 	return hex.EncodeToString(sum[:])
@@ -590,11 +558,8 @@ func (r *Replay) target(ctx context.Context, m types.Message, rec adapters.DeadL
 		return replayTarget{}, fmt.Errorf("awssqs: Replay: dead letter %s names no original queue (no %s diagnostic, no DeadLetterQueueSourceArn); leave it out with ReplayOptions.Select",
 			rec.ID, adapters.HeaderOriginalQueue)
 	}
-	r.mu.Lock()
-	t, ok := r.targets[name]
-	r.mu.Unlock()
-	if ok {
-		return t, nil
+	if t, ok := r.targets.Load(name); ok {
+		return t.(replayTarget), nil
 	}
 	in := &sqs.GetQueueUrlInput{QueueName: aws.String(name)}
 	if arn := m.Attributes[string(types.MessageSystemAttributeNameDeadLetterQueueSourceArn)]; arn != "" && rec.Diagnostics[adapters.HeaderOriginalQueue] == "" {
@@ -608,9 +573,7 @@ func (r *Replay) target(ctx context.Context, m types.Message, rec adapters.DeadL
 		return replayTarget{}, fmt.Errorf("awssqs: Replay: finding the original queue %q of dead letter %s (GetQueueUrl; the queue must exist in the client's account and region; or leave the dead letter out with ReplayOptions.Select): %w",
 			name, rec.ID, err)
 	}
-	t = replayTarget{url: aws.ToString(out.QueueUrl), fifo: strings.HasSuffix(name, ".fifo")}
-	r.mu.Lock()
-	r.targets[name] = t
-	r.mu.Unlock()
+	t := replayTarget{url: aws.ToString(out.QueueUrl), fifo: strings.HasSuffix(name, ".fifo")}
+	r.targets.Store(name, t)
 	return t, nil
 }

@@ -15,22 +15,17 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// Ack deletes the messages with one DeleteMessageBatch request per ten
-// entries (the runtime gives it ten at most: Capabilities.Ack), at once. An
-// entry whose receipt handle SQS rejects fails with an error wrapping
-// adapters.ErrLeaseLost, and is counted: its message was redelivered or
-// deleted already. An entry SQS failed on its side fails alone, and
-// IsRetryable tells the runtime to send it again. A request that fails
-// whole returns its error.
+// Ack deletes the messages, one DeleteMessageBatch request per ten entries.
+// Entries fail alone and requests whole (see the package documentation,
+// section Leases).
 //
-// A delivery NativeDeadLetter gave back to the queue's redrive policy is
-// not deleted, and its entry succeeds: its message must stay for the
-// policy to move, and the ack only completes the dead-lettering, whether
-// or not the runtime knew that the sink settled the original (a wrapper
-// around the sink hides adapters.OriginalSettler).
+// A delivery NativeDeadLetter gave back to the redrive policy is not
+// deleted, and its entry succeeds: the policy must find the message, and
+// the ack only completes the dead-lettering (the runtime may not know the
+// sink settled the original, if a wrapper hides adapters.OriginalSettler).
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
-	if sent, ok := s.withoutHandedBack(ds); !ok {
-		return remapEntries(s.Ack(ctx, sent.ds), sent.idx)
+	if sent, idx := s.notHandedBack(ds); len(sent) < len(ds) {
+		return remapEntries(s.Ack(ctx, sent), idx)
 	}
 	return s.runBatches(ctx, opDelete, ds, nil, func(ctx context.Context, idx []int) ([]types.BatchResultErrorEntry, error) {
 		entries := make([]types.DeleteMessageBatchRequestEntry, len(idx))
@@ -50,11 +45,10 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	})
 }
 
-// Extend renews the visibility timeout of each delivery to d from now, with
-// one ChangeMessageVisibilityBatch request per ten entries, at once. A
-// renewal is cut to what is left of SQS's 12 hours since the receive; an
-// entry with less than a second left fails with ErrMaxVisibility instead,
-// unsent.
+// Extend renews the visibility timeout of each delivery to d from now, one
+// ChangeMessageVisibilityBatch request per ten entries. A renewal is cut to
+// what is left of SQS's 12 hours since the receive; an entry with less than
+// a second left fails with ErrMaxVisibility, unsent.
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
 	now := time.Now()
 	secs := make([]int32, len(ds))
@@ -62,10 +56,9 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 	for i, dl := range ds {
 		secs[i], skip[i] = capTimeout(dl, d, now)
 	}
-	// A message given back to the redrive policy is not renewed: landing
-	// after the release, a renewal would hide it for a whole timeout again
-	// (see NativeDeadLetter.Send, which waits for those already on the
-	// wire).
+	// A renewal landing after NativeDeadLetter.Send's release would hide the
+	// message for a whole timeout again: it is not sent, and Send waits for
+	// those already on the wire.
 	var renewing []*handle
 	s.mu.Lock()
 	for i, dl := range ds {
@@ -88,15 +81,15 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 		}
 	}
 	s.mu.Unlock()
-	return withoutHandedBack(err)
+	return dropHandedBack(err)
 }
 
 // errHandedBack marks the renewals Extend leaves out because the message was
 // given back to the redrive policy; they are reported as done.
 var errHandedBack = errors.New("awssqs: the message was given back to the redrive policy")
 
-// withoutHandedBack drops the entries failed with errHandedBack from err.
-func withoutHandedBack(err error) error {
+// dropHandedBack drops the entries failed with errHandedBack from err.
+func dropHandedBack(err error) error {
 	var be *adapters.BatchError
 	if !errors.As(err, &be) {
 		return err
@@ -114,9 +107,8 @@ func withoutHandedBack(err error) error {
 
 // Nack makes each message visible again after its entry's delay (rounded
 // up to whole seconds, at most what is left of the 12 hours since the
-// receive), so retries wait in SQS rather than in this process: one
-// ChangeMessageVisibilityBatch request per ten entries, each entry with its
-// own timeout. Entries fail as Ack's do.
+// receive), so retries wait in SQS: one ChangeMessageVisibilityBatch request
+// per ten entries. Entries fail as Ack's do.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	if len(ns) == 0 {
 		return nil
@@ -125,22 +117,21 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ds := make([]*adapters.Delivery, len(ns))
 	secs := make([]int32, len(ns))
 	for i, n := range ns {
-		ds[i], secs[i] = n.Delivery, nackTimeout(n.Delivery, n.After, now)
+		// A message at the end of its 12 hours is made visible at once
+		// (0 s) rather than lost.
+		ds[i] = n.Delivery
+		secs[i], _ = capTimeout(n.Delivery, n.After, now)
 	}
 	return s.changeVisibility(ctx, ds, secs, nil)
 }
 
 // changeVisibility sets the visibility timeout of ds[i] to secs[i] seconds
-// with ChangeMessageVisibilityBatch requests. Entries with a skip error, and
-// deliveries already lost, are not sent and fail with that error or the
-// cause of the loss; skip may be nil.
+// with ChangeMessageVisibilityBatch requests. Entries with a skip error
+// (skip may be nil), and deliveries already lost, are not sent and fail with
+// that error or the cause of the loss: a lost delivery's receipt handle may
+// be stale, and SQS may accept a stale handle without effect (the emulator
+// even applies it to the newer receive, another consumer's).
 func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, secs []int32, skip []error) error {
-	// A lost delivery's receipt handle may be stale: its message may be in
-	// flight with another consumer under a newer handle. SQS may accept the
-	// stale handle without effect, so that a renewal seems to hold what is
-	// gone, and the emulator even applies it to the new receive, hiding or
-	// releasing another consumer's message. Such entries fail with the
-	// cause of the loss, unsent.
 	for i, d := range ds {
 		if cause := d.Signal.LostCause(); cause != nil && (skip == nil || skip[i] == nil) {
 			if skip == nil {
@@ -173,29 +164,11 @@ func (s *Source) changeVisibility(ctx context.Context, ds []*adapters.Delivery, 
 var ErrMaxVisibility = fmt.Errorf("%w: SQS keeps a received message invisible for at most 12 hours", adapters.ErrLeaseLost)
 
 // capTimeout rounds want up to whole seconds and cuts it to what is left of
-// the 12 hours since d was received: SQS rejects a change beyond that. The
-// 12 hours are counted from when the ReceiveMessage call was made, since SQS
-// starts them at its receive, before the answer arrives (ReceivedAt). A
-// delivery with less than a second left fails with ErrMaxVisibility.
+// the 12 hours since d's ReceiveMessage call was made (SQS starts them at
+// its receive, before the answer sets ReceivedAt) and rejects a change
+// beyond them. A delivery with less than a second left gets 0 and
+// ErrMaxVisibility.
 func capTimeout(d *adapters.Delivery, want time.Duration, now time.Time) (int32, error) {
-	secs, ok := cappedSeconds(d, want, now)
-	if !ok {
-		return 0, ErrMaxVisibility
-	}
-	return secs, nil
-}
-
-// nackTimeout is capTimeout for nacks: a message at the end of its 12 hours
-// is made visible at once rather than lost.
-func nackTimeout(d *adapters.Delivery, want time.Duration, now time.Time) int32 {
-	secs, ok := cappedSeconds(d, want, now)
-	if !ok {
-		return 0
-	}
-	return secs
-}
-
-func cappedSeconds(d *adapters.Delivery, want time.Duration, now time.Time) (int32, bool) {
 	secs := max(int64(math.Ceil(want.Seconds())), 0)
 	start := d.ReceivedAt
 	if h, ok := d.Handle.(*handle); ok && !h.asked.IsZero() {
@@ -204,39 +177,29 @@ func cappedSeconds(d *adapters.Delivery, want time.Duration, now time.Time) (int
 	if !start.IsZero() {
 		left := int64((MaxLeaseAge - now.Sub(start)) / time.Second)
 		if left < 1 {
-			return 0, false
+			return 0, ErrMaxVisibility
 		}
 		secs = min(secs, left)
 	}
-	return int32(secs), true
+	return int32(secs), nil
 }
 
-// subset is some of a call's deliveries and their indexes in the call.
-type subset struct {
-	ds  []*adapters.Delivery
-	idx []int
-}
-
-// withoutHandedBack returns the deliveries of ds that were not given back
-// to the redrive policy, and reports true when that is all of them.
-func (s *Source) withoutHandedBack(ds []*adapters.Delivery) (subset, bool) {
+// notHandedBack returns the deliveries of ds that were not given back to
+// the redrive policy, and their indexes in ds.
+func (s *Source) notHandedBack(ds []*adapters.Delivery) (sent []*adapters.Delivery, idx []int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var sub subset
-	all := true
 	for i, d := range ds {
-		if h, ok := d.Handle.(*handle); ok && h.handedBack {
-			all = false
-			continue
+		if h, ok := d.Handle.(*handle); !ok || !h.handedBack {
+			sent = append(sent, d)
+			idx = append(idx, i)
 		}
-		sub.ds = append(sub.ds, d)
-		sub.idx = append(sub.idx, i)
 	}
-	return sub, all
+	return sent, idx
 }
 
-// remapEntries renumbers the failed entries of a call made for a subset
-// to their indexes in the whole call.
+// remapEntries renumbers the failed entries of a call made for some of a
+// call's deliveries to their indexes idx in the whole call.
 func remapEntries(err error, idx []int) error {
 	var be *adapters.BatchError
 	if !errors.As(err, &be) {

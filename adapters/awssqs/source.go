@@ -123,10 +123,7 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 	if pollers == 0 {
 		pollers = DefaultPollers
 		if s.fifo {
-			// One poll at a time hands out each group's messages in order
-			// whatever the broker does; concurrent polls rely on SQS never
-			// returning a group's next message while one is in flight.
-			pollers = 1
+			pollers = 1 // see WithPollers
 		}
 	}
 	s.caps = adapters.Capabilities{
@@ -171,9 +168,8 @@ func queueName(queueURL string) (string, error) {
 
 // Capabilities reports a lease of the visibility timeout, SQS's 12-hour cap,
 // delayed redelivery, the broker's receive count, ordering for FIFO queues,
-// receives of WithMaxMessages with WithPollers of them at once, and
-// batches of ten for Ack, Nack and Extend (acks and nacks with their
-// lingers).
+// receives of WithMaxMessages, WithPollers at once, and batches of ten for
+// Ack, Nack and Extend.
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 
 // QueueURL returns the URL of the queue the Source reads.
@@ -187,9 +183,8 @@ func (s *Source) VisibilityTimeout() time.Duration { return s.visibility }
 func (s *Source) FIFO() bool { return s.fifo }
 
 // Close stops receiving and returns once no ReceiveMessage call of the
-// Source is in flight. It cuts the calls still waiting (a long poll); what
-// a call brought that was not handed out is made visible again at once (see
-// Receive). Close never closes the client.
+// Source is in flight, cutting those still waiting (see the package
+// documentation, section Receiving). It never closes the client.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -204,10 +199,9 @@ func (s *Source) Close() error {
 }
 
 // heldAtMost is the cap the runtime holds a delivery to, counted from
-// Delivery.ReceivedAt. SQS counts its 12 hours from when it picked the
-// message, which can be a whole long poll (waitTime) before the answer that
-// sets ReceivedAt arrived: the runtime must give up by then, not visibility
-// run out under a running handler. A few seconds more cover the network.
+// Delivery.ReceivedAt: SQS counts its 12 hours from when it picked the
+// message, up to a whole long poll (waitTime) earlier, and a few seconds
+// more cover the network.
 func heldAtMost(waitTime time.Duration) time.Duration {
 	return MaxLeaseAge - waitTime - 5*time.Second
 }

@@ -9,22 +9,8 @@ import (
 
 const meterName = "github.com/custody-go/custody/adapters/awssqs"
 
-// telemetry holds a Source's instruments:
-//
-//	custody.sqs.requests        counter: SQS requests, by operation (ReceiveMessage,
-//	                            DeleteMessageBatch, ChangeMessageVisibilityBatch,
-//	                            GetQueueAttributes: a backlog poll) and result
-//	                            (ok; empty: a receive that brought nothing; error: the request
-//	                            failed whole). SQS bills per request.
-//	custody.sqs.entries.failed  counter: batch entries SQS failed, by operation and reason
-//	                            (lease_lost: the receipt handle no longer names a message in
-//	                            flight; sqs: a fault on SQS's side, which the runtime sends
-//	                            again; refused: any other)
-//	custody.sqs.received        counter: messages received
-//	custody.sqs.released        counter: messages received but not handed out (their Receive
-//	                            gave up, or the Source closed), made visible again
-//
-// All carry messaging.destination.name (the queue's name).
+// telemetry holds a Source's instruments (see the package documentation,
+// section Telemetry).
 type telemetry struct {
 	requests, entriesFailed, received, released metric.Int64Counter
 
@@ -73,22 +59,19 @@ var reasonNames = [numReasons]string{"lease_lost", "sqs", "refused"}
 func newTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
 	m := mp.Meter(meterName)
 	t := &telemetry{}
-	var err error
-	if t.requests, err = m.Int64Counter("custody.sqs.requests", metric.WithUnit("{request}"),
-		metric.WithDescription("SQS requests, by operation and result.")); err != nil {
-		return nil, err
-	}
-	if t.entriesFailed, err = m.Int64Counter("custody.sqs.entries.failed", metric.WithUnit("{entry}"),
-		metric.WithDescription("Batch entries SQS failed, by operation and reason.")); err != nil {
-		return nil, err
-	}
-	if t.received, err = m.Int64Counter("custody.sqs.received", metric.WithUnit("{message}"),
-		metric.WithDescription("Messages received.")); err != nil {
-		return nil, err
-	}
-	if t.released, err = m.Int64Counter("custody.sqs.released", metric.WithUnit("{message}"),
-		metric.WithDescription("Messages received but not handed out, made visible again.")); err != nil {
-		return nil, err
+	for _, c := range []struct {
+		counter                 *metric.Int64Counter
+		name, unit, description string
+	}{
+		{&t.requests, "custody.sqs.requests", "{request}", "SQS requests, by operation and result."},
+		{&t.entriesFailed, "custody.sqs.entries.failed", "{entry}", "Batch entries SQS failed, by operation and reason."},
+		{&t.received, "custody.sqs.received", "{message}", "Messages received."},
+		{&t.released, "custody.sqs.released", "{message}", "Messages received but not handed out, made visible again."},
+	} {
+		var err error
+		if *c.counter, err = m.Int64Counter(c.name, metric.WithUnit(c.unit), metric.WithDescription(c.description)); err != nil {
+			return nil, err
+		}
 	}
 	q := attribute.String("messaging.destination.name", queue)
 	t.queue = metric.WithAttributes(q)

@@ -24,14 +24,12 @@ var ErrNoQueue = errors.New("memory: no such queue; create it with Broker.Create
 // Broker is an in-process message broker with lease semantics. It is safe
 // for concurrent use. The zero value is not usable; call NewBroker.
 type Broker struct {
-	mu      sync.Mutex
-	queues  map[string]*queue
-	seq     uint64
-	receipt uint64
-	batch   uint64 // Receive calls that took messages, to tell them apart
-	// idPrefix starts the IDs Publish generates: random per broker, so that
-	// they never repeat across brokers or process restarts (see newIDPrefix).
-	idPrefix string
+	mu       sync.Mutex
+	queues   map[string]*queue
+	seq      uint64
+	receipt  uint64
+	batch    uint64 // Receive calls that took messages, to tell them apart
+	idPrefix string // starts the IDs Publish generates (see newIDPrefix)
 }
 
 // NewBroker returns an empty broker.
@@ -39,12 +37,11 @@ func NewBroker() *Broker {
 	return &Broker{queues: make(map[string]*queue), idPrefix: newIDPrefix()}
 }
 
-// newIDPrefix returns "m-" and 64 random bits in hex. A generated ID is the
-// prefix and the broker's publish sequence number. A sequence number alone
-// ("m1", "m2", …) starts over in every broker: a store that outlives the
-// broker, such as the idempotency middleware's Redis or PostgreSQL store
-// keyed on the message ID (its default), would take the new broker's "m1"
-// for the old one's and skip its effect.
+// newIDPrefix returns "m-", 64 random bits in hex and "-"; a generated ID
+// adds the broker's publish sequence number. A sequence number alone starts
+// over in every broker, and an idempotency store that outlives the broker
+// would take the new broker's first message for the old one's and skip its
+// effect.
 func newIDPrefix() string {
 	var b [8]byte
 	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
@@ -83,8 +80,7 @@ type QueueOptions struct {
 // Message is a message to publish, or one read back with Messages.
 type Message struct {
 	// ID identifies the message; Publish generates one when empty, unique
-	// across brokers and processes (not only within this broker), since an
-	// idempotency store keyed on message IDs may outlive the broker.
+	// across brokers and processes (see the package documentation).
 	ID      string
 	Body    []byte
 	Headers map[string]string
@@ -196,6 +192,14 @@ func (b *Broker) publishLocked(q *queue, m Message, published time.Time) {
 	q.signal()
 }
 
+// lookup returns the named queue.
+func (b *Broker) lookup(name string) (*queue, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	q, ok := b.queues[name]
+	return q, ok
+}
+
 // Stats returns a queue's counters.
 func (b *Broker) Stats(queueName string) (Stats, error) {
 	b.mu.Lock()
@@ -212,14 +216,12 @@ func (b *Broker) Stats(queueName string) (Stats, error) {
 }
 
 // WaitEmpty waits until the named queue holds no message: none visible,
-// none received and not yet acked, none waiting out a delay. That is when
-// everything published to it has been acked (a dead-lettered message too:
-// the runtime acks the original once its copy is written) or moved to the
-// dead-letter queue by MaxReceiveCount. A handler test publishes, runs a
-// consumer, and waits for this before it checks the effects; give ctx a
-// deadline, so that a message that is never settled fails the test rather
-// than hanging it. It returns ctx's error if ctx ends first, and at once if
-// the queue is empty already.
+// none received and not yet acked, none waiting out a delay, that is, every
+// message was acked (dead-lettered ones too) or moved to the dead-letter
+// queue by MaxReceiveCount (see the package documentation, section Testing
+// with it). Give ctx a deadline, so that a message that is never settled
+// fails the test rather than hanging it. It returns ctx's error if ctx ends
+// first, and at once if the queue is empty already.
 func (b *Broker) WaitEmpty(ctx context.Context, queueName string) error {
 	for {
 		b.mu.Lock()
@@ -256,10 +258,7 @@ func (b *Broker) Messages(queueName string) ([]Message, error) {
 	if !ok {
 		return nil, fmt.Errorf("memory: Messages(%q): %w", queueName, ErrNoQueue)
 	}
-	all := make([]*message, 0, len(q.ready)+len(q.waiting))
-	all = append(all, q.ready...)
-	all = append(all, q.waiting...)
-	sortBySeq(all)
+	all := q.messages()
 	out := make([]Message, len(all))
 	for i, m := range all {
 		out[i] = Message{ID: m.id, Body: m.body, Headers: maps.Clone(m.headers), Key: m.key, Receives: m.receives}
@@ -309,15 +308,7 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 			m.deleted = true
 			q.stats.Redriven++
 			dlq := b.queues[q.opts.DeadLetterQueue]
-			h := make(map[string]string, len(m.headers)+2)
-			for k, v := range m.headers {
-				// An earlier trip's diagnostics (the message was
-				// dead-lettered and replayed) would mix with this one's,
-				// as DeadLetterQueue.Send also avoids.
-				if !adapters.IsDiagnosticHeader(k) {
-					h[k] = v
-				}
-			}
+			h := withoutDiagnostics(m.headers)
 			h[adapters.HeaderOriginalQueue] = q.name
 			h[adapters.HeaderAttempts] = strconv.Itoa(m.receives - 1)
 			// The move keeps the original publish time, as an SQS redrive
@@ -372,6 +363,19 @@ func (b *Broker) receive(q *queue, src *Source, max int, now time.Time, out []*a
 	}
 	q.noteIfEmpty() // the messages redriven may have been its last
 	return out, lostHolders, next
+}
+
+// withoutDiagnostics copies headers for a dead-letter copy, without the
+// diagnostic headers of an earlier trip (the message was dead-lettered and
+// replayed), which would mix with the new ones.
+func withoutDiagnostics(headers map[string]string) map[string]string {
+	h := make(map[string]string, len(headers)+12)
+	for k, v := range headers {
+		if !adapters.IsDiagnosticHeader(k) {
+			h[k] = v
+		}
+	}
+	return h
 }
 
 // handle is a delivery's receipt: valid while the message is not deleted and

@@ -27,10 +27,7 @@ type DeadLetterQueue struct {
 // DeadLetterQueue returns a dead-letter destination that publishes into the
 // named queue, which must exist.
 func (b *Broker) DeadLetterQueue(queueName string) (*DeadLetterQueue, error) {
-	b.mu.Lock()
-	_, ok := b.queues[queueName]
-	b.mu.Unlock()
-	if !ok {
+	if _, ok := b.lookup(queueName); !ok {
 		return nil, fmt.Errorf("memory: DeadLetterQueue(%q): %w", queueName, ErrNoQueue)
 	}
 	return &DeadLetterQueue{b: b, queue: queueName}, nil
@@ -56,12 +53,7 @@ func (q *DeadLetterQueue) Send(ctx context.Context, d *adapters.Delivery, f adap
 			return err
 		}
 	}
-	h := make(map[string]string, len(d.Headers)+12)
-	for k, v := range d.Headers {
-		if !adapters.IsDiagnosticHeader(k) { // an earlier trip's diagnostics
-			h[k] = v
-		}
-	}
+	h := withoutDiagnostics(d.Headers)
 	maps.Copy(h, adapters.Diagnostics(d, f))
 	// Durable means the caller may reuse its buffer once Send returns, as
 	// after Publish.

@@ -120,6 +120,15 @@ func (q *queue) remove(m *message) {
 	}
 }
 
+// messages returns the queue's messages, visible or not, in publish order.
+func (q *queue) messages() []*message {
+	all := make([]*message, 0, len(q.ready)+len(q.waiting))
+	all = append(all, q.ready...)
+	all = append(all, q.waiting...)
+	sortBySeq(all)
+	return all
+}
+
 // hold marks m's FIFO group as held by m's Receive call.
 func (q *queue) hold(m *message) {
 	q.busy[m.key]++

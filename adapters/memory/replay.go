@@ -24,10 +24,7 @@ type Replay struct {
 // by a queue's MaxReceiveCount, each naming its original queue in the
 // adapters.HeaderOriginalQueue header.
 func (b *Broker) Replay(deadLetterQueue string) (*Replay, error) {
-	b.mu.Lock()
-	_, ok := b.queues[deadLetterQueue]
-	b.mu.Unlock()
-	if !ok {
+	if _, ok := b.lookup(deadLetterQueue); !ok {
 		return nil, fmt.Errorf("memory: Replay(%q): %w", deadLetterQueue, ErrNoQueue)
 	}
 	return &Replay{b: b, queue: deadLetterQueue}, nil
@@ -50,10 +47,7 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 	if !ok {
 		return nil, fmt.Errorf("memory: Replay.List: queue %q: %w", r.queue, ErrNoQueue)
 	}
-	all := make([]*message, 0, len(q.ready)+len(q.waiting))
-	all = append(all, q.ready...)
-	all = append(all, q.waiting...)
-	sortBySeq(all)
+	all := q.messages()
 	out := make([]adapters.DeadLetterRecord, 0, min(max, len(all)))
 	for _, m := range all[:min(max, len(all))] {
 		out = append(out, deadLetterRecord(m))

@@ -63,9 +63,7 @@ func WithFaults(f Faults) SourceOption {
 // Source returns a consumer of the named queue. Each Source is one consumer
 // process as far as the broker is concerned.
 func (b *Broker) Source(queueName string, opts ...SourceOption) (*Source, error) {
-	b.mu.Lock()
-	q, ok := b.queues[queueName]
-	b.mu.Unlock()
+	q, ok := b.lookup(queueName)
 	if !ok {
 		return nil, fmt.Errorf("memory: Source(%q): %w", queueName, ErrNoQueue)
 	}
@@ -131,12 +129,6 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		}
 	}
 	deadline := time.Now().Add(s.pollWait)
-	var timer *time.Timer
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
 	for {
 		if s.dead() {
 			return nil, adapters.ErrClosed
@@ -165,21 +157,13 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 		if !next.IsZero() && next.Sub(now) < wait {
 			wait = next.Sub(now)
 		}
-		if timer == nil {
-			timer = time.NewTimer(wait)
-		} else {
-			timer.Reset(wait)
-		}
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-s.stopped:
 			return nil, adapters.ErrClosed
 		case <-wake:
-			if !timer.Stop() {
-				<-timer.C
-			}
-		case <-timer.C:
+		case <-time.After(wait):
 		}
 	}
 }
@@ -204,8 +188,7 @@ func (s *Source) settle(ds []*adapters.Delivery, fault func(*adapters.Delivery) 
 			fail(i, fmt.Errorf("memory: delivery %q did not come from queue %q", d.ID, s.q.name))
 			continue
 		}
-		// The hook is the caller's code and may use the broker (Stats,
-		// Publish): ask it before taking the broker's lock.
+		// Outside the broker's lock (see Faults).
 		if fault != nil {
 			if err := fault(d); err != nil {
 				fail(i, err)
