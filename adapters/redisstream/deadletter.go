@@ -189,9 +189,7 @@ func (q *DeadLetter) settles(d *adapters.Delivery) (*Source, bool) {
 // that appends its copy (adapters.OriginalSettler): true for an entry of a
 // Source on the same client whose stream shares the dead-letter stream's
 // slot. The runtime acks every other delivery through its own source once
-// Send returned nil. An entry Send acknowledged so is marked: the Source's
-// Ack or Nack of it, which comes when a wrapper around the DeadLetter hides
-// this method, succeeds without a command.
+// Send returned nil.
 func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	_, ok := q.settles(d)
 	return ok

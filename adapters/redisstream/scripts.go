@@ -38,19 +38,13 @@ end
 return res
 `)
 
-// nackScript gives entries this consumer owns back to the group, to become
-// claimable after a delay: it sets the idle time to lease - delay, so that
-// any consumer's reclaim (which claims entries idle for the lease) takes the
-// entry once the delay has passed. A delay longer than the lease cannot be
-// expressed as an idle time (Redis clamps a delivery time in the future to
-// now); such an entry is parked: its due time goes into a sorted set beside
-// the stream, its idle time is reset, and every reclaim that claims it
-// before it is due parks it again (see reclaimScript). JUSTID keeps the
-// delivery count as it is; with ARGV[4] = 1 ("undeliver") the count is
-// lowered by one, for entries read but never handed to the runtime.
-//
-// Results per entry as for extendScript: 1 given back, 0 not pending, 2
-// deleted from the stream, or the name of the consumer that claimed it.
+// nackScript gives entries this consumer owns back to the group, claimable
+// after a delay: it sets the idle time to lease - delay, or, for a delay
+// longer than the lease, resets it and parks the entry's due time in the
+// sorted set (see Retries in the package documentation, and reclaimScript).
+// JUSTID keeps the delivery count as it is; with ARGV[4] = 1 ("undeliver")
+// the count is lowered by one, for entries read but never handed to the
+// runtime. Results per entry as for extendScript.
 //
 //	KEYS[1] stream, KEYS[2] sorted set of parked entries
 //	ARGV[1] group, ARGV[2] consumer, ARGV[3] lease (ms), ARGV[4] undeliver (0 or 1),
