@@ -19,9 +19,6 @@ var _ adapters.Connector = (*Source)(nil)
 // connection and Source) or the Source is closed. Since is when the Source
 // saw the state change, and LastError, while not connected, the
 // connection's last error, or a sentence saying what nats.go reports.
-//
-// The Source listens to the connection's status changes
-// (nats.Conn.StatusChanged), which leaves the handlers you set on it alone.
 func (s *Source) Connection() adapters.Connection {
 	return s.conn.connection(s.isClosed())
 }

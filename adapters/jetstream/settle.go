@@ -183,20 +183,11 @@ func (s *Source) result(op int, sent []*handle, errs []error) error {
 
 var errAlready = errors.New("already settled")
 
+var stateNames = [...]string{"held", "settling", "acked", "nacked", "terminated", "left to MaxDeliver"}
+
 func (st settleState) String() string {
-	switch st {
-	case stateHeld:
-		return "held"
-	case stateSettling:
-		return "settling"
-	case stateAcked:
-		return "acked"
-	case stateNacked:
-		return "nacked"
-	case stateTermed:
-		return "terminated"
-	case stateLeft:
-		return "left to MaxDeliver"
+	if int(st) < len(stateNames) {
+		return stateNames[st]
 	}
 	return "unknown"
 }

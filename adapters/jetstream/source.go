@@ -161,14 +161,12 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 	return s, nil
 }
 
-// How the runtime batches acks and naks. Each is a round trip, so the
-// runtime's own goroutines make the calls, up to 8 at once, each with what
-// gathered within 200 µs: no worker waits for a reply. JetStream has no
-// batched ack, so the linger saves no requests and is kept short.
-// BenchmarkDeclarations measures it against the workers sending, one call
-// at a time: 7-15% more no-op throughput, 3-6% more with a 1 ms handler at
-// concurrency 64 (docs/jetstream.md). Renewals take the runtime's defaults;
-// a second Receiver measured no clear gain.
+// How the runtime batches acks and naks (see Acks, retries and shutdown in
+// the package documentation); the linger saves no requests, so it is kept
+// short. BenchmarkDeclarations measures it against the workers sending, one
+// call at a time: 7-15% more no-op throughput, 3-6% more with a 1 ms
+// handler at concurrency 64 (docs/jetstream.md). Renewals take the
+// runtime's defaults; a second Receiver measured no clear gain.
 var ackBatching = adapters.Batching{Linger: 200 * time.Microsecond, MaxCalls: 8}
 
 // minServer is the oldest server with delayed naks.

@@ -147,14 +147,11 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 	return s, nil
 }
 
-// How the runtime batches acks: each XACK is a round trip, so the runtime's
-// goroutines send them, up to ackCalls at once, after waiting up to
-// ackLinger to fill a batch. Against the workers sending acks as they run
-// out of work, that sends fewer XACKs when several workers finish at once
-// and lets the workers run on during a round trip, which counts over a
-// network, for a hand-off per call that a local Redis feels
-// (BenchmarkAckLinger measures both). Nacks are retries and shutdown
-// give-backs, rare or in bulk: the workers send them at once.
+// How the runtime batches acks (see What the Source declares in the package
+// documentation). The linger pays over a network, for a hand-off per call
+// that a local Redis feels: BenchmarkAckLinger measures both. Nacks are
+// retries and shutdown give-backs, rare or in bulk: the workers send them
+// at once.
 const (
 	ackLinger = 500 * time.Microsecond
 	ackCalls  = 4
