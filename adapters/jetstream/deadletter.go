@@ -200,7 +200,7 @@ func (q *DeadLetter) message(d *adapters.Delivery, f adapters.Failure) *nats.Msg
 		m.Header.Set(HeaderDroppedHeaders, string(js))
 	}
 	for k, v := range adapters.Diagnostics(d, f) {
-		m.Header.Set(k, escapeLineBreaks(v))
+		m.Header.Set(k, lineBreaks.Replace(v))
 	}
 	if nm, ok := Message(d); ok {
 		m.Header.Set(HeaderOriginalSubject, nm.Subject())
@@ -281,14 +281,9 @@ func headerValueTravels(v string) bool {
 	return v == "" || (v[0] != ' ' && v[0] != '\t')
 }
 
+// lineBreaks writes line breaks in a diagnostic as \r and \n, which NATS
+// headers cannot hold.
 var lineBreaks = strings.NewReplacer("\r", `\r`, "\n", `\n`)
-
-func escapeLineBreaks(v string) string {
-	if !strings.ContainsAny(v, "\r\n") {
-		return v
-	}
-	return lineBreaks.Replace(v)
-}
 
 // deduplicationID is the Nats-Msg-Id of d's copy: the same for every Send of
 // one delivery, so that a publish repeated after its PubAck was lost is

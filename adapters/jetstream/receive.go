@@ -74,9 +74,7 @@ func (s *Source) fetch(ctx context.Context, n int, wait bool) ([]*adapters.Deliv
 		batch, err = s.cons.FetchNoWait(n)
 	}
 	if err != nil {
-		s.stats.fetchErrors.Add(1)
-		s.tel.request(opFetch, true)
-		return nil, fmt.Errorf("jetstream: fetching from consumer %q of stream %q: %w", s.consumer, s.stream, err)
+		return nil, s.fetchFailed(err)
 	}
 	var ds []*adapters.Delivery
 	for m := range batch.Messages() {
@@ -105,18 +103,24 @@ func (s *Source) fetch(ctx context.Context, n int, wait bool) ([]*adapters.Deliv
 			s.stats.pending.Store(0)
 		}
 	}
-	err = batch.Error()
-	if err != nil && (ctx.Err() != nil || s.closeCtx.Err() != nil) {
-		err = nil // cut short on purpose: Receive decides
-	} else if err != nil && wait && len(ds) == 0 && isTimeout(err) {
-		err = nil
+	switch err := batch.Error(); {
+	case err == nil:
+	case ctx.Err() != nil || s.closeCtx.Err() != nil:
+		// Cut short on purpose: Receive decides.
+	case wait && len(ds) == 0 && isTimeout(err):
+		// The wait ended with no message.
+	default:
+		return ds, s.fetchFailed(err)
 	}
-	s.tel.request(opFetch, err != nil)
-	if err != nil {
-		s.stats.fetchErrors.Add(1)
-		return ds, fmt.Errorf("jetstream: fetching from consumer %q of stream %q: %w", s.consumer, s.stream, err)
-	}
+	s.tel.request(opFetch, false)
 	return ds, nil
+}
+
+// fetchFailed counts a failed pull request and returns its error.
+func (s *Source) fetchFailed(err error) error {
+	s.stats.fetchErrors.Add(1)
+	s.tel.request(opFetch, true)
+	return fmt.Errorf("jetstream: fetching from consumer %q of stream %q: %w", s.consumer, s.stream, err)
 }
 
 func isTimeout(err error) bool {

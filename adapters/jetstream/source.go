@@ -37,10 +37,9 @@ type Source struct {
 	streamMu     sync.Mutex
 	streamHandle jetstream.Stream // looked up by the first Backlog that needs it
 
-	closeCtx context.Context // done once Close is called
-	closeNow context.CancelFunc
-	closeMu  sync.Mutex
-	closed   bool
+	closeCtx  context.Context // done once Close is called
+	closeNow  context.CancelFunc
+	closeOnce sync.Once
 }
 
 var (
@@ -233,22 +232,13 @@ func (s *Source) ConsumerConfig() jetstream.ConsumerConfig { return s.info }
 // the runtime has given back what it did not finish before it closes. After
 // Close, acks, naks and renewals fail. Close never closes the connection.
 func (s *Source) Close() error {
-	s.closeMu.Lock()
-	if s.closed {
-		s.closeMu.Unlock()
-		return nil
-	}
-	s.closed = true
-	s.closeMu.Unlock()
-	s.closeNow()
-	s.replies.close()
-	s.tel.close()
-	s.conn.stop()
+	s.closeOnce.Do(func() {
+		s.closeNow()
+		s.replies.close()
+		s.tel.close()
+		s.conn.stop()
+	})
 	return nil
 }
 
-func (s *Source) isClosed() bool {
-	s.closeMu.Lock()
-	defer s.closeMu.Unlock()
-	return s.closed
-}
+func (s *Source) isClosed() bool { return s.closeCtx.Err() != nil }
