@@ -24,21 +24,22 @@
 // without waiting: a busy consumer costs one pull per batch, and an idle
 // one gets a message as soon as it is published. Nothing is fetched ahead
 // of the runtime's asking. The consumer's MaxAckPending is reported as
-// Capabilities.MaxUnacked, so the runtime refuses a concurrency above it.
-// MaxAckPending counts across every process bound to the consumer: give it
-// at least the sum of their in-flight windows (consumer.WithMaxInFlight),
-// or some will wait for others' acks.
+// Capabilities.MaxUnacked, so the runtime refuses a concurrency above it
+// and holds no more than it by default. MaxAckPending counts across every
+// process bound to the consumer: give it at least the sum of their
+// in-flight windows (consumer.WithMaxInFlight), or some will wait for
+// others' acks.
 //
 // Headers are the message's headers (the first value of each), where the
-// runtime finds the W3C trace context. ID is "<stream>:<stream sequence>",
-// the same on every redelivery; Attempt is the server's NumDelivered;
-// PublishedAt and FirstReceivedAt are when the stream stored the message
-// (JetStream does not say when it first delivered it, and it did no
-// earlier). Key is the subject, or a header (WithKeyHeader), so
-// consumer.OrderByKey runs one message per subject at a time, in stream
-// order; WithOrderedKeys makes that the Source's own ordering. A handler
-// reaches the jetstream.Msg with m.As(&msg) (do not ack it yourself);
-// [Message] does the same from a Delivery.
+// runtime finds the W3C trace context (see consumer.WithPropagator). ID is
+// "<stream>:<stream sequence>", the same on every redelivery; Attempt is
+// the server's NumDelivered; PublishedAt and FirstReceivedAt are when the
+// stream stored the message (JetStream does not say when it first delivered
+// it, and it did no earlier). Key is the subject, or a header
+// (WithKeyHeader), so consumer.OrderByKey runs one message per subject at a
+// time, in stream order; WithOrderedKeys makes that the Source's own
+// ordering. A handler reaches the jetstream.Msg with m.As(&msg) (do not ack
+// it yourself); [Message] does the same from a Delivery.
 //
 // # Leases
 //
@@ -70,11 +71,12 @@
 // docs/jetstream.md measures what the fire-and-forget ack would save.
 //
 // Nack naks with the retry policy's delay (NakWithDelay), so a retry waits
-// in the server, not in the process. A delivery is settled once: a Nack
-// after its Ack (or an Ack after its Nack) fails that entry without a
-// request. At shutdown the runtime naks with no delay what did not finish.
-// Close ends a Receive waiting, gives back at once what a pull brings after
-// that, and leaves the connection open.
+// in the server, not in the process, and a nak never burns through
+// redeliveries in milliseconds. A delivery is settled once: a Nack after
+// its Ack (or an Ack after its Nack) fails that entry without a request. At
+// shutdown the runtime naks with no delay what did not finish. Close ends a
+// Receive waiting, gives back at once what a pull brings after that, and
+// leaves the connection open.
 //
 // # Dead letters
 //
@@ -117,8 +119,8 @@
 //
 // Do not delete a stream and create it again under the same name while a
 // Source reads it: stop the consumers first, or give the new stream another
-// name. The new stream numbers its messages from 1 again, so an ack sent for
-// a delivery of the old stream settles the new stream's message of that
+// name. The new stream numbers its messages from 1 again, so an ack sent
+// for a delivery of the old stream settles the new stream's message of that
 // sequence, which no handler ran and which is then never delivered. Nothing
 // in the acknowledgement tells the two streams apart; guarding against it
 // would take a request before every Ack, Nack and Extend, and would still

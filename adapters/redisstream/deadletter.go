@@ -144,12 +144,8 @@ const maxDiagnostics = 32
 func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	fields := q.fields(d, f)
 	if src, ok := q.settles(d); ok {
-		del := 0
-		if src.opts.deleteOnAck {
-			del = 1
-		}
 		args := make([]any, 0, 4+len(fields))
-		args = append(args, src.group, d.ID, q.maxLen, del)
+		args = append(args, src.group, d.ID, q.maxLen, flag(src.opts.deleteOnAck))
 		for _, v := range fields {
 			args = append(args, v)
 		}

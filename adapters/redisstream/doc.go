@@ -38,9 +38,9 @@
 // consumer's reclaim claim it. The runtime renews every held entry at a
 // third of the lease with one script call per batch that, for each entry,
 // checks that this consumer still owns it and only then claims it again
-// with IDLE and JUSTID (the delivery count stays). A plain XCLAIM would take
-// back an entry another consumer had already claimed; here that entry fails
-// the renewal with adapters.ErrLeaseLost, and the runtime cancels its
+// with IDLE and JUSTID (the delivery count stays). A plain XCLAIM would
+// take back an entry another consumer had already claimed; here that entry
+// fails the renewal with adapters.ErrLeaseLost, and the runtime cancels its
 // handler.
 //
 // # Reclaim
@@ -52,17 +52,18 @@
 // script scans the pending list with XAUTOCLAIM every WithReclaimInterval
 // (1 s), or at once while scans come back full, as WithBlock bounds a wait
 // for new entries. When an entry becomes deliverable is decided by the
-// lease and by the delay given to Nack, not by the interval: the Source
-// claims the entries it gave back itself as soon as their delay has passed
-// (it remembers when). A reclaimed entry's attempt is the group's delivery
-// count, which the claim counted up.
+// lease and by the delay given to Nack, not by the interval. The Source
+// keeps no entry between calls; it claims the entries it gave back itself
+// as soon as their delay has passed (it remembers when). A reclaimed
+// entry's attempt is the group's delivery count, which the claim counted
+// up.
 //
 // Entries deleted from the stream while pending (MAXLEN, XTRIM, XDEL) are
-// dropped from the pending list by Redis during the claim: the Source counts
-// them (Stats.Deleted, custody.redis.deleted), logs them, and never hands
-// them out. An entry deleted while this consumer holds it is counted too;
-// its handler runs on (no one else can be handed it), and its ack finds
-// nothing to do.
+// dropped from the pending list by Redis during the claim: the Source
+// counts them (Stats.Deleted, custody.redis.deleted), logs them, and never
+// hands them out. An entry deleted while this consumer holds it is counted
+// too; its handler runs on (no one else can be handed it), and its ack
+// finds nothing to do.
 //
 // # Acks
 //
@@ -91,26 +92,27 @@
 // process: it costs no worker, and it survives the process, since any
 // consumer's reclaim takes it once it is due. The delivery count is not
 // touched when the entry is given back; the reclaim that hands it out again
-// counts it, so attempt n+1 follows attempt n. A delay longer than the lease
-// cannot be an idle time (Redis refuses delivery times in the future): such
-// an entry is parked, its due time kept in a sorted set beside the stream
-// ("<stream>:custody-delays:<group>", in the stream's cluster slot, expiring
-// two leases after its latest due time), and every reclaim that claims it
-// before then sets it aside again with the delivery count it had.
+// counts it, so attempt n+1 follows attempt n. A delay longer than the
+// lease cannot be an idle time (Redis refuses delivery times in the
+// future): such an entry is parked, its due time kept in a sorted set
+// beside the stream ("<stream>:custody-delays:<group>", in the stream's
+// cluster slot, expiring two leases after its latest due time), and every
+// reclaim that claims it before then sets it aside again with the delivery
+// count it had.
 //
 // # Dead letters
 //
 // [DeadLetter] appends the original fields plus the diagnostics to the
-// dead-letter stream and acknowledges the original in one atomic step on one
-// server (see DeadLetter for what a cluster changes). It reports so
+// dead-letter stream and acknowledges the original in one atomic step on
+// one server (see DeadLetter for what a cluster changes). It reports so
 // (adapters.OriginalSettler), and the runtime does not ack the original; a
 // wrapper that hides this makes the runtime ack it: that Ack, like a Nack,
 // succeeds without a command.
 //
 // # Consumer names
 //
-// XGROUP DELCONSUMER drops the consumer's pending entries from the group for
-// good. The Source therefore deletes a consumer only when it holds no
+// XGROUP DELCONSUMER drops the consumer's pending entries from the group
+// for good. The Source therefore deletes a consumer only when it holds no
 // pending entry, checked and deleted in one atomic script: its own name at
 // Close, and, at New and Close, the names of other consumers that hold
 // nothing and have been idle for WithConsumerCleanup (1 h). A live consumer
@@ -131,9 +133,9 @@
 // the group again from the first entry of the stream as it is then, so that
 // nothing added since is skipped (on a stream that survived, XGROUP DESTROY
 // say, this delivers its entries again). Without WithCreateGroup, Receive
-// fails with an error wrapping ErrGroupMissing until the group exists.
-// This is the only loss the Source reports through a Signal; every other
-// one is an entry error of the Ack, Nack or Extend that found it.
+// fails with an error wrapping ErrGroupMissing until the group exists. This
+// is the only loss the Source reports through a Signal; every other one is
+// an entry error of the Ack, Nack or Extend that found it.
 //
 // # Connection and readiness
 //

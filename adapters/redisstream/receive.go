@@ -124,16 +124,12 @@ func (s *Source) blockFor(now time.Time) time.Duration {
 
 // reclaim runs reclaimScript for job and returns what it claimed.
 func (s *Source) reclaim(ctx context.Context, gen uint64, job reclaimJob, max int) ([]*adapters.Delivery, error) {
-	scan := "0"
-	if job.scan {
-		scan = "1"
-	}
 	cursor := job.cursor
 	if cursor == "" {
 		cursor = "0-0"
 	}
 	args := make([]any, 0, 6+len(job.ids))
-	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), cursor, max, scan)
+	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), cursor, max, flag(job.scan))
 	for _, id := range job.ids {
 		args = append(args, id)
 	}

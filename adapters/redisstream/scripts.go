@@ -10,6 +10,14 @@ import "github.com/redis/go-redis/v9"
 // due times and idle times are measured by one clock whatever the
 // consumers' clocks say.
 
+// flag is a script's yes-or-no argument: "1" or "0".
+func flag(b bool) string {
+	if b {
+		return "1"
+	}
+	return "0"
+}
+
 // extendScript renews entries this consumer owns by resetting their idle
 // time, and reports, per id, 1 when renewed, 0 when the entry is no longer
 // pending in the group (acked by another consumer after a reclaim, or the

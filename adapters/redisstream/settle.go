@@ -360,12 +360,8 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 	if len(ds) == 0 {
 		return nil
 	}
-	flag := "0"
-	if undeliver {
-		flag = "1"
-	}
 	args := make([]any, 0, 4+2*len(ds))
-	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), flag)
+	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), flag(undeliver))
 	idx := make([]int, 0, len(ds))
 	delays := make([]time.Duration, len(ds))
 	failed := map[int]error{}
