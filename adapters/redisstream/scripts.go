@@ -183,12 +183,10 @@ return {cursor, out, deleted, later, parked}
 `)
 
 // cleanupScript deletes consumers of the group that hold no pending entry:
-// this one (ARGV[2]) and, when ARGV[3] > 0, any other whose idle time is
-// at least ARGV[3] ms. The check and the deletion are one atomic step, so
-// no entry can be assigned to a consumer between the two; XGROUP
-// DELCONSUMER would drop a consumer's pending entries from the group for
-// good. A live consumer deleted this way holds nothing, and its next read
-// creates it again. It returns the names deleted.
+// this one (ARGV[2]) and, when ARGV[3] > 0, any other idle for at least
+// ARGV[3] ms. The check and the deletion are one atomic step, so no entry
+// can be assigned to a consumer between the two (see Consumer names in the
+// package documentation). It returns the names deleted.
 //
 //	KEYS[1] stream
 //	ARGV[1] group, ARGV[2] consumer, ARGV[3] idle threshold (ms; 0: only this consumer)
