@@ -67,8 +67,8 @@ func (w *connWatch) stop() {
 }
 
 // observe reads the connection's state (disconnected once the Source is
-// closed), notes when it changed, and returns it.
-func (w *connWatch) observe(sourceClosed bool) adapters.ConnState {
+// closed), notes when it changed, and returns it with that time.
+func (w *connWatch) observe(sourceClosed bool) (adapters.ConnState, time.Time) {
 	st := adapters.Disconnected
 	if !sourceClosed {
 		st = connState(w.nc.Status())
@@ -78,14 +78,12 @@ func (w *connWatch) observe(sourceClosed bool) adapters.ConnState {
 	if st != w.state || w.since.IsZero() {
 		w.state, w.since = st, time.Now()
 	}
-	return st
+	return st, w.since
 }
 
 func (w *connWatch) connection(sourceClosed bool) adapters.Connection {
-	st := w.observe(sourceClosed)
-	w.mu.Lock()
-	c := adapters.Connection{State: st, Since: w.since}
-	w.mu.Unlock()
+	st, since := w.observe(sourceClosed)
+	c := adapters.Connection{State: st, Since: since}
 	if st == adapters.Connected || sourceClosed {
 		return c
 	}
