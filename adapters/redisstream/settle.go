@@ -210,10 +210,13 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 // first. Close waits for such calls.
 func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	sent := time.Now()
-	if ctx.Done() == nil {
+	run := func() ([]any, error) {
 		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
 		s.conn.observe(sent, err)
 		return res, err
+	}
+	if ctx.Done() == nil {
+		return run()
 	}
 	type result struct {
 		res []any
@@ -223,8 +226,7 @@ func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	s.calls.Add(1)
 	go func() {
 		defer s.calls.Done()
-		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
-		s.conn.observe(sent, err)
+		res, err := run()
 		done <- result{res, err}
 	}()
 	select {
