@@ -35,8 +35,7 @@ func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 		return adapters.Backlog{}, adapters.ErrClosed
 	}
 	info, err := s.cons.Info(ctx)
-	s.tel.request(opBacklog, err != nil)
-	s.stats.count(opBacklog, 1, failedCount(err))
+	s.backlogRequest(err)
 	if err != nil {
 		return adapters.Backlog{}, fmt.Errorf("jetstream: asking for the info of consumer %q of stream %q: %w", s.consumer, s.stream, err)
 	}
@@ -75,8 +74,7 @@ func (s *Source) nextStored(ctx context.Context, info *jetstream.ConsumerInfo) (
 	)
 	for _, subject := range filters {
 		m, err := st.GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(subject))
-		s.tel.request(opBacklog, err != nil && !errors.Is(err, jetstream.ErrMsgNotFound))
-		s.stats.count(opBacklog, 1, failedCount(err))
+		s.backlogRequest(err)
 		switch {
 		case errors.Is(err, jetstream.ErrMsgNotFound):
 		case err != nil:
@@ -96,8 +94,7 @@ func (s *Source) streamForGets(ctx context.Context) (jetstream.Stream, error) {
 		return s.streamHandle, nil
 	}
 	st, err := s.js.Stream(ctx, s.stream)
-	s.tel.request(opBacklog, err != nil)
-	s.stats.count(opBacklog, 1, failedCount(err))
+	s.backlogRequest(err)
 	if err != nil {
 		return nil, fmt.Errorf("jetstream: looking up stream %q, for the age of its oldest message: %w", s.stream, err)
 	}
@@ -105,11 +102,13 @@ func (s *Source) streamForGets(ctx context.Context) (jetstream.Stream, error) {
 	return st, nil
 }
 
-// failedCount is 1 for an error other than jetstream.ErrMsgNotFound (an
-// answer), 0 otherwise.
-func failedCount(err error) int {
-	if err == nil || errors.Is(err, jetstream.ErrMsgNotFound) {
-		return 0
+// backlogRequest counts a request of Backlog that returned err;
+// jetstream.ErrMsgNotFound is an answer, not a failure.
+func (s *Source) backlogRequest(err error) {
+	failed := 0
+	if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		failed = 1
 	}
-	return 1
+	s.tel.request(opBacklog, failed == 1)
+	s.stats.count(opBacklog, 1, failed)
 }

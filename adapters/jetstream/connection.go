@@ -19,9 +19,6 @@ var _ adapters.Connector = (*Source)(nil)
 // connection and Source) or the Source is closed. Since is when the Source
 // saw the state change, and LastError, while not connected, the
 // connection's last error, or a sentence saying what nats.go reports.
-//
-// The Source listens to the connection's status changes
-// (nats.Conn.StatusChanged), which leaves the handlers you set on it alone.
 func (s *Source) Connection() adapters.Connection {
 	return s.conn.connection(s.isClosed())
 }
@@ -70,8 +67,8 @@ func (w *connWatch) stop() {
 }
 
 // observe reads the connection's state (disconnected once the Source is
-// closed), notes when it changed, and returns it.
-func (w *connWatch) observe(sourceClosed bool) adapters.ConnState {
+// closed), notes when it changed, and returns it with that time.
+func (w *connWatch) observe(sourceClosed bool) (adapters.ConnState, time.Time) {
 	st := adapters.Disconnected
 	if !sourceClosed {
 		st = connState(w.nc.Status())
@@ -81,14 +78,12 @@ func (w *connWatch) observe(sourceClosed bool) adapters.ConnState {
 	if st != w.state || w.since.IsZero() {
 		w.state, w.since = st, time.Now()
 	}
-	return st
+	return st, w.since
 }
 
 func (w *connWatch) connection(sourceClosed bool) adapters.Connection {
-	st := w.observe(sourceClosed)
-	w.mu.Lock()
-	c := adapters.Connection{State: st, Since: w.since}
-	w.mu.Unlock()
+	st, since := w.observe(sourceClosed)
+	c := adapters.Connection{State: st, Since: since}
 	if st == adapters.Connected || sourceClosed {
 		return c
 	}

@@ -53,18 +53,15 @@ const (
 // the runtime, which keeps it and tries again later.
 //
 // For a delivery of a [Source], Send then terminates the original (+TERM,
-// answered by the server, which publishes a MSG_TERMINATED advisory), and
-// SettlesOriginal reports it, so the runtime does not ack it; if the term
-// fails, the runtime acks it instead. A delivery from another broker is only
-// copied.
+// awaiting the server's reply) and SettlesOriginal reports it, so the
+// runtime does not ack it; if the term fails, the runtime acks it instead.
+// A delivery from another broker is only copied.
 //
-// Each copy carries a Nats-Msg-Id derived from the delivery (its stream
-// sequence and delivery count for a Source's delivery; everything it carries
-// for another broker's), so a Send repeated after a lost PubAck is stored
-// once within the stream's duplicate window. A message dead-lettered before
-// and replayed gets fresh diagnostics: the earlier trip's diagnostic headers
-// are dropped, and what custody-original-headers held of the message itself
-// is kept.
+// Each copy carries a Nats-Msg-Id derived from the delivery, so a Send
+// repeated after a lost PubAck is stored once within the stream's duplicate
+// window. A message dead-lettered before and replayed gets fresh
+// diagnostics: the earlier trip's diagnostic headers are dropped, and what
+// custody-original-headers held of the message itself is kept.
 type DeadLetter struct {
 	js      jetstream.JetStream
 	subject string
@@ -144,9 +141,7 @@ func (q *DeadLetter) Subject() string { return q.subject }
 
 // SettlesOriginal reports whether Send terminated d: true for a delivery of
 // a Source whose term the server answered, false otherwise (the runtime then
-// acks it). The Source's Ack or Nack of a terminated delivery, which comes
-// when a wrapper around the DeadLetter hides this method, succeeds without a
-// request.
+// acks it).
 func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	h, ok := d.Handle.(*handle)
 	if !ok {
@@ -168,8 +163,7 @@ func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.
 		return fmt.Errorf("jetstream: publishing message %s to dead-letter subject %q (the original is kept): %w", d.ID, q.subject, err)
 	}
 	if h, ok := d.Handle.(*handle); ok {
-		// If the term fails, the runtime acks the original: its copy is
-		// stored.
+		// A failed term leaves the original to the runtime's ack.
 		_ = h.src.term(ctx, []*adapters.Delivery{d})
 	}
 	return nil
@@ -206,7 +200,7 @@ func (q *DeadLetter) message(d *adapters.Delivery, f adapters.Failure) *nats.Msg
 		m.Header.Set(HeaderDroppedHeaders, string(js))
 	}
 	for k, v := range adapters.Diagnostics(d, f) {
-		m.Header.Set(k, escapeLineBreaks(v))
+		m.Header.Set(k, lineBreaks.Replace(v))
 	}
 	if nm, ok := Message(d); ok {
 		m.Header.Set(HeaderOriginalSubject, nm.Subject())
@@ -287,14 +281,9 @@ func headerValueTravels(v string) bool {
 	return v == "" || (v[0] != ' ' && v[0] != '\t')
 }
 
+// lineBreaks writes line breaks in a diagnostic as \r and \n, which NATS
+// headers cannot hold.
 var lineBreaks = strings.NewReplacer("\r", `\r`, "\n", `\n`)
-
-func escapeLineBreaks(v string) string {
-	if !strings.ContainsAny(v, "\r\n") {
-		return v
-	}
-	return lineBreaks.Replace(v)
-}
 
 // deduplicationID is the Nats-Msg-Id of d's copy: the same for every Send of
 // one delivery, so that a publish repeated after its PubAck was lost is
@@ -343,27 +332,26 @@ func deduplicationID(d *adapters.Delivery) string {
 }
 
 // NativeDeadLetter returns a DeadLetter that leaves poison messages in the
-// stream, to the consumer's MaxDeliver limit and the server's advisories,
-// instead of copying them anywhere. maxAttempts is the consumer's
-// Retry.MaxAttempts; the consumer's MaxDeliver must equal it.
+// stream, to the consumer's MaxDeliver and the server's advisories, instead
+// of copying them. maxAttempts is the consumer's Retry.MaxAttempts; the
+// consumer's MaxDeliver must equal it.
 //
-// At the last attempt Send naks the message: the server then counts it past
+// At the last attempt Send naks the message: the server counts it past
 // MaxDeliver, stops delivering it and publishes a MAX_DELIVERIES advisory
 // ($JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>, with the
 // stream sequence). A permanent error before the last attempt terminates it
 // instead (+TERM; advisory $JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED...).
-// Either way the message stays in the stream, under the stream's retention,
-// where an operator reads it by sequence; the runtime's diagnostics (error
-// text, failure times) are only logged and counted. Send returns nil only
-// once the server answered, and the DeadLetter settles the original itself
-// (adapters.OriginalSettler): the runtime does not ack it.
+// The message stays in the stream, under its retention, where an operator
+// reads it by sequence; the runtime's diagnostics are only logged and
+// counted. Send returns nil only once the server answered, and settles the
+// original itself (adapters.OriginalSettler).
 //
 // MaxDeliver counts deliveries, not handler runs: a delivery given back
 // before its handler started (at shutdown, or queued behind a lost message
-// of its ordering key) or lost with its connection uses one up. Such a
-// message can reach MaxDeliver, and be left in the stream, after fewer
-// handler runs than maxAttempts, or none. The copying DeadLetter does not
-// have this limit: the runtime dead-letters only after running the handler.
+// of its ordering key) or lost with its connection uses one up, so a
+// message may be left after fewer handler runs than maxAttempts, or none.
+// NewDeadLetter has no such limit: the runtime dead-letters only after
+// running the handler.
 func (s *Source) NativeDeadLetter(maxAttempts int) (adapters.DeadLetter, error) {
 	if maxAttempts < 1 {
 		return nil, fmt.Errorf("jetstream: Source.NativeDeadLetter(%d): maxAttempts must be the consumer's Retry.MaxAttempts, at least 1", maxAttempts)
@@ -398,7 +386,5 @@ func (n *nativeDeadLetter) Send(ctx context.Context, d *adapters.Delivery, f ada
 }
 
 // SettlesOriginal reports true: Send returns nil only once the server took
-// the nak or the term. An Ack or Nack of the delivery that comes all the
-// same (through a wrapper that hides this method) succeeds without a
-// request.
+// the nak or the term.
 func (n *nativeDeadLetter) SettlesOriginal(*adapters.Delivery) bool { return true }

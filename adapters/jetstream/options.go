@@ -140,11 +140,9 @@ func WithOrderedKeys() Option {
 	return func(o *options) error { o.ordered = true; return nil }
 }
 
-// WithMaxAttempts gives New the consumer's Retry.MaxAttempts, so that it can
-// check it against the JetStream consumer's MaxDeliver: a MaxDeliver below it
-// makes the server stop delivering a message before the runtime has
-// dead-lettered it. Without it, New refuses a consumer with a MaxDeliver
-// limit.
+// WithMaxAttempts gives New the consumer's Retry.MaxAttempts, to check the
+// JetStream consumer's MaxDeliver against (see New). Without it, New
+// refuses a consumer with a MaxDeliver limit.
 func WithMaxAttempts(n int) Option {
 	return func(o *options) error {
 		if n < 1 {

@@ -13,16 +13,12 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// Receive fetches up to max messages (at most WithMaxFetch). It asks first
-// for what is ready without waiting (a no-wait pull); when nothing is, it
-// waits up to WithPollWait for one message, then asks without waiting for
-// the rest of the room. So a busy consumer costs one pull request per batch,
-// and an idle one returns a message as soon as it is published.
-//
-// It returns an empty result and a nil error when the wait ended with no
-// message, ctx's error when ctx is done, and adapters.ErrClosed after
-// Close. Messages a pull brings after ctx ended or Close was called are
-// given back at once (nak), not handed out.
+// Receive fetches up to max messages (at most WithMaxFetch): a no-wait
+// pull, and when it brings nothing, a pull waiting up to WithPollWait for
+// one message followed by a no-wait pull for the rest of the room. It
+// returns no message and a nil error when the wait ended with none, ctx's
+// error when ctx is done, and adapters.ErrClosed after Close; messages a
+// pull brings after either are given back at once (nak).
 func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	if max <= 0 {
 		return nil, nil
@@ -54,8 +50,8 @@ func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, er
 	if len(ds) == 0 {
 		return nil, err
 	}
-	// Messages came before a failure: hand them out and say nothing; the
-	// next Receive meets the failure again if it lasts.
+	// Messages came before a failure: hand them out; the next Receive meets
+	// the failure again if it lasts.
 	return ds, nil
 }
 
@@ -78,9 +74,7 @@ func (s *Source) fetch(ctx context.Context, n int, wait bool) ([]*adapters.Deliv
 		batch, err = s.cons.FetchNoWait(n)
 	}
 	if err != nil {
-		s.stats.fetchErrors.Add(1)
-		s.tel.request(opFetch, true)
-		return nil, fmt.Errorf("jetstream: fetching from consumer %q of stream %q: %w", s.consumer, s.stream, err)
+		return nil, s.fetchFailed(err)
 	}
 	var ds []*adapters.Delivery
 	for m := range batch.Messages() {
@@ -109,26 +103,31 @@ func (s *Source) fetch(ctx context.Context, n int, wait bool) ([]*adapters.Deliv
 			s.stats.pending.Store(0)
 		}
 	}
-	err = batch.Error()
-	if err != nil && (ctx.Err() != nil || s.closeCtx.Err() != nil) {
-		err = nil // cut short on purpose: Receive decides
-	} else if err != nil && wait && len(ds) == 0 && isTimeout(err) {
-		err = nil
+	switch err := batch.Error(); {
+	case err == nil:
+	case ctx.Err() != nil || s.closeCtx.Err() != nil:
+		// Cut short on purpose: Receive decides.
+	case wait && len(ds) == 0 && isTimeout(err):
+		// The wait ended with no message.
+	default:
+		return ds, s.fetchFailed(err)
 	}
-	s.tel.request(opFetch, err != nil)
-	if err != nil {
-		s.stats.fetchErrors.Add(1)
-		return ds, fmt.Errorf("jetstream: fetching from consumer %q of stream %q: %w", s.consumer, s.stream, err)
-	}
+	s.tel.request(opFetch, false)
 	return ds, nil
+}
+
+// fetchFailed counts a failed pull request and returns its error.
+func (s *Source) fetchFailed(err error) error {
+	s.stats.fetchErrors.Add(1)
+	s.tel.request(opFetch, true)
+	return fmt.Errorf("jetstream: fetching from consumer %q of stream %q: %w", s.consumer, s.stream, err)
 }
 
 func isTimeout(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, jetstream.ErrNoHeartbeat)
 }
 
-// delivery turns a fetched message into a Delivery whose lease started at
-// leasedAt.
+// delivery turns a fetched message into a Delivery leased from leasedAt.
 func (s *Source) delivery(m jetstream.Msg, leasedAt time.Time) (*adapters.Delivery, error) {
 	meta, err := m.Metadata()
 	if err != nil {
@@ -146,8 +145,7 @@ func (s *Source) delivery(m jetstream.Msg, leasedAt time.Time) (*adapters.Delive
 		Native:     m,
 	}
 	if !meta.Timestamp.IsZero() {
-		// The time the stream stored the message: JetStream does not say
-		// when it first delivered it, and it did no earlier.
+		// JetStream does not say when it first delivered the message.
 		d.PublishedAt = meta.Timestamp
 		d.FirstReceivedAt = meta.Timestamp
 	}

@@ -90,16 +90,19 @@ func (r *replies) onReply(m *nats.Msg) {
 			result = fmt.Errorf("%w (no responders: is the consumer gone?)", result)
 		}
 	}
-	c := w.c
+	w.c.answer(w.i, result)
+}
+
+// answer records the result of request i, unless the call has given up.
+func (c *call) answer(i int, err error) {
 	c.mu.Lock()
-	if !c.settled && c.errs[w.i] == errPending {
-		c.errs[w.i] = result
-		c.left--
-		if c.left == 0 {
+	defer c.mu.Unlock()
+	if !c.settled && c.errs[i] == errPending {
+		c.errs[i] = err
+		if c.left--; c.left == 0 {
 			close(c.done)
 		}
 	}
-	c.mu.Unlock()
 }
 
 // request is one acknowledgement to send: body to subject (a delivery's
@@ -117,7 +120,7 @@ type request struct {
 // effect).
 func (r *replies) send(ctx context.Context, reqs []request) []error {
 	c := &call{errs: make([]error, len(reqs)), done: make(chan struct{}), ids: make([]uint64, 0, len(reqs))}
-	var buf []byte
+	r.mu.Lock()
 	for i := range reqs {
 		if reqs[i].skip != nil {
 			c.errs[i] = reqs[i].skip
@@ -125,39 +128,25 @@ func (r *replies) send(ctx context.Context, reqs []request) []error {
 		}
 		c.errs[i] = errPending
 		c.left++
-	}
-	if c.left == 0 {
-		return c.errs
-	}
-	r.mu.Lock()
-	first := r.seq + 1
-	for i := range reqs {
-		if c.errs[i] != errPending {
-			continue
-		}
 		r.seq++
 		r.waiting[r.seq] = waiter{c: c, i: i}
 		c.ids = append(c.ids, r.seq)
 	}
 	r.mu.Unlock()
-	id, failed := first, false
+	if c.left == 0 {
+		return c.errs
+	}
+	var buf []byte
+	failed, k := false, 0
 	for i := range reqs {
 		if reqs[i].skip != nil {
 			continue
 		}
-		buf = strconv.AppendUint(append(buf[:0], r.prefix...), id, 10)
-		id++
+		buf = strconv.AppendUint(append(buf[:0], r.prefix...), c.ids[k], 10)
+		k++
 		if err := r.nc.PublishRequest(reqs[i].subject, string(buf), reqs[i].body); err != nil {
 			failed = true
-			c.mu.Lock()
-			if c.errs[i] == errPending {
-				c.errs[i] = err
-				c.left--
-				if c.left == 0 {
-					close(c.done)
-				}
-			}
-			c.mu.Unlock()
+			c.answer(i, err)
 		}
 	}
 	select {

@@ -25,28 +25,21 @@ var (
 	errSettling = errors.New("jetstream: another ack, nak or term of this delivery is under way")
 )
 
-// Ack acknowledges each delivery with an acknowledged ack (the "double ack"):
-// the server replies once it has processed the ack, and only then does the
-// entry succeed. JetStream acks messages one at a time, so a batch of n
-// costs n requests and n replies; they are all sent at once and their
-// replies awaited together (bounded by WithRequestTimeout). An entry not
-// answered in time fails, and the message may come back; acking a delivery
-// already acked succeeds again without a request; acking one already given
-// back (Nack) fails. Acking one the Source's dead-letter destinations
-// settled (NewDeadLetter's term, NativeDeadLetter's term or nak past
-// MaxDeliver) succeeds without a request, as adapters.OriginalSettler
-// asks, and so does a Nack of it.
+// Ack acknowledges each delivery with an acknowledged ack (the "double
+// ack"): an entry succeeds once the server replied; one not answered within
+// WithRequestTimeout fails, and the message may come back. Acking a
+// delivery again, or one the Source's dead-letter destinations settled,
+// succeeds without a request (adapters.OriginalSettler); acking one given
+// back (Nack) fails.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	return s.settle(ctx, ds, opAck, func(int) []byte { return ackAck }, stateAcked)
 }
 
 // Nack gives each delivery back to be redelivered after its After: a nak
-// with that delay (NakWithDelay), or a plain nak for zero or less. A delay is
-// cut to a year. The server's reply is awaited, as for Ack. A delivery whose
-// lease may have run out by this process's clock (see Extend) fails with
-// adapters.ErrLeaseLost and is not sent: the nak would act on the
-// redelivery another consumer may hold, and the message comes back by
-// itself.
+// with that delay (NakWithDelay, cut to a year), or a plain nak for zero or
+// less, awaiting the server's reply as Ack does. A delivery whose lease may
+// have run out (see Extend) fails with adapters.ErrLeaseLost and is not
+// sent: the message comes back by itself.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ds := make([]*adapters.Delivery, len(ns))
 	for i, n := range ns {
@@ -55,8 +48,8 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	return s.settle(ctx, ds, opNak, func(i int) []byte { return nakBody(ns[i].After) }, stateNacked)
 }
 
-// nakBody is a nak's message: with a delay, in the JSON form servers since
-// 2.7.1 read.
+// nakBody is a nak's message, with a delay in the JSON form of servers
+// since 2.7.1.
 func nakBody(after time.Duration) []byte {
 	if after <= 0 {
 		return ackNak
@@ -73,39 +66,30 @@ func (s *Source) term(ctx context.Context, ds []*adapters.Delivery) error {
 
 // settle sends body(i) to the ack subject of ds[i] and moves the deliveries
 // the server answered for to state to. A delivery is settled once: an entry
-// already in state to succeeds without a request (a repeated ack), and so
-// does one its dead-letter destination settled (terminated, or left past
-// MaxDeliver); one settled otherwise fails.
+// already in state to, or settled by its dead-letter destination, succeeds
+// without a request; one settled otherwise fails.
 func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, body func(i int) []byte, to settleState) error {
 	now := time.Now()
 	hs, errs, err := s.exchange(ctx, ds, op == opAck && s.opts.unconfirmedAcks, func(i int, h *handle) ([]byte, error) {
 		switch h.state {
 		case stateHeld:
 			if op == opNak && !now.Before(h.leasedUntil) {
-				// A nak names the message by stream sequence: sent for a
-				// delivery whose lease may have run out, it would act on
-				// the redelivery another consumer now runs (redeliver it
-				// beside that run, or reset its timer to the delay). The
-				// message comes back by itself.
+				// The nak would act on the redelivery another consumer may
+				// run: redeliver it beside that run, or reset its timer.
 				return nil, fmt.Errorf("%w: message %s was last renewed more than AckWait (%v) ago; not given back, since the server may have delivered it again", adapters.ErrLeaseLost, ds[i].ID, s.caps.Lease)
 			}
 			h.state = stateSettling
 			return body(i), nil
-		case stateTermed, stateLeft:
-			// Settled by its dead-letter destination: the server
-			// delivers it no more. An Ack or Nack that comes all the
-			// same (a wrapper around the destination hides
-			// adapters.OriginalSettler) has nothing to do, and a
-			// request could only disturb the message's advisory.
-			return nil, errAlready
-		case to:
+		case to, stateTermed, stateLeft:
+			// A repeat, or settled by its dead-letter destination: the
+			// server delivers it no more, and a request could only
+			// disturb the message's advisory.
 			return nil, errAlready
 		case stateNacked:
 			return nil, errNacked
 		case stateSettling:
 			return nil, errSettling
 		}
-		// Acked or terminated, and asked for another settlement.
 		return nil, fmt.Errorf("jetstream: the delivery was already settled (%s)", h.state)
 	})
 	if err != nil {
@@ -134,9 +118,8 @@ func (s *Source) settle(ctx context.Context, ds []*adapters.Delivery, op int, bo
 // delivery's lock, returns for it: a body to its reply subject, or an error
 // that is the entry's result without a request. It sends every body at once
 // and returns the handles it sent for (nil for the others) with each
-// entry's reply or error; with publish, it waits for no reply
-// (WithUnconfirmedAcks). It fails with adapters.ErrClosed once the Source
-// is closed.
+// entry's result; with publish, it waits for no reply (unconfirmed acks, a
+// benchmark knob). After Close it fails with adapters.ErrClosed.
 func (s *Source) exchange(ctx context.Context, ds []*adapters.Delivery, publish bool, next func(i int, h *handle) ([]byte, error)) ([]*handle, []error, error) {
 	if len(ds) == 0 {
 		return nil, nil, nil
@@ -200,35 +183,22 @@ func (s *Source) result(op int, sent []*handle, errs []error) error {
 
 var errAlready = errors.New("already settled")
 
+var stateNames = [...]string{"held", "settling", "acked", "nacked", "terminated", "left to MaxDeliver"}
+
 func (st settleState) String() string {
-	switch st {
-	case stateHeld:
-		return "held"
-	case stateSettling:
-		return "settling"
-	case stateAcked:
-		return "acked"
-	case stateNacked:
-		return "nacked"
-	case stateTermed:
-		return "terminated"
-	case stateLeft:
-		return "left to MaxDeliver"
+	if int(st) < len(stateNames) {
+		return stateNames[st]
 	}
 	return "unknown"
 }
 
-// Extend renews the lease of each delivery with an InProgress message
-// (+WPI), which resets its AckWait to the full length (d is the Source's
-// AckWait, which is all the server grants), and awaits the server's reply.
-// The Source keeps, per delivery, the earliest time its lease can run out
-// by this process's clock: the send time of its last answered renewal (or
-// of the pull that fetched it) plus AckWait. A delivery past that time fails
-// with adapters.ErrLeaseLost and is not renewed: the server may have given
-// it to another consumer, whose lease a renewal would then extend. A
-// delivery being acked or already acked or terminated needs no renewal and
-// succeeds without a request; one given back fails with
-// adapters.ErrLeaseLost.
+// Extend renews the lease of each delivery with InProgress (+WPI), which
+// resets its AckWait to the full length (d is the AckWait: all the server
+// grants), and awaits the server's reply. A delivery whose lease may have
+// run out by this process's clock fails with adapters.ErrLeaseLost and is
+// not renewed (see Leases in the package documentation); one given back
+// fails alike. One being acked, acked or terminated succeeds without a
+// request.
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
 	now := time.Now()
 	hs, errs, err := s.exchange(ctx, ds, false, func(i int, h *handle) ([]byte, error) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -36,10 +37,9 @@ type Source struct {
 	streamMu     sync.Mutex
 	streamHandle jetstream.Stream // looked up by the first Backlog that needs it
 
-	closeCtx context.Context // done once Close is called
-	closeNow context.CancelFunc
-	closeMu  sync.Mutex
-	closed   bool
+	closeCtx  context.Context // done once Close is called
+	closeNow  context.CancelFunc
+	closeOnce sync.Once
 }
 
 var (
@@ -55,9 +55,7 @@ var (
 // New fails, saying what to change, when the server is older than 2.7.1
 // (delayed naks), and when the consumer is a push consumer, does not ack
 // explicitly, has a BackOff list, or has a MaxDeliver limit that
-// WithMaxAttempts does not vouch for (see the package documentation for
-// why each would fight the runtime). The consumer's AckWait is the lease,
-// and its MaxAckPending is reported as Capabilities.MaxUnacked.
+// WithMaxAttempts does not vouch for (see the package documentation).
 func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, opts ...Option) (*Source, error) {
 	if js == nil {
 		return nil, errors.New("jetstream.New: nil JetStream; pass jetstream.New(nc)")
@@ -162,20 +160,15 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 	return s, nil
 }
 
-// How the runtime batches the Source's acks and naks. Each is a round trip
-// (the Source waits for the server's reply), so the runtime's own goroutines
-// make the calls, up to 8 at once, each with what gathered within 200 µs: no
-// worker waits for a reply, and acks stay pipelined. JetStream has no
-// batched ack, so the linger saves no requests, and it is kept short beside
-// the ack's round trip. BenchmarkDeclarations measures it against no linger
-// (the workers sending, one call at a time): 7-15% more no-op throughput and
-// 3-6% more with a 1 ms handler at concurrency 64 (docs/jetstream.md).
-// Renewals take the runtime's defaults, and Receivers stays at one: two
-// Receive calls at once measured no clear gain.
+// How the runtime batches acks and naks (see Acks, retries and shutdown in
+// the package documentation); the linger saves no requests, so it is kept
+// short. BenchmarkDeclarations measures it against the workers sending, one
+// call at a time: 7-15% more no-op throughput, 3-6% more with a 1 ms
+// handler at concurrency 64 (docs/jetstream.md). Renewals take the
+// runtime's defaults; a second Receiver measured no clear gain.
 var ackBatching = adapters.Batching{Linger: 200 * time.Microsecond, MaxCalls: 8}
 
-// minServer is the oldest server with every feature the Source uses: naks
-// with a delay (2.7.1).
+// minServer is the oldest server with delayed naks.
 var minServer = [3]int{2, 7, 1}
 
 var versionRE = regexp.MustCompile(`^v?(\d+)\.(\d+)\.(\d+)`)
@@ -193,19 +186,14 @@ func checkServer(nc *nats.Conn) error {
 	for i := range got {
 		got[i], _ = strconv.Atoi(m[i+1])
 	}
-	for i := range got {
-		if got[i] != minServer[i] {
-			if got[i] < minServer[i] {
-				return fmt.Errorf("server version %s is older than 2.7.1, which delayed naks need; upgrade nats-server", v)
-			}
-			break
-		}
+	if slices.Compare(got[:], minServer[:]) < 0 {
+		return fmt.Errorf("server version %s is older than 2.7.1, which delayed naks need; upgrade nats-server", v)
 	}
 	return nil
 }
 
 // checkConsumer refuses consumer configurations that would fight the
-// runtime.
+// runtime (see the package documentation).
 func checkConsumer(cfg jetstream.ConsumerConfig, o options, name string) error {
 	switch {
 	case cfg.AckPolicy != jetstream.AckExplicitPolicy:
@@ -244,22 +232,13 @@ func (s *Source) ConsumerConfig() jetstream.ConsumerConfig { return s.info }
 // the runtime has given back what it did not finish before it closes. After
 // Close, acks, naks and renewals fail. Close never closes the connection.
 func (s *Source) Close() error {
-	s.closeMu.Lock()
-	if s.closed {
-		s.closeMu.Unlock()
-		return nil
-	}
-	s.closed = true
-	s.closeMu.Unlock()
-	s.closeNow()
-	s.replies.close()
-	s.tel.close()
-	s.conn.stop()
+	s.closeOnce.Do(func() {
+		s.closeNow()
+		s.replies.close()
+		s.tel.close()
+		s.conn.stop()
+	})
 	return nil
 }
 
-func (s *Source) isClosed() bool {
-	s.closeMu.Lock()
-	defer s.closeMu.Unlock()
-	return s.closed
-}
+func (s *Source) isClosed() bool { return s.closeCtx.Err() != nil }

@@ -22,16 +22,11 @@ const (
 
 var opNames = [opCount]string{"fetch", "ack", "nak", "progress", "term", "backlog"}
 
-// telemetry holds the Source's instruments:
-//
-//	custody.jetstream.pending   gauge: messages the consumer has not delivered yet (the
-//	                            backlog), as of the latest fetch
-//	custody.jetstream.requests  counter: requests to the server, by custody.jetstream.request
-//	                            (fetch, ack, nak, progress, term, backlog) and error (true
-//	                            when it failed or was not answered in time)
-//
-// Both carry messaging.destination.name (the stream) and
-// messaging.consumer.group.name (the durable consumer).
+// telemetry holds the Source's instruments, whose descriptions say what
+// each counts. Both carry messaging.destination.name (the stream) and
+// messaging.consumer.group.name (the durable consumer); requests also
+// custody.jetstream.request (opNames) and error (failed, or not answered in
+// time).
 type telemetry struct {
 	counter metric.Int64Counter
 	reg     metric.Registration

@@ -13,22 +13,16 @@ import (
 
 var _ adapters.Connector = (*Source)(nil)
 
-// Connection reports whether the Source reaches Redis
-// (adapters.Connector). go-redis tells nothing of its connections' state
-// (it dials as commands need one), so the Source reads it from the outcome
-// of its own commands, which a running consumer sends all the time (a read
-// at least every WithBlock, renewals, acks): connected from New on and
-// after any command Redis answered, even with an error reply; reconnecting
-// after one that failed for want of a server (no connection, a connection
-// cut, no answer within the client's timeouts, or a server that answers it
-// is loading its data, has lost its master or cluster, has no room for
-// another client, or refuses the credentials), until one gets an answer;
-// disconnected once the client or the Source is closed. LastError is the
-// failure, while not connected. A command cancelled by its caller tells
-// nothing and changes nothing.
-//
-// The state is as fresh as the last command: while the consumer is paused
-// with nothing held, the Source sends none, and the state stays as it was.
+// Connection reports whether the Source reaches Redis (adapters.Connector),
+// from the outcome of its own commands (a read at least every WithBlock,
+// renewals, acks): connected from New on and after any command Redis
+// answered, error replies included; reconnecting after one that failed for
+// want of a server (no connection, a cut, a timeout, or a server loading its
+// data, without its master or cluster, out of client slots, or refusing the
+// credentials), until one gets an answer; disconnected once the client or
+// the Source is closed. LastError is the failure while not connected. A
+// command its caller cancelled changes nothing. The state is as fresh as
+// the last command: a consumer paused with nothing held sends none.
 func (s *Source) Connection() adapters.Connection {
 	if s.isClosed() {
 		return s.conn.closed()

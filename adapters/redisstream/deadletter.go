@@ -11,28 +11,25 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// DeadLetter is an adapters.DeadLetter that appends failed messages to
-// a Redis stream. The copy holds the body in the body field (WithBodyField
-// of the dead-letter stream, default "body"), every header as a field of its
-// own, and the runtime's diagnostics as fields named like package adapters'
-// Header* constants (custody-error, custody-attempts, custody-first-failure,
-// custody-original-queue, custody-original-id, ...). Fields of an earlier
-// trip's diagnostics (a dead letter replayed into its stream) are dropped
-// before the new ones are written. A header whose name is the body field's
-// travels as "custody-header.NAME".
+// DeadLetter is an adapters.DeadLetter that appends failed messages to a
+// Redis stream. The copy holds the body in the body field
+// (WithDeadLetterBodyField, default "body"), every header as a field of its
+// own (one named like the body field as "custody-header.NAME"), and the
+// runtime's diagnostics as fields named like package adapters' Header*
+// constants (custody-error, custody-attempts, custody-original-id, ...).
+// An earlier trip's diagnostic fields (a dead letter replayed into its
+// stream) are dropped.
 //
 // For an entry of a [Source], Send appends the copy and acknowledges the
-// original in one atomic step (a Lua script: XADD, then XACK): a crash or a
-// lost connection leaves either both done or neither, never an original
-// acked without its copy. That needs one server: the Source and the
-// DeadLetter must share their client, and on a Redis Cluster (or a
-// ring) both streams must share a hash tag, so that they are in one slot
-// (orders{o} and orders-dlq{o}, say). SettlesOriginal reports which
-// deliveries Send acknowledges so. For the others Send only appends the
-// copy, and the runtime acknowledges the original through its source once
-// Send returned: a crash between the two leaves the original pending, which
-// is then delivered and dead-lettered again, so the dead-letter stream may
-// hold two copies (tell them apart by custody-original-id).
+// original in one atomic script (XADD, then XACK): a crash or a lost
+// connection leaves both done or neither. That needs one server: the Source
+// and the DeadLetter must share their client, and on a Redis Cluster (or a
+// ring) both streams a hash tag (orders{o} and orders-dlq{o}, say).
+// SettlesOriginal reports which deliveries Send acknowledges so. For the
+// others Send only appends the copy, and the runtime acknowledges the
+// original once Send returned: a crash between the two delivers and
+// dead-letters the original again, so the dead-letter stream may hold two
+// copies (tell them apart by custody-original-id).
 //
 // Send returns nil only once the copy is stored.
 type DeadLetter struct {
@@ -147,12 +144,8 @@ const maxDiagnostics = 32
 func (q *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	fields := q.fields(d, f)
 	if src, ok := q.settles(d); ok {
-		del := 0
-		if src.opts.deleteOnAck {
-			del = 1
-		}
 		args := make([]any, 0, 4+len(fields))
-		args = append(args, src.group, d.ID, q.maxLen, del)
+		args = append(args, src.group, d.ID, q.maxLen, flag(src.opts.deleteOnAck))
 		for _, v := range fields {
 			args = append(args, v)
 		}
@@ -189,9 +182,7 @@ func (q *DeadLetter) settles(d *adapters.Delivery) (*Source, bool) {
 // that appends its copy (adapters.OriginalSettler): true for an entry of a
 // Source on the same client whose stream shares the dead-letter stream's
 // slot. The runtime acks every other delivery through its own source once
-// Send returned nil. An entry Send acknowledged so is marked: the Source's
-// Ack or Nack of it, which comes when a wrapper around the DeadLetter hides
-// this method, succeeds without a command.
+// Send returned nil.
 func (q *DeadLetter) SettlesOriginal(d *adapters.Delivery) bool {
 	_, ok := q.settles(d)
 	return ok

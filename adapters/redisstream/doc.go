@@ -30,148 +30,129 @@
 //
 // # Leases
 //
-// Redis holds no lease: an entry read by a consumer stays in the group's
-// pending list, assigned to it, until it is acked, and any consumer may
-// claim it. The lease is a convention all consumers of the group keep: an
-// entry belongs to its consumer until it has been idle (not delivered, not
-// claimed) for the lease (WithLease, 30 s by default); only then does
-// another consumer's reclaim claim it. The runtime renews every held entry
-// at a third of the lease by resetting its idle time: one script call per
-// batch that checks, for each entry, that this consumer still owns it, and
-// only then claims it again with IDLE and JUSTID (the delivery count stays).
-// A plain XCLAIM would take back an entry another consumer had already
-// claimed; here that entry fails the renewal with adapters.ErrLeaseLost,
-// and the runtime cancels its handler.
+// Redis holds no lease: a read entry stays in the group's pending list,
+// assigned to its consumer, until it is acked, and any consumer may claim
+// it. The lease is a convention all consumers of the group keep: an entry
+// belongs to its consumer until it has been idle (not delivered, not
+// claimed) for the lease (WithLease, 30 s); only then does another
+// consumer's reclaim claim it. The runtime renews every held entry at a
+// third of the lease with one script call per batch that, for each entry,
+// checks that this consumer still owns it and only then claims it again
+// with IDLE and JUSTID (the delivery count stays). A plain XCLAIM would
+// take back an entry another consumer had already claimed; here that entry
+// fails the renewal with adapters.ErrLeaseLost, and the runtime cancels its
+// handler.
 //
 // # Reclaim
 //
-// Receive first claims entries whose idle time passed the lease, then reads
-// new ones for the room left, never more than it was asked for in all.
-// Entries idle past the lease belong to a consumer that died, or are
-// retries that fell due (see Retries). They are claimed by a script that
-// scans the pending list with XAUTOCLAIM (every WithReclaimInterval, 1 s by
-// default, or at once while scans come back full), and handed out with the
-// group's delivery count, which the claim counted up, as their attempt
-// number. Entries deleted from the stream while pending (trimmed with
-// MAXLEN or XTRIM, or deleted with XDEL) are dropped from the pending list
-// by Redis during the claim: the Source counts them (Stats.Deleted,
-// custody.redis.deleted), logs them, and never hands them out, so they
-// neither come out empty nor hold anything up. An entry deleted while this
-// consumer holds it is counted too; its handler runs on (no one else can be
-// handed it), and its ack finds nothing to do.
+// Receive first claims entries idle past the lease (a dead consumer's, or
+// retries that fell due; see Retries), then reads new ones for the room
+// left, never more than it was asked for in all. Redis never hands a
+// pending entry out again by itself, so reclaiming is part of receiving: a
+// script scans the pending list with XAUTOCLAIM every WithReclaimInterval
+// (1 s), or at once while scans come back full, as WithBlock bounds a wait
+// for new entries. When an entry becomes deliverable is decided by the
+// lease and by the delay given to Nack, not by the interval. The Source
+// keeps no entry between calls; it claims the entries it gave back itself
+// as soon as their delay has passed (it remembers when). A reclaimed
+// entry's attempt is the group's delivery count, which the claim counted
+// up.
 //
-// Reclaiming is part of receiving, not a timing policy of the adapter's:
-// Redis never hands a pending entry out again by itself, so an entry whose
-// lease ran out, or whose retry delay passed, is deliverable only to a
-// consumer that claims it. When an entry becomes deliverable is decided by
-// the lease and by the delay the runtime gave Nack; the reclaim interval
-// only bounds how long after that the Source looks, as WithBlock bounds a
-// wait for new entries: it is how often the Source polls a list Redis does
-// not push. The Source keeps no entry between calls, and claims the entries
-// it gave back itself when their delay has passed (it remembers when), so
-// that a retry comes back when the runtime asked rather than at the next
-// scan.
+// Entries deleted from the stream while pending (MAXLEN, XTRIM, XDEL) are
+// dropped from the pending list by Redis during the claim: the Source
+// counts them (Stats.Deleted, custody.redis.deleted), logs them, and never
+// hands them out. An entry deleted while this consumer holds it is counted
+// too; its handler runs on (no one else can be handed it), and its ack
+// finds nothing to do.
 //
 // # Acks
 //
 // Ack is XACK with every id of the batch in one command (a pipeline of
 // several XACKs beyond 1,024), and XDEL in the same round trip with
-// WithDeleteOnAck. The runtime gathers acks from all its workers into
-// batches, so a busy consumer sends one XACK per batch rather than one per
-// message.
+// WithDeleteOnAck.
 //
 // # What the Source declares
 //
 // The Source batches, lingers, renews and retries nothing by itself; its
-// Capabilities tell the runtime how to do so. Acks: up to 1,024 entries a
-// call, sent by the runtime's goroutines (up to four calls under way) once a
-// batch is full or its oldest ack has waited half a millisecond: each XACK
-// is a round trip, and this sends fewer of them and keeps the workers
-// running while one is under way. Give-backs and renewals: up to 512
-// entries a script call. One Receive at a time: a read hands out at once
-// what the stream holds, so a second one would not add throughput.
-// docs/redisstream.md gives the measurements.
+// Capabilities tell the runtime how. Acks: up to 1,024 entries a call, sent
+// by the runtime's goroutines (up to four calls under way) once a batch is
+// full or its oldest ack has waited half a millisecond, so that a busy
+// consumer sends one XACK per batch and its workers run on while one is
+// under way. Give-backs and renewals: up to 512 entries a script call. One
+// Receive at a time: a read hands out at once what the stream holds, so a
+// second one would not add throughput. docs/redisstream.md gives the
+// measurements.
 //
 // # Retries
 //
 // Redis has no delayed redelivery; the Source gives an entry back by
-// setting its idle time so that it reaches the lease only once the delay has
+// setting its idle time so that it reaches the lease once the delay has
 // passed (XCLAIM to itself with IDLE lease-delay and JUSTID, after checking
 // it still owns the entry). The entry waits in the pending list, not in the
 // process: it costs no worker, and it survives the process, since any
-// consumer's reclaim takes it once it is due. The Source that gave it back
-// claims it as soon as it falls due; another consumer finds it at its next
-// scan. The delivery count is not touched when the entry is given back; the
-// reclaim that hands it out again counts it, so attempt n+1 follows attempt
-// n. A delay longer than the lease cannot be an idle time (Redis refuses
-// delivery times in the future): such an entry is parked, its due time kept
-// in a sorted set beside the stream ("<stream>:custody-delays:<group>", in
-// the stream's cluster slot, expiring two leases after its latest due time),
-// and every reclaim that claims it before then sets it aside again with the
-// delivery count it had.
+// consumer's reclaim takes it once it is due. The delivery count is not
+// touched when the entry is given back; the reclaim that hands it out again
+// counts it, so attempt n+1 follows attempt n. A delay longer than the
+// lease cannot be an idle time (Redis refuses delivery times in the
+// future): such an entry is parked, its due time kept in a sorted set
+// beside the stream ("<stream>:custody-delays:<group>", in the stream's
+// cluster slot, expiring two leases after its latest due time), and every
+// reclaim that claims it before then sets it aside again with the delivery
+// count it had.
 //
 // # Dead letters
 //
-// [DeadLetter] appends the original fields plus the diagnostics to
-// the dead-letter stream and acknowledges the original in one atomic step on
+// [DeadLetter] appends the original fields plus the diagnostics to the
+// dead-letter stream and acknowledges the original in one atomic step on
 // one server (see DeadLetter for what a cluster changes). It reports so
 // (adapters.OriginalSettler), and the runtime does not ack the original; a
-// wrapper around the DeadLetter hides that, and the runtime then acks it:
-// that Ack, like a Nack, succeeds without a command.
+// wrapper that hides this makes the runtime ack it: that Ack, like a Nack,
+// succeeds without a command.
 //
 // # Consumer names
 //
-// XGROUP DELCONSUMER drops the consumer's pending entries from the group for
-// good: they would never be delivered again. The Source therefore deletes a
-// consumer only when it holds no pending entry, checked and deleted in one
-// atomic script: its own name at Close, and, at New and Close, the names of
-// other consumers that hold nothing and have been idle for
-// WithConsumerCleanup (1 h). A live consumer deleted this way holds
-// nothing, and its next read creates it again. A consumer that died holding
-// entries keeps its name until others have reclaimed them all.
+// XGROUP DELCONSUMER drops the consumer's pending entries from the group
+// for good. The Source therefore deletes a consumer only when it holds no
+// pending entry, checked and deleted in one atomic script: its own name at
+// Close, and, at New and Close, the names of other consumers that hold
+// nothing and have been idle for WithConsumerCleanup (1 h). A live consumer
+// deleted this way holds nothing, and its next read creates it again. A
+// consumer that died holding entries keeps its name until others have
+// reclaimed them all.
 //
 // # A missing group
 //
 // When the group vanishes (the stream was deleted, or the server restarted
 // without persistence), everything it held is gone: entries not yet read,
-// pending entries waiting to be reclaimed, and the group's position. The
-// Source reports it. The Receive that finds the group missing reports every
-// entry this Source holds as lost, through its Delivery.Signal, with a
-// cause wrapping adapters.ErrLeaseLost and [ErrGroupMissing]: the runtime
-// cancels their handlers then, rather than at their next renewal (which
-// would fail alike). It counts the event (Stats.GroupMissing,
+// pending entries, and the group's position. The Receive that finds the
+// group missing reports every entry this Source holds as lost, through its
+// Delivery.Signal, with a cause wrapping adapters.ErrLeaseLost and
+// [ErrGroupMissing], so the runtime cancels their handlers at once rather
+// than at their next renewal. It counts the event (Stats.GroupMissing,
 // custody.redis.group_missing), logs it, and with WithCreateGroup creates
 // the group again from the first entry of the stream as it is then, so that
 // nothing added since is skipped (on a stream that survived, XGROUP DESTROY
 // say, this delivers its entries again). Without WithCreateGroup, Receive
-// fails with an error wrapping ErrGroupMissing until the group exists.
-// This is the only loss the Source reports through a Signal; every other
-// one is an entry error of the Ack, Nack or Extend that found it.
+// fails with an error wrapping ErrGroupMissing until the group exists. This
+// is the only loss the Source reports through a Signal; every other one is
+// an entry error of the Ack, Nack or Extend that found it.
 //
 // # Connection and readiness
 //
 // go-redis has no connection-state callback (it dials as commands need a
 // connection), so the Source reports its connection (adapters.Connector)
-// from the outcome of its own commands, which a running consumer sends all
-// the time (a read at least every WithBlock): connected after any answer,
-// error replies included; reconnecting after a command that found no
-// server (refused, cut, timed out, or a server loading its data, without
-// its master or cluster, full, or refusing the credentials), until one gets
-// an answer; disconnected once the client or the Source is closed. The
-// runtime's Status().Ready, and its readiness probe, are false while it is
-// not connected. The state is as fresh as the last command: a consumer
-// paused with nothing held sends none.
+// from the outcome of its own commands (see Source.Connection), which a
+// running consumer sends all the time. The runtime's Status().Ready, and
+// its readiness probe, are false while it is not connected.
 //
 // # Backlog and metrics
 //
-// [Source.Backlog] (adapters.BacklogReporter), which the runtime polls for
-// its custody.backlog.* gauges and Status().Backlog, reads in one script
-// call the group's lag (entries not yet delivered: waiting), its pending
-// count (delivered, not yet acked: in flight), and the id of the first
-// entry after the group's last delivered id, whose milliseconds against
-// the server's clock give the oldest waiting entry's age. (The idle time of
-// the oldest pending entry would not: pending entries are in flight, and
-// their idle time restarts with every renewal.)
+// [Source.Backlog] (adapters.BacklogReporter) reads in one script call the
+// group's lag (waiting), its pending count (in flight), and the id of the
+// first entry after the group's last delivered id, whose milliseconds
+// against the server's clock give the oldest waiting entry's age. (The idle
+// time of the oldest pending entry would not: pending entries are in
+// flight, and their idle time restarts with every renewal.)
 //
 // Besides the runtime's, the Source records custody.redis.commands (by
 // command and error), custody.redis.pending and custody.redis.lag (the

@@ -71,11 +71,9 @@ func WithConsumer(name string) Option {
 // WithCreateGroup makes New create the consumer group, and the stream with
 // it (XGROUP CREATE ... MKSTREAM), when the group does not exist, starting
 // at start: "$" for entries added from now on, "0" for the whole stream, or
-// an entry id. Should the group vanish while the Source runs (the stream was
-// deleted, or the server restarted without persistence), Receive creates it
-// again from "0": every entry of the stream as it is then is new to the
-// group, so none added since is skipped. Default: New fails when the group
-// does not exist.
+// an entry id. Should the group vanish while the Source runs, Receive
+// creates it again from "0" (see A missing group in the package
+// documentation). Default: New fails when the group does not exist.
 func WithCreateGroup(start string) Option {
 	return func(o *options) error {
 		if err := checkStart(start); err != nil {
@@ -119,9 +117,7 @@ func WithBlock(d time.Duration) Option {
 // WithReclaimInterval sets the longest time between two scans of the
 // group's pending list for entries idle past the lease (a consumer that
 // died, a retry of another consumer that came due). Default 1 s, or half
-// the lease when that is shorter; from 1 ms to the lease. Retries this
-// Source gave back itself are claimed when they fall due, not at the next
-// scan.
+// the lease when that is shorter; from 1 ms to the lease.
 func WithReclaimInterval(d time.Duration) Option {
 	return func(o *options) error {
 		if d < time.Millisecond {
@@ -146,10 +142,10 @@ func WithBodyField(name string) Option {
 }
 
 // WithDeleteOnAck makes Ack delete the acknowledged entries from the stream
-// (XDEL) after XACK, in the same round trip; an entry a DeadLetter of this
-// client acknowledges is deleted in the same script. Use it only when this group is
-// the stream's only reader: XDEL deletes the entry for every group. Default
-// off: entries stay until the stream is trimmed.
+// (XDEL) after XACK, in the same round trip; an entry a DeadLetter
+// acknowledges is deleted in the same script. Use it only when this group
+// is the stream's only reader: XDEL deletes the entry for every group.
+// Default off: entries stay until the stream is trimmed.
 func WithDeleteOnAck() Option {
 	return func(o *options) error {
 		o.deleteOnAck = true
@@ -161,9 +157,8 @@ func WithDeleteOnAck() Option {
 // no pending entry must have been idle (as XINFO CONSUMERS reports it) before
 // New and Close delete it, so that consumer names of processes long gone do
 // not pile up in the group. Zero deletes only this Source's own name, at
-// Close, when it holds nothing. Default 1 h. Deleting a consumer that holds
-// nothing loses nothing; one that holds entries is never deleted (see the
-// package documentation).
+// Close, when it holds nothing. Default 1 h. A consumer that holds entries
+// is never deleted (see Consumer names in the package documentation).
 func WithConsumerCleanup(idle time.Duration) Option {
 	return func(o *options) error {
 		if idle < 0 {

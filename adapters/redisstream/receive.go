@@ -20,23 +20,18 @@ import (
 // this Source held, are gone with it.
 var ErrGroupMissing = errors.New("redisstream: the consumer group does not exist")
 
-// Receive returns up to max entries: first those whose idle time passed the
-// lease (a dead consumer's, or retries that fell due), then new ones
-// (XREADGROUP ... COUNT n BLOCK t STREAMS stream >) for the room left. It
-// reclaims only when a reclaim is due: a retry this Source gave back fell
-// due, or the scan interval (WithReclaimInterval) passed since the last
-// scan. So reclaimed entries go ahead of new ones when both wait, and a
-// steady flow of new entries cannot starve them; but a scan takes at most
-// max entries (and 256), so a large backlog of reclaimable entries is taken
-// batch by batch, one scan per Receive while scans come back full.
+// Receive returns up to max entries: first, when a reclaim is due (a retry
+// this Source gave back fell due, or WithReclaimInterval passed since the
+// last scan), those idle past the lease, then new ones (XREADGROUP ...
+// STREAMS stream >) for the room left; see Reclaim in the package
+// documentation. So reclaimed entries go ahead of new ones, and a steady
+// flow of new entries cannot starve them; a scan takes at most max entries
+// (and 256), so a large backlog of them is taken one scan per Receive.
 //
 // It blocks for at most WithBlock (less when a reclaim falls due sooner)
 // and returns no entries and a nil error when nothing came. After ctx is
-// done or Close, it gives back (with their delivery count as it was) what a
-// call under way still read, and returns ctx's error or adapters.ErrClosed.
-// Entries found deleted from the stream while pending are dropped from the
-// pending list, counted (Stats.Deleted, custody.redis.deleted) and logged,
-// never handed out.
+// done or Close, it gives back what a call under way still read (with its
+// delivery count as it was) and returns ctx's error or adapters.ErrClosed.
 func (s *Source) Receive(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	if max <= 0 {
 		return nil, nil
@@ -127,19 +122,14 @@ func (s *Source) blockFor(now time.Time) time.Duration {
 	return wait.Truncate(time.Millisecond)
 }
 
-// reclaim runs reclaimScript for job and turns what it claimed into
-// deliveries.
+// reclaim runs reclaimScript for job and returns what it claimed.
 func (s *Source) reclaim(ctx context.Context, gen uint64, job reclaimJob, max int) ([]*adapters.Delivery, error) {
-	scan := "0"
-	if job.scan {
-		scan = "1"
-	}
 	cursor := job.cursor
 	if cursor == "" {
 		cursor = "0-0"
 	}
 	args := make([]any, 0, 6+len(job.ids))
-	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), cursor, max, scan)
+	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), cursor, max, flag(job.scan))
 	for _, id := range job.ids {
 		args = append(args, id)
 	}
@@ -309,12 +299,9 @@ func (s *Source) read(ctx context.Context, gen uint64, n int, block time.Duratio
 }
 
 // groupMissing handles a NOGROUP answer to a command sent in generation
-// gen of the group: it counts it, reports every entry held as lost (their
-// Signals: the runtime cancels their handlers at once rather than at their
-// next renewal) and, with WithCreateGroup, creates the group again from the
-// start of the stream (so that nothing added to a recreated stream is
-// skipped), or returns an error saying what to do. A Receive whose command
-// found the group missing after another one handled it does nothing more.
+// gen of the group, as the package documentation says under A missing
+// group; a Receive whose command found the group missing after another one
+// handled it does nothing more.
 func (s *Source) groupMissing(ctx context.Context, gen uint64, cause error) error {
 	s.groupMu.Lock()
 	defer s.groupMu.Unlock()
@@ -328,7 +315,6 @@ func (s *Source) groupMissing(ctx context.Context, gen uint64, cause error) erro
 	}
 	s.mu.Unlock()
 	if handled {
-		// Another Receive dealt with it since this one's command was sent.
 		if s.opts.createStart != "" {
 			return nil
 		}
@@ -354,8 +340,6 @@ func (s *Source) groupMissing(ctx context.Context, gen uint64, cause error) erro
 	return nil
 }
 
-// generation returns the number of times this Source found the group
-// missing and dealt with it.
 func (s *Source) generation() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -10,6 +10,14 @@ import "github.com/redis/go-redis/v9"
 // due times and idle times are measured by one clock whatever the
 // consumers' clocks say.
 
+// flag is a script's yes-or-no argument: "1" or "0".
+func flag(b bool) string {
+	if b {
+		return "1"
+	}
+	return "0"
+}
+
 // extendScript renews entries this consumer owns by resetting their idle
 // time, and reports, per id, 1 when renewed, 0 when the entry is no longer
 // pending in the group (acked by another consumer after a reclaim, or the
@@ -38,19 +46,13 @@ end
 return res
 `)
 
-// nackScript gives entries this consumer owns back to the group, to become
-// claimable after a delay: it sets the idle time to lease - delay, so that
-// any consumer's reclaim (which claims entries idle for the lease) takes the
-// entry once the delay has passed. A delay longer than the lease cannot be
-// expressed as an idle time (Redis clamps a delivery time in the future to
-// now); such an entry is parked: its due time goes into a sorted set beside
-// the stream, its idle time is reset, and every reclaim that claims it
-// before it is due parks it again (see reclaimScript). JUSTID keeps the
-// delivery count as it is; with ARGV[4] = 1 ("undeliver") the count is
-// lowered by one, for entries read but never handed to the runtime.
-//
-// Results per entry as for extendScript: 1 given back, 0 not pending, 2
-// deleted from the stream, or the name of the consumer that claimed it.
+// nackScript gives entries this consumer owns back to the group, claimable
+// after a delay: it sets the idle time to lease - delay, or, for a delay
+// longer than the lease, resets it and parks the entry's due time in the
+// sorted set (see Retries in the package documentation, and reclaimScript).
+// JUSTID keeps the delivery count as it is; with ARGV[4] = 1 ("undeliver")
+// the count is lowered by one, for entries read but never handed to the
+// runtime. Results per entry as for extendScript.
 //
 //	KEYS[1] stream, KEYS[2] sorted set of parked entries
 //	ARGV[1] group, ARGV[2] consumer, ARGV[3] lease (ms), ARGV[4] undeliver (0 or 1),
@@ -181,12 +183,10 @@ return {cursor, out, deleted, later, parked}
 `)
 
 // cleanupScript deletes consumers of the group that hold no pending entry:
-// this one (ARGV[2]) and, when ARGV[3] > 0, any other whose idle time is
-// at least ARGV[3] ms. The check and the deletion are one atomic step, so
-// no entry can be assigned to a consumer between the two; XGROUP
-// DELCONSUMER would drop a consumer's pending entries from the group for
-// good. A live consumer deleted this way holds nothing, and its next read
-// creates it again. It returns the names deleted.
+// this one (ARGV[2]) and, when ARGV[3] > 0, any other idle for at least
+// ARGV[3] ms. The check and the deletion are one atomic step, so no entry
+// can be assigned to a consumer between the two (see Consumer names in the
+// package documentation). It returns the names deleted.
 //
 //	KEYS[1] stream
 //	ARGV[1] group, ARGV[2] consumer, ARGV[3] idle threshold (ms; 0: only this consumer)

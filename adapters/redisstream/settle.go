@@ -31,15 +31,15 @@ func (s *Source) foreign(d *adapters.Delivery) error {
 	return fmt.Errorf("redisstream: delivery %q did not come from group %q of stream %q", d.ID, s.group, s.stream)
 }
 
-// Ack acknowledges the entries with XACK, all ids in one command (in a
-// pipeline of several for more than 1024), followed by XDEL in the same
-// round trip with WithDeleteOnAck. XACK removes an entry from the group's
-// pending list whichever consumer it is assigned to, and an entry that is no
-// longer pending (acked already, or by the consumer that reclaimed it) will
-// not be delivered again either: so every entry of a call that reached the
-// server succeeds. Only deliveries from another stream, group or client
-// fail, alone. An entry a DeadLetter acknowledged with its copy succeeds
-// without a command (see DeadLetter.SettlesOriginal).
+// Ack acknowledges the entries with XACK, all ids in one command (a
+// pipeline of several beyond 1024), followed by XDEL in the same round trip
+// with WithDeleteOnAck. XACK removes an entry from the group's pending list
+// whichever consumer it is assigned to, and an entry no longer pending
+// (acked already, or by the consumer that reclaimed it) will not be
+// delivered again either: so every entry of a call that reached the server
+// succeeds. Only deliveries from another stream, group or client fail,
+// alone. An entry a DeadLetter acknowledged with its copy succeeds without
+// a command.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	s.unhold(ds)
 	var failed map[int]error
@@ -155,19 +155,15 @@ func (s *Source) isGone(id string) bool {
 	return ok
 }
 
-// Extend renews the entries' lease: one script call for the batch that, for
-// each entry this consumer still owns in the group's pending list, resets
-// its idle time (XCLAIM to itself with IDLE and JUSTID, which leaves the
-// delivery count alone) so that another consumer can claim it only d from
-// now (the lease, or less when the runtime's cap on the hold comes first).
-// The ownership check and the claim are one atomic step, so a renewal never
-// takes back an entry another consumer has claimed: that entry, and one no
-// longer pending (claimed and acked elsewhere; the group recreated), fails
-// with an error wrapping adapters.ErrLeaseLost. An entry deleted from the
-// stream while held succeeds: no one else can be handed it, so its handler
-// runs on; it is counted (Stats.DeletedWhileHeld) and not renewed again.
-// Extend returns when ctx ends, answered or not (the renewal may still reach
-// the server later, which its ownership check makes harmless).
+// Extend renews the entries' lease in one script call that, for each entry
+// this consumer still owns, resets its idle time so that another consumer
+// can claim it only d from now (see Leases in the package documentation).
+// An entry another consumer claimed, or no longer pending (claimed and
+// acked elsewhere; the group recreated), fails with an error wrapping
+// adapters.ErrLeaseLost. An entry deleted from the stream while held
+// succeeds: no one else can be handed it, so its handler runs on; it is
+// counted (Stats.DeletedWhileHeld) and not renewed again. Extend returns
+// when ctx ends, answered or not (see renew).
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
 	idle := min(max(s.opts.lease-d, 0), s.opts.lease).Milliseconds()
 	args := make([]any, 0, 3+len(ds))
@@ -189,24 +185,8 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 	if len(idx) > 0 {
 		s.count(cmdExtend)
 		res, err := s.renew(ctx, args)
-		switch {
-		case err != nil && isNoGroup(err):
-			s.failed(cmdExtend)
-			for _, i := range idx {
-				failed[i] = fmt.Errorf("%w: %w: stream %q, group %q", adapters.ErrLeaseLost, ErrGroupMissing, s.stream, s.group)
-			}
-			s.stats.leaseLost.Add(int64(len(idx)))
-		case err != nil:
-			s.failed(cmdExtend)
-			err = fmt.Errorf("redisstream: renewing %d entries of stream %q: %w", len(idx), s.stream, err)
-			if len(failed) == 0 {
-				return err
-			}
-			for _, i := range idx {
-				failed[i] = err
-			}
-		default:
-			s.settled(ds, idx, res, failed, "renewal", func(i int) { s.stats.renewed.Add(1) })
+		if err := s.settled(cmdExtend, ds, idx, res, err, failed, func(int) { s.stats.renewed.Add(1) }); err != nil {
+			return err
 		}
 	}
 	if len(failed) > 0 {
@@ -224,18 +204,19 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 
 // renew runs the renewal script, returning when ctx ends even if the server
 // has not answered: go-redis bounds a call by its ReadTimeout, not by the
-// context's deadline (unless the client was made with
-// ContextTimeoutEnabled), and the runtime's lease keeper needs an answer
-// before the lease runs out, to cancel the handler in time. A renewal that
-// reaches the server later is harmless: it checks the owner first, so it
-// can only renew an entry this consumer still owns, never take back one
-// another consumer claimed. Close waits for such calls.
+// context's deadline (unless ContextTimeoutEnabled), and the lease keeper
+// needs an answer before the lease runs out, to cancel the handler in time.
+// A renewal that reaches the server later is harmless: it checks the owner
+// first. Close waits for such calls.
 func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	sent := time.Now()
-	if ctx.Done() == nil {
+	run := func() ([]any, error) {
 		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
 		s.conn.observe(sent, err)
 		return res, err
+	}
+	if ctx.Done() == nil {
+		return run()
 	}
 	type result struct {
 		res []any
@@ -245,8 +226,7 @@ func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	s.calls.Add(1)
 	go func() {
 		defer s.calls.Done()
-		res, err := extendScript.Run(ctx, s.client, []string{s.stream}, args...).Slice()
-		s.conn.observe(sent, err)
+		res, err := run()
 		done <- result{res, err}
 	}()
 	select {
@@ -257,11 +237,39 @@ func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 	}
 }
 
-// settled reads the per-entry results of extendScript or nackScript (1 done,
-// 0 not pending, 2 deleted from the stream, or the consumer that claimed
-// it) for the deliveries ds[idx[k]], calling ok for those done and filling
-// failed for the others. op names the operation in errors.
-func (s *Source) settled(ds []*adapters.Delivery, idx []int, res []any, failed map[int]error, op string, ok func(i int)) {
+// settled applies the outcome of a call of extendScript (cmd cmdExtend) or
+// nackScript (cmdNack) for the deliveries ds[idx[k]]: it calls ok for
+// those done and fills failed for the others. A failed call fails every
+// entry sent, lost with the group on NOGROUP; settled returns the call's
+// error instead when no other entry failed. An answer holds per entry 1
+// (done), 0 (not pending), 2 (deleted from the stream) or the consumer
+// that claimed it.
+func (s *Source) settled(cmd int, ds []*adapters.Delivery, idx []int, res []any, err error, failed map[int]error, ok func(i int)) error {
+	op, doing := "nack", "giving back"
+	if cmd == cmdExtend {
+		op, doing = "renewal", "renewing"
+	}
+	switch {
+	case err != nil && isNoGroup(err):
+		s.failed(cmd)
+		for _, i := range idx {
+			failed[i] = fmt.Errorf("%w: %w: stream %q, group %q", adapters.ErrLeaseLost, ErrGroupMissing, s.stream, s.group)
+		}
+		if cmd == cmdExtend {
+			s.stats.leaseLost.Add(int64(len(idx)))
+		}
+		return nil
+	case err != nil:
+		s.failed(cmd)
+		err = fmt.Errorf("redisstream: %s %d entries of stream %q: %w", doing, len(idx), s.stream, err)
+		if len(failed) == 0 {
+			return err
+		}
+		for _, i := range idx {
+			failed[i] = err
+		}
+		return nil
+	}
 	for k, i := range idx {
 		var r any
 		if k < len(res) {
@@ -275,7 +283,7 @@ func (s *Source) settled(ds []*adapters.Delivery, idx []int, res []any, failed m
 				ok(i)
 			case 2:
 				s.deletedWhileHeld(id)
-				if op != "renewal" {
+				if cmd != cmdExtend {
 					failed[i] = fmt.Errorf("%w: entry %s of stream %q", ErrDeleted, id, s.stream)
 				}
 			default:
@@ -296,6 +304,7 @@ func (s *Source) settled(ds []*adapters.Delivery, idx []int, res []any, failed m
 			failed[i] = fmt.Errorf("redisstream: unexpected %s result %v for entry %s", op, r, id)
 		}
 	}
+	return nil
 }
 
 // lostWithGroup reports whether d was received before this Source last found
@@ -328,17 +337,12 @@ func (s *Source) deletedWhileHeld(id string) {
 }
 
 // Nack gives the entries back, each to be claimable by any consumer's
-// reclaim no sooner than its After from now (zero or less: at once). An
-// entry's idle time is set to the lease minus the delay, so it falls due
-// when the delay has passed; a delay longer than the lease parks the entry
-// (see the package documentation). The delivery count is left as it is: the
-// reclaim that takes the entry counts the next delivery. This Source claims
-// the entries it gave back as soon as they fall due; other consumers find
-// them at their next scan, so a retry survives this process. One script
-// call for the batch; entries claimed by another consumer, or no longer
-// pending, fail with an error wrapping adapters.ErrLeaseLost, and entries
-// deleted from the stream with one wrapping ErrDeleted. An entry a
-// DeadLetter acknowledged with its copy succeeds without a command.
+// reclaim no sooner than its After from now (zero or less: at once), in one
+// script call; see Retries in the package documentation. Entries claimed by
+// another consumer, or no longer pending, fail with an error wrapping
+// adapters.ErrLeaseLost, and entries deleted from the stream with one
+// wrapping ErrDeleted. An entry a DeadLetter acknowledged with its copy
+// succeeds without a command.
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	ds := make([]*adapters.Delivery, len(ns))
 	for i, n := range ns {
@@ -358,12 +362,8 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 	if len(ds) == 0 {
 		return nil
 	}
-	flag := "0"
-	if undeliver {
-		flag = "1"
-	}
 	args := make([]any, 0, 4+2*len(ds))
-	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), flag)
+	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), flag(undeliver))
 	idx := make([]int, 0, len(ds))
 	delays := make([]time.Duration, len(ds))
 	failed := map[int]error{}
@@ -372,8 +372,7 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 		case !s.owns(d):
 			failed[i] = s.foreign(d)
 		case isDeadLettered(d):
-			// Acknowledged by its dead letter: there is nothing to give
-			// back, and the entry is delivered no more.
+			// Acknowledged by its dead letter: delivered no more.
 		case s.isGone(d.ID):
 			failed[i] = fmt.Errorf("%w: entry %s of stream %q", ErrDeleted, d.ID, s.stream)
 		default:
@@ -387,30 +386,16 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 		sent := time.Now()
 		res, err := nackScript.Run(ctx, s.client, []string{s.stream, s.delays}, args...).Slice()
 		s.conn.observe(sent, err)
-		switch {
-		case err != nil && isNoGroup(err):
-			s.failed(cmdNack)
-			for _, i := range idx {
-				failed[i] = fmt.Errorf("%w: %w: stream %q, group %q", adapters.ErrLeaseLost, ErrGroupMissing, s.stream, s.group)
+		now := time.Now()
+		err = s.settled(cmdNack, ds, idx, res, err, failed, func(i int) {
+			s.stats.nacked.Add(1)
+			if delays[i] > s.opts.lease {
+				s.stats.parked.Add(1)
 			}
-		case err != nil:
-			s.failed(cmdNack)
-			err = fmt.Errorf("redisstream: giving back %d entries of stream %q: %w", len(idx), s.stream, err)
-			if len(failed) == 0 {
-				return err
-			}
-			for _, i := range idx {
-				failed[i] = err
-			}
-		default:
-			now := time.Now()
-			s.settled(ds, idx, res, failed, "nack", func(i int) {
-				s.stats.nacked.Add(1)
-				if delays[i] > s.opts.lease {
-					s.stats.parked.Add(1)
-				}
-				s.track(ds[i].ID, now.Add(delays[i]))
-			})
+			s.track(ds[i].ID, now.Add(delays[i]))
+		})
+		if err != nil {
+			return err
 		}
 	}
 	if len(failed) > 0 {

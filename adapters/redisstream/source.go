@@ -147,23 +147,19 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 	return s, nil
 }
 
-// How the runtime batches acks: each XACK is a round trip, so acks are
-// sent by the runtime's goroutines, up to ackCalls at once, after waiting
-// up to ackLinger to fill a batch. Against acks sent by the workers as soon
-// as they run out of work, that sends fewer XACKs when several workers
-// finish at once, and lets the workers run on while an XACK is under way,
-// which counts once a round trip is longer than a local one (Redis over a
-// network), for a hand-off per call that a Redis on the same machine
-// feels: BenchmarkAckLinger measures both. Nacks are retries and shutdown
-// give-backs, rare or in bulk: the workers send them at once.
+// How the runtime batches acks (see What the Source declares in the package
+// documentation). The linger pays over a network, for a hand-off per call
+// that a local Redis feels: BenchmarkAckLinger measures both. Nacks are
+// retries and shutdown give-backs, rare or in bulk: the workers send them
+// at once.
 const (
 	ackLinger = 500 * time.Microsecond
 	ackCalls  = 4
 )
 
-// extendCalls bounds the renewal calls under way: one call renews up to
-// maxScriptBatch entries, so several are under way only for thousands of
-// leases due at once.
+// extendCalls bounds the renewal calls under way; with maxScriptBatch
+// entries a call, several are needed only for thousands of leases due at
+// once.
 const extendCalls = 4
 
 // maxScriptBatch bounds the entries of one renewal or give-back script

@@ -11,8 +11,7 @@ type Stats struct {
 	// Reads, Reclaims, Acks, Deletes, Renewals, Nacks, Cleanups and Infos
 	// count XREADGROUP, reclaim-script, XACK, XDEL, renewal-script,
 	// give-back-script, clean-up-script and backlog (XINFO GROUPS, or the
-	// script of Backlog) commands; Failures
-	// those of them that failed.
+	// script of Backlog) commands; Failures those of them that failed.
 	Reads, Reclaims, Acks, Deletes, Renewals, Nacks, Cleanups, Infos int64
 	Failures                                                         int64
 	// Received counts entries handed out, Reclaimed those of them claimed

@@ -29,27 +29,12 @@ var cmdNames = [cmdCount]string{"xreadgroup", "reclaim", "xack", "xdel", "renew"
 // infoTimeout bounds the XINFO GROUPS call behind the backlog gauges.
 const infoTimeout = 2 * time.Second
 
-// telemetry holds the Source's instruments:
-//
-//	custody.redis.commands     counter: commands sent, by custody.redis.command
-//	                           (xreadgroup, reclaim, xack, xdel, renew, nack,
-//	                           cleanup, xinfo: XINFO GROUPS or the backlog
-//	                           script) and error (true when it failed)
-//	custody.redis.pending      gauge: entries in the group's pending list, all
-//	                           consumers together (XINFO GROUPS pending)
-//	custody.redis.lag          gauge: entries of the stream not yet delivered to
-//	                           the group (XINFO GROUPS lag; left out when Redis
-//	                           cannot tell, after deletions in the range)
-//	custody.redis.reclaimed    counter: entries claimed once idle for the lease (a
-//	                           dead consumer's, or a retry that fell due)
-//	custody.redis.deleted      counter: pending entries found deleted from the
-//	                           stream (trimmed, XDEL): dropped unhandled, or their
-//	                           handler ran on
-//	custody.redis.group_missing counter: times the group was found missing
-//
-// All carry messaging.destination.name (the stream) and
-// messaging.consumer.group.name (the group). The gauges ask the server (one
-// XINFO GROUPS, bounded by two seconds) when the metrics are collected.
+// telemetry holds the Source's instruments, whose descriptions say what
+// each counts. All carry messaging.destination.name (the stream) and
+// messaging.consumer.group.name (the group); custody.redis.commands also
+// custody.redis.command (cmdNames) and error. The gauges ask the server
+// (XINFO GROUPS) when the metrics are collected; lag is left out when Redis
+// cannot tell (after deletions in the range).
 type telemetry struct {
 	commands     metric.Int64Counter
 	reclaimed    metric.Int64Counter
@@ -123,7 +108,7 @@ func (t *telemetry) close() {
 	}
 }
 
-// count counts a command sent; failed counts it as failed as well.
+// count counts a command sent; failed counts one that failed.
 func (s *Source) count(c int) {
 	s.stats.commands[c].Add(1)
 	if s.tel != nil {
