@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -68,25 +67,18 @@ type DeadLetter struct {
 // binding instead. The connection options (WithURL, WithConfig, WithTLS,
 // WithDialFunc, WithLogger) and WithDeclareDeadLetter apply.
 func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetter, error) {
-	st, err := apply(opts)
+	st, err := applyFor("NewDeadLetter", opts)
 	if err != nil {
 		return nil, err
-	}
-	if len(st.sourceOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to a Source", strings.Join(st.sourceOnly, ", "))
-	}
-	if len(st.replayOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
 	}
 	if exchange == "" && routingKey == "" {
 		return nil, errors.New("rabbitmq: NewDeadLetter: with the default exchange the routing key names the dead-letter queue and must not be empty")
 	}
-	// Both travel as AMQP short strings: longer ones would fail every send.
-	if len(exchange) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: exchange name of %d bytes; AMQP allows at most %d", len(exchange), maxShortstr)
+	if err := checkShortstr("NewDeadLetter", "exchange name", exchange); err != nil {
+		return nil, err
 	}
-	if len(routingKey) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: routing key of %d bytes; AMQP allows at most %d", len(routingKey), maxShortstr)
+	if err := checkShortstr("NewDeadLetter", "routing key", routingKey); err != nil {
+		return nil, err
 	}
 	dlq := "" // unknown behind a named exchange
 	if exchange == "" {
@@ -105,37 +97,30 @@ func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Opt
 			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter(%q): with the default exchange the routing key %q names the queue; leave the queue name empty or make it the routing key", dd.queue, routingKey)
 		case dd.queue == "":
 			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter: the queue name is empty; name the queue to bind to exchange %q", exchange)
-		case len(dd.queue) > maxShortstr:
-			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter: queue name of %d bytes; AMQP allows at most %d", len(dd.queue), maxShortstr)
+		}
+		if err := checkShortstr("WithDeclareDeadLetter", "queue name", dd.queue); err != nil {
+			return nil, err
 		}
 		x.pub.setup = func(conn *amqp.Connection) error { return dd.declare(conn, exchange, routingKey) }
 	}
-	if err := x.pub.checkExchange(ctx, exchange); err != nil {
+	err = x.pub.check(ctx, func(ch *amqp.Channel) error {
+		if exchange != "" {
+			if err := ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+				return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it and bind the dead-letter queue to it, or let the sink declare both and the binding with WithDeclareDeadLetter)", exchange, err)
+			}
+			return nil
+		}
+		// The default exchange routes by queue name: the queue must exist.
+		if _, err := ch.QueueDeclarePassive(routingKey, true, false, false, false, nil); err != nil {
+			return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first, or let the sink declare it with WithDeclareDeadLetter)", routingKey, err)
+		}
+		return nil
+	})
+	if err != nil {
 		x.pub.close()
 		return nil, err
 	}
-	if exchange == "" {
-		// Publishing through the default exchange needs the queue itself.
-		if err := x.checkQueue(ctx, routingKey); err != nil {
-			x.pub.close()
-			return nil, err
-		}
-	}
 	return x, nil
-}
-
-func (x *DeadLetter) checkQueue(ctx context.Context, queue string) error {
-	p := x.pub
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.ensureLocked(ctx); err != nil {
-		return err
-	}
-	if _, err := p.ch.QueueDeclarePassive(queue, true, false, false, false, nil); err != nil {
-		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first, or let the sink declare it with WithDeclareDeadLetter)", queue, err)
-	}
-	return nil
 }
 
 // deadLetterDeclare is what WithDeclareDeadLetter asks to declare.
@@ -160,7 +145,7 @@ type deadLetterDeclare struct {
 //		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 func WithDeclareDeadLetter(queue string, t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
-		s.sinkOnly = append(s.sinkOnly, "WithDeclareDeadLetter")
+		s.only("NewDeadLetter", "WithDeclareDeadLetter")
 		all, err := declareArgs("WithDeclareDeadLetter", t, args)
 		if err != nil {
 			return err

@@ -35,6 +35,15 @@ const (
 	maxShortstr = 255
 )
 
+// checkShortstr fails, for the caller named where, when s (what it names)
+// is longer than an AMQP short string: the broker would refuse every use.
+func checkShortstr(where, what, s string) error {
+	if len(s) > maxShortstr {
+		return fmt.Errorf("rabbitmq: %s: %s of %d bytes; AMQP allows at most %d", where, what, len(s), maxShortstr)
+	}
+	return nil
+}
+
 // errHeaderTooLarge is wrapped when a copy's content header frame would not
 // fit the connection's frame_max: it is not published, since the broker
 // would close the connection over it.
@@ -284,13 +293,13 @@ func droppedRecord(reason string, dropped map[string]int) string {
 	sort.Strings(names)
 	var b strings.Builder
 	b.WriteString(`{"reason":`)
-	b.WriteString(jsonString(reason))
+	b.WriteString(jsonEncode(reason))
 	b.WriteString(`,"headers":{`)
 	for i, k := range names {
 		if i > 0 {
 			b.WriteByte(',')
 		}
-		b.WriteString(jsonString(k))
+		b.WriteString(jsonEncode(k))
 		b.WriteByte(':')
 		b.WriteString(strconv.Itoa(dropped[k]))
 	}

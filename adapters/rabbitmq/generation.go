@@ -119,7 +119,7 @@ func (g *generation) lostErr() error {
 // replaced says they were given back as the copies confirmed meanwhile,
 // whose originals this ack retires.
 func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, replaced bool) {
-	reachable := !g.dead && !g.ch.IsClosed() && !g.conn.IsClosed()
+	reachable := !g.unreachableLocked()
 	marked := false
 	for i, d := range ds {
 		h := handleOf(d)
@@ -187,14 +187,6 @@ func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, rep
 	}
 }
 
-// ackReplacedLocked acks d, whose confirmed copy replaces it, as ackLocked
-// does.
-func (g *generation) ackReplacedLocked(d *adapters.Delivery) error {
-	var failed entryErrors
-	g.ackLocked([]*adapters.Delivery{d}, &failed, true)
-	return failed[0]
-}
-
 // writeAck writes one basic.ack naming tag, covering n outstanding tags
 // (multiple=true when n > 1), and counts it.
 func (g *generation) writeAck(tag uint64, n int) error {
@@ -242,7 +234,7 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 	if g.dead {
 		return g.lostErr()
 	}
-	if h.state == stateAcking || h.state == stateSettled || h.state == stateDropped {
+	if h.state != stateHeld {
 		return errors.New("rabbitmq: the delivery was already settled")
 	}
 	if err := g.ch.Nack(h.tag, false, requeue); err != nil {
@@ -289,6 +281,10 @@ func (g *generation) die() []*adapters.Delivery {
 func (g *generation) unreachable() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	return g.unreachableLocked()
+}
+
+func (g *generation) unreachableLocked() bool {
 	return g.dead || g.ch.IsClosed() || g.conn.IsClosed()
 }
 

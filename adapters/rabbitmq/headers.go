@@ -182,7 +182,7 @@ func foreignHeaders(in map[string]string) amqp.Table {
 		for k, v := range long {
 			all[k] = v
 		}
-		h[HeaderOriginalHeaders] = jsonObject(all)
+		h[HeaderOriginalHeaders] = jsonEncode(all)
 	}
 	setRoutingHeadersAside(h)
 	setBrokerHeadersAside(h)
@@ -190,24 +190,13 @@ func foreignHeaders(in map[string]string) amqp.Table {
 	return h
 }
 
-// jsonObject renders m as a JSON object, keys sorted, without HTML
-// escaping.
-func jsonObject(m map[string]string) string {
+// jsonEncode renders a string, or a map of strings (keys sorted), as JSON
+// without HTML escaping; either always encodes.
+func jsonEncode(v any) string {
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)
 	enc.SetEscapeHTML(false)
-	if err := enc.Encode(m); err != nil {
-		return "{}" // a map of strings always encodes
-	}
-	return strings.TrimSuffix(b.String(), "\n")
-}
-
-// jsonString renders s as a JSON string, without HTML escaping.
-func jsonString(s string) string {
-	var b bytes.Buffer
-	enc := json.NewEncoder(&b)
-	enc.SetEscapeHTML(false)
-	_ = enc.Encode(s) // a string always encodes
+	_ = enc.Encode(v)
 	return strings.TrimSuffix(b.String(), "\n")
 }
 
@@ -361,26 +350,15 @@ func firstReceivedOf(m *amqp.Delivery) time.Time {
 	return t
 }
 
-// republishing copies a delivery into a new publishing: same body and
-// properties, broker-set headers removed, routing headers set aside, the
-// original route remembered.
-func republishing(m *amqp.Delivery) amqp.Publishing {
-	h := amqp.Table{}
+// copyOf returns a publishing with m's body, properties and headers, less
+// the headers the broker sets (brokerHeaders).
+func copyOf(m *amqp.Delivery) amqp.Publishing {
+	h := make(amqp.Table, len(m.Headers)+4)
 	for k, v := range m.Headers {
 		h[k] = v
 	}
 	for _, k := range brokerHeaders {
 		delete(h, k)
-	}
-	setRoutingHeadersAside(h)
-	if _, ok := h[HeaderOriginalExchange]; !ok {
-		h[HeaderOriginalExchange] = m.Exchange
-		h[HeaderOriginalRoutingKey] = m.RoutingKey
-	}
-	if m.Expiration != "" {
-		// A per-message TTL would cut a delay short or silently drop the
-		// copy from a dead-letter queue; keep it only as information.
-		h[HeaderOriginalExpiration] = m.Expiration
 	}
 	return amqp.Publishing{
 		Headers:         h,
@@ -390,6 +368,7 @@ func republishing(m *amqp.Delivery) amqp.Publishing {
 		Priority:        m.Priority,
 		CorrelationId:   m.CorrelationId,
 		ReplyTo:         m.ReplyTo,
+		Expiration:      m.Expiration,
 		MessageId:       m.MessageId,
 		Timestamp:       m.Timestamp,
 		Type:            m.Type,
@@ -397,6 +376,24 @@ func republishing(m *amqp.Delivery) amqp.Publishing {
 		AppId:           m.AppId,
 		Body:            m.Body,
 	}
+}
+
+// republishing copies a delivery for a retry or a dead letter: routing
+// headers and a per-message TTL set aside, the original route remembered.
+func republishing(m *amqp.Delivery) amqp.Publishing {
+	p := copyOf(m)
+	setRoutingHeadersAside(p.Headers)
+	if _, ok := p.Headers[HeaderOriginalExchange]; !ok {
+		p.Headers[HeaderOriginalExchange] = m.Exchange
+		p.Headers[HeaderOriginalRoutingKey] = m.RoutingKey
+	}
+	if p.Expiration != "" {
+		// A per-message TTL would cut a delay short or silently drop the
+		// copy from a dead-letter queue; keep it only as information.
+		p.Headers[HeaderOriginalExpiration] = p.Expiration
+		p.Expiration = ""
+	}
+	return p
 }
 
 // originalRoute returns where the message was first published.

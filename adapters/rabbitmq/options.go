@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -69,9 +70,8 @@ type settings struct {
 	pollWait        time.Duration
 	closeTimeout    time.Duration
 
-	sourceOnly []string // names of Source-only options given, for the sink's error
-	sinkOnly   []string // names of sink-only options given, for New's error
-	replayOnly []string // names of replay-only options given, for New's and the sink's error
+	// scoped lists the options given that apply to one constructor only.
+	scoped []scopedOption
 
 	replayThroughExchange bool // WithReplayThroughExchange
 
@@ -130,7 +130,31 @@ func (s *settings) maxHold() time.Duration {
 	return s.consumerTimeout - min(s.consumerTimeout/4, time.Minute)
 }
 
-func sourceOnly(name string, s *settings) { s.sourceOnly = append(s.sourceOnly, name) }
+type scopedOption struct{ name, ctor string }
+
+// only records that the option name applies to the constructor ctor only.
+func (s *settings) only(ctor, name string) {
+	s.scoped = append(s.scoped, scopedOption{name, ctor})
+}
+
+// applyFor applies opts for the constructor ctor, which refuses by name the
+// options that apply to another constructor only.
+func applyFor(ctor string, opts []Option) (*settings, error) {
+	s, err := apply(opts)
+	if err != nil {
+		return nil, err
+	}
+	var foreign []string
+	for _, o := range s.scoped {
+		if o.ctor != ctor {
+			foreign = append(foreign, o.name+" (only for "+o.ctor+")")
+		}
+	}
+	if len(foreign) > 0 {
+		return nil, fmt.Errorf("rabbitmq: %s: options for another constructor: %s", ctor, strings.Join(foreign, ", "))
+	}
+	return s, nil
+}
 
 // WithURL sets the AMQP URL to dial (default DefaultURL). amqps:// URLs use
 // TLS; see WithTLS to configure it.
@@ -228,7 +252,7 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 // the default 256 makes the last one wait 42 minutes, past the default 30.
 func WithPrefetch(n int) Option {
 	return func(s *settings) error {
-		sourceOnly("WithPrefetch", s)
+		s.only("New", "WithPrefetch")
 		if n < 1 || n > 65535 {
 			return fmt.Errorf("rabbitmq: WithPrefetch(%d): the prefetch must be between 1 and 65535", n)
 		}
@@ -242,12 +266,12 @@ func WithPrefetch(n int) Option {
 // Each connection uses it anew after a reconnect.
 func WithConsumerTag(tag string) Option {
 	return func(s *settings) error {
-		sourceOnly("WithConsumerTag", s)
+		s.only("New", "WithConsumerTag")
 		if tag == "" {
 			return errors.New("rabbitmq: WithConsumerTag: the tag is empty")
 		}
-		if len(tag) > maxShortstr {
-			return fmt.Errorf("rabbitmq: WithConsumerTag: tag of %d bytes; AMQP allows at most %d", len(tag), maxShortstr)
+		if err := checkShortstr("WithConsumerTag", "tag", tag); err != nil {
+			return err
 		}
 		s.consumerTag = tag
 		return nil
@@ -260,7 +284,7 @@ func WithConsumerTag(tag string) Option {
 // default, CheckQueue, only checks that the queue exists.
 func WithDeclare(t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
-		sourceOnly("WithDeclare", s)
+		s.only("New", "WithDeclare")
 		all, err := declareArgs("WithDeclare", t, args)
 		if err != nil {
 			return err
@@ -303,7 +327,7 @@ func declareArgs(opt string, t QueueType, args amqp.Table) (amqp.Table, error) {
 // NativeDeadLetter may reject messages into it.
 func WithDeadLetterByPolicy() Option {
 	return func(s *settings) error {
-		sourceOnly("WithDeadLetterByPolicy", s)
+		s.only("New", "WithDeadLetterByPolicy")
 		s.dlxByPolicy = true
 		return nil
 	}
@@ -331,7 +355,7 @@ func WithDeadLetterByPolicy() Option {
 // quorum loses the copy.
 func WithDelayQueues() Option {
 	return func(s *settings) error {
-		sourceOnly("WithDelayQueues", s)
+		s.only("New", "WithDelayQueues")
 		s.delayQueues = true
 		return nil
 	}
@@ -344,7 +368,7 @@ func WithDelayQueues() Option {
 // at most a minute), as Capabilities.MaxLeaseAge.
 func WithConsumerTimeout(d time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithConsumerTimeout", s)
+		s.only("New", "WithConsumerTimeout")
 		if d < time.Second {
 			return fmt.Errorf("rabbitmq: WithConsumerTimeout(%v): the timeout must be at least 1s", d)
 		}
@@ -359,7 +383,7 @@ func WithConsumerTimeout(d time.Duration) Option {
 // each connection in a row that died sooner doubles it once more.
 func WithReconnectBackoff(initial, max time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithReconnectBackoff", s)
+		s.only("New", "WithReconnectBackoff")
 		if initial <= 0 || max < initial {
 			return fmt.Errorf("rabbitmq: WithReconnectBackoff(%v, %v): need 0 < initial <= max", initial, max)
 		}
@@ -372,7 +396,7 @@ func WithReconnectBackoff(initial, max time.Duration) Option {
 // an empty batch (default 1 s).
 func WithPollWait(d time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithPollWait", s)
+		s.only("New", "WithPollWait")
 		if d <= 0 {
 			return fmt.Errorf("rabbitmq: WithPollWait(%v): the wait must be above zero", d)
 		}

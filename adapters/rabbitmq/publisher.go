@@ -210,19 +210,17 @@ func (p *publisher) forget(name string) {
 	p.mu.Unlock()
 }
 
-// checkExchange checks that exchange exists.
-func (p *publisher) checkExchange(ctx context.Context, exchange string) error {
-	if exchange == "" {
-		return nil // the default exchange always exists
-	}
+// check runs a passive declare on the publishing channel. A refused one
+// closes the channel, so the publisher starts over on a new connection.
+func (p *publisher) check(ctx context.Context, declare func(ch *amqp.Channel) error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.ensureLocked(ctx); err != nil {
 		return err
 	}
-	if err := p.ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+	if err := declare(p.ch); err != nil {
 		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it and bind the dead-letter queue to it, or let the sink declare both and the binding with WithDeclareDeadLetter)", exchange, err)
+		return err
 	}
 	return nil
 }

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -48,17 +47,14 @@ func NewReplay(ctx context.Context, queue string, opts ...Option) (*Replay, erro
 	if queue == "" {
 		return nil, errors.New("rabbitmq: NewReplay: the dead-letter queue name is empty")
 	}
-	if len(queue) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewReplay: queue name of %d bytes; AMQP allows at most %d", len(queue), maxShortstr)
+	if err := checkShortstr("NewReplay", "queue name", queue); err != nil {
+		return nil, err
 	}
-	st, err := apply(opts)
+	st, err := applyFor("NewReplay", opts)
 	if err != nil {
 		return nil, err
 	}
-	if others := append(st.sourceOnly, st.sinkOnly...); len(others) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewReplay: %s do not apply to a replay (only the connection options, WithLogger, WithMeterProvider and WithReplayThroughExchange do)", strings.Join(others, ", "))
-	}
-	tel, err := replayTelemetry(st.meters, queue)
+	tel, err := queueTelemetry(st.meters, queue)
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: NewReplay: telemetry: %w", err)
 	}
@@ -82,7 +78,7 @@ func NewReplay(ctx context.Context, queue string, opts ...Option) (*Replay, erro
 // exchange to its original queue alone. Only for NewReplay.
 func WithReplayThroughExchange() Option {
 	return func(s *settings) error {
-		s.replayOnly = append(s.replayOnly, "WithReplayThroughExchange")
+		s.only("NewReplay", "WithReplayThroughExchange")
 		s.replayThroughExchange = true
 		return nil
 	}
@@ -319,34 +315,13 @@ func (r *Replay) publishCopy(ctx context.Context, dl deadLetter, keep bool) erro
 	return err
 }
 
-// replayCopy copies a dead letter into the publishing that replays it: the
-// same body and properties, without the diagnostics, the broker's own
-// headers and an earlier replay's headers.
+// replayCopy copies a dead letter into the publishing that replays it,
+// persistent, without the diagnostics and an earlier replay's headers.
 func replayCopy(m *amqp.Delivery) amqp.Publishing {
-	h := make(amqp.Table, len(m.Headers)+2)
-	for k, v := range m.Headers {
-		h[k] = v
-	}
-	for _, k := range brokerHeaders {
-		delete(h, k)
-	}
-	dropDiagnostics(h)
-	delete(h, adapters.HeaderReplayOf)
-	delete(h, adapters.HeaderReplayDiagnostics)
-	return amqp.Publishing{
-		Headers:         h,
-		ContentType:     m.ContentType,
-		ContentEncoding: m.ContentEncoding,
-		DeliveryMode:    amqp.Persistent,
-		Priority:        m.Priority,
-		CorrelationId:   m.CorrelationId,
-		ReplyTo:         m.ReplyTo,
-		Expiration:      m.Expiration,
-		MessageId:       m.MessageId,
-		Timestamp:       m.Timestamp,
-		Type:            m.Type,
-		UserId:          m.UserId,
-		AppId:           m.AppId,
-		Body:            m.Body,
-	}
+	p := copyOf(m)
+	dropDiagnostics(p.Headers)
+	delete(p.Headers, adapters.HeaderReplayOf)
+	delete(p.Headers, adapters.HeaderReplayDiagnostics)
+	p.DeliveryMode = amqp.Persistent
+	return p
 }

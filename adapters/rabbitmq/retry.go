@@ -162,12 +162,13 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	if s.testHookRepublished != nil {
 		s.testHookRepublished()
 	}
-	g := h.gen
-	g.mu.Lock()
-	defer g.mu.Unlock()
 	// If the channel died meanwhile the original comes back as well as the
 	// copy: a duplicate, never a loss.
-	return g.ackReplacedLocked(d)
+	var failed entryErrors
+	h.gen.mu.Lock()
+	h.gen.ackLocked([]*adapters.Delivery{d}, &failed, true)
+	h.gen.mu.Unlock()
+	return failed[0]
 }
 
 // delayLadder holds the delay-queue steps. A delay is rounded up to the next

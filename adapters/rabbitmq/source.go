@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -67,24 +66,18 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	if queue == "" {
 		return nil, errors.New("rabbitmq: New: the queue name is empty")
 	}
-	if len(queue) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: New: queue name of %d bytes; AMQP allows at most %d", len(queue), maxShortstr)
-	}
-	st, err := apply(opts)
-	if err != nil {
+	if err := checkShortstr("New", "queue name", queue); err != nil {
 		return nil, err
 	}
-	if len(st.sinkOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetter; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
-	}
-	if len(st.replayOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
+	st, err := applyFor("New", opts)
+	if err != nil {
+		return nil, err
 	}
 	tag := st.consumerTag
 	if tag == "" {
 		tag = defaultConsumerTag(queue)
 	}
-	tel, err := sourceTelemetry(st.meters, queue)
+	tel, err := queueTelemetry(st.meters, queue)
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: New: telemetry: %w", err)
 	}
@@ -179,7 +172,7 @@ func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 	native := m
 	native.Acknowledger = nil // settling goes through the Source only
-	d := &adapters.Delivery{
+	return &adapters.Delivery{
 		ID:              m.MessageId,
 		Body:            m.Body,
 		Headers:         stringHeaders(m.Headers),
@@ -192,7 +185,6 @@ func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 		ReceivedAt:      time.Now(),
 		Native:          native,
 	}
-	return d
 }
 
 // Receive implements adapters.Source. It waits up to the poll wait (default

@@ -60,14 +60,9 @@ type telemetry struct {
 	pubOK, pubErr    map[string]metric.MeasurementOption // by kind of copy
 }
 
-// sourceTelemetry returns the instruments of the Source for queue.
-func sourceTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
-	return newTelemetry(mp, attribute.String("messaging.destination.name", queue))
-}
-
-// replayTelemetry returns the instruments of the replay of dead-letter
-// queue queue.
-func replayTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
+// queueTelemetry returns the instruments of the Source for queue, or of
+// the Replay of dead-letter queue queue.
+func queueTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
 	return newTelemetry(mp, attribute.String("messaging.destination.name", queue))
 }
 
