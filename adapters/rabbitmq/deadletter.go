@@ -11,43 +11,12 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// DeadLetter is a dead-letter sink that publishes each failed
-// message to an exchange, with publisher confirms, over its own connection.
-// It implements adapters.DeadLetter.
-//
-// The copy keeps the original body and properties (a per-message TTL is
-// moved to HeaderOriginalExpiration so the copy cannot expire in the
-// dead-letter queue; CC and BCC headers, which would route it to more
-// queues or, as text, make the broker refuse it, to HeaderOriginalCC and
-// HeaderOriginalBCC; a user-id other than the sink's user, which the broker
-// would refuse, to HeaderOriginalUserID) and is persistent. Its headers are
-// the original headers, less HeaderAttempt (a copy replayed from the
-// dead-letter queue starts its attempts afresh), plus the diagnostics of
-// adapters.Diagnostics and the original exchange and routing key
-// (HeaderOriginalExchange, HeaderOriginalRoutingKey). Send returns nil only
-// after the broker confirmed the copy and routed it to at least one queue,
-// so the runtime acks the original only then. Diagnostic headers an earlier
-// dead-letter trip left on the message (adapters.IsDiagnosticHeader) are
-// replaced, not kept beside the new ones.
-//
-// It accepts deliveries from any adapter, not only from this package's
-// Source: their body and headers are copied. Since a sink that refuses a
-// message makes the runtime retry it for ever, the copy keeps recoverable
-// what AMQP cannot carry as it is, rather than failing: header names longer
-// than 255 bytes go into HeaderOriginalHeaders (JSON); another adapter's
-// headers named like the broker's own (x-death, x-delivery-count,
-// x-first-death-*, x-last-death-*) become custody-original-<name>, and an
-// x-death not of the broker's shape HeaderOriginalXDeath, since RabbitMQ
-// would misread them (a malformed x-death crashes the queue that
-// dead-letters the message); and a message id longer than 255 bytes is left
-// off the message-id property. When the copy's properties and headers would
-// not fit one frame of the connection (frame_max, less room for the headers
-// the broker adds if the dead-letter queue dead-letters it; the broker would
-// close the connection over a larger one), the largest headers are left out
-// and named in HeaderDroppedHeaders: the message's own first, the diagnostics that grow
-// with the message (key, id, queue, route, consumer) only if it would not
-// fit even without those. The body and the other diagnostics always stay.
-// See the package documentation.
+// DeadLetter is a dead-letter sink that publishes each failed message to an
+// exchange, with publisher confirms, over its own connection. It implements
+// adapters.DeadLetter for deliveries of any adapter. Send returns nil only
+// once the broker confirmed the copy routed and stored, so the runtime acks
+// the original only then. What the copy keeps, sets aside and leaves out is
+// in the package documentation, section Dead letters.
 type DeadLetter struct {
 	exchange, key string
 	pub           *publisher
@@ -55,17 +24,13 @@ type DeadLetter struct {
 	tel           *telemetry
 }
 
-// NewDeadLetter connects and checks where dead letters will go, so
-// that a wrong name fails here rather than at the first poison message
-// (whose original would then be kept and retried for ever): that exchange
-// exists ("" is the default exchange, which routes by queue name:
-// NewDeadLetter(ctx, "", "orders.dlq") publishes straight to the
-// queue orders.dlq), and with the default exchange that the queue exists.
-// AMQP does not show bindings, so a named exchange that routes routingKey to
-// no queue is found out only by the first Send (an error: the original is
-// kept); WithDeclareDeadLetter declares the exchange, the queue and the
-// binding instead. The connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc, WithLogger) and WithDeclareDeadLetter apply.
+// NewDeadLetter connects and checks that exchange exists ("" is the default
+// exchange, which routes by queue name: then that the queue routingKey
+// exists), so that a wrong name fails here rather than at the first poison
+// message. AMQP does not show bindings: a named exchange that routes
+// routingKey nowhere fails the first Send (the original is kept).
+// WithDeclareDeadLetter declares the exchange, the queue and the binding
+// instead. The connection options, WithLogger and WithMeterProvider apply.
 func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetter, error) {
 	st, err := applyFor("NewDeadLetter", opts)
 	if err != nil {
@@ -246,24 +211,13 @@ func (x *DeadLetter) Close() error {
 }
 
 // NativeDeadLetter returns a dead-letter destination that rejects a failed
-// delivery without requeueing it (basic.nack, requeue=false), so the broker
-// moves it to the queue's own dead-letter exchange, adding an x-death header
-// (queue, reason "rejected", count, time, exchange, routing keys). It
-// reports that it settles the original (adapters.OriginalSettler), so the
-// runtime does not ack it; an Ack or Nack of it that comes all the same
-// (through a wrapper that hides that) succeeds without effect.
-//
-// The broker adds nothing else: the error text and attempt count are not on
-// the dead-lettered message (they are logged at warning level, with the
-// message id). Use a DeadLetter to keep them.
-//
-// The queue must have a dead-letter exchange, or the broker discards what
-// is rejected: NativeDeadLetter fails unless the Source declared the queue
-// with an x-dead-letter-exchange argument (WithDeclare) or was told a policy
-// sets one (WithDeadLetterByPolicy). Even then nothing confirms the move:
-// an exchange that does not exist, or that routes the message nowhere, drops
-// it (quorum queues offer at-least-once dead-lettering; classic queues do
-// not). A DeadLetter writes a confirmed copy before the ack.
+// delivery without requeue (basic.nack, requeue=false), so the broker moves
+// it to the queue's own dead-letter exchange, adding x-death. It settles the
+// original (adapters.OriginalSettler); the error and attempts are only
+// logged, and nothing confirms the move (see the package documentation,
+// section Dead letters). It fails unless the queue has a known dead-letter
+// exchange: an x-dead-letter-exchange argument (WithDeclare) or a policy
+// (WithDeadLetterByPolicy).
 func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
 	if _, ok := s.s.queueArgs["x-dead-letter-exchange"]; !ok && !s.s.dlxByPolicy {
 		return nil, fmt.Errorf("rabbitmq: NativeDeadLetter: queue %q has no known dead-letter exchange, so rejected messages would be discarded; declare it with an x-dead-letter-exchange argument (WithDeclare) or, if a policy sets one, say so with WithDeadLetterByPolicy", s.queue)

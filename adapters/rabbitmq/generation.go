@@ -63,11 +63,9 @@ type handle struct {
 	// delivery: its message comes back (requeued, or republished as a
 	// copy), so an Ack of it must fail rather than report it settled.
 	gaveBack bool
-	// disposed is set, under gen.mu, once the Source's own native dead
-	// letter rejected the delivery into the queue's dead-letter exchange:
-	// an Ack or Nack of it then succeeds without effect (adapters.OriginalSettler),
-	// since a wrapper around the destination may hide that it settles the
-	// original, and the runtime then acks it.
+	// disposed is set, under gen.mu, once NativeDeadLetter rejected the
+	// delivery: an Ack or Nack of it then succeeds without effect, since a
+	// wrapper around the destination may hide that it settles the original.
 	disposed bool
 }
 
@@ -107,17 +105,13 @@ func (g *generation) lostErr() error {
 }
 
 // ackLocked acks on the wire, before it returns, the deliveries of ds that
-// belong to g (the others are left to their own generation): one
-// multiple=true ack for the run of finished tags the frontier passed, named
-// by the highest tag of the run still outstanding on the wire, since the
-// broker closes the channel on a multiple ack naming a tag it no longer
-// holds; and one ack each for the deliveries of ds left beyond the
-// frontier, behind a tag not finished, which no multiple ack may cover. Every
-// finished tag is thus settled on the wire when the call that finished it
-// returns, and no tag is ever settled twice. Entries that cannot be acked
-// are reported in failed. Deliveries already given back fail, unless
-// replaced says they were given back as the copies confirmed meanwhile,
-// whose originals this ack retires.
+// belong to g (see the package documentation, section Acks go out at once):
+// one multiple=true ack for the run of finished tags the frontier passed,
+// named by the run's highest tag still outstanding, and one ack each for
+// those of ds beyond the frontier. No tag is settled twice. Entries that
+// cannot be acked are reported in failed. Deliveries already given back
+// fail, unless replaced says they were given back as the copies confirmed
+// meanwhile, whose originals this ack retires.
 func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, replaced bool) {
 	reachable := !g.unreachableLocked()
 	marked := false

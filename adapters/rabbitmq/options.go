@@ -18,12 +18,10 @@ import (
 // is given: the conventional local development broker.
 const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
-// Option configures a Source (New), a dead-letter exchange sink
-// (NewDeadLetter) or a dead-letter replay (NewReplay). Connection options
-// (WithURL, WithConfig, WithTLS, WithDialFunc), WithLogger and
-// WithMeterProvider apply to all three; WithDeclareDeadLetter only to the
-// sink, WithReplayThroughExchange only to a replay, the others only to a
-// Source, and each constructor rejects the others' by name.
+// Option configures a Source (New), a dead-letter sink (NewDeadLetter) or a
+// dead-letter replay (NewReplay). The connection options (WithURL,
+// WithConfig, WithTLS, WithDialFunc), WithLogger and WithMeterProvider apply
+// to all three, each other option to one, and the others refuse it by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -116,9 +114,9 @@ func apply(opts []Option) (*settings, error) {
 }
 
 // countsDeliveries reports whether Delivery.Attempt survives a redelivery:
-// a quorum queue counts deliveries, and a retry through a delay queue
-// carries its attempt in HeaderAttempt. A classic queue only flags a
-// redelivery, and a queue the Source only checks may be either.
+// a quorum queue counts deliveries, and a delay queue's copy carries
+// HeaderAttempt. A classic queue only flags a redelivery, and a queue the
+// Source only checks may be either.
 func (s *settings) countsDeliveries() bool {
 	return s.delayQueues || s.queueType == QuorumQueue
 }
@@ -225,10 +223,9 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
-// WithMeterProvider sets where the adapter's metrics go: a Source's acks,
-// ack frames, dropped acks, rejects, lost deliveries, reconnections and
-// retry copies; a sink's dead-letter copies (see the package
-// documentation). Default: the global OpenTelemetry MeterProvider.
+// WithMeterProvider sets where the adapter's metrics go (see the package
+// documentation, section Telemetry). Default: the global OpenTelemetry
+// MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(s *settings) error {
 		if mp == nil {
@@ -333,26 +330,15 @@ func WithDeadLetterByPolicy() Option {
 	}
 }
 
-// WithDelayQueues makes the broker hold retries back (default: off). Without
-// it the Source reports NackDelay=false and the runtime waits out each retry
-// in place: the delivery stays unacked, holding a prefetch slot but no
-// worker, and its handler runs again on it after the backoff.
-//
-// With it, the Source reports NackDelay=true, and a retry publishes a copy
-// of the message, carrying its next attempt, to a quorum queue whose message
-// TTL is the delay (rounded up to a ladder step) and which dead-letters it
-// back to the source queue at least once; the original is acked once the
-// broker confirmed the copy. The retry then holds no prefetch slot. It
-// needs RabbitMQ 3.10 or later and a user who may declare queues: New
-// declares one delay queue to check. A copy the delay queue does not take
-// is published to the source queue at once instead (the delay is lost, the
-// attempt count kept), or, if the source queue refuses it too, the original
-// is requeued.
-//
-// Read what delay queues leave to the broker before turning them on
-// (docs/rabbitmq.md): once the copy is confirmed into the delay queue, a
-// policy that sets overflow on it, deleting or expiring it, or losing its
-// quorum loses the copy.
+// WithDelayQueues makes the broker hold retries back (default: off, and the
+// runtime waits out each retry in place, holding a prefetch slot). With it
+// the Source reports NackDelay, and a retry publishes a copy carrying its
+// next attempt to a quorum delay queue that dead-letters it back after the
+// delay; the original is acked once the broker confirmed the copy. It needs
+// RabbitMQ 3.10 or later and a user who may declare queues (New declares one
+// delay queue to check). Read what delay queues leave to the broker before
+// turning them on: the package documentation, section Retries, and
+// docs/rabbitmq.md.
 func WithDelayQueues() Option {
 	return func(s *settings) error {
 		s.only("New", "WithDelayQueues")
@@ -362,10 +348,10 @@ func WithDelayQueues() Option {
 }
 
 // WithConsumerTimeout tells the adapter the broker's consumer_timeout
-// (default 30 min, RabbitMQ's default). The broker closes a channel whose
-// delivery stays unacked that long, so the adapter warns about deliveries
-// held for more than half of it and reports it, less a margin (a quarter,
-// at most a minute), as Capabilities.MaxLeaseAge.
+// (default 30 min, RabbitMQ's default), after which the broker closes the
+// channel of a delivery still unacked. The adapter warns about deliveries
+// held for more than half of it and reports it, less a quarter (at most a
+// minute), as Capabilities.MaxLeaseAge.
 func WithConsumerTimeout(d time.Duration) Option {
 	return func(s *settings) error {
 		s.only("New", "WithConsumerTimeout")

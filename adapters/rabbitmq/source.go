@@ -160,12 +160,9 @@ func randomSuffix() string {
 func (s *Source) Queue() string { return s.queue }
 
 // Capabilities implements adapters.Source. RabbitMQ holds deliveries on the
-// channel rather than on a lease (Lease 0), for at most the consumer
-// timeout (MaxLeaseAge, a margin less). Nack honours its delay only through
-// delay queues (NackDelay with WithDelayQueues); otherwise the runtime waits
-// out retries in place. Attempt comes from the broker where it counts
-// deliveries, a quorum queue the Source declares, or from the copies
-// retries publish (CountsDeliveries with either).
+// channel, not on a lease (Lease 0), for at most the consumer timeout less a
+// margin (MaxLeaseAge); see the package documentation, sections Attempts and
+// Retries.
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 
 // delivery converts an amqp091 delivery.
@@ -253,12 +250,9 @@ func (s *Source) own(d *adapters.Delivery) (*handle, error) {
 	return h, nil
 }
 
-// Ack implements adapters.Source. It writes the acks of ds to the broker
-// before it returns: one multiple=true ack for the run of finished
-// deliveries from the oldest outstanding one, and one ack each for the
-// finished deliveries behind one still running (see the package
-// documentation). Gathering acks into batches is the runtime's work. An
-// entry whose channel died, or died while its ack was written, fails with
+// Ack implements adapters.Source. It writes the acks of ds before it returns
+// (see the package documentation, section Acks go out at once). An entry
+// whose channel died, or died while its ack was written, fails with
 // ErrConnectionLost: the broker redelivers it. So does one already nacked,
 // whose message comes back whatever the Ack says; acking a delivery again
 // is no error.

@@ -196,13 +196,11 @@ func (s *Source) kill(g *generation, cause error) {
 }
 
 // reconnect dials until a new generation is consuming, backing off between
-// attempts, from a first wait that grows with flaps (see supervise). It
-// returns nil when the Source closes first.
-//
-// Failed attempts are not logged one by one: Receive hands the runtime the
-// first failure, and a failure of another kind (see errorKind), so the
-// trouble is reported once per change, and the reconnection is logged with
-// how many attempts and how long it took.
+// attempts from a first wait that grows with flaps (see supervise), and
+// logs the reconnection with how many attempts and how long it took. Failed
+// attempts are not logged: Receive hands the runtime the first failure, and
+// each of another kind (see errorKind). It returns nil when the Source
+// closes first.
 func (s *Source) reconnect(flaps int) *generation {
 	bo := backoff.Exponential{Initial: s.s.reconnectMin, Max: s.s.reconnectMax, Multiplier: 2, Jitter: 0.2}
 	down := time.Now()
