@@ -233,14 +233,12 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	// ending ctx closes the connection, which ends the wait, so that a
 	// broker that does not answer cannot hold a Nack or a Send past it.
 	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
-	var setupErr error
 	if p.setup != nil {
-		setupErr = p.setup(conn)
+		err = p.setup(conn)
 	}
 	var ch *amqp.Channel
-	if setupErr == nil {
-		ch, err = conn.Channel()
-		if err == nil {
+	if err == nil {
+		if ch, err = conn.Channel(); err == nil {
 			err = ch.Confirm(false)
 		}
 		if err != nil {
@@ -249,8 +247,6 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	}
 	if !stop() {
 		err = fmt.Errorf("rabbitmq: open a publishing channel: %w", ctx.Err())
-	} else if setupErr != nil {
-		err = setupErr
 	}
 	if err != nil {
 		_ = conn.CloseDeadline(time.Now().Add(p.s.closeTimeout))
