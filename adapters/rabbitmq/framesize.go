@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"sort"
-	"strconv"
 	"strings"
 	"time"
 
@@ -272,41 +271,25 @@ func fitDeadLetter(p *amqp.Publishing, budget, frameMax int) {
 	}
 }
 
+// droppedHeaders is the value of HeaderDroppedHeaders.
+type droppedHeaders struct {
+	Reason  string         `json:"reason"`
+	Headers map[string]int `json:"headers"`
+}
+
 // droppedRecord renders HeaderDroppedHeaders' value, names sorted.
 func droppedRecord(reason string, dropped map[string]int) string {
-	names := make([]string, 0, len(dropped))
-	for k := range dropped {
-		names = append(names, k)
-	}
-	sort.Strings(names)
-	var b strings.Builder
-	b.WriteString(`{"reason":`)
-	b.WriteString(jsonEncode(reason))
-	b.WriteString(`,"headers":{`)
-	for i, k := range names {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		b.WriteString(jsonEncode(k))
-		b.WriteByte(':')
-		b.WriteString(strconv.Itoa(dropped[k]))
-	}
-	b.WriteString("}}")
-	return b.String()
+	return jsonEncode(droppedHeaders{reason, dropped})
 }
 
 // mergeDropped adds the headers an earlier HeaderDroppedHeaders record
 // names to dropped, and reports whether old was such a record.
 func mergeDropped(dropped map[string]int, old any) bool {
-	var rec struct {
-		Headers map[string]int `json:"headers"`
-	}
+	var rec droppedHeaders
 	if !decodeJSONHeader(old, &rec) || rec.Headers == nil {
 		return false
 	}
-	for k, n := range rec.Headers {
-		dropped[k] = n
-	}
+	maps.Copy(dropped, rec.Headers)
 	return true
 }
 

@@ -171,8 +171,8 @@ func foreignHeaders(in map[string]string) amqp.Table {
 	return h
 }
 
-// jsonEncode renders a string, or a map of strings (keys sorted), as JSON
-// without HTML escaping; either always encodes.
+// jsonEncode renders v, which always encodes, as JSON without HTML escaping
+// (map keys sorted).
 func jsonEncode(v any) string {
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)
