@@ -65,10 +65,7 @@
 // recovery in amqp091 (Config.Recovery) is refused: it would reuse a channel
 // behind the adapter's back.
 //
-// [Source.Connection] reports those transitions (adapters.Connector):
-// connected while a channel consumes, reconnecting from the moment the
-// adapter sees the connection or channel die until a new channel consumes
-// (with the last failed attempt's error), disconnected after Close. The
+// [Source.Connection] reports those transitions (adapters.Connector); the
 // runtime's readiness (consumer.Status().Ready, Consumer.ReadyHandler) is
 // false while the Source reconnects.
 //
@@ -246,20 +243,15 @@
 // # Replaying dead letters
 //
 // [NewReplay] reads a dead-letter queue: what a DeadLetter wrote, and what
-// the broker dead-lettered itself (x-death). [Replay.List] is a dry run:
-// basic.get without ack, then the channel closes and the broker takes the
-// messages back, flagged redelivered (and on a quorum queue with
-// x-delivery-count one higher, and behind the messages returned before
-// them). [Replay.Replay] publishes a copy of each dead letter selected,
-// with publisher confirms and the mandatory flag, through the default
-// exchange to its original queue (or, with WithReplayThroughExchange,
-// through its original exchange and routing key), without the diagnostics
-// and with adapters.HeaderReplayOf set to the dead letter's ID, and acks
-// the dead letter only after the confirm, at a bounded rate. RabbitMQ does
-// not deduplicate, so a run that ends between a confirm and the ack (a
-// crash, a cut connection) leaves that one dead letter to be published
-// again by the next run: at most one duplicate per run cut short, with the
-// same message-id, which the idempotency middleware absorbs.
+// the broker dead-lettered itself (x-death). [Replay.List] is a dry run
+// (basic.get without ack; the broker takes the messages back).
+// [Replay.Replay] publishes a copy of each dead letter selected, without the
+// diagnostics and with adapters.HeaderReplayOf, with publisher confirms to
+// its original queue (or its original route, WithReplayThroughExchange), and
+// acks the dead letter only after the confirm, at a bounded rate. RabbitMQ
+// does not deduplicate: a run cut short between a confirm and the ack leaves
+// at most one duplicate, with the same message-id, which the idempotency
+// middleware absorbs.
 //
 // # Telemetry
 //
