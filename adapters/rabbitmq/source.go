@@ -297,12 +297,7 @@ func (s *Source) Close() error {
 	s.cancel()
 	var err error
 	if g != nil {
-		held := g.die()
-		for _, d := range held {
-			d.Signal.Lose(adapters.ErrClosed)
-		}
-		s.stats.lost.Add(uint64(len(held)))
-		s.tel.add(s.tel.lost, len(held))
+		s.lose(g.die(), adapters.ErrClosed)
 		// amqp091 waits for the broker's channel.close-ok with no limit of
 		// its own, only its heartbeat timeout (some 30 s): a broker that
 		// stopped answering would hold Close past a deployment's grace

@@ -186,13 +186,18 @@ func (s *Source) kill(g *generation, cause error) {
 	if len(held) > 0 || cause != nil {
 		s.s.logger.Warn("rabbitmq: lost the channel; reconnecting", "queue", s.queue, "address", s.s.address(), "generation", g.id, "cause", cause, "deliveries_lost", len(held))
 	}
-	lost := fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause)
+	s.lose(held, fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause))
+	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
+}
+
+// lose cancels the contexts of held's handlers with cause, and counts them;
+// the broker delivers their messages again.
+func (s *Source) lose(held []*adapters.Delivery, cause error) {
 	for _, d := range held {
-		d.Signal.Lose(lost)
+		d.Signal.Lose(cause)
 	}
 	s.stats.lost.Add(uint64(len(held)))
 	s.tel.add(s.tel.lost, len(held))
-	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
 }
 
 // reconnect dials until a new generation is consuming, backing off between
