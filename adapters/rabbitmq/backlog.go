@@ -12,21 +12,12 @@ import (
 var _ adapters.BacklogReporter = (*Source)(nil)
 
 // Backlog implements adapters.BacklogReporter with a passive queue.declare
-// of the Source's queue, on a channel of its own opened on the consuming
-// connection for the call (a refused declare closes the channel it was made
-// on; the consuming channel stays out of it, and the consuming connection,
-// which never publishes, is not held back when the broker blocks publishers).
-//
-// Waiting is the queue's ready messages, as the broker counts them in its
-// declare-ok: messages delivered to a consumer and not yet acked are not in
-// it, and neither are retries waiting in delay queues (WithDelayQueues),
-// which are in queues of their own until they expire back. InFlight is -1:
-// AMQP 0-9-1 does not tell the unacked count of a queue; only the management
-// API (messages_unacknowledged) and rabbitmqctl do. This consumer's own
-// share is the runtime's Status().Held and custody.messages.in_flight.
-// OldestAge stays zero: AMQP tells the age of no message without reading
-// it (the management API's head_message_timestamp does, for classic queues
-// whose messages carry a timestamp property).
+// on a channel opened for the call on the consuming connection, which never
+// publishes, so a broker blocking publishers does not hold it back; a
+// refused declare closes only that channel.
+// Waiting is the queue's ready messages, without those delivered and not yet
+// acked or waiting in delay queues; InFlight is -1 and OldestAge zero, which
+// AMQP does not tell (see the package documentation, section Backlog).
 //
 // It fails with adapters.ErrConnectionLost while the Source reconnects,
 // adapters.ErrClosed once it is closed, and ctx's error if ctx ends first

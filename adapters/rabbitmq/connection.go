@@ -8,18 +8,13 @@ import (
 
 var _ adapters.Connector = (*Source)(nil)
 
-// Connection implements adapters.Connector, from the supervisor's own
-// transitions: Connecting until the first channel consumes (New returns
-// only then, so a Source a caller holds is past it), Connected while a
-// channel consumes, Reconnecting from the moment the supervisor sees the
-// connection or channel die (or the broker cancel the consumer) until a
-// new channel consumes, and Disconnected once Close was called. Since is
-// when the state began. While reconnecting, LastError is the last failed
-// attempt's error (the address tried and the cause), or, before the first
-// attempt fails, what ended the connection; it is nil while connected.
-//
-// The runtime reports it in consumer.Status and its readiness probe: a
-// consumer is not ready while its Source reconnects.
+// Connection implements adapters.Connector: Connecting until the first
+// channel consumes (before New returns), Connected while a channel consumes,
+// Reconnecting from the moment the supervisor sees the connection or channel
+// die (or the broker cancel the consumer) until a new one consumes, and
+// Disconnected once Close was called. While reconnecting, LastError is the
+// last failed attempt's error, or before the first one what ended the
+// connection.
 func (s *Source) Connection() adapters.Connection {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -12,43 +11,12 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// DeadLetter is a dead-letter sink that publishes each failed
-// message to an exchange, with publisher confirms, over its own connection.
-// It implements adapters.DeadLetter.
-//
-// The copy keeps the original body and properties (a per-message TTL is
-// moved to HeaderOriginalExpiration so the copy cannot expire in the
-// dead-letter queue; CC and BCC headers, which would route it to more
-// queues or, as text, make the broker refuse it, to HeaderOriginalCC and
-// HeaderOriginalBCC; a user-id other than the sink's user, which the broker
-// would refuse, to HeaderOriginalUserID) and is persistent. Its headers are
-// the original headers, less HeaderAttempt (a copy replayed from the
-// dead-letter queue starts its attempts afresh), plus the diagnostics of
-// adapters.Diagnostics and the original exchange and routing key
-// (HeaderOriginalExchange, HeaderOriginalRoutingKey). Send returns nil only
-// after the broker confirmed the copy and routed it to at least one queue,
-// so the runtime acks the original only then. Diagnostic headers an earlier
-// dead-letter trip left on the message (adapters.IsDiagnosticHeader) are
-// replaced, not kept beside the new ones.
-//
-// It accepts deliveries from any adapter, not only from this package's
-// Source: their body and headers are copied. Since a sink that refuses a
-// message makes the runtime retry it for ever, the copy keeps recoverable
-// what AMQP cannot carry as it is, rather than failing: header names longer
-// than 255 bytes go into HeaderOriginalHeaders (JSON); another adapter's
-// headers named like the broker's own (x-death, x-delivery-count,
-// x-first-death-*, x-last-death-*) become custody-original-<name>, and an
-// x-death not of the broker's shape HeaderOriginalXDeath, since RabbitMQ
-// would misread them (a malformed x-death crashes the queue that
-// dead-letters the message); and a message id longer than 255 bytes is left
-// off the message-id property. When the copy's properties and headers would
-// not fit one frame of the connection (frame_max, less room for the headers
-// the broker adds if the dead-letter queue dead-letters it; the broker would
-// close the connection over a larger one), the largest headers are left out
-// and named in HeaderDroppedHeaders: the message's own first, the diagnostics that grow
-// with the message (key, id, queue, route, consumer) only if it would not
-// fit even without those. The body and the other diagnostics always stay.
-// See the package documentation.
+// DeadLetter is a dead-letter sink that publishes each failed message to an
+// exchange, with publisher confirms, over its own connection. It implements
+// adapters.DeadLetter for deliveries of any adapter. Send returns nil only
+// once the broker confirmed the copy routed and stored, so the runtime acks
+// the original only then. What the copy keeps, sets aside and leaves out is
+// in the package documentation, section Dead letters.
 type DeadLetter struct {
 	exchange, key string
 	pub           *publisher
@@ -56,37 +24,26 @@ type DeadLetter struct {
 	tel           *telemetry
 }
 
-// NewDeadLetter connects and checks where dead letters will go, so
-// that a wrong name fails here rather than at the first poison message
-// (whose original would then be kept and retried for ever): that exchange
-// exists ("" is the default exchange, which routes by queue name:
-// NewDeadLetter(ctx, "", "orders.dlq") publishes straight to the
-// queue orders.dlq), and with the default exchange that the queue exists.
-// AMQP does not show bindings, so a named exchange that routes routingKey to
-// no queue is found out only by the first Send (an error: the original is
-// kept); WithDeclareDeadLetter declares the exchange, the queue and the
-// binding instead. The connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc, WithLogger) and WithDeclareDeadLetter apply.
+// NewDeadLetter connects and checks that exchange exists ("" is the default
+// exchange, which routes by queue name: then that the queue routingKey
+// exists), so that a wrong name fails here rather than at the first poison
+// message. AMQP does not show bindings: a named exchange that routes
+// routingKey nowhere fails the first Send (the original is kept).
+// WithDeclareDeadLetter declares the exchange, the queue and the binding
+// instead. The connection options, WithLogger and WithMeterProvider apply.
 func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Option) (*DeadLetter, error) {
-	st, err := apply(opts)
+	st, err := applyFor("NewDeadLetter", opts)
 	if err != nil {
 		return nil, err
-	}
-	if len(st.sourceOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to a Source", strings.Join(st.sourceOnly, ", "))
-	}
-	if len(st.replayOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
 	}
 	if exchange == "" && routingKey == "" {
 		return nil, errors.New("rabbitmq: NewDeadLetter: with the default exchange the routing key names the dead-letter queue and must not be empty")
 	}
-	// Both travel as AMQP short strings: longer ones would fail every send.
-	if len(exchange) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: exchange name of %d bytes; AMQP allows at most %d", len(exchange), maxShortstr)
+	if err := checkShortstr("NewDeadLetter", "exchange name", exchange); err != nil {
+		return nil, err
 	}
-	if len(routingKey) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewDeadLetter: routing key of %d bytes; AMQP allows at most %d", len(routingKey), maxShortstr)
+	if err := checkShortstr("NewDeadLetter", "routing key", routingKey); err != nil {
+		return nil, err
 	}
 	dlq := "" // unknown behind a named exchange
 	if exchange == "" {
@@ -105,37 +62,30 @@ func NewDeadLetter(ctx context.Context, exchange, routingKey string, opts ...Opt
 			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter(%q): with the default exchange the routing key %q names the queue; leave the queue name empty or make it the routing key", dd.queue, routingKey)
 		case dd.queue == "":
 			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter: the queue name is empty; name the queue to bind to exchange %q", exchange)
-		case len(dd.queue) > maxShortstr:
-			return nil, fmt.Errorf("rabbitmq: WithDeclareDeadLetter: queue name of %d bytes; AMQP allows at most %d", len(dd.queue), maxShortstr)
+		}
+		if err := checkShortstr("WithDeclareDeadLetter", "queue name", dd.queue); err != nil {
+			return nil, err
 		}
 		x.pub.setup = func(conn *amqp.Connection) error { return dd.declare(conn, exchange, routingKey) }
 	}
-	if err := x.pub.checkExchange(ctx, exchange); err != nil {
+	err = x.pub.check(ctx, func(ch *amqp.Channel) error {
+		if exchange != "" {
+			if err := ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+				return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it and bind the dead-letter queue to it, or let the sink declare both and the binding with WithDeclareDeadLetter)", exchange, err)
+			}
+			return nil
+		}
+		// The default exchange routes by queue name: the queue must exist.
+		if _, err := ch.QueueDeclarePassive(routingKey, true, false, false, false, nil); err != nil {
+			return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first, or let the sink declare it with WithDeclareDeadLetter)", routingKey, err)
+		}
+		return nil
+	})
+	if err != nil {
 		x.pub.close()
 		return nil, err
 	}
-	if exchange == "" {
-		// Publishing through the default exchange needs the queue itself.
-		if err := x.checkQueue(ctx, routingKey); err != nil {
-			x.pub.close()
-			return nil, err
-		}
-	}
 	return x, nil
-}
-
-func (x *DeadLetter) checkQueue(ctx context.Context, queue string) error {
-	p := x.pub
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.ensureLocked(ctx); err != nil {
-		return err
-	}
-	if _, err := p.ch.QueueDeclarePassive(queue, true, false, false, false, nil); err != nil {
-		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter queue %q: %w (declare it first, or let the sink declare it with WithDeclareDeadLetter)", queue, err)
-	}
-	return nil
 }
 
 // deadLetterDeclare is what WithDeclareDeadLetter asks to declare.
@@ -160,7 +110,7 @@ type deadLetterDeclare struct {
 //		rabbitmq.WithDeclareDeadLetter("orders.dlq", rabbitmq.QuorumQueue, nil))
 func WithDeclareDeadLetter(queue string, t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
-		s.sinkOnly = append(s.sinkOnly, "WithDeclareDeadLetter")
+		s.only("NewDeadLetter", "WithDeclareDeadLetter")
 		all, err := declareArgs("WithDeclareDeadLetter", t, args)
 		if err != nil {
 			return err
@@ -261,24 +211,13 @@ func (x *DeadLetter) Close() error {
 }
 
 // NativeDeadLetter returns a dead-letter destination that rejects a failed
-// delivery without requeueing it (basic.nack, requeue=false), so the broker
-// moves it to the queue's own dead-letter exchange, adding an x-death header
-// (queue, reason "rejected", count, time, exchange, routing keys). It
-// reports that it settles the original (adapters.OriginalSettler), so the
-// runtime does not ack it; an Ack or Nack of it that comes all the same
-// (through a wrapper that hides that) succeeds without effect.
-//
-// The broker adds nothing else: the error text and attempt count are not on
-// the dead-lettered message (they are logged at warning level, with the
-// message id). Use a DeadLetter to keep them.
-//
-// The queue must have a dead-letter exchange, or the broker discards what
-// is rejected: NativeDeadLetter fails unless the Source declared the queue
-// with an x-dead-letter-exchange argument (WithDeclare) or was told a policy
-// sets one (WithDeadLetterByPolicy). Even then nothing confirms the move:
-// an exchange that does not exist, or that routes the message nowhere, drops
-// it (quorum queues offer at-least-once dead-lettering; classic queues do
-// not). A DeadLetter writes a confirmed copy before the ack.
+// delivery without requeue (basic.nack, requeue=false), so the broker moves
+// it to the queue's own dead-letter exchange, adding x-death. It settles the
+// original (adapters.OriginalSettler); the error and attempts are only
+// logged, and nothing confirms the move (see the package documentation,
+// section Dead letters). It fails unless the queue has a known dead-letter
+// exchange: an x-dead-letter-exchange argument (WithDeclare) or a policy
+// (WithDeadLetterByPolicy).
 func (s *Source) NativeDeadLetter() (adapters.DeadLetter, error) {
 	if _, ok := s.s.queueArgs["x-dead-letter-exchange"]; !ok && !s.s.dlxByPolicy {
 		return nil, fmt.Errorf("rabbitmq: NativeDeadLetter: queue %q has no known dead-letter exchange, so rejected messages would be discarded; declare it with an x-dead-letter-exchange argument (WithDeclare) or, if a policy sets one, say so with WithDeadLetterByPolicy", s.queue)

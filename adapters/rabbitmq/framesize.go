@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"sort"
-	"strconv"
 	"strings"
 	"time"
 
@@ -14,14 +13,10 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// An AMQP message travels as a method frame, one content header frame that
-// holds every property (the headers table among them) and as many body
-// frames as the body needs. The body is split across frames; the content
-// header frame is not, so it must fit the frame_max the connection
-// negotiated (RabbitMQ's default is 128 KiB). A larger one is not refused
-// like a bad publish: the broker closes the whole connection with
-// FRAME_ERROR. The adapter therefore measures every copy before it
-// publishes it, exactly as amqp091 encodes it.
+// An AMQP message's content header frame, which holds every property and
+// the headers, is not split like the body: it must fit the connection's
+// frame_max, and the broker closes the whole connection over a larger one
+// (see the package documentation, section Copies must fit one frame).
 
 const (
 	// frameOverhead is what a frame adds to its payload: type (1 octet),
@@ -34,6 +29,15 @@ const (
 	// as message-id, and every field-table key.
 	maxShortstr = 255
 )
+
+// checkShortstr fails, for the caller named where, when s (what it names)
+// is longer than an AMQP short string: the broker would refuse every use.
+func checkShortstr(where, what, s string) error {
+	if len(s) > maxShortstr {
+		return fmt.Errorf("rabbitmq: %s: %s of %d bytes; AMQP allows at most %d", where, what, len(s), maxShortstr)
+	}
+	return nil
+}
 
 // errHeaderTooLarge is wrapped when a copy's content header frame would not
 // fit the connection's frame_max: it is not published, since the broker
@@ -148,13 +152,11 @@ const additionsMargin = 64
 // brokerAdditions returns the most the broker adds to a message's headers
 // before a consumer reads it, after it was published to exchange with
 // routingKey and routed to queue ("": a queue the adapter cannot name,
-// counted as the longest name): when it dead-letters the message out of
-// queue (an x-death entry, x-first-death-* when absent, and, on RabbitMQ
-// 3.13 and later, x-last-death-*), and when a quorum queue redelivers it
-// (x-delivery-count). A copy that fits frame_max exactly would not fit once
-// it carries them, and the client of whoever reads it next refuses the
-// frame and closes its connection, on every redelivery: a queue stalled for
-// good. So every copy leaves that much room.
+// counted as the longest name): when it dead-letters it out of queue
+// (x-death, x-first-death-*, from 3.13 x-last-death-*), and when a quorum
+// queue redelivers it (x-delivery-count). A copy must leave that much room:
+// past frame_max, the reader's client refuses the frame on every
+// redelivery, and the queue stalls for good.
 func brokerAdditions(queue, exchange, routingKey string) int {
 	if queue == "" {
 		queue = strings.Repeat("q", maxShortstr)
@@ -172,10 +174,8 @@ func brokerAdditions(queue, exchange, routingKey string) int {
 }
 
 // bulkyDiagnostics are the diagnostic headers whose size comes from the
-// message or the configuration rather than from the adapter (another
-// broker's message key can be any size, and so can its queue name). One is
-// dropped only when the copy would not fit even without any header of the
-// message's own. The others (error, at most 1 KiB, attempts, failure times,
+// message or the configuration (another broker's message key can be any
+// size). The others (error, at most 1 KiB, attempts, failure times,
 // partition, offset, timestamp) are small and always kept.
 var bulkyDiagnostics = map[string]bool{
 	adapters.HeaderOriginalKey: true, adapters.HeaderOriginalID: true, adapters.HeaderOriginalQueue: true,
@@ -183,14 +183,10 @@ var bulkyDiagnostics = map[string]bool{
 }
 
 // fitDeadLetter makes a dead-letter copy's content header fit budget by
-// leaving out headers, largest first: the message's own (including x-death
-// and the custody-original-* headers the copy set aside), and the bulky
-// diagnostics only when the copy would not fit even without the message's
-// own headers. What it leaves out it names in HeaderDroppedHeaders. If the
-// copy still does not fit, the publisher refuses it.
-//
-// Headers, not the body: the body is split across frames and always fits,
-// and it is what a dead-letter queue is for.
+// leaving out headers, largest first: the message's own, and the bulky
+// diagnostics only when the copy would not fit even without those; it names
+// them in HeaderDroppedHeaders. The body always fits, split across frames.
+// A copy that still does not fit is refused by the publisher.
 func fitDeadLetter(p *amqp.Publishing, budget, frameMax int) {
 	size, err := headerFrameSize(p)
 	if budget <= 0 || err != nil || size <= budget {
@@ -275,57 +271,33 @@ func fitDeadLetter(p *amqp.Publishing, budget, frameMax int) {
 	}
 }
 
+// droppedHeaders is the value of HeaderDroppedHeaders.
+type droppedHeaders struct {
+	Reason  string         `json:"reason"`
+	Headers map[string]int `json:"headers"`
+}
+
 // droppedRecord renders HeaderDroppedHeaders' value, names sorted.
 func droppedRecord(reason string, dropped map[string]int) string {
-	names := make([]string, 0, len(dropped))
-	for k := range dropped {
-		names = append(names, k)
-	}
-	sort.Strings(names)
-	var b strings.Builder
-	b.WriteString(`{"reason":`)
-	b.WriteString(jsonString(reason))
-	b.WriteString(`,"headers":{`)
-	for i, k := range names {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		b.WriteString(jsonString(k))
-		b.WriteByte(':')
-		b.WriteString(strconv.Itoa(dropped[k]))
-	}
-	b.WriteString("}}")
-	return b.String()
+	return jsonEncode(droppedHeaders{reason, dropped})
 }
 
 // mergeDropped adds the headers an earlier HeaderDroppedHeaders record
 // names to dropped, and reports whether old was such a record.
 func mergeDropped(dropped map[string]int, old any) bool {
-	var rec struct {
-		Headers map[string]int `json:"headers"`
-	}
+	var rec droppedHeaders
 	if !decodeJSONHeader(old, &rec) || rec.Headers == nil {
 		return false
 	}
-	for k, n := range rec.Headers {
-		dropped[k] = n
-	}
+	maps.Copy(dropped, rec.Headers)
 	return true
 }
 
-// fitRetry makes a retry's copy fit budget by leaving out the adapter's own
-// bookkeeping that only feeds dead-letter diagnostics: HeaderFirstReceived,
-// then the original exchange and routing key. The message's own headers and
-// HeaderAttempt are never left out of a retry, which the handler sees again:
-// a copy that still does not fit is refused by the publisher, and the
-// original is requeued instead (see Source.Nack). It returns the headers it
-// left out.
-//
-// Only a message whose content header was already close to the frame limit
-// gets here (within the room kept for the broker's headers, typically under
-// 1 KiB, plus a few hundred bytes): a copy adds at most the attempt, the
-// first receive time, the original route and what it sets aside, and drops
-// the broker's own headers.
+// fitRetry makes a retry's copy fit budget by leaving out what only feeds
+// dead-letter diagnostics: HeaderFirstReceived, then the original exchange
+// and routing key. The message's own headers and HeaderAttempt stay: a copy
+// that still does not fit is refused, and the original requeued. It returns
+// the headers it left out.
 func fitRetry(p *amqp.Publishing, budget int) []string {
 	size, err := headerFrameSize(p)
 	if budget <= 0 || err != nil || size <= budget {

@@ -63,11 +63,9 @@ type handle struct {
 	// delivery: its message comes back (requeued, or republished as a
 	// copy), so an Ack of it must fail rather than report it settled.
 	gaveBack bool
-	// disposed is set, under gen.mu, once the Source's own native dead
-	// letter rejected the delivery into the queue's dead-letter exchange:
-	// an Ack or Nack of it then succeeds without effect (adapters.OriginalSettler),
-	// since a wrapper around the destination may hide that it settles the
-	// original, and the runtime then acks it.
+	// disposed is set, under gen.mu, once NativeDeadLetter rejected the
+	// delivery: an Ack or Nack of it then succeeds without effect, since a
+	// wrapper around the destination may hide that it settles the original.
 	disposed bool
 }
 
@@ -107,19 +105,15 @@ func (g *generation) lostErr() error {
 }
 
 // ackLocked acks on the wire, before it returns, the deliveries of ds that
-// belong to g (the others are left to their own generation): one
-// multiple=true ack for the run of finished tags the frontier passed, named
-// by the highest tag of the run still outstanding on the wire, since the
-// broker closes the channel on a multiple ack naming a tag it no longer
-// holds; and one ack each for the deliveries of ds left beyond the
-// frontier, behind a tag not finished, which no multiple ack may cover. Every
-// finished tag is thus settled on the wire when the call that finished it
-// returns, and no tag is ever settled twice. Entries that cannot be acked
-// are reported in failed. Deliveries already given back fail, unless
-// replaced says they were given back as the copies confirmed meanwhile,
-// whose originals this ack retires.
+// belong to g (see the package documentation, section Acks go out at once):
+// one multiple=true ack for the run of finished tags the frontier passed,
+// named by the run's highest tag still outstanding, and one ack each for
+// those of ds beyond the frontier. No tag is settled twice. Entries that
+// cannot be acked are reported in failed. Deliveries already given back
+// fail, unless replaced says they were given back as the copies confirmed
+// meanwhile, whose originals this ack retires.
 func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, replaced bool) {
-	reachable := !g.dead && !g.ch.IsClosed() && !g.conn.IsClosed()
+	reachable := !g.unreachableLocked()
 	marked := false
 	for i, d := range ds {
 		h := handleOf(d)
@@ -187,14 +181,6 @@ func (g *generation) ackLocked(ds []*adapters.Delivery, failed *entryErrors, rep
 	}
 }
 
-// ackReplacedLocked acks d, whose confirmed copy replaces it, as ackLocked
-// does.
-func (g *generation) ackReplacedLocked(d *adapters.Delivery) error {
-	var failed entryErrors
-	g.ackLocked([]*adapters.Delivery{d}, &failed, true)
-	return failed[0]
-}
-
 // writeAck writes one basic.ack naming tag, covering n outstanding tags
 // (multiple=true when n > 1), and counts it.
 func (g *generation) writeAck(tag uint64, n int) error {
@@ -242,7 +228,7 @@ func (g *generation) rejectLocked(h *handle, requeue bool) error {
 	if g.dead {
 		return g.lostErr()
 	}
-	if h.state == stateAcking || h.state == stateSettled || h.state == stateDropped {
+	if h.state != stateHeld {
 		return errors.New("rabbitmq: the delivery was already settled")
 	}
 	if err := g.ch.Nack(h.tag, false, requeue); err != nil {
@@ -289,6 +275,10 @@ func (g *generation) die() []*adapters.Delivery {
 func (g *generation) unreachable() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	return g.unreachableLocked()
+}
+
+func (g *generation) unreachableLocked() bool {
 	return g.dead || g.ch.IsClosed() || g.conn.IsClosed()
 }
 

@@ -41,30 +41,22 @@ const (
 	HeaderOriginalCC  = "custody-original-cc"
 	HeaderOriginalBCC = "custody-original-bcc"
 	// HeaderOriginalHeaders keeps, on a dead-letter copy of another
-	// adapter's delivery, the headers AMQP cannot carry under their own
-	// name: names longer than 255 bytes (a field-table key is a short
-	// string). Its value is a JSON object from name to value; invalid UTF-8
-	// in a name or value becomes U+FFFD there. A copy that already carries
-	// one (from an earlier trip) has it merged into the new one.
+	// adapter's delivery, the headers whose names are longer than an AMQP
+	// field-table key (255 bytes): a JSON object from name to value, invalid
+	// UTF-8 replaced by U+FFFD. An earlier trip's is merged into it.
 	HeaderOriginalHeaders = "custody-original-headers"
-	// HeaderOriginalXDeath keeps, on a dead-letter copy, an x-death header
-	// the broker must not see under that name: another adapter's (text, as
-	// every foreign header is), or one not of the broker's shape (an array
-	// of tables whose counts are numbers), which makes RabbitMQ crash the
-	// queue that dead-letters the message. Other headers named like the
-	// broker's own on another adapter's delivery (x-delivery-count,
-	// x-first-death-*, x-last-death-*) are kept the same way, as
-	// custody-original-<name>.
+	// HeaderOriginalXDeath keeps, on a dead-letter copy, an x-death the
+	// broker must not see under that name: another adapter's, or one not of
+	// the broker's shape (see isXDeath). Another adapter's x-delivery-count,
+	// x-first-death-* and x-last-death-* are kept as custody-original-<name>.
 	HeaderOriginalXDeath = "custody-original-x-death"
 	// HeaderDroppedHeaders names, on a dead-letter copy, the headers left out
-	// because the copy's content header frame would not have fitted the
-	// connection's frame_max, with room kept for the headers the broker
-	// adds. Its value is JSON: the reason, and for each dropped header the
-	// bytes its name and value took in the frame, for example
+	// to fit the connection's frame_max, as JSON: the reason, and the bytes
+	// each header's name and value took, for example
 	//
 	//	{"reason":"the copy's AMQP content header must fit the connection's frame_max (131072 bytes), with room for the headers the broker adds","headers":{"large":153611}}
 	//
-	// A record from an earlier dead-letter trip is merged into the new one.
+	// An earlier trip's record is merged into it.
 	HeaderDroppedHeaders = "custody-dropped-headers"
 )
 
@@ -78,16 +70,13 @@ const originalPrefix = "custody-original-"
 // drop the message.
 var brokerHeaders = []string{"x-delivery-count", "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason", "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"}
 
-// routingHeaders are headers the broker acts on when a message is published,
-// with the names a copy keeps them under instead: CC and BCC route the
-// message to more queues (sender-selected distribution), and must be arrays.
-// A retry's copy or a dead letter carrying them would land in those queues
-// once more, and a text CC header (from another broker's message) would make
-// the broker refuse the publish every time.
+// routingHeaders are the headers the broker routes a published message by
+// (CC and BCC, sender-selected distribution, which must be arrays), with the
+// names a copy keeps them under: under their own, a copy would land in those
+// queues once more, and a text CC (another broker's) would be refused.
 var routingHeaders = map[string]string{"CC": HeaderOriginalCC, "BCC": HeaderOriginalBCC}
 
-// setRoutingHeadersAside moves the routing headers of h to their custody
-// names.
+// setRoutingHeadersAside moves h's routing headers to their custody names.
 func setRoutingHeadersAside(h amqp.Table) {
 	for k, aside := range routingHeaders {
 		if v, ok := h[k]; ok {
@@ -97,15 +86,12 @@ func setRoutingHeadersAside(h amqp.Table) {
 	}
 }
 
-// setBrokerHeadersAside moves the broker's own header names (x-death,
-// x-delivery-count, x-first-death-*, x-last-death-*) of another adapter's
-// delivery to custody-original-<name>. Such a header came from elsewhere (a
-// message bridged from RabbitMQ, or a look-alike): under its own name it
-// would be taken for this broker's history. A stale x-delivery-count would
-// inflate the attempt count of a copy replayed from the dead-letter queue;
-// an x-first-death-* header stops the broker from writing its own; and the
-// broker silently replaces an x-death that is not its own array of tables
-// when it dead-letters the copy, so the foreign value would be lost.
+// setBrokerHeadersAside moves another adapter's headers named like the
+// broker's own (brokerHeaders) to custody-original-<name>: under their own
+// name a stale x-delivery-count would inflate the attempts of a copy
+// replayed from the dead-letter queue, an x-first-death-* header would stop
+// the broker writing its own, and the broker replaces an x-death that is not
+// its own array of tables when it dead-letters the copy.
 func setBrokerHeadersAside(h amqp.Table) {
 	for _, k := range brokerHeaders {
 		if v, ok := h[k]; ok {
@@ -116,13 +102,10 @@ func setBrokerHeadersAside(h amqp.Table) {
 }
 
 // isXDeath reports whether v has the shape of the broker's x-death header:
-// an array of tables, each count (if any) an integer. When RabbitMQ (3.10)
-// dead-letters a message whose x-death has another shape, its dead-lettering
-// code crashes the queue (function_clause on an array entry that is not a
-// table, a failed increment on an entry for this queue and reason whose
-// count is text): the message is lost, and the queue may not restart. A copy
-// keeps any other x-death only aside, under HeaderOriginalXDeath, where the
-// broker does not read it.
+// an array of tables, each count (if any) an integer. RabbitMQ (3.10)
+// crashes the queue that dead-letters a message whose x-death has another
+// shape (function_clause on an entry that is not a table, a failed increment
+// of a text count): the message is lost, and the queue may not restart.
 func isXDeath(v any) bool {
 	a, ok := v.([]any)
 	if !ok {
@@ -144,9 +127,8 @@ func isXDeath(v any) bool {
 	return true
 }
 
-// dropDiagnostics removes the shared diagnostic headers (an earlier
-// dead-letter trip's, on a message replayed from a dead-letter queue), so
-// that a new dead-letter copy describes its latest failure only.
+// dropDiagnostics removes the shared diagnostic headers an earlier
+// dead-letter trip left, so that a new copy describes its latest failure.
 func dropDiagnostics(h amqp.Table) {
 	for k := range h {
 		if adapters.IsDiagnosticHeader(k) {
@@ -156,9 +138,8 @@ func dropDiagnostics(h amqp.Table) {
 }
 
 // foreignHeaders turns another adapter's string headers into an AMQP table
-// for a dead-letter copy: names AMQP cannot carry go into
-// HeaderOriginalHeaders, routing and broker headers are set aside, and an
-// earlier trip's diagnostics are dropped.
+// for a dead-letter copy (see the package documentation, section Dead
+// letters).
 func foreignHeaders(in map[string]string) amqp.Table {
 	h := make(amqp.Table, len(in)+16)
 	var long map[string]string
@@ -182,7 +163,7 @@ func foreignHeaders(in map[string]string) amqp.Table {
 		for k, v := range long {
 			all[k] = v
 		}
-		h[HeaderOriginalHeaders] = jsonObject(all)
+		h[HeaderOriginalHeaders] = jsonEncode(all)
 	}
 	setRoutingHeadersAside(h)
 	setBrokerHeadersAside(h)
@@ -190,24 +171,13 @@ func foreignHeaders(in map[string]string) amqp.Table {
 	return h
 }
 
-// jsonObject renders m as a JSON object, keys sorted, without HTML
-// escaping.
-func jsonObject(m map[string]string) string {
+// jsonEncode renders v, which always encodes, as JSON without HTML escaping
+// (map keys sorted).
+func jsonEncode(v any) string {
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)
 	enc.SetEscapeHTML(false)
-	if err := enc.Encode(m); err != nil {
-		return "{}" // a map of strings always encodes
-	}
-	return strings.TrimSuffix(b.String(), "\n")
-}
-
-// jsonString renders s as a JSON string, without HTML escaping.
-func jsonString(s string) string {
-	var b bytes.Buffer
-	enc := json.NewEncoder(&b)
-	enc.SetEscapeHTML(false)
-	_ = enc.Encode(s) // a string always encodes
+	_ = enc.Encode(v)
 	return strings.TrimSuffix(b.String(), "\n")
 }
 
@@ -320,18 +290,12 @@ func headerInt(t amqp.Table, k string) (int64, bool) {
 	return 0, false
 }
 
-// attemptOf computes which attempt a delivery is. The base is the attempt a
-// republished retry starts at (HeaderAttempt, else 1). Quorum queues count
-// the redeliveries of this copy in x-delivery-count; classic queues only say
-// whether it was redelivered at all. Where the Source counts deliveries
-// (counts: a quorum queue, or retries through delay queues) a redelivery
-// counts as one more attempt, a lower bound; where it does not, a message
-// that carries no count is attempt 0, unknown, and the runtime counts the
-// attempts it makes.
-//
-// Any publisher can set HeaderAttempt, so the sum saturates at maxAttempt:
-// an overflow would otherwise wrap to a negative attempt, which the runtime
-// reads as a first attempt.
+// attemptOf computes which attempt a delivery is, from HeaderAttempt (else
+// 1) and x-delivery-count or the redelivered flag (see the package
+// documentation, section Attempts); 0 where the Source does not count
+// deliveries and the message carries no count. Any publisher can set
+// HeaderAttempt, so the sum saturates at maxAttempt: an overflow would wrap
+// to a negative attempt, which the runtime reads as a first attempt.
 func attemptOf(m *amqp.Delivery, counts bool) int {
 	base, copied := int64(1), false
 	if n, ok := headerInt(m.Headers, HeaderAttempt); ok && n > 1 {
@@ -361,26 +325,15 @@ func firstReceivedOf(m *amqp.Delivery) time.Time {
 	return t
 }
 
-// republishing copies a delivery into a new publishing: same body and
-// properties, broker-set headers removed, routing headers set aside, the
-// original route remembered.
-func republishing(m *amqp.Delivery) amqp.Publishing {
-	h := amqp.Table{}
+// copyOf returns a publishing with m's body, properties and headers, less
+// the headers the broker sets (brokerHeaders).
+func copyOf(m *amqp.Delivery) amqp.Publishing {
+	h := make(amqp.Table, len(m.Headers)+4)
 	for k, v := range m.Headers {
 		h[k] = v
 	}
 	for _, k := range brokerHeaders {
 		delete(h, k)
-	}
-	setRoutingHeadersAside(h)
-	if _, ok := h[HeaderOriginalExchange]; !ok {
-		h[HeaderOriginalExchange] = m.Exchange
-		h[HeaderOriginalRoutingKey] = m.RoutingKey
-	}
-	if m.Expiration != "" {
-		// A per-message TTL would cut a delay short or silently drop the
-		// copy from a dead-letter queue; keep it only as information.
-		h[HeaderOriginalExpiration] = m.Expiration
 	}
 	return amqp.Publishing{
 		Headers:         h,
@@ -390,6 +343,7 @@ func republishing(m *amqp.Delivery) amqp.Publishing {
 		Priority:        m.Priority,
 		CorrelationId:   m.CorrelationId,
 		ReplyTo:         m.ReplyTo,
+		Expiration:      m.Expiration,
 		MessageId:       m.MessageId,
 		Timestamp:       m.Timestamp,
 		Type:            m.Type,
@@ -397,6 +351,24 @@ func republishing(m *amqp.Delivery) amqp.Publishing {
 		AppId:           m.AppId,
 		Body:            m.Body,
 	}
+}
+
+// republishing copies a delivery for a retry or a dead letter: routing
+// headers and a per-message TTL set aside, the original route remembered.
+func republishing(m *amqp.Delivery) amqp.Publishing {
+	p := copyOf(m)
+	setRoutingHeadersAside(p.Headers)
+	if _, ok := p.Headers[HeaderOriginalExchange]; !ok {
+		p.Headers[HeaderOriginalExchange] = m.Exchange
+		p.Headers[HeaderOriginalRoutingKey] = m.RoutingKey
+	}
+	if p.Expiration != "" {
+		// A per-message TTL would cut a delay short or silently drop the
+		// copy from a dead-letter queue; keep it only as information.
+		p.Headers[HeaderOriginalExpiration] = p.Expiration
+		p.Expiration = ""
+	}
+	return p
 }
 
 // originalRoute returns where the message was first published.

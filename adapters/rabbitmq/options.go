@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -17,12 +18,10 @@ import (
 // is given: the conventional local development broker.
 const DefaultURL = "amqp://guest:guest@localhost:5672/"
 
-// Option configures a Source (New), a dead-letter exchange sink
-// (NewDeadLetter) or a dead-letter replay (NewReplay). Connection options
-// (WithURL, WithConfig, WithTLS, WithDialFunc), WithLogger and
-// WithMeterProvider apply to all three; WithDeclareDeadLetter only to the
-// sink, WithReplayThroughExchange only to a replay, the others only to a
-// Source, and each constructor rejects the others' by name.
+// Option configures a Source (New), a dead-letter sink (NewDeadLetter) or a
+// dead-letter replay (NewReplay). The connection options (WithURL,
+// WithConfig, WithTLS, WithDialFunc), WithLogger and WithMeterProvider apply
+// to all three, each other option to one, and the others refuse it by name.
 type Option func(*settings) error
 
 // QueueType says how a Source declares its queue.
@@ -69,9 +68,8 @@ type settings struct {
 	pollWait        time.Duration
 	closeTimeout    time.Duration
 
-	sourceOnly []string // names of Source-only options given, for the sink's error
-	sinkOnly   []string // names of sink-only options given, for New's error
-	replayOnly []string // names of replay-only options given, for New's and the sink's error
+	// scoped lists the options given that apply to one constructor only.
+	scoped []scopedOption
 
 	replayThroughExchange bool // WithReplayThroughExchange
 
@@ -116,9 +114,9 @@ func apply(opts []Option) (*settings, error) {
 }
 
 // countsDeliveries reports whether Delivery.Attempt survives a redelivery:
-// a quorum queue counts deliveries, and a retry through a delay queue
-// carries its attempt in HeaderAttempt. A classic queue only flags a
-// redelivery, and a queue the Source only checks may be either.
+// a quorum queue counts deliveries, and a delay queue's copy carries
+// HeaderAttempt. A classic queue only flags a redelivery, and a queue the
+// Source only checks may be either.
 func (s *settings) countsDeliveries() bool {
 	return s.delayQueues || s.queueType == QuorumQueue
 }
@@ -130,7 +128,31 @@ func (s *settings) maxHold() time.Duration {
 	return s.consumerTimeout - min(s.consumerTimeout/4, time.Minute)
 }
 
-func sourceOnly(name string, s *settings) { s.sourceOnly = append(s.sourceOnly, name) }
+type scopedOption struct{ name, ctor string }
+
+// only records that the option name applies to the constructor ctor only.
+func (s *settings) only(ctor, name string) {
+	s.scoped = append(s.scoped, scopedOption{name, ctor})
+}
+
+// applyFor applies opts for the constructor ctor, which refuses by name the
+// options that apply to another constructor only.
+func applyFor(ctor string, opts []Option) (*settings, error) {
+	s, err := apply(opts)
+	if err != nil {
+		return nil, err
+	}
+	var foreign []string
+	for _, o := range s.scoped {
+		if o.ctor != ctor {
+			foreign = append(foreign, o.name+" (only for "+o.ctor+")")
+		}
+	}
+	if len(foreign) > 0 {
+		return nil, fmt.Errorf("rabbitmq: %s: options for another constructor: %s", ctor, strings.Join(foreign, ", "))
+	}
+	return s, nil
+}
 
 // WithURL sets the AMQP URL to dial (default DefaultURL). amqps:// URLs use
 // TLS; see WithTLS to configure it.
@@ -201,10 +223,9 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
-// WithMeterProvider sets where the adapter's metrics go: a Source's acks,
-// ack frames, dropped acks, rejects, lost deliveries, reconnections and
-// retry copies; a sink's dead-letter copies (see the package
-// documentation). Default: the global OpenTelemetry MeterProvider.
+// WithMeterProvider sets where the adapter's metrics go (see the package
+// documentation, section Telemetry). Default: the global OpenTelemetry
+// MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(s *settings) error {
 		if mp == nil {
@@ -228,7 +249,7 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 // the default 256 makes the last one wait 42 minutes, past the default 30.
 func WithPrefetch(n int) Option {
 	return func(s *settings) error {
-		sourceOnly("WithPrefetch", s)
+		s.only("New", "WithPrefetch")
 		if n < 1 || n > 65535 {
 			return fmt.Errorf("rabbitmq: WithPrefetch(%d): the prefetch must be between 1 and 65535", n)
 		}
@@ -242,12 +263,12 @@ func WithPrefetch(n int) Option {
 // Each connection uses it anew after a reconnect.
 func WithConsumerTag(tag string) Option {
 	return func(s *settings) error {
-		sourceOnly("WithConsumerTag", s)
+		s.only("New", "WithConsumerTag")
 		if tag == "" {
 			return errors.New("rabbitmq: WithConsumerTag: the tag is empty")
 		}
-		if len(tag) > maxShortstr {
-			return fmt.Errorf("rabbitmq: WithConsumerTag: tag of %d bytes; AMQP allows at most %d", len(tag), maxShortstr)
+		if err := checkShortstr("WithConsumerTag", "tag", tag); err != nil {
+			return err
 		}
 		s.consumerTag = tag
 		return nil
@@ -260,7 +281,7 @@ func WithConsumerTag(tag string) Option {
 // default, CheckQueue, only checks that the queue exists.
 func WithDeclare(t QueueType, args amqp.Table) Option {
 	return func(s *settings) error {
-		sourceOnly("WithDeclare", s)
+		s.only("New", "WithDeclare")
 		all, err := declareArgs("WithDeclare", t, args)
 		if err != nil {
 			return err
@@ -303,48 +324,37 @@ func declareArgs(opt string, t QueueType, args amqp.Table) (amqp.Table, error) {
 // NativeDeadLetter may reject messages into it.
 func WithDeadLetterByPolicy() Option {
 	return func(s *settings) error {
-		sourceOnly("WithDeadLetterByPolicy", s)
+		s.only("New", "WithDeadLetterByPolicy")
 		s.dlxByPolicy = true
 		return nil
 	}
 }
 
-// WithDelayQueues makes the broker hold retries back (default: off). Without
-// it the Source reports NackDelay=false and the runtime waits out each retry
-// in place: the delivery stays unacked, holding a prefetch slot but no
-// worker, and its handler runs again on it after the backoff.
-//
-// With it, the Source reports NackDelay=true, and a retry publishes a copy
-// of the message, carrying its next attempt, to a quorum queue whose message
-// TTL is the delay (rounded up to a ladder step) and which dead-letters it
-// back to the source queue at least once; the original is acked once the
-// broker confirmed the copy. The retry then holds no prefetch slot. It
-// needs RabbitMQ 3.10 or later and a user who may declare queues: New
-// declares one delay queue to check. A copy the delay queue does not take
-// is published to the source queue at once instead (the delay is lost, the
-// attempt count kept), or, if the source queue refuses it too, the original
-// is requeued.
-//
-// Read what delay queues leave to the broker before turning them on
-// (docs/rabbitmq.md): once the copy is confirmed into the delay queue, a
-// policy that sets overflow on it, deleting or expiring it, or losing its
-// quorum loses the copy.
+// WithDelayQueues makes the broker hold retries back (default: off, and the
+// runtime waits out each retry in place, holding a prefetch slot). With it
+// the Source reports NackDelay, and a retry publishes a copy carrying its
+// next attempt to a quorum delay queue that dead-letters it back after the
+// delay; the original is acked once the broker confirmed the copy. It needs
+// RabbitMQ 3.10 or later and a user who may declare queues (New declares one
+// delay queue to check). Read what delay queues leave to the broker before
+// turning them on: the package documentation, section Retries, and
+// docs/rabbitmq.md.
 func WithDelayQueues() Option {
 	return func(s *settings) error {
-		sourceOnly("WithDelayQueues", s)
+		s.only("New", "WithDelayQueues")
 		s.delayQueues = true
 		return nil
 	}
 }
 
 // WithConsumerTimeout tells the adapter the broker's consumer_timeout
-// (default 30 min, RabbitMQ's default). The broker closes a channel whose
-// delivery stays unacked that long, so the adapter warns about deliveries
-// held for more than half of it and reports it, less a margin (a quarter,
-// at most a minute), as Capabilities.MaxLeaseAge.
+// (default 30 min, RabbitMQ's default), after which the broker closes the
+// channel of a delivery still unacked. The adapter warns about deliveries
+// held for more than half of it and reports it, less a quarter (at most a
+// minute), as Capabilities.MaxLeaseAge.
 func WithConsumerTimeout(d time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithConsumerTimeout", s)
+		s.only("New", "WithConsumerTimeout")
 		if d < time.Second {
 			return fmt.Errorf("rabbitmq: WithConsumerTimeout(%v): the timeout must be at least 1s", d)
 		}
@@ -359,7 +369,7 @@ func WithConsumerTimeout(d time.Duration) Option {
 // each connection in a row that died sooner doubles it once more.
 func WithReconnectBackoff(initial, max time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithReconnectBackoff", s)
+		s.only("New", "WithReconnectBackoff")
 		if initial <= 0 || max < initial {
 			return fmt.Errorf("rabbitmq: WithReconnectBackoff(%v, %v): need 0 < initial <= max", initial, max)
 		}
@@ -372,7 +382,7 @@ func WithReconnectBackoff(initial, max time.Duration) Option {
 // an empty batch (default 1 s).
 func WithPollWait(d time.Duration) Option {
 	return func(s *settings) error {
-		sourceOnly("WithPollWait", s)
+		s.only("New", "WithPollWait")
 		if d <= 0 {
 			return fmt.Errorf("rabbitmq: WithPollWait(%v): the wait must be above zero", d)
 		}

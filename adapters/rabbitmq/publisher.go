@@ -45,16 +45,12 @@ func newPublisher(s *settings) *publisher {
 // errUnroutable is wrapped when the broker returned a mandatory publish.
 var errUnroutable = errors.New("rabbitmq: the broker could not route the message to any queue")
 
-// publish sends msg and returns nil once the broker confirmed it was routed
-// to at least one queue and stored.
-//
-// The content header frame (properties and headers) must fit the
-// connection's frame_max, and leave reserve bytes for the headers the broker
-// adds before a consumer reads the message (see brokerAdditions): a larger
-// one is not sent, since the broker would close the whole connection over it
-// (FRAME_ERROR), every time, or the consumer's client would refuse it. fit,
-// if not nil, may first trim msg's headers to budget, once the connection and
-// its frame_max are known (budget 0: no limit).
+// publish sends msg and returns nil once the broker confirmed it routed to
+// at least one queue and stored. A content header frame that would not fit
+// the connection's frame_max less reserve bytes for what the broker adds
+// (see brokerAdditions) is not sent. fit, if not nil, may first trim msg's
+// headers to budget, once the connection and its frame_max are known
+// (budget 0: no limit).
 func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.Publishing, reserve int, fit func(msg *amqp.Publishing, budget, frameMax int)) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -136,20 +132,14 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp.
 	return nil
 }
 
-// declareDelayQueue declares (once per publisher) a quorum queue whose
-// messages expire after ttl and are dead-lettered to target through the
-// default exchange, at least once: the broker keeps an expired message and
-// publishes it to target with confirms until target takes it (a full
-// target with reject-publish, or a missing one, refuses it for a while).
-// At-least-once dead-lettering needs the reject-publish overflow on the
-// dead-lettering queue itself; a policy that sets another overflow on a
-// delay queue takes precedence and turns it back to at-most-once.
-//
-// A declare the broker refuses (a broker older than 3.10, which has no
-// message TTL on quorum queues; a user who may not declare queues; a queue
-// of that name with other arguments) is not tried again for a minute, so
-// that retries meanwhile go to the queue without a failed declare, and the
-// new connection it costs, each.
+// declareDelayQueue declares, once per publisher, the delay queue name
+// whose messages expire after ttl and are dead-lettered to target through
+// the default exchange, at least once (see the package documentation,
+// section Retries). A declare the broker refuses (a broker older than 3.10,
+// which has no message TTL on quorum queues; a user who may not declare
+// queues; a queue of that name with other arguments) is not tried again for
+// a minute, so that retries meanwhile go to the queue without a failed
+// declare, and the new connection it costs, each.
 func (p *publisher) declareDelayQueue(ctx context.Context, name string, ttl time.Duration, target string) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -177,7 +167,9 @@ func (p *publisher) declareDelayQueue(ctx context.Context, name string, ttl time
 	return nil
 }
 
-// delayQueueArgs are the arguments of a delay queue (see declareDelayQueue).
+// delayQueueArgs are the arguments of a delay queue. At-least-once
+// dead-lettering needs the reject-publish overflow on the dead-lettering
+// queue itself.
 func delayQueueArgs(ttl time.Duration, target string) amqp.Table {
 	return amqp.Table{
 		"x-queue-type":              "quorum",
@@ -210,19 +202,17 @@ func (p *publisher) forget(name string) {
 	p.mu.Unlock()
 }
 
-// checkExchange checks that exchange exists.
-func (p *publisher) checkExchange(ctx context.Context, exchange string) error {
-	if exchange == "" {
-		return nil // the default exchange always exists
-	}
+// check runs a passive declare on the publishing channel. A refused one
+// closes the channel, so the publisher starts over on a new connection.
+func (p *publisher) check(ctx context.Context, declare func(ch *amqp.Channel) error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.ensureLocked(ctx); err != nil {
 		return err
 	}
-	if err := p.ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+	if err := declare(p.ch); err != nil {
 		p.resetLocked()
-		return fmt.Errorf("rabbitmq: dead-letter exchange %q: %w (declare it and bind the dead-letter queue to it, or let the sink declare both and the binding with WithDeclareDeadLetter)", exchange, err)
+		return err
 	}
 	return nil
 }
@@ -243,14 +233,12 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	// ending ctx closes the connection, which ends the wait, so that a
 	// broker that does not answer cannot hold a Nack or a Send past it.
 	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
-	var setupErr error
 	if p.setup != nil {
-		setupErr = p.setup(conn)
+		err = p.setup(conn)
 	}
 	var ch *amqp.Channel
-	if setupErr == nil {
-		ch, err = conn.Channel()
-		if err == nil {
+	if err == nil {
+		if ch, err = conn.Channel(); err == nil {
 			err = ch.Confirm(false)
 		}
 		if err != nil {
@@ -259,8 +247,6 @@ func (p *publisher) ensureLocked(ctx context.Context) error {
 	}
 	if !stop() {
 		err = fmt.Errorf("rabbitmq: open a publishing channel: %w", ctx.Err())
-	} else if setupErr != nil {
-		err = setupErr
 	}
 	if err != nil {
 		_ = conn.CloseDeadline(time.Now().Add(p.s.closeTimeout))

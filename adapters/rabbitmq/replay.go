@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -15,18 +14,14 @@ import (
 )
 
 // Replay lists the dead letters in a RabbitMQ queue and moves a selection of
-// them back to the queues they came from. Create it with NewReplay. Its
+// them back to the queues they came from; create it with NewReplay. Its
 // methods are safe for concurrent use: each call reads the dead-letter queue
 // over a connection of its own, and copies go out one at a time over the
-// replay's publishing connection.
-//
-// It reads what a DeadLetter sink wrote (the custody diagnostics) and what
-// the broker dead-lettered itself (NativeDeadLetter, a TTL, a length limit, a
-// delivery limit: the x-death and x-first-death-* headers). A dead letter's
-// ID (adapters.DeadLetterRecord.ID) is a digest of its properties, headers
-// and body: RabbitMQ gives a message no id of its own, and the digest is the
-// same on every delivery of the dead letter and differs between two
-// dead-letter copies of one message (their failure times differ). Its
+// replay's publishing connection. It reads what a DeadLetter sink wrote and
+// what the broker dead-lettered itself (x-death, x-first-death-*). A dead
+// letter's ID is a digest of its properties, headers and body (RabbitMQ
+// gives a message no id of its own): the same on every delivery of the dead
+// letter, different between two dead-letter copies of one message. Its
 // OriginalID is the message-id.
 type Replay struct {
 	s     *settings
@@ -41,24 +36,20 @@ type Replay struct {
 }
 
 // NewReplay connects, checks that the dead-letter queue exists, and returns
-// a Replay of it. The connection options (WithURL, WithConfig, WithTLS,
-// WithDialFunc), WithLogger, WithMeterProvider and
+// a Replay of it. The connection options, WithLogger, WithMeterProvider and
 // WithReplayThroughExchange apply. Close it when done.
 func NewReplay(ctx context.Context, queue string, opts ...Option) (*Replay, error) {
 	if queue == "" {
 		return nil, errors.New("rabbitmq: NewReplay: the dead-letter queue name is empty")
 	}
-	if len(queue) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: NewReplay: queue name of %d bytes; AMQP allows at most %d", len(queue), maxShortstr)
+	if err := checkShortstr("NewReplay", "queue name", queue); err != nil {
+		return nil, err
 	}
-	st, err := apply(opts)
+	st, err := applyFor("NewReplay", opts)
 	if err != nil {
 		return nil, err
 	}
-	if others := append(st.sourceOnly, st.sinkOnly...); len(others) > 0 {
-		return nil, fmt.Errorf("rabbitmq: NewReplay: %s do not apply to a replay (only the connection options, WithLogger, WithMeterProvider and WithReplayThroughExchange do)", strings.Join(others, ", "))
-	}
-	tel, err := replayTelemetry(st.meters, queue)
+	tel, err := queueTelemetry(st.meters, queue)
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: NewReplay: telemetry: %w", err)
 	}
@@ -82,7 +73,7 @@ func NewReplay(ctx context.Context, queue string, opts ...Option) (*Replay, erro
 // exchange to its original queue alone. Only for NewReplay.
 func WithReplayThroughExchange() Option {
 	return func(s *settings) error {
-		s.replayOnly = append(s.replayOnly, "WithReplayThroughExchange")
+		s.only("NewReplay", "WithReplayThroughExchange")
 		s.replayThroughExchange = true
 		return nil
 	}
@@ -115,9 +106,8 @@ func (r *Replay) open(ctx context.Context) (*amqp.Connection, *amqp.Channel, err
 
 // call runs f with a connection and channel of its own, ending the
 // connection when ctx ends (amqp091's calls take no context) and when f
-// returns; the broker then requeues every dead letter f read and did not
-// ack. An error of the connection that ctx's end caused is reported as
-// ctx's error.
+// returns; the broker then takes back every dead letter f read and did not
+// ack. A connection error that ctx's end caused is reported as ctx's error.
 func (r *Replay) call(ctx context.Context, f func(conn *amqp.Connection, ch *amqp.Channel) error) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -146,14 +136,13 @@ func (r *Replay) call(ctx context.Context, f func(conn *amqp.Connection, ch *amq
 // List returns up to max of the queue's dead letters, from its head, with
 // their diagnostics: a dry run that removes nothing. It reads them with
 // basic.get without acking, then closes its channel, and the broker takes
-// them back. What that leaves: every message listed is flagged redelivered;
-// on a quorum queue its x-delivery-count grows by one, which counts towards
-// an x-delivery-limit the dead-letter queue may have; and a classic queue
-// puts the messages back where they were, while a quorum queue delivers the
-// messages returned to it ahead of the others but behind those returned
-// before them, so that a List of fewer messages than an earlier one moves
-// those it read behind the rest of the earlier one's. Messages another
-// consumer holds are not seen.
+// them back, each flagged redelivered; on a quorum queue its
+// x-delivery-count grows by one (which counts towards an x-delivery-limit of
+// the dead-letter queue), and the messages taken back are delivered ahead of
+// the others but behind those taken back before them, so a List of fewer
+// messages than an earlier one moves those it read behind the rest of the
+// earlier one's. A classic queue puts them back where they were. Messages
+// another consumer holds are not seen.
 func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord, error) {
 	if max < 1 {
 		return nil, fmt.Errorf("rabbitmq: Replay.List(max=%d): max must be at least 1", max)
@@ -180,44 +169,36 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 
 // Replay moves the dead letters o selects, up to o.Max, back where they came
 // from, at most o.Rate a second, in the order the queue delivers them (see
-// List for what a quorum queue does to it). A run reads at most
-// the messages the queue held when it began, so that a copy that fails and
-// is dead-lettered again during the run is not replayed again by it.
+// List). A run reads at most the messages the queue held when it began, so
+// a copy dead-lettered again during the run is not replayed again by it.
 //
 // For each dead letter it publishes a copy, persistent, mandatory and with
 // publisher confirms, through the default exchange to its original queue
-// (custody-original-queue, or for one the broker dead-lettered,
-// x-first-death-queue), or with WithReplayThroughExchange through its
-// original exchange and routing key; and only once the broker confirmed
-// the copy routed and stored, it acks the dead letter, and waits for the
-// broker to have read that ack (a basic.qos round trip on the same
-// channel) before it counts the dead letter replayed. The copy keeps the
-// dead letter's body, properties and headers, less the diagnostics
-// (adapters.IsDiagnosticHeader) and the broker's own headers (x-death,
-// x-first-death-*, x-last-death-*, x-delivery-count), with
-// adapters.HeaderReplayOf set to the dead letter's ID, and, when
-// o.KeepDiagnostics, every diagnostic header packed as a JSON object into
-// adapters.HeaderReplayDiagnostics. Its message-id is the dead letter's (the
-// original message's), or the dead letter's ID when it has none.
+// (custody-original-queue, or x-first-death-queue), or with
+// WithReplayThroughExchange through its original exchange and routing key.
+// Only once the broker confirmed the copy routed and stored does it ack the
+// dead letter, and it waits for the broker to have read that ack before it
+// counts the dead letter replayed. The copy keeps the dead letter's body,
+// properties and headers, less the diagnostics and the broker's own headers,
+// with adapters.HeaderReplayOf set to the dead letter's ID and, when
+// o.KeepDiagnostics, the diagnostics as a JSON object in
+// adapters.HeaderReplayDiagnostics. Its message-id is the dead letter's, or
+// the dead letter's ID when it has none.
 //
-// Dead letters o.Select leaves out stay in the queue, held by the run's
-// channel until it ends, then taken back by the broker as after List (the
-// broker's consumer_timeout, 30 minutes by default, may close the channel
-// of a run that holds one that long: the run then fails, and the broker
-// takes back what it held). The run stops at the
-// first error: an unroutable copy (the original queue is gone), one the
+// Dead letters o.Select leaves out are held by the run's channel until it
+// ends, then taken back by the broker as after List (a run that holds one
+// past the broker's consumer_timeout fails, and the broker takes back what
+// it held). The run stops at the first error (an unroutable copy, one the
 // broker refuses or does not confirm, a dead letter that names no original
-// queue, a lost connection, ctx's end. The dead letter it was at stays in
-// the queue, and so does every one after it.
+// queue, a lost connection, ctx's end), leaving in the queue the dead letter
+// it was at and every one after it.
 //
-// RabbitMQ does not deduplicate publishes, and nothing in AMQP ties a
-// copy's confirm to the dead letter's ack. A run that ends between the two
-// (a crash, a cut connection, ctx's end, a confirm that never came) leaves
-// the dead letter in the queue with its copy possibly stored: the next run
-// publishes it again. Since a run has at most one dead letter in that
-// state at a time, each run that ends early leaves at most one duplicate,
-// with the same message-id and HeaderReplayOf as the first copy, which the
-// idempotency middleware (keyed on the message id, its default) absorbs.
+// RabbitMQ does not deduplicate publishes, and nothing in AMQP ties a copy's
+// confirm to the dead letter's ack: a run that ends between the two leaves
+// the dead letter in the queue with its copy possibly stored, and the next
+// run publishes it again. A run has at most one dead letter in that state,
+// so each run cut short leaves at most one duplicate, with the same
+// message-id and HeaderReplayOf, which the idempotency middleware absorbs.
 // ReplayResult.Skipped counts only what Select left out: a dead letter
 // replayed before cannot be recognised as such.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
@@ -319,34 +300,13 @@ func (r *Replay) publishCopy(ctx context.Context, dl deadLetter, keep bool) erro
 	return err
 }
 
-// replayCopy copies a dead letter into the publishing that replays it: the
-// same body and properties, without the diagnostics, the broker's own
-// headers and an earlier replay's headers.
+// replayCopy copies a dead letter into the publishing that replays it,
+// persistent, without the diagnostics and an earlier replay's headers.
 func replayCopy(m *amqp.Delivery) amqp.Publishing {
-	h := make(amqp.Table, len(m.Headers)+2)
-	for k, v := range m.Headers {
-		h[k] = v
-	}
-	for _, k := range brokerHeaders {
-		delete(h, k)
-	}
-	dropDiagnostics(h)
-	delete(h, adapters.HeaderReplayOf)
-	delete(h, adapters.HeaderReplayDiagnostics)
-	return amqp.Publishing{
-		Headers:         h,
-		ContentType:     m.ContentType,
-		ContentEncoding: m.ContentEncoding,
-		DeliveryMode:    amqp.Persistent,
-		Priority:        m.Priority,
-		CorrelationId:   m.CorrelationId,
-		ReplyTo:         m.ReplyTo,
-		Expiration:      m.Expiration,
-		MessageId:       m.MessageId,
-		Timestamp:       m.Timestamp,
-		Type:            m.Type,
-		UserId:          m.UserId,
-		AppId:           m.AppId,
-		Body:            m.Body,
-	}
+	p := copyOf(m)
+	dropDiagnostics(p.Headers)
+	delete(p.Headers, adapters.HeaderReplayOf)
+	delete(p.Headers, adapters.HeaderReplayDiagnostics)
+	p.DeliveryMode = amqp.Persistent
+	return p
 }

@@ -25,13 +25,13 @@ type deadLetter struct {
 	routed        bool
 }
 
-// readDeadLetter reads a message of a dead-letter queue. A DeadLetter
+// readDeadLetter reads a message of a dead-letter queue: a DeadLetter
 // sink's copy carries the custody diagnostics; one the broker dead-lettered
-// (NativeDeadLetter, a TTL, a length or delivery limit) carries x-death and
-// x-first-death-*, from which the original queue, the reason (as the
-// error) and the time of its latest death are read. The broker's headers go
-// to the record's Diagnostics, never to its Headers; x-delivery-count, which
-// a quorum dead-letter queue adds on each redelivery, is left out of both.
+// carries x-death and x-first-death-*, from which the original queue, the
+// reason (as the error) and the time of its latest death are read. The
+// broker's headers go to the record's Diagnostics, never to its Headers;
+// x-delivery-count, which a quorum dead-letter queue adds on each
+// redelivery, is left out of both.
 func readDeadLetter(m *amqp.Delivery) deadLetter {
 	dl := deadLetter{msg: m}
 	rec := &dl.rec
@@ -85,12 +85,8 @@ func readDeadLetter(m *amqp.Delivery) deadLetter {
 	return dl
 }
 
-// deadLetterID identifies a message of a dead-letter queue: a digest of its
-// properties, headers (less x-delivery-count, which changes with each
-// redelivery from a quorum queue) and body. RabbitMQ gives a message no id
-// of its own; the digest is the same on every delivery of the message, and
-// differs between two dead-letter copies of one message, whose diagnostics
-// (their failure times) differ.
+// deadLetterID digests m's properties, headers (less x-delivery-count,
+// which changes with each redelivery) and body (see Replay).
 func deadLetterID(m *amqp.Delivery) string {
 	d := sha256.New()
 	for _, p := range []string{m.ContentType, m.ContentEncoding, strconv.Itoa(int(m.DeliveryMode)),

@@ -15,22 +15,11 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// Nack implements adapters.Source.
-//
-// Without delay queues (the default) the Source reports NackDelay=false:
-// the runtime waits out a retry in place itself, holding the delivery, and
-// nacks only to give a delivery back. Nack then requeues every delivery at
-// once (basic.nack, requeue=true), whatever its delay.
-//
-// With WithDelayQueues, a delivery with a delay is retried through a delay
-// queue: its next attempt is published, as a copy carrying HeaderAttempt,
-// to a quorum queue that dead-letters it back to the queue once the delay
-// has passed, and the original is acked only after the broker confirmed
-// the copy. When the delay queue does not take the copy, the copy is
-// published to the queue itself, at once (the delay is lost, the attempt
-// count kept), and when the queue refuses it too, the original is requeued.
-// Either way the original is never acked before a confirmed copy replaces
-// it. A delivery with no delay is requeued.
+// Nack implements adapters.Source. It requeues each delivery at once
+// (basic.nack, requeue=true), except, with WithDelayQueues, one with a delay:
+// that one is retried through a delay queue, and its original acked only
+// once the broker confirmed the copy that replaces it (see the package
+// documentation, section Retries).
 func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	var failed entryErrors
 	for i, n := range ns {
@@ -55,8 +44,8 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 }
 
 // retryLater retries d through a delay queue, or failing that through the
-// queue itself, or requeues it (see Nack). The publishes of one retry share
-// one timeout: the runtime's context never ends, and a broker that blocks
+// queue itself, or requeues it. The publishes of one retry share one
+// timeout: the runtime's context never ends, and a broker that blocks
 // publishers under a resource alarm would otherwise hold the Nack until the
 // alarm cleared.
 func (s *Source) retryLater(ctx context.Context, d *adapters.Delivery, h *handle, delay time.Duration) error {
@@ -162,12 +151,13 @@ func (s *Source) republish(ctx context.Context, d *adapters.Delivery, h *handle,
 	if s.testHookRepublished != nil {
 		s.testHookRepublished()
 	}
-	g := h.gen
-	g.mu.Lock()
-	defer g.mu.Unlock()
 	// If the channel died meanwhile the original comes back as well as the
 	// copy: a duplicate, never a loss.
-	return g.ackReplacedLocked(d)
+	var failed entryErrors
+	h.gen.mu.Lock()
+	h.gen.ackLocked([]*adapters.Delivery{d}, &failed, true)
+	h.gen.mu.Unlock()
+	return failed[0]
 }
 
 // delayLadder holds the delay-queue steps. A delay is rounded up to the next

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -67,24 +66,18 @@ func New(ctx context.Context, queue string, opts ...Option) (*Source, error) {
 	if queue == "" {
 		return nil, errors.New("rabbitmq: New: the queue name is empty")
 	}
-	if len(queue) > maxShortstr {
-		return nil, fmt.Errorf("rabbitmq: New: queue name of %d bytes; AMQP allows at most %d", len(queue), maxShortstr)
-	}
-	st, err := apply(opts)
-	if err != nil {
+	if err := checkShortstr("New", "queue name", queue); err != nil {
 		return nil, err
 	}
-	if len(st.sinkOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewDeadLetter; a Source declares its queue with WithDeclare", strings.Join(st.sinkOnly, ", "))
-	}
-	if len(st.replayOnly) > 0 {
-		return nil, fmt.Errorf("rabbitmq: New: %s only apply to NewReplay", strings.Join(st.replayOnly, ", "))
+	st, err := applyFor("New", opts)
+	if err != nil {
+		return nil, err
 	}
 	tag := st.consumerTag
 	if tag == "" {
 		tag = defaultConsumerTag(queue)
 	}
-	tel, err := sourceTelemetry(st.meters, queue)
+	tel, err := queueTelemetry(st.meters, queue)
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: New: telemetry: %w", err)
 	}
@@ -167,19 +160,16 @@ func randomSuffix() string {
 func (s *Source) Queue() string { return s.queue }
 
 // Capabilities implements adapters.Source. RabbitMQ holds deliveries on the
-// channel rather than on a lease (Lease 0), for at most the consumer
-// timeout (MaxLeaseAge, a margin less). Nack honours its delay only through
-// delay queues (NackDelay with WithDelayQueues); otherwise the runtime waits
-// out retries in place. Attempt comes from the broker where it counts
-// deliveries, a quorum queue the Source declares, or from the copies
-// retries publish (CountsDeliveries with either).
+// channel, not on a lease (Lease 0), for at most the consumer timeout less a
+// margin (MaxLeaseAge); see the package documentation, sections Attempts and
+// Retries.
 func (s *Source) Capabilities() adapters.Capabilities { return s.caps }
 
 // delivery converts an amqp091 delivery.
 func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 	native := m
 	native.Acknowledger = nil // settling goes through the Source only
-	d := &adapters.Delivery{
+	return &adapters.Delivery{
 		ID:              m.MessageId,
 		Body:            m.Body,
 		Headers:         stringHeaders(m.Headers),
@@ -192,7 +182,6 @@ func (s *Source) delivery(m amqp.Delivery) *adapters.Delivery {
 		ReceivedAt:      time.Now(),
 		Native:          native,
 	}
-	return d
 }
 
 // Receive implements adapters.Source. It waits up to the poll wait (default
@@ -261,12 +250,9 @@ func (s *Source) own(d *adapters.Delivery) (*handle, error) {
 	return h, nil
 }
 
-// Ack implements adapters.Source. It writes the acks of ds to the broker
-// before it returns: one multiple=true ack for the run of finished
-// deliveries from the oldest outstanding one, and one ack each for the
-// finished deliveries behind one still running (see the package
-// documentation). Gathering acks into batches is the runtime's work. An
-// entry whose channel died, or died while its ack was written, fails with
+// Ack implements adapters.Source. It writes the acks of ds before it returns
+// (see the package documentation, section Acks go out at once). An entry
+// whose channel died, or died while its ack was written, fails with
 // ErrConnectionLost: the broker redelivers it. So does one already nacked,
 // whose message comes back whatever the Ack says; acking a delivery again
 // is no error.
@@ -311,12 +297,7 @@ func (s *Source) Close() error {
 	s.cancel()
 	var err error
 	if g != nil {
-		held := g.die()
-		for _, d := range held {
-			d.Signal.Lose(adapters.ErrClosed)
-		}
-		s.stats.lost.Add(uint64(len(held)))
-		s.tel.add(s.tel.lost, len(held))
+		s.lose(g.die(), adapters.ErrClosed)
 		// amqp091 waits for the broker's channel.close-ok with no limit of
 		// its own, only its heartbeat timeout (some 30 s): a broker that
 		// stopped answering would hold Close past a deployment's grace

@@ -186,23 +186,26 @@ func (s *Source) kill(g *generation, cause error) {
 	if len(held) > 0 || cause != nil {
 		s.s.logger.Warn("rabbitmq: lost the channel; reconnecting", "queue", s.queue, "address", s.s.address(), "generation", g.id, "cause", cause, "deliveries_lost", len(held))
 	}
-	lost := fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause)
-	for _, d := range held {
-		d.Signal.Lose(lost)
-	}
-	s.stats.lost.Add(uint64(len(held)))
-	s.tel.add(s.tel.lost, len(held))
+	s.lose(held, fmt.Errorf("%w (channel generation %d: %v)", adapters.ErrConnectionLost, g.id, cause))
 	_ = g.conn.CloseDeadline(time.Now().Add(s.s.closeTimeout))
 }
 
+// lose cancels the contexts of held's handlers with cause, and counts them;
+// the broker delivers their messages again.
+func (s *Source) lose(held []*adapters.Delivery, cause error) {
+	for _, d := range held {
+		d.Signal.Lose(cause)
+	}
+	s.stats.lost.Add(uint64(len(held)))
+	s.tel.add(s.tel.lost, len(held))
+}
+
 // reconnect dials until a new generation is consuming, backing off between
-// attempts, from a first wait that grows with flaps (see supervise). It
-// returns nil when the Source closes first.
-//
-// Failed attempts are not logged one by one: Receive hands the runtime the
-// first failure, and a failure of another kind (see errorKind), so the
-// trouble is reported once per change, and the reconnection is logged with
-// how many attempts and how long it took.
+// attempts from a first wait that grows with flaps (see supervise), and
+// logs the reconnection with how many attempts and how long it took. Failed
+// attempts are not logged: Receive hands the runtime the first failure, and
+// each of another kind (see errorKind). It returns nil when the Source
+// closes first.
 func (s *Source) reconnect(flaps int) *generation {
 	bo := backoff.Exponential{Initial: s.s.reconnectMin, Max: s.s.reconnectMax, Multiplier: 2, Jitter: 0.2}
 	down := time.Now()

@@ -11,9 +11,8 @@ import (
 const meterName = "github.com/custody-go/custody/adapters/rabbitmq"
 
 // publishBounds are the bucket boundaries, in seconds, of
-// custody.rabbitmq.publish.duration. The SDK's default boundaries are meant
-// for milliseconds: in seconds they would put every publish shorter than
-// five seconds into one bucket.
+// custody.rabbitmq.publish.duration: the SDK's defaults, meant for
+// milliseconds, would put every publish under five seconds in one bucket.
 var publishBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30}
 
 // Kinds of copies the adapter publishes, the value of attribute
@@ -25,28 +24,8 @@ const (
 	copyReplay     = "replay"      // a dead letter's copy, replayed to its queue
 )
 
-// telemetry holds the instruments of a Source or of a DeadLetter sink:
-//
-//	custody.rabbitmq.acked            counter, {message}: deliveries acked on the wire
-//	custody.rabbitmq.ack.frames       counter, {frame}: basic.ack frames written, by attribute
-//	                                  rabbitmq.multiple (one frame acking several deliveries)
-//	custody.rabbitmq.acks.dropped     counter, {message}: acks not written because their channel had
-//	                                  died or was closing; the broker delivers those messages again
-//	custody.rabbitmq.rejects          counter, {frame}: basic.nack frames (one delivery each), by
-//	                                  attribute rabbitmq.requeue (false: a native dead letter)
-//	custody.rabbitmq.deliveries.lost  counter, {message}: deliveries lost with their channel, or to Close
-//	custody.rabbitmq.reconnects       counter, {connection}: channels replaced after one died
-//	custody.rabbitmq.publishes        counter, {message}: copies published with confirms, by
-//	                                  attributes custody.rabbitmq.copy (delay_queue, queue,
-//	                                  dead_letter, replay) and error (not confirmed, refused or
-//	                                  not sent)
-//	custody.rabbitmq.publish.duration histogram, seconds: one copy's publish until its confirm, by
-//	                                  the same attributes
-//
-// A Source's measurements carry messaging.destination.name, its queue; a
-// sink's carry messaging.destination.name, its exchange, and
-// messaging.rabbitmq.destination.routing_key, its routing key; a replay's
-// carry messaging.destination.name, its dead-letter queue. A sink and a
+// telemetry holds the instruments of a Source, a DeadLetter sink or a
+// Replay (see the package documentation, section Telemetry); a sink and a
 // replay report publishes only.
 type telemetry struct {
 	acked, frames, dropped, rejects, lost, reconnects, publishes metric.Int64Counter
@@ -60,14 +39,9 @@ type telemetry struct {
 	pubOK, pubErr    map[string]metric.MeasurementOption // by kind of copy
 }
 
-// sourceTelemetry returns the instruments of the Source for queue.
-func sourceTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
-	return newTelemetry(mp, attribute.String("messaging.destination.name", queue))
-}
-
-// replayTelemetry returns the instruments of the replay of dead-letter
-// queue queue.
-func replayTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
+// queueTelemetry returns the instruments of the Source for queue, or of
+// the Replay of dead-letter queue queue.
+func queueTelemetry(mp metric.MeterProvider, queue string) (*telemetry, error) {
 	return newTelemetry(mp, attribute.String("messaging.destination.name", queue))
 }
 
