@@ -126,37 +126,20 @@ func (g *batchGuard) HandleBatch(ctx context.Context, b *consumer.Batch) error {
 	)
 	answered := false
 	for j, r := range results {
-		i := claimOf[j]
-		e := &es[i]
+		e := &es[claimOf[j]]
 		e.state = r.State
-		switch {
-		case r.Err == nil && r.State == Acquired && !now.Before(sent[j].Add(g.cfg.lease)):
-			// The reply came after the claim's lease ran out: see Handle.
-			late = append(late, HeldClaim{Key: e.key, Token: r.Token})
-			e.err = g.unavailable(ctx, e.key, fmt.Errorf("the store's reply came after the claim's lease (%v) had run out: %w", g.cfg.lease, ErrClaimLost))
-		case errors.Is(r.Err, ErrFingerprintMismatch):
-			g.m.Mismatches.Add(ctx, 1, g.m.Plain)
-			e.err = consumer.Permanent(r.Err)
-		case errors.Is(r.Err, ErrUnstorableKey):
-			e.err = consumer.Permanent(r.Err)
-		case r.Err != nil:
-			e.err = g.unavailable(ctx, e.key, r.Err)
-		case r.State == Completed:
-			answered = true
-			g.m.Duplicates.Add(ctx, 1, g.m.Sequential)
-		case r.State == InProgressElsewhere:
-			answered = true
-			g.m.Duplicates.Add(ctx, 1, g.m.Overlapping)
-			e.err = consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, e.key), g.cfg.overlapDelay)
-		case r.State == Acquired:
-			answered = true
+		keep, ok, err := g.judge(ctx, e.key, r, sent[j], now)
+		answered = answered || ok
+		if keep {
 			kept = append(kept, keptClaim{HeldClaim: HeldClaim{Key: e.key, Token: r.Token}, expires: sent[j].Add(g.cfg.lease)})
-			keptOf = append(keptOf, i)
+			keptOf = append(keptOf, claimOf[j])
 			continue
-		default:
-			e.err = g.unavailable(ctx, e.key, fmt.Errorf("the store answered an invalid state %d (a bug in the Store implementation)", r.State))
 		}
-		b.Fail(e.m, e.err)
+		if r.Err == nil && r.State == Acquired { // answered too late
+			late = append(late, HeldClaim{Key: e.key, Token: r.Token})
+		}
+		e.err = err
+		b.Fail(e.m, err)
 	}
 	if answered {
 		g.down.answered(ctx)
@@ -289,8 +272,8 @@ func (c *core) claimAll(ctx context.Context, claims []ClaimRequest) ([]ClaimResu
 	res := make([]ClaimResult, len(claims))
 	for i, cl := range claims {
 		sent[i] = time.Now()
-		r := &res[i]
-		r.State, r.Token, r.Err = c.claim(ctx, cl.Key, cl.Fingerprint)
+		r := c.claim(ctx, cl.Key, cl.Fingerprint)
+		res[i] = r
 		if r.Err == nil || errors.Is(r.Err, ErrFingerprintMismatch) || errors.Is(r.Err, ErrUnstorableKey) {
 			continue
 		}

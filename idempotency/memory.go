@@ -85,38 +85,35 @@ func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease 
 
 // Complete implements Store.
 func (s *MemoryStore) Complete(ctx context.Context, key string, token Token, retention time.Duration) error {
-	if err := checkDuration("retention", retention); err != nil {
-		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.complete(s.now(), key, token, retention)
+	return s.one(ctx, checkDuration("retention", retention), func(now time.Time) error {
+		return s.complete(now, key, token, retention)
+	})
 }
 
 // Release implements Store.
 func (s *MemoryStore) Release(ctx context.Context, key string, token Token) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.release(s.now(), key, token)
+	return s.one(ctx, nil, func(now time.Time) error { return s.release(now, key, token) })
 }
 
 // Extend implements Store.
 func (s *MemoryStore) Extend(ctx context.Context, key string, token Token, lease time.Duration) error {
-	if err := checkDuration("lease", lease); err != nil {
-		return err
+	return s.one(ctx, checkDuration("lease", lease), func(now time.Time) error {
+		return s.extend(now, key, token, lease)
+	})
+}
+
+// one runs f under the lock, unless err (an invalid argument) or ctx's
+// error fails it.
+func (s *MemoryStore) one(ctx context.Context, err error, f func(time.Time) error) error {
+	if err == nil {
+		err = ctx.Err()
 	}
-	if err := ctx.Err(); err != nil {
+	if err != nil {
 		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.extend(s.now(), key, token, lease)
+	return f(s.now())
 }
 
 // ClaimBatch implements BatchStore.

@@ -189,14 +189,7 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 	if err != nil {
 		return h.ownFailures(ctx, n, fmt.Errorf("pgtx: begin transaction for a batch of %d keys: %w", n, err))
 	}
-	committed := false
-	defer func() {
-		if !committed { // also on a panic in fn
-			rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			_ = tx.Rollback(rctx)
-			done()
-		}
-	}()
+	defer rollback(ctx, tx)
 
 	keys := make([]string, n)
 	fps := make([]string, n)
@@ -247,14 +240,8 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 		msgs[j] = es[i].m
 	}
 	sub := consumer.BatchOf(msgs)
-	if err := h.fn(ctx, tx, sub); err != nil {
-		if ctx.Err() == nil && !isConflict(err) && !consumer.IsPermanent(err) && connectionLost(tx, err) {
-			return consumer.Unavailable(fmt.Errorf("pgtx: a batch of %d keys: the connection to the database was lost while the function ran: %w", len(fresh), err))
-		}
-		return err
-	}
-	if aborted(tx) {
-		return errAbortedTx
+	if err := h.fn(ctx, tx, sub); err != nil || aborted(tx) {
+		return funcError(ctx, tx, err, fmt.Sprintf("a batch of %d keys", len(fresh)))
 	}
 	var failed []string
 	for j, i := range fresh {
@@ -273,17 +260,7 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 		// retries find the keys and are skipped.
 		return ownStatementError(ctx, fmt.Errorf("pgtx: commit a batch of %d keys: %w", len(fresh), err))
 	}
-	committed = true
 	return nil
-}
-
-// ownStatementError marks err, from a statement of the handler's own after
-// the function ran, consumer.Unavailable when the database failed.
-func ownStatementError(ctx context.Context, err error) error {
-	if ctx.Err() == nil && !isConflict(err) && ownStatementFailed(err) {
-		return consumer.Unavailable(err)
-	}
-	return err
 }
 
 // checkFingerprints marks the entries recorded, whose keys were committed
@@ -334,11 +311,9 @@ func (h *BatchHandler) outcome(ctx context.Context, e *batchEntry, txErr error) 
 		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
 		return nil
 	case stateOverlapping:
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, e.key), h.cfg.overlapDelay)
+		return h.overlapping(ctx, e.key)
 	case stateMismatch:
-		h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-		return consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, e.key))
+		return h.mismatch(ctx, e.key, "")
 	case stateNew:
 		if txErr != nil {
 			return txErr
@@ -353,21 +328,15 @@ func (h *BatchHandler) recordDuplicate(ctx context.Context, b *consumer.Batch, e
 	var err error
 	switch {
 	case e.fp != "" && p.fp != "" && e.fp != p.fp:
-		h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-		err = consumer.Permanent(fmt.Errorf("%w (key %q, twice in one batch)", idempotency.ErrFingerprintMismatch, e.key))
-	case p.state == stateNew && (txErr != nil || p.result != nil):
-		// The first one's effect did not commit: its retry or this one
-		// runs it; this one waits.
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		err = consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, e.key), h.cfg.overlapDelay)
+		err = h.mismatch(ctx, e.key, ", twice in one batch")
+	case p.state == stateOverlapping, p.state == stateNew && (txErr != nil || p.result != nil):
+		// Another transaction holds the key, or the first one's effect did
+		// not commit (its retry or this one runs it): this one waits.
+		err = h.overlapping(ctx, e.key)
 	case p.state == stateNew || p.state == stateCommitted:
 		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
-	case p.state == stateOverlapping:
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		err = consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, e.key), h.cfg.overlapDelay)
 	case p.state == stateMismatch:
-		h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-		err = consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, e.key))
+		err = h.mismatch(ctx, e.key, "")
 	default: // stateUnknown
 		err = txErr
 	}

@@ -1,10 +1,14 @@
 package pgtx
 
 import (
+	"context"
 	"errors"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/custody-go/custody/consumer"
 )
 
 // Telling the database's failures from the message's. An error the runtime
@@ -55,6 +59,30 @@ func connectionLost(tx pgx.Tx, err error) bool {
 		}
 	}
 	return false
+}
+
+// funcError is the error of a transaction (for what: "key ...", "a batch
+// of n keys") whose function returned err, or nil over an aborted
+// transaction (errAbortedTx). Conflicts, Permanent errors and the
+// delivery's own end go to the runtime unchanged; see connectionLost for
+// the others.
+func funcError(ctx context.Context, tx pgx.Tx, err error, what string) error {
+	if err == nil {
+		return errAbortedTx
+	}
+	if ctx.Err() == nil && !isConflict(err) && !consumer.IsPermanent(err) && connectionLost(tx, err) {
+		return consumer.Unavailable(fmt.Errorf("pgtx: %s: the connection to the database was lost while the function ran: %w", what, err))
+	}
+	return err
+}
+
+// ownStatementError marks err, from a statement of the handler's own after
+// the function ran, consumer.Unavailable when the database failed.
+func ownStatementError(ctx context.Context, err error) error {
+	if ctx.Err() == nil && !isConflict(err) && ownStatementFailed(err) {
+		return consumer.Unavailable(err)
+	}
+	return err
 }
 
 // errAbortedTx is the error of a function that returned nil with its

@@ -343,22 +343,14 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 		// BEGIN is where an unreachable database shows first.
 		return h.ownFailure(ctx, fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err))
 	}
-	committed := false
-	defer func() {
-		if !committed { // also on a panic in fn
-			rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			_ = tx.Rollback(rctx)
-			done()
-		}
-	}()
+	defer rollback(ctx, tx)
 
 	var held, inserted, done bool
 	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.table.Quoted).Scan(&held, &inserted, &done); err != nil {
 		return h.ownFailure(ctx, fmt.Errorf("pgtx: record key %q: %w", key, err))
 	}
 	if !held && !done {
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
+		return h.overlapping(ctx, key)
 	}
 	if !inserted {
 		if fp != "" {
@@ -367,34 +359,31 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 				return h.ownFailure(ctx, fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err))
 			}
 			if old != "" && old != fp {
-				h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-				return consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key))
+				return h.mismatch(ctx, key, "")
 			}
 		}
 		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
 		return nil
 	}
 
-	if err := h.fn(ctx, tx, m); err != nil {
-		if ctx.Err() == nil && !isConflict(err) && !consumer.IsPermanent(err) && connectionLost(tx, err) {
-			return consumer.Unavailable(fmt.Errorf("pgtx: key %q: the connection to the database was lost while the function ran: %w", key, err))
-		}
-		return err
-	}
-	if aborted(tx) {
-		return errAbortedTx
+	if err := h.fn(ctx, tx, m); err != nil || aborted(tx) {
+		return funcError(ctx, tx, err, fmt.Sprintf("key %q", key))
 	}
 	if err := tx.Commit(ctx); err != nil {
 		// If the commit did happen and only its reply was lost, the
 		// retry finds the key and is skipped.
-		err = fmt.Errorf("pgtx: commit key %q: %w", key, err)
-		if ctx.Err() == nil && !isConflict(err) && ownStatementFailed(err) {
-			return consumer.Unavailable(err)
-		}
-		return err
+		return ownStatementError(ctx, fmt.Errorf("pgtx: commit key %q: %w", key, err))
 	}
-	committed = true
 	return nil
+}
+
+// rollback ends tx unless it committed (a no-op then), on a context of its
+// own: the delivery's may be done. Deferred, it also runs on a panic in the
+// function.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer done()
+	_ = tx.Rollback(rctx)
 }
 
 // ownFailure is what a failed BEGIN, claim or fingerprint read returns: the
@@ -474,4 +463,18 @@ func (h *base) cleanup(ctx context.Context, retention time.Duration, batch int) 
 			return total, nil
 		}
 	}
+}
+
+// overlapping counts an overlapping duplicate of key and returns its
+// outcome.
+func (h *base) overlapping(ctx context.Context, key string) error {
+	h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
+	return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
+}
+
+// mismatch counts a fingerprint mismatch of key and returns its outcome;
+// more is added to the key in the error.
+func (h *base) mismatch(ctx context.Context, key, more string) error {
+	h.m.Mismatches.Add(ctx, 1, h.m.Plain)
+	return consumer.Permanent(fmt.Errorf("%w (key %q%s)", idempotency.ErrFingerprintMismatch, key, more))
 }
