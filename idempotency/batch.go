@@ -11,32 +11,7 @@ import (
 
 // NewBatch returns middleware for batch handlers (consumer.NewBatch) that
 // does for each message of a batch what New does for one, with the same
-// options: it claims the keys of the batch (in one store call where the
-// store is a [BatchStore]), passes the messages whose key it acquired to the
-// next handler as a batch of their own, keeps their claims alive while it
-// runs, and then completes the keys of the messages it marked done and
-// releases the others. Each message's outcome is recorded on the batch:
-//
-//   - a completed key: done (a sequential duplicate, skipped);
-//   - a key in progress elsewhere: failed with consumer.Defer wrapping
-//     [ErrInProgressElsewhere] (an overlapping duplicate);
-//   - no key, a fingerprint mismatch, a key the store cannot hold:
-//     failed with consumer.Permanent, as with New;
-//   - a store that cannot claim the key: failed with consumer.Unavailable;
-//   - an acquired key: the outcome the next handler recorded, or none
-//     (consumer.ErrNoOutcome then applies, and the key is released).
-//
-// A later message of the batch with a key an earlier one has is a
-// duplicate of it: done once the earlier one is done, deferred as an
-// overlapping duplicate when it is not, and refused as a fingerprint
-// mismatch when their fingerprints differ. It is never passed on.
-//
-// When the next handler returns an error (or panics), every claim is
-// released and the error stands for the whole batch. When a claim is lost
-// while it runs, the handler's context is cancelled with [ErrClaimLost] as
-// its cause, and the errors it then returns (the whole batch's or a
-// message's) are marked consumer.Unavailable unless they are
-// consumer.Permanent.
+// options: see the package documentation, section Batches.
 func NewBatch(store Store, opts ...Option) (consumer.BatchMiddleware, error) {
 	c, err := newCore("NewBatch", store, opts)
 	if err != nil {

@@ -135,10 +135,9 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	return nil
 }
 
-// unavailable is Handle's answer when the store stopped the handler from
-// running: the message is not at fault, so it waits, using up no attempt,
-// and is never dead-lettered for it (consumer.Unavailable). The failure is
-// counted, and reported without a log line per message.
+// unavailable is the outcome of a message whose claim the store failed:
+// consumer.Unavailable, counted, and reported without a log line per
+// message.
 func (c *core) unavailable(ctx context.Context, key string, err error) error {
 	if ctx.Err() == nil { // a delivery that ended meanwhile is not the store's fault
 		c.m.StoreErrors.Add(ctx, 1, c.m.OpClaim)
@@ -197,18 +196,13 @@ func (c *core) overlapping(ctx context.Context, key string) error {
 	return consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), c.cfg.overlapDelay)
 }
 
-// complete records the effect. A failure here does not fail the message:
-// the effect happened, and retrying the message would run it again. Acking
-// is the better bet; the claim expires and a later duplicate (if any) runs
-// the effect again, which the logs and MetricClaimsLost report (once: not
-// again when the keeper already counted the loss, counted, and the handler
-// finished regardless).
-//
-// A failed Complete is tried again (completeTries in all, within the store
-// timeout) before that: one dropped connection would otherwise leave the key
-// in progress, and a duplicate delivered after the claim ran out would run
-// the effect again. A repeated Complete is harmless (see Store), so a first
-// try that took effect but lost its reply does no harm.
+// complete records the effect. A failure does not fail the message: the
+// effect happened, and retrying the message would run it again; a later
+// duplicate, if any, runs it again instead, which the log and
+// MetricClaimsLost report (counted reports the keeper already counted the
+// loss). A failed Complete is first tried again (completeTries in all,
+// within the store timeout), so that one dropped connection does not leave
+// the key in progress; a repeated Complete is harmless (see Store).
 func (c *core) complete(ctx context.Context, key string, tok Token, counted bool) {
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
@@ -254,9 +248,8 @@ func pause(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// release lets a retry claim the key at once. On failure the claim simply
-// runs out after its lease, and retries meanwhile are overlapping
-// duplicates.
+// release lets a retry claim the key at once. On failure the claim runs out
+// after its lease, and retries meanwhile are overlapping duplicates.
 func (c *core) release(ctx context.Context, key string, tok Token) {
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
