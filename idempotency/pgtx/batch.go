@@ -45,23 +45,9 @@ var _ consumer.BatchHandler = (*BatchHandler)(nil)
 // NewBatch returns a BatchHandler that runs fn for each batch (see
 // consumer.NewBatch) inside one transaction on db, with New's options and
 // processed-keys table: a Handler and a BatchHandler given the same table
-// deduplicate each other's messages.
-//
-// Each batch is one transaction: one statement records the keys of all its
-// messages and tells which are new; the others are duplicates, done at once
-// (sequential: the key is committed) or deferred (overlapping: another
-// transaction holds it). fn runs with the new messages; then the keys of
-// the messages it failed are taken out, and the transaction commits. A
-// message without a key, or with one PostgreSQL cannot store, fails with a
-// permanent error and no transaction; a message whose key an earlier
-// message of the batch has is done when that one is, and deferred when it
-// is not. A failure of the database around fn marks the messages it
-// failed consumer.Unavailable, as in Handle, and a serialization failure
-// or a deadlock runs the whole transaction again.
-//
-// The transaction holds an advisory lock per key until it ends: a batch of
-// n keys takes n slots of PostgreSQL's lock table, which has room for
-// max_locks_per_transaction × max_connections (6,400 by default) at once.
+// deduplicate each other's messages. See the package documentation,
+// section Batches, for what happens to each message, and for the lock
+// table a batch's keys take.
 func NewBatch(db DB, fn BatchFunc, opts ...Option) (*BatchHandler, error) {
 	if fn == nil {
 		return nil, errors.New("pgtx: NewBatch(nil func): pass the function that performs the batch's effects")

@@ -11,23 +11,17 @@ import (
 	"github.com/custody-go/custody/consumer"
 )
 
-// Telling the database's failures from the message's. An error the runtime
-// gets marked consumer.Unavailable waits for the database without using up
-// the message's attempts; any other error uses one up, and enough of them
-// dead-letter the message. So an outage (no connection, a connection lost,
-// a server shutting down or out of resources) must be told apart from what
-// a message can cause (the function's own errors, its data refused by a
-// constraint), which goes to the runtime unchanged.
+// Telling the database's failures (marked consumer.Unavailable: the message
+// waits, using up no attempt) from the message's (unchanged: an attempt is
+// used up); see the package documentation, section When the database fails.
 
 // ownStatementFailed reports whether err, from a statement of the handler's
 // own (BEGIN, the key's claim, the fingerprint read, COMMIT), is a failure
 // of the database rather than of the data. Those statements are fixed and
 // their key already checked, so any failure but a SQL error about the data
-// is the database's: no connection (the pool closed, refused, timed out),
-// a connection lost, the server shutting down, out of resources, missing
-// the table, or refusing the role. Errors about the data (SQLSTATE classes
-// 22 and 23, such as a deferred constraint at COMMIT) stay the message's.
-// Conflicts and the delivery's own context are handled before this.
+// (SQLSTATE classes 22 and 23, such as a deferred constraint at COMMIT) is
+// the database's. Conflicts and the delivery's own context are handled
+// before this.
 func ownStatementFailed(err error) bool {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
@@ -88,7 +82,7 @@ func ownStatementError(ctx context.Context, err error) error {
 // errAbortedTx is the error of a function that returned nil with its
 // transaction aborted by a statement that failed: nothing it did can
 // commit. It is the function's failure, not the database's: marked
-// unavailable, as the COMMIT's rollback would be, the message would wait
+// unavailable (as the COMMIT's rollback would be), the message would wait
 // for ever.
 var errAbortedTx = errors.New("pgtx: the function returned nil, but a statement of its transaction had failed, which aborts the transaction; return that error, or run statements that may fail in a savepoint (tx.Begin) and roll it back")
 

@@ -145,18 +145,14 @@ func WithTxOptions(o pgx.TxOptions) Option {
 }
 
 // WithConflictRetries sets how many times a transaction that PostgreSQL
-// aborted with a serialization failure (SQLSTATE 40001, which REPEATABLE
-// READ and SERIALIZABLE raise when transactions overlap) or a deadlock
-// (40P01) is run again, key claim and function both, in a new transaction,
-// after a short randomized pause, before Handle returns the error. Such an
-// abort says nothing about the message: returned at once, it would use up
-// one of the runtime's attempts and wait its backoff, and under contention
-// could send a good message to the dead-letter destination. Once the retries
-// are spent, the error goes to the runtime as any other, so a conflict that
-// never clears ends where a failing handler does. The function must
-// therefore be safe to run again, which it is if every change it makes goes
-// through tx. An error marked consumer.Permanent is never run again.
-// Default 3; 0 turns this off; at most 100.
+// aborted with a serialization failure (SQLSTATE 40001) or a deadlock
+// (40P01) is run again, key claim and function both, before Handle returns
+// the error (see the package documentation, section Conflicts). Returned
+// at once, such an abort would use up one of the runtime's attempts and,
+// under contention, could dead-letter a good message. The function must be
+// safe to run again, which it is if every change it makes goes through tx.
+// An error marked consumer.Permanent is never run again. Default 3; 0 turns
+// this off; at most 100.
 func WithConflictRetries(n int) Option {
 	return func(c *config) error {
 		if n < 0 || n > maxConflictRetries {
