@@ -59,14 +59,11 @@ func (g *batchGuard) HandleBatch(ctx context.Context, b *consumer.Batch) error {
 	for i, m := range b.Messages {
 		e := &es[i]
 		e.m, e.first = m, i
-		if e.key = g.cfg.keyFunc(m); e.key == "" {
+		var err error
+		if e.key, e.fp, err = g.keyOf(ctx, m); err != nil {
 			e.first = -1
-			g.m.MissingKeys.Add(ctx, 1, g.m.Plain)
-			b.Fail(m, consumer.Permanent(ErrNoKey))
+			b.Fail(m, err)
 			continue
-		}
-		if g.cfg.fingerprint != nil {
-			e.fp = g.cfg.fingerprint(m)
 		}
 		if j, ok := firsts[e.key]; ok {
 			e.first = j

@@ -73,16 +73,10 @@ type guard struct {
 }
 
 func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
-	key := g.cfg.keyFunc(msg)
-	if key == "" {
-		g.m.MissingKeys.Add(ctx, 1, g.m.Plain)
-		return consumer.Permanent(ErrNoKey)
+	key, fp, err := g.keyOf(ctx, msg)
+	if err != nil {
+		return err
 	}
-	var fp string
-	if g.cfg.fingerprint != nil {
-		fp = g.cfg.fingerprint(msg)
-	}
-
 	claimed := time.Now()
 	r := g.claim(ctx, key, fp)
 	acquired := r.Err == nil && r.State == Acquired
@@ -133,6 +127,19 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	}
 	g.complete(ctx, key, tok, k.lostCounted())
 	return nil
+}
+
+// keyOf reads m's key and fingerprint, or fails m, permanently, when it has
+// no key.
+func (c *core) keyOf(ctx context.Context, m *consumer.Message) (key, fp string, err error) {
+	if key = c.cfg.keyFunc(m); key == "" {
+		c.m.MissingKeys.Add(ctx, 1, c.m.Plain)
+		return "", "", consumer.Permanent(ErrNoKey)
+	}
+	if c.cfg.fingerprint != nil {
+		fp = c.cfg.fingerprint(m)
+	}
+	return key, fp, nil
 }
 
 // unavailable is the outcome of a message whose claim the store failed:

@@ -4,13 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/idempotency"
-	"github.com/custody-go/custody/idempotency/internal/pgsql"
 )
 
 // BatchFunc performs the effects of a batch's messages through tx: one
@@ -57,19 +54,6 @@ func NewBatch(db DB, fn BatchFunc, opts ...Option) (*BatchHandler, error) {
 		return nil, err
 	}
 	return &BatchHandler{base: *b, fn: fn}, nil
-}
-
-// DDL returns the statements CreateSchema runs, for a migration tool.
-func (h *BatchHandler) DDL() []string { return h.ddl() }
-
-// CreateSchema creates the processed-keys table and its index if they do not
-// exist.
-func (h *BatchHandler) CreateSchema(ctx context.Context) error { return h.createSchema(ctx) }
-
-// Cleanup deletes keys processed more than retention ago, as
-// Handler.Cleanup does.
-func (h *BatchHandler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
-	return h.cleanup(ctx, retention, batch)
 }
 
 func (h *base) prepareBatchSQL() {
@@ -129,16 +113,9 @@ func (h *BatchHandler) HandleBatch(ctx context.Context, b *consumer.Batch) error
 	for i, m := range b.Messages {
 		e := &es[i]
 		e.m, e.first = m, -1
-		if e.key = h.cfg.keyFunc(m); e.key == "" {
-			h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
-			b.Fail(m, consumer.Permanent(idempotency.ErrNoKey))
-			continue
-		}
-		if h.cfg.fingerprint != nil {
-			e.fp = h.cfg.fingerprint(m)
-		}
-		if err := pgsql.CheckText(e.key, e.fp); err != nil {
-			b.Fail(m, consumer.Permanent(fmt.Errorf("pgtx: %w", err)))
+		var err error
+		if e.key, e.fp, err = h.keyOf(ctx, m); err != nil {
+			b.Fail(m, err)
 			continue
 		}
 		if j, ok := firsts[e.key]; ok {

@@ -288,17 +288,9 @@ WHERE key IN (
 
 // Handle implements consumer.Handler.
 func (h *Handler) Handle(ctx context.Context, m *consumer.Message) error {
-	key := h.cfg.keyFunc(m)
-	if key == "" {
-		h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
-		return consumer.Permanent(idempotency.ErrNoKey)
-	}
-	var fp string
-	if h.cfg.fingerprint != nil {
-		fp = h.cfg.fingerprint(m)
-	}
-	if err := pgsql.CheckText(key, fp); err != nil {
-		return consumer.Permanent(fmt.Errorf("pgtx: %w", err))
+	key, fp, err := h.keyOf(ctx, m)
+	if err != nil {
+		return err
 	}
 	for run := 1; ; run++ {
 		err := h.handleOnce(ctx, m, key, fp)
@@ -306,6 +298,22 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) error {
 			return err
 		}
 	}
+}
+
+// keyOf reads m's key and fingerprint, or fails m, permanently, when it has
+// no key PostgreSQL can store.
+func (h *base) keyOf(ctx context.Context, m *consumer.Message) (key, fp string, err error) {
+	if key = h.cfg.keyFunc(m); key == "" {
+		h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
+		return "", "", consumer.Permanent(idempotency.ErrNoKey)
+	}
+	if h.cfg.fingerprint != nil {
+		fp = h.cfg.fingerprint(m)
+	}
+	if err := pgsql.CheckText(key, fp); err != nil {
+		return "", "", consumer.Permanent(fmt.Errorf("pgtx: %w", err))
+	}
+	return key, fp, nil
 }
 
 // runAgain reports whether a transaction that failed with err on its run
@@ -337,13 +345,13 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
 	if err != nil {
 		// BEGIN is where an unreachable database shows first.
-		return h.ownFailure(ctx, fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err))
+		return h.ownFailures(ctx, 1, fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err))
 	}
 	defer rollback(ctx, tx)
 
 	var held, inserted, done bool
 	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.table.Quoted).Scan(&held, &inserted, &done); err != nil {
-		return h.ownFailure(ctx, fmt.Errorf("pgtx: record key %q: %w", key, err))
+		return h.ownFailures(ctx, 1, fmt.Errorf("pgtx: record key %q: %w", key, err))
 	}
 	if !held && !done {
 		return h.overlapping(ctx, key)
@@ -352,7 +360,7 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 		if fp != "" {
 			var old string
 			if err := tx.QueryRow(ctx, h.fingerprintSQL, key).Scan(&old); err != nil {
-				return h.ownFailure(ctx, fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err))
+				return h.ownFailures(ctx, 1, fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err))
 			}
 			if old != "" && old != fp {
 				return h.mismatch(ctx, key, "")
@@ -382,18 +390,12 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(rctx)
 }
 
-// ownFailure is what a failed BEGIN, claim or fingerprint read returns: the
-// error marked consumer.Unavailable when the database failed (see
-// ownStatementFailed), and counted as a store error with op "claim", as the
-// middleware counts a failed Claim. A conflict is left to Handle to run
-// again, and a delivery whose own context ended is none of the database's
-// doing: neither is counted or marked.
-func (h *base) ownFailure(ctx context.Context, err error) error {
-	return h.ownFailures(ctx, 1, err)
-}
-
-// ownFailures is ownFailure for a transaction of n keys: the store error
-// is counted for each, as n failed claims.
+// ownFailures is what a failed BEGIN, claim or fingerprint read of a
+// transaction of n keys returns: the error marked consumer.Unavailable when
+// the database failed (see ownStatementFailed), and counted as n store
+// errors with op "claim", as the middleware counts failed Claims. A
+// conflict is left to be run again, and a delivery whose own context ended
+// is none of the database's doing: neither is counted or marked.
 func (h *base) ownFailures(ctx context.Context, n int, err error) error {
 	if ctx.Err() != nil || isConflict(err) {
 		return err
@@ -406,21 +408,7 @@ func (h *base) ownFailures(ctx context.Context, n int, err error) error {
 }
 
 // DDL returns the statements CreateSchema runs, for a migration tool.
-func (h *Handler) DDL() []string { return h.ddl() }
-
-// CreateSchema creates the processed-keys table and its index if they do not
-// exist.
-func (h *Handler) CreateSchema(ctx context.Context) error { return h.createSchema(ctx) }
-
-// Cleanup deletes keys processed more than retention ago, batch rows per
-// statement, and returns how many it deleted. A message redelivered after
-// its key was deleted is processed again: keep retention longer than the
-// broker can redeliver.
-func (h *Handler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
-	return h.cleanup(ctx, retention, batch)
-}
-
-func (h *base) ddl() []string {
+func (h *base) DDL() []string {
 	t := h.cfg.table
 	return []string{
 		`CREATE TABLE IF NOT EXISTS ` + t.Quoted + ` (
@@ -432,8 +420,10 @@ func (h *base) ddl() []string {
 	}
 }
 
-func (h *base) createSchema(ctx context.Context) error {
-	for _, q := range h.ddl() {
+// CreateSchema creates the processed-keys table and its index if they do not
+// exist.
+func (h *base) CreateSchema(ctx context.Context) error {
+	for _, q := range h.DDL() {
 		if _, err := h.db.Exec(ctx, q); err != nil {
 			return fmt.Errorf("pgtx: create schema: %w", err)
 		}
@@ -441,7 +431,11 @@ func (h *base) createSchema(ctx context.Context) error {
 	return nil
 }
 
-func (h *base) cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
+// Cleanup deletes keys processed more than retention ago, batch rows per
+// statement, and returns how many it deleted. A message redelivered after
+// its key was deleted is processed again: keep retention longer than the
+// broker can redeliver.
+func (h *base) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if retention <= 0 {
 		return 0, fmt.Errorf("pgtx: Cleanup retention %v: must be positive", retention)
 	}
