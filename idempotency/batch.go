@@ -239,7 +239,7 @@ func (c *core) claimAll(ctx context.Context, claims []ClaimRequest) ([]ClaimResu
 		for i := range sent {
 			sent[i] = now
 		}
-		return checkedResults(bs.ClaimBatch(cctx, claims, c.cfg.lease), len(claims)), sent
+		return checked(bs.ClaimBatch(cctx, claims, c.cfg.lease), len(claims), "ClaimBatch", func(err error) ClaimResult { return ClaimResult{Err: err} }), sent
 	}
 	res := make([]ClaimResult, len(claims))
 	for i, cl := range claims {
@@ -258,18 +258,4 @@ func (c *core) claimAll(ctx context.Context, claims []ClaimRequest) ([]ClaimResu
 		break
 	}
 	return res, sent
-}
-
-// checkedResults returns res if it has n entries; otherwise (a bug in the
-// store) n failed results saying so.
-func checkedResults(res []ClaimResult, n int) []ClaimResult {
-	if len(res) == n {
-		return res
-	}
-	err := fmt.Errorf("the store's ClaimBatch returned %d results for %d claims (a bug in the BatchStore implementation)", len(res), n)
-	res = make([]ClaimResult, n)
-	for i := range res {
-		res[i].Err = err
-	}
-	return res
 }

@@ -102,7 +102,7 @@ func (c *core) releaseMany(ctx context.Context, held []HeldClaim) []error {
 // one for each claim where it does not, or held has only one.
 func (c *core) callStore(held []HeldClaim, method string, batch func(BatchStore) []error, one func(HeldClaim) error) []error {
 	if bs, ok := c.store.(BatchStore); ok && len(held) > 1 {
-		return checkedErrors(batch(bs), len(held), method)
+		return checked(batch(bs), len(held), method, func(err error) error { return err })
 	}
 	errs := make([]error, len(held))
 	for i, h := range held {

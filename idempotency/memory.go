@@ -71,16 +71,12 @@ func NewMemoryStore(opts ...MemoryOption) (*MemoryStore, error) {
 }
 
 // Claim implements Store.
-func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease time.Duration) (State, Token, error) {
-	if err := checkDuration("lease", lease); err != nil {
-		return 0, "", err
-	}
-	if err := ctx.Err(); err != nil {
-		return 0, "", err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.claim(s.now(), key, fingerprint, lease)
+func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease time.Duration) (st State, tok Token, err error) {
+	err = s.one(ctx, checkDuration("lease", lease), func(now time.Time) error {
+		st, tok, err = s.claim(now, key, fingerprint, lease)
+		return err
+	})
+	return st, tok, err
 }
 
 // Complete implements Store.
@@ -119,21 +115,16 @@ func (s *MemoryStore) one(ctx context.Context, err error, f func(time.Time) erro
 // ClaimBatch implements BatchStore.
 func (s *MemoryStore) ClaimBatch(ctx context.Context, claims []ClaimRequest, lease time.Duration) []ClaimResult {
 	res := make([]ClaimResult, len(claims))
-	err := checkDuration("lease", lease)
-	if err == nil {
-		err = ctx.Err()
-	}
+	err := s.one(ctx, checkDuration("lease", lease), func(now time.Time) error {
+		for i, c := range claims {
+			res[i].State, res[i].Token, res[i].Err = s.claim(now, c.Key, c.Fingerprint, lease)
+		}
+		return nil
+	})
 	if err != nil {
 		for i := range res {
 			res[i].Err = err
 		}
-		return res
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.now()
-	for i, c := range claims {
-		res[i].State, res[i].Token, res[i].Err = s.claim(now, c.Key, c.Fingerprint, lease)
 	}
 	return res
 }
@@ -163,20 +154,16 @@ func (s *MemoryStore) ExtendBatch(ctx context.Context, held []HeldClaim, lease t
 // invalid argument) or ctx's error fails them all.
 func (s *MemoryStore) each(ctx context.Context, held []HeldClaim, err error, f func(time.Time, HeldClaim) error) []error {
 	errs := make([]error, len(held))
-	if err == nil {
-		err = ctx.Err()
-	}
+	err = s.one(ctx, err, func(now time.Time) error {
+		for i, h := range held {
+			errs[i] = f(now, h)
+		}
+		return nil
+	})
 	if err != nil {
 		for i := range errs {
 			errs[i] = err
 		}
-		return errs
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.now()
-	for i, h := range held {
-		errs[i] = f(now, h)
 	}
 	return errs
 }
