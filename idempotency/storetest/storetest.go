@@ -384,18 +384,12 @@ func testIndependent(t *testing.T, s idempotency.Store) {
 // BenchmarkClaimComplete measures one Claim and one Complete of a fresh key,
 // the work the middleware adds to every first delivery.
 func BenchmarkClaimComplete(b *testing.B, s idempotency.Store) {
-	ctx := context.Background()
 	prefix := Key(b)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := range b.N {
-		key := prefix + "/" + fmt.Sprint(i)
-		st, tok, err := s.Claim(ctx, key, "", time.Minute)
-		if err != nil || st != idempotency.Acquired {
-			b.Fatalf("Claim = %v, %v", st, err)
-		}
-		if err := s.Complete(ctx, key, tok, time.Minute); err != nil {
-			b.Fatalf("Complete: %v", err)
+		if !claimComplete(b, s, prefix+"/"+fmt.Sprint(i)) {
+			return
 		}
 	}
 }
@@ -404,7 +398,6 @@ func BenchmarkClaimComplete(b *testing.B, s idempotency.Store) {
 // GOMAXPROCS×parallelism goroutines at once, for throughput under
 // concurrency.
 func BenchmarkClaimCompleteParallel(b *testing.B, s idempotency.Store, parallelism int) {
-	ctx := context.Background()
 	prefix := Key(b)
 	var n atomic.Uint64
 	b.ReportAllocs()
@@ -412,16 +405,25 @@ func BenchmarkClaimCompleteParallel(b *testing.B, s idempotency.Store, paralleli
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			key := prefix + "/" + fmt.Sprint(n.Add(1))
-			st, tok, err := s.Claim(ctx, key, "", time.Minute)
-			if err != nil || st != idempotency.Acquired {
-				b.Errorf("Claim = %v, %v", st, err)
-				return
-			}
-			if err := s.Complete(ctx, key, tok, time.Minute); err != nil {
-				b.Errorf("Complete: %v", err)
+			if !claimComplete(b, s, prefix+"/"+fmt.Sprint(n.Add(1))) {
 				return
 			}
 		}
 	})
+}
+
+// claimComplete claims and completes key, and reports whether both
+// succeeded.
+func claimComplete(b *testing.B, s idempotency.Store, key string) bool {
+	ctx := context.Background()
+	st, tok, err := s.Claim(ctx, key, "", time.Minute)
+	if err != nil || st != idempotency.Acquired {
+		b.Errorf("Claim = %v, %v", st, err)
+		return false
+	}
+	if err := s.Complete(ctx, key, tok, time.Minute); err != nil {
+		b.Errorf("Complete: %v", err)
+		return false
+	}
+	return true
 }
