@@ -51,10 +51,10 @@ func WithTable(name string) Option {
 
 // New returns a Store over db. It checks that the database answers and
 // that the store's table is there, with the columns the store uses, so
-// that a wrong connection string or a table not yet created fails here,
-// saying what to do, rather than leave every message waiting on a store
-// that cannot serve it. Create the table first with [CreateSchema], or
-// apply [DDL] with your migrations. ctx bounds that one round trip.
+// that a wrong connection string or a table not yet created (see
+// [CreateSchema] and [DDL]) fails here, saying what to do, rather than
+// leave every message waiting on a store that cannot serve it. ctx bounds
+// that one round trip.
 func New(ctx context.Context, db DB, opts ...Option) (*Store, error) {
 	if db == nil {
 		return nil, errors.New("pgstore: New(nil): pass a *pgxpool.Pool")
