@@ -175,17 +175,26 @@ func (s *Store) Claim(ctx context.Context, key, fingerprint string, lease time.D
 		if err != nil {
 			return 0, "", fmt.Errorf("pgstore: claim %q: %w", key, err)
 		}
-		if acquired {
-			return idempotency.Acquired, tok, nil
+		st, err := found(key, fingerprint, acquired, state, fp)
+		if st != idempotency.Acquired {
+			tok = ""
 		}
-		if fingerprint != "" && fp != "" && fingerprint != fp {
-			return 0, "", fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key)
-		}
-		if state == "completed" {
-			return idempotency.Completed, "", nil
-		}
-		return idempotency.InProgressElsewhere, "", nil
+		return st, tok, err
 	}
+}
+
+// found reads what the claim of key found: the key acquired, or the live
+// record, in state recState with fingerprint recFP, that holds it.
+func found(key, fingerprint string, acquired bool, recState, recFP string) (idempotency.State, error) {
+	switch {
+	case acquired:
+		return idempotency.Acquired, nil
+	case fingerprint != "" && recFP != "" && fingerprint != recFP:
+		return 0, fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key)
+	case recState == "completed":
+		return idempotency.Completed, nil
+	}
+	return idempotency.InProgressElsewhere, nil
 }
 
 // Complete implements idempotency.Store.
