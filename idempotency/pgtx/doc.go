@@ -116,21 +116,20 @@
 // # When the database fails
 //
 // A failure of the database around the function's transaction is no fault
-// of the message: BEGIN that cannot connect, a key claim, fingerprint read
-// or COMMIT that fails for any reason but the data (a lost connection, a
-// server shutting down or out of resources, a missing table, a role
-// refused), and a function whose error came with its session gone (the
-// connection closed under it: terminated, crashed, or dropped by the
-// network). Handle returns such an error marked consumer.Unavailable: the
-// runtime uses up no attempt and never dead-letters the message for it;
-// the message waits in place with a growing backoff until the database
-// answers. The function's own errors go to the runtime unchanged, a failed
-// statement of its own or a statement timeout included, and so does a
-// network error from anything else it calls: only the state of the
-// transaction's connection tells, not the type of the error. A function
-// that returns nil after one of its statements failed (which aborts the
-// transaction) fails too, with an error saying so: its transaction cannot
-// commit, and that is not the database's fault.
+// of the message: a BEGIN, key claim, fingerprint read or COMMIT that fails
+// for any reason but the data (no connection, a lost one, a server shutting
+// down or out of resources, a missing table, a role refused), and a
+// function whose error came with its session gone (terminated, crashed, or
+// dropped by the network). Handle returns such an error marked
+// consumer.Unavailable: the runtime uses up no attempt and never
+// dead-letters the message for it; the message waits in place with a
+// growing backoff until the database answers. The function's own errors go
+// to the runtime unchanged, a failed statement or a statement timeout
+// included, and so does a network error from anything else it calls: only
+// the state of the transaction's connection tells, not the type of the
+// error. A function that returns nil after one of its statements failed
+// (which aborts the transaction) fails too, with an error saying so: its
+// transaction cannot commit, and that is not the database's fault.
 //
 // # Connections that vanish
 //
