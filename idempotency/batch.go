@@ -11,32 +11,7 @@ import (
 
 // NewBatch returns middleware for batch handlers (consumer.NewBatch) that
 // does for each message of a batch what New does for one, with the same
-// options: it claims the keys of the batch (in one store call where the
-// store is a [BatchStore]), passes the messages whose key it acquired to the
-// next handler as a batch of their own, keeps their claims alive while it
-// runs, and then completes the keys of the messages it marked done and
-// releases the others. Each message's outcome is recorded on the batch:
-//
-//   - a completed key: done (a sequential duplicate, skipped);
-//   - a key in progress elsewhere: failed with consumer.Defer wrapping
-//     [ErrInProgressElsewhere] (an overlapping duplicate);
-//   - no key, a fingerprint mismatch, a key the store cannot hold:
-//     failed with consumer.Permanent, as with New;
-//   - a store that cannot claim the key: failed with consumer.Unavailable;
-//   - an acquired key: the outcome the next handler recorded, or none
-//     (consumer.ErrNoOutcome then applies, and the key is released).
-//
-// A later message of the batch with a key an earlier one has is a
-// duplicate of it: done once the earlier one is done, deferred as an
-// overlapping duplicate when it is not, and refused as a fingerprint
-// mismatch when their fingerprints differ. It is never passed on.
-//
-// When the next handler returns an error (or panics), every claim is
-// released and the error stands for the whole batch. When a claim is lost
-// while it runs, the handler's context is cancelled with [ErrClaimLost] as
-// its cause, and the errors it then returns (the whole batch's or a
-// message's) are marked consumer.Unavailable unless they are
-// consumer.Permanent.
+// options: see the package documentation, section Batches.
 func NewBatch(store Store, opts ...Option) (consumer.BatchMiddleware, error) {
 	c, err := newCore("NewBatch", store, opts)
 	if err != nil {
@@ -84,14 +59,11 @@ func (g *batchGuard) HandleBatch(ctx context.Context, b *consumer.Batch) error {
 	for i, m := range b.Messages {
 		e := &es[i]
 		e.m, e.first = m, i
-		if e.key = g.cfg.keyFunc(m); e.key == "" {
+		var err error
+		if e.key, e.fp, err = g.keyOf(ctx, m); err != nil {
 			e.first = -1
-			g.m.MissingKeys.Add(ctx, 1, g.m.Plain)
-			b.Fail(m, consumer.Permanent(ErrNoKey))
+			b.Fail(m, err)
 			continue
-		}
-		if g.cfg.fingerprint != nil {
-			e.fp = g.cfg.fingerprint(m)
 		}
 		if j, ok := firsts[e.key]; ok {
 			e.first = j
@@ -126,37 +98,20 @@ func (g *batchGuard) HandleBatch(ctx context.Context, b *consumer.Batch) error {
 	)
 	answered := false
 	for j, r := range results {
-		i := claimOf[j]
-		e := &es[i]
+		e := &es[claimOf[j]]
 		e.state = r.State
-		switch {
-		case r.Err == nil && r.State == Acquired && !now.Before(sent[j].Add(g.cfg.lease)):
-			// The reply came after the claim's lease ran out: see Handle.
-			late = append(late, HeldClaim{Key: e.key, Token: r.Token})
-			e.err = g.unavailable(ctx, e.key, fmt.Errorf("the store's reply came after the claim's lease (%v) had run out: %w", g.cfg.lease, ErrClaimLost))
-		case errors.Is(r.Err, ErrFingerprintMismatch):
-			g.m.Mismatches.Add(ctx, 1, g.m.Plain)
-			e.err = consumer.Permanent(r.Err)
-		case errors.Is(r.Err, ErrUnstorableKey):
-			e.err = consumer.Permanent(r.Err)
-		case r.Err != nil:
-			e.err = g.unavailable(ctx, e.key, r.Err)
-		case r.State == Completed:
-			answered = true
-			g.m.Duplicates.Add(ctx, 1, g.m.Sequential)
-		case r.State == InProgressElsewhere:
-			answered = true
-			g.m.Duplicates.Add(ctx, 1, g.m.Overlapping)
-			e.err = consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, e.key), g.cfg.overlapDelay)
-		case r.State == Acquired:
-			answered = true
+		keep, ok, err := g.judge(ctx, e.key, r, sent[j], now)
+		answered = answered || ok
+		if keep {
 			kept = append(kept, keptClaim{HeldClaim: HeldClaim{Key: e.key, Token: r.Token}, expires: sent[j].Add(g.cfg.lease)})
-			keptOf = append(keptOf, i)
+			keptOf = append(keptOf, claimOf[j])
 			continue
-		default:
-			e.err = g.unavailable(ctx, e.key, fmt.Errorf("the store answered an invalid state %d (a bug in the Store implementation)", r.State))
 		}
-		b.Fail(e.m, e.err)
+		if r.Err == nil && r.State == Acquired { // answered too late
+			late = append(late, HeldClaim{Key: e.key, Token: r.Token})
+		}
+		e.err = err
+		b.Fail(e.m, err)
 	}
 	if answered {
 		g.down.answered(ctx)
@@ -284,13 +239,13 @@ func (c *core) claimAll(ctx context.Context, claims []ClaimRequest) ([]ClaimResu
 		for i := range sent {
 			sent[i] = now
 		}
-		return checkedResults(bs.ClaimBatch(cctx, claims, c.cfg.lease), len(claims)), sent
+		return checked(bs.ClaimBatch(cctx, claims, c.cfg.lease), len(claims), "ClaimBatch", func(err error) ClaimResult { return ClaimResult{Err: err} }), sent
 	}
 	res := make([]ClaimResult, len(claims))
 	for i, cl := range claims {
 		sent[i] = time.Now()
-		r := &res[i]
-		r.State, r.Token, r.Err = c.claim(ctx, cl.Key, cl.Fingerprint)
+		r := c.claim(ctx, cl.Key, cl.Fingerprint)
+		res[i] = r
 		if r.Err == nil || errors.Is(r.Err, ErrFingerprintMismatch) || errors.Is(r.Err, ErrUnstorableKey) {
 			continue
 		}
@@ -303,18 +258,4 @@ func (c *core) claimAll(ctx context.Context, claims []ClaimRequest) ([]ClaimResu
 		break
 	}
 	return res, sent
-}
-
-// checkedResults returns res if it has n entries; otherwise (a bug in the
-// store) n failed results saying so.
-func checkedResults(res []ClaimResult, n int) []ClaimResult {
-	if len(res) == n {
-		return res
-	}
-	err := fmt.Errorf("the store's ClaimBatch returned %d results for %d claims (a bug in the BatchStore implementation)", len(res), n)
-	res = make([]ClaimResult, n)
-	for i := range res {
-		res[i].Err = err
-	}
-	return res
 }

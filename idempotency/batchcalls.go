@@ -18,26 +18,23 @@ func (c *core) completeAll(ctx context.Context, held []HeldClaim, counted []bool
 	}
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
-	errs := make([]error, len(held))
-	todo := held
-	at := make([]int, len(held)) // the index in held of each of todo
-	for i := range at {
-		at[i] = i
-	}
-	for try := 1; ; try++ {
-		res := c.completeMany(sctx, todo)
-		var again []HeldClaim
-		var againAt []int
-		for j, err := range res {
-			errs[at[j]] = err
+	errs := c.completeMany(sctx, held)
+	for try := 1; try < completeTries; try++ {
+		var again []int // the claims to try again
+		for i, err := range errs {
 			if err != nil && !errors.Is(err, ErrStaleToken) {
-				again = append(again, todo[j])
-				againAt = append(againAt, at[j])
+				again = append(again, i)
 			}
 		}
-		todo, at = again, againAt
-		if len(todo) == 0 || try == completeTries || !pause(sctx, completeRetryDelay*time.Duration(try)) {
+		if len(again) == 0 || !pause(sctx, completeRetryDelay*time.Duration(try)) {
 			break
+		}
+		todo := make([]HeldClaim, len(again))
+		for j, i := range again {
+			todo[j] = held[i]
+		}
+		for j, err := range c.completeMany(sctx, todo) {
+			errs[again[j]] = err
 		}
 	}
 	var lost, failed failures
@@ -105,7 +102,7 @@ func (c *core) releaseMany(ctx context.Context, held []HeldClaim) []error {
 // one for each claim where it does not, or held has only one.
 func (c *core) callStore(held []HeldClaim, method string, batch func(BatchStore) []error, one func(HeldClaim) error) []error {
 	if bs, ok := c.store.(BatchStore); ok && len(held) > 1 {
-		return checkedErrors(batch(bs), len(held), method)
+		return checked(batch(bs), len(held), method, func(err error) error { return err })
 	}
 	errs := make([]error, len(held))
 	for i, h := range held {

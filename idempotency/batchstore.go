@@ -59,16 +59,17 @@ type HeldClaim struct {
 	Token Token
 }
 
-// checkedErrors returns errs if it has n entries; otherwise (a bug in the
-// store) n errors saying so, so that no entry is taken for a success.
-func checkedErrors(errs []error, n int, method string) []error {
-	if len(errs) == n {
-		return errs
+// checked returns res if the store's method returned one result for each
+// of n entries; otherwise (a bug in the store) n results made by fail from
+// an error saying so, so that no entry is taken for a success.
+func checked[R any](res []R, n int, method string, fail func(error) R) []R {
+	if len(res) == n {
+		return res
 	}
-	err := fmt.Errorf("idempotency: the store's %s returned %d results for %d entries (a bug in the BatchStore implementation)", method, len(errs), n)
-	errs = make([]error, n)
-	for i := range errs {
-		errs[i] = err
+	err := fmt.Errorf("the store's %s returned %d results for %d entries (a bug in the BatchStore implementation)", method, len(res), n)
+	res = make([]R, n)
+	for i := range res {
+		res[i] = fail(err)
 	}
-	return errs
+	return res
 }

@@ -71,72 +71,60 @@ func NewMemoryStore(opts ...MemoryOption) (*MemoryStore, error) {
 }
 
 // Claim implements Store.
-func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease time.Duration) (State, Token, error) {
-	if err := checkDuration("lease", lease); err != nil {
-		return 0, "", err
-	}
-	if err := ctx.Err(); err != nil {
-		return 0, "", err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.claim(s.now(), key, fingerprint, lease)
+func (s *MemoryStore) Claim(ctx context.Context, key, fingerprint string, lease time.Duration) (st State, tok Token, err error) {
+	err = s.one(ctx, checkDuration("lease", lease), func(now time.Time) error {
+		st, tok, err = s.claim(now, key, fingerprint, lease)
+		return err
+	})
+	return st, tok, err
 }
 
 // Complete implements Store.
 func (s *MemoryStore) Complete(ctx context.Context, key string, token Token, retention time.Duration) error {
-	if err := checkDuration("retention", retention); err != nil {
-		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.complete(s.now(), key, token, retention)
+	return s.one(ctx, checkDuration("retention", retention), func(now time.Time) error {
+		return s.complete(now, key, token, retention)
+	})
 }
 
 // Release implements Store.
 func (s *MemoryStore) Release(ctx context.Context, key string, token Token) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.release(s.now(), key, token)
+	return s.one(ctx, nil, func(now time.Time) error { return s.release(now, key, token) })
 }
 
 // Extend implements Store.
 func (s *MemoryStore) Extend(ctx context.Context, key string, token Token, lease time.Duration) error {
-	if err := checkDuration("lease", lease); err != nil {
-		return err
+	return s.one(ctx, checkDuration("lease", lease), func(now time.Time) error {
+		return s.extend(now, key, token, lease)
+	})
+}
+
+// one runs f under the lock, unless err (an invalid argument) or ctx's
+// error fails it.
+func (s *MemoryStore) one(ctx context.Context, err error, f func(time.Time) error) error {
+	if err == nil {
+		err = ctx.Err()
 	}
-	if err := ctx.Err(); err != nil {
+	if err != nil {
 		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.extend(s.now(), key, token, lease)
+	return f(s.now())
 }
 
 // ClaimBatch implements BatchStore.
 func (s *MemoryStore) ClaimBatch(ctx context.Context, claims []ClaimRequest, lease time.Duration) []ClaimResult {
 	res := make([]ClaimResult, len(claims))
-	err := checkDuration("lease", lease)
-	if err == nil {
-		err = ctx.Err()
-	}
+	err := s.one(ctx, checkDuration("lease", lease), func(now time.Time) error {
+		for i, c := range claims {
+			res[i].State, res[i].Token, res[i].Err = s.claim(now, c.Key, c.Fingerprint, lease)
+		}
+		return nil
+	})
 	if err != nil {
 		for i := range res {
 			res[i].Err = err
 		}
-		return res
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.now()
-	for i, c := range claims {
-		res[i].State, res[i].Token, res[i].Err = s.claim(now, c.Key, c.Fingerprint, lease)
 	}
 	return res
 }
@@ -166,20 +154,16 @@ func (s *MemoryStore) ExtendBatch(ctx context.Context, held []HeldClaim, lease t
 // invalid argument) or ctx's error fails them all.
 func (s *MemoryStore) each(ctx context.Context, held []HeldClaim, err error, f func(time.Time, HeldClaim) error) []error {
 	errs := make([]error, len(held))
-	if err == nil {
-		err = ctx.Err()
-	}
+	err = s.one(ctx, err, func(now time.Time) error {
+		for i, h := range held {
+			errs[i] = f(now, h)
+		}
+		return nil
+	})
 	if err != nil {
 		for i := range errs {
 			errs[i] = err
 		}
-		return errs
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := s.now()
-	for i, h := range held {
-		errs[i] = f(now, h)
 	}
 	return errs
 }

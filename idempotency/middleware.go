@@ -73,56 +73,32 @@ type guard struct {
 }
 
 func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
-	key := g.cfg.keyFunc(msg)
-	if key == "" {
-		g.m.MissingKeys.Add(ctx, 1, g.m.Plain)
-		return consumer.Permanent(ErrNoKey)
+	key, fp, err := g.keyOf(ctx, msg)
+	if err != nil {
+		return err
 	}
-	var fp string
-	if g.cfg.fingerprint != nil {
-		fp = g.cfg.fingerprint(msg)
-	}
-
 	claimed := time.Now()
-	state, tok, err := g.claim(ctx, key, fp)
-	if err == nil && state == Acquired && ctx.Err() != nil {
+	r := g.claim(ctx, key, fp)
+	acquired := r.Err == nil && r.State == Acquired
+	if acquired && ctx.Err() != nil {
 		// The delivery ended (its lease lost, the shutdown deadline) while
 		// the claim was on its way: the handler must not run now, and the
 		// claim is given back, or the redelivery would be deferred as an
 		// overlapping duplicate of nothing until the claim's lease ran out.
-		g.release(ctx, key, tok)
+		g.release(ctx, key, r.Token)
 		return context.Cause(ctx)
 	}
-	if err == nil && state == Acquired && !time.Now().Before(claimed.Add(g.cfg.lease)) {
-		// The reply came after the claim's lease ran out (a stalled store
-		// or network, a paused process): the claim holds nothing any more,
-		// and another delivery may have taken the key over and be running
-		// the effect. Give it back (a no-op if it was taken over) and let
-		// the message wait, as after a Claim that failed.
-		g.release(ctx, key, tok)
-		err = fmt.Errorf("the store's reply came after the claim's lease (%v) had run out: %w", g.cfg.lease, ErrClaimLost)
-		return g.unavailable(ctx, key, err)
+	keep, answered, err := g.judge(ctx, key, r, claimed, time.Now())
+	if answered {
+		g.down.answered(ctx)
 	}
-	switch {
-	case errors.Is(err, ErrFingerprintMismatch):
-		g.m.Mismatches.Add(ctx, 1, g.m.Plain)
-		return consumer.Permanent(err)
-	case errors.Is(err, ErrUnstorableKey):
-		return consumer.Permanent(err)
-	case err != nil:
-		return g.unavailable(ctx, key, err)
-	case state != Acquired && state != Completed && state != InProgressElsewhere:
-		return g.unavailable(ctx, key, fmt.Errorf("the store answered an invalid state %d (a bug in the Store implementation)", state))
+	if !keep {
+		if acquired { // answered too late
+			g.release(ctx, key, r.Token)
+		}
+		return err
 	}
-	g.down.answered(ctx)
-	switch state {
-	case Completed:
-		g.m.Duplicates.Add(ctx, 1, g.m.Sequential)
-		return nil
-	case InProgressElsewhere:
-		g.m.Duplicates.Add(ctx, 1, g.m.Overlapping)
-		return consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), g.cfg.overlapDelay)
-	}
+	tok := r.Token
 
 	hctx, cancel := context.WithCancelCause(ctx)
 	k := g.keepOne(key, tok, claimed, cancel)
@@ -153,10 +129,22 @@ func (g *guard) Handle(ctx context.Context, msg *consumer.Message) error {
 	return nil
 }
 
-// unavailable is Handle's answer when the store stopped the handler from
-// running: the message is not at fault, so it waits, using up no attempt,
-// and is never dead-lettered for it (consumer.Unavailable). The failure is
-// counted, and reported without a log line per message.
+// keyOf reads m's key and fingerprint, or fails m, permanently, when it has
+// no key.
+func (c *core) keyOf(ctx context.Context, m *consumer.Message) (key, fp string, err error) {
+	if key = c.cfg.keyFunc(m); key == "" {
+		c.m.MissingKeys.Add(ctx, 1, c.m.Plain)
+		return "", "", consumer.Permanent(ErrNoKey)
+	}
+	if c.cfg.fingerprint != nil {
+		fp = c.cfg.fingerprint(m)
+	}
+	return key, fp, nil
+}
+
+// unavailable is the outcome of a message whose claim the store failed:
+// consumer.Unavailable, counted, and reported without a log line per
+// message.
 func (c *core) unavailable(ctx context.Context, key string, err error) error {
 	if ctx.Err() == nil { // a delivery that ended meanwhile is not the store's fault
 		c.m.StoreErrors.Add(ctx, 1, c.m.OpClaim)
@@ -170,24 +158,58 @@ func (c *core) unavailable(ctx context.Context, key string, err error) error {
 // stopped waiting for the reply would leave it behind, held by nobody, for
 // the claim's whole lease. It waits up to the store timeout instead, and
 // Handle gives back a claim that arrived too late.
-func (c *core) claim(ctx context.Context, key, fp string) (State, Token, error) {
+func (c *core) claim(ctx context.Context, key, fp string) (r ClaimResult) {
 	cctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
-	return c.store.Claim(cctx, key, fp, c.cfg.lease)
+	r.State, r.Token, r.Err = c.store.Claim(cctx, key, fp, c.cfg.lease)
+	return r
 }
 
-// complete records the effect. A failure here does not fail the message:
-// the effect happened, and retrying the message would run it again. Acking
-// is the better bet; the claim expires and a later duplicate (if any) runs
-// the effect again, which the logs and MetricClaimsLost report (once: not
-// again when the keeper already counted the loss, counted, and the handler
-// finished regardless).
-//
-// A failed Complete is tried again (completeTries in all, within the store
-// timeout) before that: one dropped connection would otherwise leave the key
-// in progress, and a duplicate delivered after the claim ran out would run
-// the effect again. A repeated Complete is harmless (see Store), so a first
-// try that took effect but lost its reply does no harm.
+// judge reads the store's answer r to the claim of key, sent at sent and
+// answered at now, and counts it. keep: the claim is held and the handler
+// runs. Otherwise err is the message's outcome (nil: a sequential
+// duplicate, done). answered: the store answered in time, with a state.
+func (c *core) judge(ctx context.Context, key string, r ClaimResult, sent, now time.Time) (keep, answered bool, err error) {
+	switch {
+	case r.Err == nil && r.State == Acquired && !now.Before(sent.Add(c.cfg.lease)):
+		// A stalled store or network, a paused process: the claim holds
+		// nothing any more, and another delivery may have taken the key
+		// over and be running the effect. The caller gives it back (a
+		// no-op if it was taken over), and the message waits, as after a
+		// Claim that failed.
+		return false, false, c.unavailable(ctx, key, fmt.Errorf("the store's reply came after the claim's lease (%v) had run out: %w", c.cfg.lease, ErrClaimLost))
+	case errors.Is(r.Err, ErrFingerprintMismatch):
+		c.m.Mismatches.Add(ctx, 1, c.m.Plain)
+		return false, false, consumer.Permanent(r.Err)
+	case errors.Is(r.Err, ErrUnstorableKey):
+		return false, false, consumer.Permanent(r.Err)
+	case r.Err != nil:
+		return false, false, c.unavailable(ctx, key, r.Err)
+	case r.State == Acquired:
+		return true, true, nil
+	case r.State == Completed:
+		c.m.Duplicates.Add(ctx, 1, c.m.Sequential)
+		return false, true, nil
+	case r.State == InProgressElsewhere:
+		return false, true, c.overlapping(ctx, key)
+	}
+	return false, false, c.unavailable(ctx, key, fmt.Errorf("the store answered an invalid state %d (a bug in the Store implementation)", r.State))
+}
+
+// overlapping counts an overlapping duplicate of key and returns its
+// outcome: deferred until the other delivery is likely done.
+func (c *core) overlapping(ctx context.Context, key string) error {
+	c.m.Duplicates.Add(ctx, 1, c.m.Overlapping)
+	return consumer.Defer(fmt.Errorf("%w (key %q)", ErrInProgressElsewhere, key), c.cfg.overlapDelay)
+}
+
+// complete records the effect. A failure does not fail the message: the
+// effect happened, and retrying the message would run it again; a later
+// duplicate, if any, runs it again instead, which the log and
+// MetricClaimsLost report (counted reports the keeper already counted the
+// loss). A failed Complete is first tried again (completeTries in all,
+// within the store timeout), so that one dropped connection does not leave
+// the key in progress; a repeated Complete is harmless (see Store).
 func (c *core) complete(ctx context.Context, key string, tok Token, counted bool) {
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()
@@ -233,9 +255,8 @@ func pause(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// release lets a retry claim the key at once. On failure the claim simply
-// runs out after its lease, and retries meanwhile are overlapping
-// duplicates.
+// release lets a retry claim the key at once. On failure the claim runs out
+// after its lease, and retries meanwhile are overlapping duplicates.
 func (c *core) release(ctx context.Context, key string, tok Token) {
 	sctx, done := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.storeTimeout)
 	defer done()

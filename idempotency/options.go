@@ -56,9 +56,8 @@ func MessageID(m *consumer.Message) string { return m.ID }
 // WithKeyFunc sets how the idempotency key is read from a message. Default
 // [MessageID]. Prefer a key the producer chose for the business operation
 // (an order id, a payment id in a header): unlike a broker's message id it
-// also catches a message published twice. Return "" when there is no key;
-// the middleware then fails the message with a permanent [ErrNoKey]
-// rather than guess one.
+// also catches a message published twice. Return "" when there is no key:
+// the message then fails with a permanent [ErrNoKey].
 func WithKeyFunc(f func(*consumer.Message) string) Option {
 	return func(c *config) error {
 		if f == nil {
@@ -86,23 +85,20 @@ func WithFingerprint(f func(*consumer.Message) string) Option {
 // DefaultLease is the claim lease unless WithLease says otherwise.
 //
 // The lease is how long the keys of a consumer that died stay blocked
-// (after a crash, each redelivery of them is deferred until it runs out), not
-// how long a handler may run: the claim is renewed while the handler runs,
-// every fifth of the lease by default. So the lease only has to outlast a
-// few renewals, each one store round trip, and a hiccup of the store: an
-// outage shorter than the lease less two renewal intervals (6s at the
-// defaults) never stops a running handler; a longer one cancels it with
-// ErrClaimLost before the claim can run out, and its message waits for the
-// store (consumer.Unavailable) and runs again.
+// (each redelivery of them is deferred until it runs out), not how long a
+// handler may run: the claim is renewed while the handler runs, every fifth
+// of the lease by default. So the lease only has to outlast a few renewals
+// and a hiccup of the store: an outage shorter than the lease less two
+// renewal intervals (6s at the defaults) never stops a running handler; a
+// longer one cancels it with ErrClaimLost before the claim can run out, and
+// its message waits for the store (consumer.Unavailable) and runs again.
 const DefaultLease = 10 * time.Second
 
 // WithLease sets how long a claim holds a key before another delivery may
-// take it over, should this process stop extending it (a crash). The
-// middleware extends the claim while the handler runs, so the lease bounds
-// how long a crashed consumer blocks a key, not how long a handler may run:
-// a longer lease rides out longer store outages without stopping running
-// handlers, and blocks a dead consumer's keys longer (see [DefaultLease]).
-// Default 10s. Must be at least 1ms.
+// take it over, should this process stop extending it (a crash). A longer
+// lease rides out longer store outages without stopping running handlers,
+// and blocks a dead consumer's keys longer (see [DefaultLease]). Default
+// 10s. Must be at least 1ms.
 func WithLease(d time.Duration) Option {
 	return func(c *config) error {
 		if d < time.Millisecond {
@@ -114,12 +110,12 @@ func WithLease(d time.Duration) Option {
 }
 
 // WithExtendInterval sets how often a running handler's claim is extended
-// back to the full lease. An extension that fails is tried again an interval
+// back to the full lease. A failed extension is tried again an interval
 // later while the claim would still be held then; the handler is cancelled
-// (ErrClaimLost) at the last failure before the claim runs out. So the
-// handler survives a store outage of at least the lease less two intervals.
-// Default a fifth of the lease (2s at the default lease). Must be positive
-// and shorter than the lease.
+// (ErrClaimLost) at the last failure before the claim runs out, so it
+// survives a store outage of at least the lease less two intervals.
+// Default a fifth of the lease. Must be positive and shorter than the
+// lease.
 func WithExtendInterval(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
@@ -146,12 +142,11 @@ func WithRetention(d time.Duration) Option {
 }
 
 // WithOverlapRetryDelay sets how long an overlapping duplicate waits before
-// it is tried again (it is returned as consumer.Defer, which does not use up
-// an attempt, so the duplicate is never dead-lettered for waiting on a slow
-// original). Where the broker counts deliveries, each deferral still raises
-// the next delivery's Attempt, and a broker-side redrive policy (an SQS
-// maxReceiveCount) still counts it: keep that limit above your slowest
-// handler divided by this delay. Default: the lease. Must be positive.
+// it is tried again (as consumer.Defer). Where the broker counts
+// deliveries, each deferral raises the next delivery's Attempt, and a
+// broker-side redrive policy (an SQS maxReceiveCount) counts it: keep that
+// limit above your slowest handler divided by this delay. Default: the
+// lease. Must be positive.
 func WithOverlapRetryDelay(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
@@ -162,16 +157,16 @@ func WithOverlapRetryDelay(d time.Duration) Option {
 	}
 }
 
-// WithStoreTimeout bounds each call to the store on a delivery's behalf: the
-// Claim before the handler, and the Complete or Release after it returns.
-// They run on a context detached from the handler's: a handler cancelled at
-// its deadline still records its outcome, and a Claim the store may already
-// have made is waited for (and given back when the delivery ended
-// meanwhile) rather than left behind for its whole lease. Keep it shorter
-// than the lease: a Claim answered after the lease ran out holds nothing,
-// and is given back without running the handler. For a batch
-// (NewBatch), a call to a BatchStore carries the keys of the whole batch,
-// and the timeout bounds that call. Default 5s. Must be positive.
+// WithStoreTimeout bounds each call to the store on a delivery's behalf
+// (for a batch, each call, which with a BatchStore carries the keys of the
+// whole batch): the Claim before the handler, and the Complete or Release
+// after it returns. They run on a context detached from the handler's: a
+// handler cancelled at its deadline still records its outcome, and a Claim
+// the store may already have made is waited for (and given back when the
+// delivery ended meanwhile) rather than left behind for its whole lease.
+// Keep it shorter than the lease: a Claim answered after the lease ran out
+// holds nothing, and is given back without running the handler. Default
+// 5s. Must be positive.
 func WithStoreTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
@@ -208,8 +203,7 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 
 // WithLogger sets where store failures are reported: a Complete or Release
 // that failed (the message is not failed for it), and outages of the store
-// (claims that fail: a warning when they start, at most one every 30
-// seconds while they go on, and a line when claims succeed again). Default
+// (see the package documentation, section When the store fails). Default
 // slog.Default().
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {

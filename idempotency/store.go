@@ -83,17 +83,15 @@ func (s State) String() string {
 // disturb the new holder.
 type Token string
 
-// NewToken returns a random token. Stores use it; it is exported for store
-// implementations outside this module.
+// NewToken returns a random token, for Store implementations.
 func NewToken() Token { return Token(rand.Text()) }
 
 // Errors stores and the middleware return. Test for them with errors.Is.
 var (
-	// ErrStaleToken: the claim the token came from is no longer held. Its
-	// lease ran out (and another consumer may have taken the key over), or
-	// it was released or completed. Nothing was changed. If the effect was
-	// performed, it may be performed again by the new holder: keep leases
-	// longer than the effect takes, or let the middleware extend them.
+	// ErrStaleToken: the claim the token came from is no longer held (its
+	// lease ran out and another consumer may have taken the key over, or it
+	// was released or completed). Nothing was changed. An effect performed
+	// under it may be performed again by the new holder.
 	ErrStaleToken = errors.New("idempotency: the claim token is stale (the claim expired, was taken over, released or completed); nothing was changed")
 
 	// ErrFingerprintMismatch: the key is already recorded for a different
@@ -102,26 +100,21 @@ var (
 	ErrFingerprintMismatch = errors.New("idempotency: the key was already used for a different payload (fingerprint mismatch); check the producer's keys or the KeyFunc")
 
 	// ErrNoKey: the KeyFunc returned an empty key (by default: the broker
-	// gave the message no stable identity). The middleware refuses to guess
-	// and makes it a permanent error; set a KeyFunc that reads the key
-	// from the payload or a header.
+	// gave the message no stable identity). The middleware makes it a
+	// permanent error.
 	ErrNoKey = errors.New("idempotency: the message has no idempotency key; the broker gave it no stable ID, so set a KeyFunc that reads one from the payload or headers")
 
 	// ErrUnstorableKey: the store cannot hold the key or the fingerprint as
 	// given (PostgreSQL text refuses invalid UTF-8 and NUL bytes, and its
 	// index refuses entries near a third of a page). Retrying cannot help:
-	// the middleware and pgtx make it a permanent error, so the message goes
-	// to the dead-letter destination with the reason. Derive keys that fit,
-	// such as a hex hash of a binary key, in the KeyFunc.
+	// the middleware and pgtx make it a permanent error.
 	ErrUnstorableKey = errors.New("idempotency: the store cannot hold this key or fingerprint; derive one it can (a hex hash of a binary value, say) in the KeyFunc or fingerprint function")
 
 	// ErrInProgressElsewhere: the middleware found the key claimed by
 	// another delivery that is still running (an overlapping duplicate). It
 	// returns it wrapped in consumer.Defer, so the message is tried again
-	// later, by which time the other delivery has completed (the retry is
-	// then skipped) or failed (the retry runs the handler). A deferral does
-	// not use up an attempt where the runtime counts attempts; where the
-	// broker counts deliveries, it raises that count (see consumer.Defer).
+	// when the other delivery has completed (the retry is then skipped) or
+	// failed (the retry runs the handler).
 	ErrInProgressElsewhere = errors.New("idempotency: the key is being processed by another delivery (an overlapping duplicate); retrying later")
 
 	// ErrClaimLost is the cause given to the handler's context when the

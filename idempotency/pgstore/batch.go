@@ -115,23 +115,18 @@ func (s *Store) ClaimBatch(ctx context.Context, claims []idempotency.ClaimReques
 		}
 		var again []int
 		for j, i := range todo {
-			fp := claims[i].Fingerprint
-			switch {
-			case acquired[j]:
-				res[i].State, res[i].Token = idempotency.Acquired, idempotency.Token(toks[j])
-			case states[j] == "":
-				// The record changed under the statement; look again.
+			r := &res[i]
+			if !acquired[j] && states[j] == "" { // the record changed under the statement
 				if attempt < 10 {
-					again = append(again, i)
+					again = append(again, i) // look again
 				} else {
-					res[i].Err = fmt.Errorf("pgstore: claim %q: %w", claims[i].Key, errRecordChanging)
+					r.Err = fmt.Errorf("pgstore: claim %q: %w", claims[i].Key, errRecordChanging)
 				}
-			case fp != "" && oldFPs[j] != "" && fp != oldFPs[j]:
-				res[i].Err = fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, claims[i].Key)
-			case states[j] == "completed":
-				res[i].State = idempotency.Completed
-			default:
-				res[i].State = idempotency.InProgressElsewhere
+				continue
+			}
+			r.State, r.Err = found(claims[i].Key, claims[i].Fingerprint, acquired[j], states[j], oldFPs[j])
+			if r.State == idempotency.Acquired {
+				r.Token = idempotency.Token(toks[j])
 			}
 		}
 		todo = again

@@ -51,10 +51,10 @@ func WithTable(name string) Option {
 
 // New returns a Store over db. It checks that the database answers and
 // that the store's table is there, with the columns the store uses, so
-// that a wrong connection string or a table not yet created fails here,
-// saying what to do, rather than leave every message waiting on a store
-// that cannot serve it. Create the table first with [CreateSchema], or
-// apply [DDL] with your migrations. ctx bounds that one round trip.
+// that a wrong connection string or a table not yet created (see
+// [CreateSchema] and [DDL]) fails here, saying what to do, rather than
+// leave every message waiting on a store that cannot serve it. ctx bounds
+// that one round trip.
 func New(ctx context.Context, db DB, opts ...Option) (*Store, error) {
 	if db == nil {
 		return nil, errors.New("pgstore: New(nil): pass a *pgxpool.Pool")
@@ -175,17 +175,26 @@ func (s *Store) Claim(ctx context.Context, key, fingerprint string, lease time.D
 		if err != nil {
 			return 0, "", fmt.Errorf("pgstore: claim %q: %w", key, err)
 		}
-		if acquired {
-			return idempotency.Acquired, tok, nil
+		st, err := found(key, fingerprint, acquired, state, fp)
+		if st != idempotency.Acquired {
+			tok = ""
 		}
-		if fingerprint != "" && fp != "" && fingerprint != fp {
-			return 0, "", fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key)
-		}
-		if state == "completed" {
-			return idempotency.Completed, "", nil
-		}
-		return idempotency.InProgressElsewhere, "", nil
+		return st, tok, err
 	}
+}
+
+// found reads what the claim of key found: the key acquired, or the live
+// record, in state recState with fingerprint recFP, that holds it.
+func found(key, fingerprint string, acquired bool, recState, recFP string) (idempotency.State, error) {
+	switch {
+	case acquired:
+		return idempotency.Acquired, nil
+	case fingerprint != "" && recFP != "" && fingerprint != recFP:
+		return 0, fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key)
+	case recState == "completed":
+		return idempotency.Completed, nil
+	}
+	return idempotency.InProgressElsewhere, nil
 }
 
 // Complete implements idempotency.Store.

@@ -4,13 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/custody-go/custody/consumer"
-	"github.com/custody-go/custody/idempotency"
-	"github.com/custody-go/custody/idempotency/internal/pgsql"
 )
 
 // BatchFunc performs the effects of a batch's messages through tx: one
@@ -45,23 +42,9 @@ var _ consumer.BatchHandler = (*BatchHandler)(nil)
 // NewBatch returns a BatchHandler that runs fn for each batch (see
 // consumer.NewBatch) inside one transaction on db, with New's options and
 // processed-keys table: a Handler and a BatchHandler given the same table
-// deduplicate each other's messages.
-//
-// Each batch is one transaction: one statement records the keys of all its
-// messages and tells which are new; the others are duplicates, done at once
-// (sequential: the key is committed) or deferred (overlapping: another
-// transaction holds it). fn runs with the new messages; then the keys of
-// the messages it failed are taken out, and the transaction commits. A
-// message without a key, or with one PostgreSQL cannot store, fails with a
-// permanent error and no transaction; a message whose key an earlier
-// message of the batch has is done when that one is, and deferred when it
-// is not. A failure of the database around fn marks the messages it
-// failed consumer.Unavailable, as in Handle, and a serialization failure
-// or a deadlock runs the whole transaction again.
-//
-// The transaction holds an advisory lock per key until it ends: a batch of
-// n keys takes n slots of PostgreSQL's lock table, which has room for
-// max_locks_per_transaction × max_connections (6,400 by default) at once.
+// deduplicate each other's messages. See the package documentation,
+// section Batches, for what happens to each message, and for the lock
+// table a batch's keys take.
 func NewBatch(db DB, fn BatchFunc, opts ...Option) (*BatchHandler, error) {
 	if fn == nil {
 		return nil, errors.New("pgtx: NewBatch(nil func): pass the function that performs the batch's effects")
@@ -71,19 +54,6 @@ func NewBatch(db DB, fn BatchFunc, opts ...Option) (*BatchHandler, error) {
 		return nil, err
 	}
 	return &BatchHandler{base: *b, fn: fn}, nil
-}
-
-// DDL returns the statements CreateSchema runs, for a migration tool.
-func (h *BatchHandler) DDL() []string { return h.ddl() }
-
-// CreateSchema creates the processed-keys table and its index if they do not
-// exist.
-func (h *BatchHandler) CreateSchema(ctx context.Context) error { return h.createSchema(ctx) }
-
-// Cleanup deletes keys processed more than retention ago, as
-// Handler.Cleanup does.
-func (h *BatchHandler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
-	return h.cleanup(ctx, retention, batch)
 }
 
 func (h *base) prepareBatchSQL() {
@@ -143,16 +113,9 @@ func (h *BatchHandler) HandleBatch(ctx context.Context, b *consumer.Batch) error
 	for i, m := range b.Messages {
 		e := &es[i]
 		e.m, e.first = m, -1
-		if e.key = h.cfg.keyFunc(m); e.key == "" {
-			h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
-			b.Fail(m, consumer.Permanent(idempotency.ErrNoKey))
-			continue
-		}
-		if h.cfg.fingerprint != nil {
-			e.fp = h.cfg.fingerprint(m)
-		}
-		if err := pgsql.CheckText(e.key, e.fp); err != nil {
-			b.Fail(m, consumer.Permanent(fmt.Errorf("pgtx: %w", err)))
+		var err error
+		if e.key, e.fp, err = h.keyOf(ctx, m); err != nil {
+			b.Fail(m, err)
 			continue
 		}
 		if j, ok := firsts[e.key]; ok {
@@ -189,14 +152,7 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 	if err != nil {
 		return h.ownFailures(ctx, n, fmt.Errorf("pgtx: begin transaction for a batch of %d keys: %w", n, err))
 	}
-	committed := false
-	defer func() {
-		if !committed { // also on a panic in fn
-			rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			_ = tx.Rollback(rctx)
-			done()
-		}
-	}()
+	defer rollback(ctx, tx)
 
 	keys := make([]string, n)
 	fps := make([]string, n)
@@ -247,14 +203,8 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 		msgs[j] = es[i].m
 	}
 	sub := consumer.BatchOf(msgs)
-	if err := h.fn(ctx, tx, sub); err != nil {
-		if ctx.Err() == nil && !isConflict(err) && !consumer.IsPermanent(err) && connectionLost(tx, err) {
-			return consumer.Unavailable(fmt.Errorf("pgtx: a batch of %d keys: the connection to the database was lost while the function ran: %w", len(fresh), err))
-		}
-		return err
-	}
-	if aborted(tx) {
-		return errAbortedTx
+	if err := h.fn(ctx, tx, sub); err != nil || aborted(tx) {
+		return funcError(ctx, tx, err, fmt.Sprintf("a batch of %d keys", len(fresh)))
 	}
 	var failed []string
 	for j, i := range fresh {
@@ -273,17 +223,7 @@ func (h *BatchHandler) runOnce(ctx context.Context, es []batchEntry, claims []in
 		// retries find the keys and are skipped.
 		return ownStatementError(ctx, fmt.Errorf("pgtx: commit a batch of %d keys: %w", len(fresh), err))
 	}
-	committed = true
 	return nil
-}
-
-// ownStatementError marks err, from a statement of the handler's own after
-// the function ran, consumer.Unavailable when the database failed.
-func ownStatementError(ctx context.Context, err error) error {
-	if ctx.Err() == nil && !isConflict(err) && ownStatementFailed(err) {
-		return consumer.Unavailable(err)
-	}
-	return err
 }
 
 // checkFingerprints marks the entries recorded, whose keys were committed
@@ -334,11 +274,9 @@ func (h *BatchHandler) outcome(ctx context.Context, e *batchEntry, txErr error) 
 		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
 		return nil
 	case stateOverlapping:
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, e.key), h.cfg.overlapDelay)
+		return h.overlapping(ctx, e.key)
 	case stateMismatch:
-		h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-		return consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, e.key))
+		return h.mismatch(ctx, e.key, "")
 	case stateNew:
 		if txErr != nil {
 			return txErr
@@ -353,21 +291,15 @@ func (h *BatchHandler) recordDuplicate(ctx context.Context, b *consumer.Batch, e
 	var err error
 	switch {
 	case e.fp != "" && p.fp != "" && e.fp != p.fp:
-		h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-		err = consumer.Permanent(fmt.Errorf("%w (key %q, twice in one batch)", idempotency.ErrFingerprintMismatch, e.key))
-	case p.state == stateNew && (txErr != nil || p.result != nil):
-		// The first one's effect did not commit: its retry or this one
-		// runs it; this one waits.
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		err = consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, e.key), h.cfg.overlapDelay)
+		err = h.mismatch(ctx, e.key, ", twice in one batch")
+	case p.state == stateOverlapping, p.state == stateNew && (txErr != nil || p.result != nil):
+		// Another transaction holds the key, or the first one's effect did
+		// not commit (its retry or this one runs it): this one waits.
+		err = h.overlapping(ctx, e.key)
 	case p.state == stateNew || p.state == stateCommitted:
 		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
-	case p.state == stateOverlapping:
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		err = consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, e.key), h.cfg.overlapDelay)
 	case p.state == stateMismatch:
-		h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-		err = consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, e.key))
+		err = h.mismatch(ctx, e.key, "")
 	default: // stateUnknown
 		err = txErr
 	}

@@ -35,15 +35,11 @@
 //   - Another transaction is processing the key right now and it is not
 //     committed yet (an overlapping duplicate): Handle returns
 //     consumer.Defer wrapping idempotency.ErrInProgressElsewhere without
-//     waiting for it. The check
-//     uses a transaction-scoped advisory lock on a hash of the table's OID
-//     and the key (pg_try_advisory_xact_lock), so it never blocks on the
-//     other transaction's row lock and never holds a connection idle, and
-//     handlers that name the table differently ("t", "public.t") agree.
-//     (Earlier versions hashed the name as written. While both run, during
-//     an upgrade, a copy overlapping one of the other version waits on the
-//     row lock and then counts as sequential; each effect still commits
-//     once.)
+//     waiting for it. The check uses a transaction-scoped advisory lock on
+//     a hash of the table's OID and the key (pg_try_advisory_xact_lock), so
+//     it never blocks on the other transaction's row lock and never holds a
+//     connection idle, and handlers that name the table differently ("t",
+//     "public.t") agree.
 //
 // # Batches
 //
@@ -68,23 +64,15 @@
 //
 // One statement records the keys of the whole batch: the messages whose
 // keys are new go to the function, the sequential duplicates are done at
-// once, and the overlapping ones deferred, as for one message. A message
-// whose key an earlier message of the batch has does not go to the
-// function: it is done once that one's effect commits, and deferred when it
-// does not. If the function returns nil, the keys of the messages it
-// failed (b.Fail) are deleted in the same transaction, which then commits:
-// those messages go back to the runtime with their errors, every other one
-// is done, whether or not the function said so. A message it fails must
-// have no write of its own left in the transaction: fail messages before
-// writing, or write a message that may fail inside a savepoint (tx.Begin)
-// and roll that back. If the function returns an error or panics, the
-// whole transaction rolls back and every message it was given fails with
-// the error; the duplicates keep their outcomes. A function that returns
-// nil after one of its statements failed (which aborts the transaction)
-// fails every message it was given, as its own failure. The failures of
-// the database and the conflicts are handled as for one message (below),
-// for the whole transaction; a failed BEGIN or key statement counts a store
-// error for each message of the batch.
+// once, and the overlapping ones deferred, as for one message; a message
+// without a usable key fails at once, with no transaction. A message whose
+// key an earlier message of the batch has does not go to the function: it
+// is done once that one's effect commits, and deferred when it does not.
+// What the function's result does to its messages is [BatchFunc]'s
+// contract; the duplicates keep their outcomes whatever it returns. The
+// failures of the database and the conflicts are handled as for one
+// message (below), for the whole transaction; a failed BEGIN or key
+// statement counts a store error for each message of the batch.
 //
 // Each key's advisory lock is held until the batch's transaction ends, so
 // a batch of n keys takes n entries of PostgreSQL's shared lock table,
@@ -128,21 +116,20 @@
 // # When the database fails
 //
 // A failure of the database around the function's transaction is no fault
-// of the message: BEGIN that cannot connect, a key claim, fingerprint read
-// or COMMIT that fails for any reason but the data (a lost connection, a
-// server shutting down or out of resources, a missing table, a role
-// refused), and a function whose error came with its session gone (the
-// connection closed under it: terminated, crashed, or dropped by the
-// network). Handle returns such an error marked consumer.Unavailable: the
-// runtime uses up no attempt and never dead-letters the message for it;
-// the message waits in place with a growing backoff until the database
-// answers. The function's own errors go to the runtime unchanged, a failed
-// statement of its own or a statement timeout included, and so does a
-// network error from anything else it calls: only the state of the
-// transaction's connection tells, not the type of the error. A function
-// that returns nil after one of its statements failed (which aborts the
-// transaction) fails too, with an error saying so: its transaction cannot
-// commit, and that is not the database's fault.
+// of the message: a BEGIN, key claim, fingerprint read or COMMIT that fails
+// for any reason but the data (no connection, a lost one, a server shutting
+// down or out of resources, a missing table, a role refused), and a
+// function whose error came with its session gone (terminated, crashed, or
+// dropped by the network). Handle returns such an error marked
+// consumer.Unavailable: the runtime uses up no attempt and never
+// dead-letters the message for it; the message waits in place with a
+// growing backoff until the database answers. The function's own errors go
+// to the runtime unchanged, a failed statement or a statement timeout
+// included, and so does a network error from anything else it calls: only
+// the state of the transaction's connection tells, not the type of the
+// error. A function that returns nil after one of its statements failed
+// (which aborts the transaction) fails too, with an error saying so: its
+// transaction cannot commit, and that is not the database's fault.
 //
 // # Connections that vanish
 //

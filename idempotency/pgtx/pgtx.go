@@ -145,18 +145,14 @@ func WithTxOptions(o pgx.TxOptions) Option {
 }
 
 // WithConflictRetries sets how many times a transaction that PostgreSQL
-// aborted with a serialization failure (SQLSTATE 40001, which REPEATABLE
-// READ and SERIALIZABLE raise when transactions overlap) or a deadlock
-// (40P01) is run again, key claim and function both, in a new transaction,
-// after a short randomized pause, before Handle returns the error. Such an
-// abort says nothing about the message: returned at once, it would use up
-// one of the runtime's attempts and wait its backoff, and under contention
-// could send a good message to the dead-letter destination. Once the retries
-// are spent, the error goes to the runtime as any other, so a conflict that
-// never clears ends where a failing handler does. The function must
-// therefore be safe to run again, which it is if every change it makes goes
-// through tx. An error marked consumer.Permanent is never run again.
-// Default 3; 0 turns this off; at most 100.
+// aborted with a serialization failure (SQLSTATE 40001) or a deadlock
+// (40P01) is run again, key claim and function both, before Handle returns
+// the error (see the package documentation, section Conflicts). Returned
+// at once, such an abort would use up one of the runtime's attempts and,
+// under contention, could dead-letter a good message. The function must be
+// safe to run again, which it is if every change it makes goes through tx.
+// An error marked consumer.Permanent is never run again. Default 3; 0 turns
+// this off; at most 100.
 func WithConflictRetries(n int) Option {
 	return func(c *config) error {
 		if n < 0 || n > maxConflictRetries {
@@ -292,17 +288,9 @@ WHERE key IN (
 
 // Handle implements consumer.Handler.
 func (h *Handler) Handle(ctx context.Context, m *consumer.Message) error {
-	key := h.cfg.keyFunc(m)
-	if key == "" {
-		h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
-		return consumer.Permanent(idempotency.ErrNoKey)
-	}
-	var fp string
-	if h.cfg.fingerprint != nil {
-		fp = h.cfg.fingerprint(m)
-	}
-	if err := pgsql.CheckText(key, fp); err != nil {
-		return consumer.Permanent(fmt.Errorf("pgtx: %w", err))
+	key, fp, err := h.keyOf(ctx, m)
+	if err != nil {
+		return err
 	}
 	for run := 1; ; run++ {
 		err := h.handleOnce(ctx, m, key, fp)
@@ -310,6 +298,22 @@ func (h *Handler) Handle(ctx context.Context, m *consumer.Message) error {
 			return err
 		}
 	}
+}
+
+// keyOf reads m's key and fingerprint, or fails m, permanently, when it has
+// no key PostgreSQL can store.
+func (h *base) keyOf(ctx context.Context, m *consumer.Message) (key, fp string, err error) {
+	if key = h.cfg.keyFunc(m); key == "" {
+		h.m.MissingKeys.Add(ctx, 1, h.m.Plain)
+		return "", "", consumer.Permanent(idempotency.ErrNoKey)
+	}
+	if h.cfg.fingerprint != nil {
+		fp = h.cfg.fingerprint(m)
+	}
+	if err := pgsql.CheckText(key, fp); err != nil {
+		return "", "", consumer.Permanent(fmt.Errorf("pgtx: %w", err))
+	}
+	return key, fp, nil
 }
 
 // runAgain reports whether a transaction that failed with err on its run
@@ -341,74 +345,57 @@ func (h *Handler) handleOnce(ctx context.Context, m *consumer.Message, key, fp s
 	tx, err := h.db.BeginTx(ctx, h.cfg.txOptions)
 	if err != nil {
 		// BEGIN is where an unreachable database shows first.
-		return h.ownFailure(ctx, fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err))
+		return h.ownFailures(ctx, 1, fmt.Errorf("pgtx: begin transaction for key %q: %w", key, err))
 	}
-	committed := false
-	defer func() {
-		if !committed { // also on a panic in fn
-			rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			_ = tx.Rollback(rctx)
-			done()
-		}
-	}()
+	defer rollback(ctx, tx)
 
 	var held, inserted, done bool
 	if err := tx.QueryRow(ctx, h.claimSQL, key, fp, h.cfg.table.Quoted).Scan(&held, &inserted, &done); err != nil {
-		return h.ownFailure(ctx, fmt.Errorf("pgtx: record key %q: %w", key, err))
+		return h.ownFailures(ctx, 1, fmt.Errorf("pgtx: record key %q: %w", key, err))
 	}
 	if !held && !done {
-		h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
-		return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
+		return h.overlapping(ctx, key)
 	}
 	if !inserted {
 		if fp != "" {
 			var old string
 			if err := tx.QueryRow(ctx, h.fingerprintSQL, key).Scan(&old); err != nil {
-				return h.ownFailure(ctx, fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err))
+				return h.ownFailures(ctx, 1, fmt.Errorf("pgtx: read fingerprint of key %q: %w", key, err))
 			}
 			if old != "" && old != fp {
-				h.m.Mismatches.Add(ctx, 1, h.m.Plain)
-				return consumer.Permanent(fmt.Errorf("%w (key %q)", idempotency.ErrFingerprintMismatch, key))
+				return h.mismatch(ctx, key, "")
 			}
 		}
 		h.m.Duplicates.Add(ctx, 1, h.m.Sequential)
 		return nil
 	}
 
-	if err := h.fn(ctx, tx, m); err != nil {
-		if ctx.Err() == nil && !isConflict(err) && !consumer.IsPermanent(err) && connectionLost(tx, err) {
-			return consumer.Unavailable(fmt.Errorf("pgtx: key %q: the connection to the database was lost while the function ran: %w", key, err))
-		}
-		return err
-	}
-	if aborted(tx) {
-		return errAbortedTx
+	if err := h.fn(ctx, tx, m); err != nil || aborted(tx) {
+		return funcError(ctx, tx, err, fmt.Sprintf("key %q", key))
 	}
 	if err := tx.Commit(ctx); err != nil {
 		// If the commit did happen and only its reply was lost, the
 		// retry finds the key and is skipped.
-		err = fmt.Errorf("pgtx: commit key %q: %w", key, err)
-		if ctx.Err() == nil && !isConflict(err) && ownStatementFailed(err) {
-			return consumer.Unavailable(err)
-		}
-		return err
+		return ownStatementError(ctx, fmt.Errorf("pgtx: commit key %q: %w", key, err))
 	}
-	committed = true
 	return nil
 }
 
-// ownFailure is what a failed BEGIN, claim or fingerprint read returns: the
-// error marked consumer.Unavailable when the database failed (see
-// ownStatementFailed), and counted as a store error with op "claim", as the
-// middleware counts a failed Claim. A conflict is left to Handle to run
-// again, and a delivery whose own context ended is none of the database's
-// doing: neither is counted or marked.
-func (h *base) ownFailure(ctx context.Context, err error) error {
-	return h.ownFailures(ctx, 1, err)
+// rollback ends tx unless it committed (a no-op then), on a context of its
+// own: the delivery's may be done. Deferred, it also runs on a panic in the
+// function.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, done := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer done()
+	_ = tx.Rollback(rctx)
 }
 
-// ownFailures is ownFailure for a transaction of n keys: the store error
-// is counted for each, as n failed claims.
+// ownFailures is what a failed BEGIN, claim or fingerprint read of a
+// transaction of n keys returns: the error marked consumer.Unavailable when
+// the database failed (see ownStatementFailed), and counted as n store
+// errors with op "claim", as the middleware counts failed Claims. A
+// conflict is left to be run again, and a delivery whose own context ended
+// is none of the database's doing: neither is counted or marked.
 func (h *base) ownFailures(ctx context.Context, n int, err error) error {
 	if ctx.Err() != nil || isConflict(err) {
 		return err
@@ -421,21 +408,7 @@ func (h *base) ownFailures(ctx context.Context, n int, err error) error {
 }
 
 // DDL returns the statements CreateSchema runs, for a migration tool.
-func (h *Handler) DDL() []string { return h.ddl() }
-
-// CreateSchema creates the processed-keys table and its index if they do not
-// exist.
-func (h *Handler) CreateSchema(ctx context.Context) error { return h.createSchema(ctx) }
-
-// Cleanup deletes keys processed more than retention ago, batch rows per
-// statement, and returns how many it deleted. A message redelivered after
-// its key was deleted is processed again: keep retention longer than the
-// broker can redeliver.
-func (h *Handler) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
-	return h.cleanup(ctx, retention, batch)
-}
-
-func (h *base) ddl() []string {
+func (h *base) DDL() []string {
 	t := h.cfg.table
 	return []string{
 		`CREATE TABLE IF NOT EXISTS ` + t.Quoted + ` (
@@ -447,8 +420,10 @@ func (h *base) ddl() []string {
 	}
 }
 
-func (h *base) createSchema(ctx context.Context) error {
-	for _, q := range h.ddl() {
+// CreateSchema creates the processed-keys table and its index if they do not
+// exist.
+func (h *base) CreateSchema(ctx context.Context) error {
+	for _, q := range h.DDL() {
 		if _, err := h.db.Exec(ctx, q); err != nil {
 			return fmt.Errorf("pgtx: create schema: %w", err)
 		}
@@ -456,7 +431,11 @@ func (h *base) createSchema(ctx context.Context) error {
 	return nil
 }
 
-func (h *base) cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
+// Cleanup deletes keys processed more than retention ago, batch rows per
+// statement, and returns how many it deleted. A message redelivered after
+// its key was deleted is processed again: keep retention longer than the
+// broker can redeliver.
+func (h *base) Cleanup(ctx context.Context, retention time.Duration, batch int) (int64, error) {
 	if retention <= 0 {
 		return 0, fmt.Errorf("pgtx: Cleanup retention %v: must be positive", retention)
 	}
@@ -474,4 +453,18 @@ func (h *base) cleanup(ctx context.Context, retention time.Duration, batch int) 
 			return total, nil
 		}
 	}
+}
+
+// overlapping counts an overlapping duplicate of key and returns its
+// outcome.
+func (h *base) overlapping(ctx context.Context, key string) error {
+	h.m.Duplicates.Add(ctx, 1, h.m.Overlapping)
+	return consumer.Defer(fmt.Errorf("%w (key %q)", idempotency.ErrInProgressElsewhere, key), h.cfg.overlapDelay)
+}
+
+// mismatch counts a fingerprint mismatch of key and returns its outcome;
+// more is added to the key in the error.
+func (h *base) mismatch(ctx context.Context, key, more string) error {
+	h.m.Mismatches.Add(ctx, 1, h.m.Plain)
+	return consumer.Permanent(fmt.Errorf("%w (key %q%s)", idempotency.ErrFingerprintMismatch, key, more))
 }

@@ -1,9 +1,5 @@
-// Package redisstore is an idempotency.Store in Redis (go-redis v9), shared
-// by every consumer that connects to the same Redis.
-//
-// [New] checks that Redis answers and accepts the claim command, so a wrong
-// address, missing credentials or a server older than 7.0 fail there, with
-// what to check, instead of at the first message.
+// Package redisstore is an idempotency.Store in Redis 7.0 or later (go-redis
+// v9), shared by every consumer that connects to the same Redis.
 //
 // # Records
 //
@@ -16,10 +12,10 @@
 //
 // # Operations and cost
 //
-//   - Claim is one SET key value NX PX lease GET: it creates the claim when
-//     the key is absent (or expired) and otherwise returns the record that
-//     holds it, atomically, in one round trip. It needs Redis 7.0 or later
-//     (NX and GET together).
+//   - Claim is one SET key value NX PX lease GET (NX and GET together need
+//     Redis 7.0): it creates the claim when the key is absent (or expired)
+//     and otherwise returns the record that holds it, atomically, in one
+//     round trip.
 //   - Complete, Release and Extend are each one Lua script that compares the
 //     token before changing anything (EVALSHA, one round trip).
 //

@@ -48,11 +48,10 @@ func WithPrefix(p string) Option {
 }
 
 // New returns a Store that keeps its records in c. It checks that Redis
-// answers (PING) and accepts the claim command, which needs Redis 7.0 or
-// later (SET with both NX and GET), so that a wrong address, a missing
-// password or an old server fails here, with what to do, rather than leave
-// every message waiting on a store that cannot serve it. ctx bounds those
-// two round trips only.
+// answers (PING) and accepts the claim command (SET with both NX and GET,
+// Redis 7.0 or later), so that a wrong address, a missing password or an
+// old server fails here, saying what to do, rather than leave every message
+// waiting on a store that cannot serve it. ctx bounds those two round trips.
 func New(ctx context.Context, c Client, opts ...Option) (*Store, error) {
 	if c == nil {
 		return nil, errors.New("redisstore: New(nil): pass a go-redis client")
@@ -69,8 +68,8 @@ func New(ctx context.Context, c Client, opts ...Option) (*Store, error) {
 	return s, nil
 }
 
-// check makes sure Redis answers and understands the claim: a SET with NX
-// and GET on a probe key of the store's own, which expires at once.
+// check sends PING, and a claim on a probe key of the store's own, which
+// expires at once.
 func (s *Store) check(ctx context.Context) error {
 	if err := s.c.Ping(ctx).Err(); err != nil {
 		return fmt.Errorf("redisstore: New: Redis%s does not answer PING; check the address, the credentials and that the server runs: %w", where(s.c), err)

@@ -17,10 +17,7 @@ import (
 // method of the same name would have it, whatever the other entries of the
 // call. Run the Store suite (Run) as well.
 func RunBatch(t *testing.T, newStore func(t *testing.T) idempotency.BatchStore) {
-	tests := []struct {
-		name string
-		fn   func(t *testing.T, s idempotency.BatchStore)
-	}{
+	runTests(t, newStore, []test[idempotency.BatchStore]{
 		{"ClaimBatchAnswersEachKeyAsClaim", testClaimBatch},
 		{"CompleteReleaseExtendBatchTakeEachClaimAlone", testHeldBatch},
 		{"ExtendBatchMovesExpiryFromNow", testExtendBatch},
@@ -28,12 +25,7 @@ func RunBatch(t *testing.T, newStore func(t *testing.T) idempotency.BatchStore) 
 		{"ConcurrentOverlappingBatchesHaveOneWinnerPerKey", testConcurrentBatches},
 		{"FailedCallFailsEveryEntry", testFailedBatchCall},
 		{"NonPositiveDurationsAreRejected", testBatchDurations},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			tc.fn(t, newStore(t))
-		})
-	}
+	})
 }
 
 // keys returns n keys unique to this test run.
@@ -52,18 +44,14 @@ func testClaimBatch(t *testing.T, s idempotency.BatchStore) {
 	// and run out; k[4] completed for another payload; k[5] completed for
 	// the same payload; k[6] absent, with a fingerprint.
 	mustAcquire(t, s, k[1], long)
-	if err := s.Complete(ctx, k[2], mustAcquire(t, s, k[2], long), long); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
+	mustOK(t, "Complete", s.Complete(ctx, k[2], mustAcquire(t, s, k[2], long), long))
 	mustAcquire(t, s, k[3], short)
 	for _, i := range []int{4, 5} {
 		st, tok := claim(t, s, k[i], "fp-a", long)
 		if st != idempotency.Acquired {
 			t.Fatalf("Claim = %v, want acquired", st)
 		}
-		if err := s.Complete(ctx, k[i], tok, long); err != nil {
-			t.Fatalf("Complete: %v", err)
-		}
+		mustOK(t, "Complete", s.Complete(ctx, k[i], tok, long))
 	}
 	time.Sleep(2 * short) // only ever longer than asked: k[3]'s claim has run out
 
@@ -94,9 +82,7 @@ func testClaimBatch(t *testing.T, s idempotency.BatchStore) {
 	if _, _, err := s.Claim(ctx, k[6], "fp-d", long); !errors.Is(err, idempotency.ErrFingerprintMismatch) {
 		t.Fatalf("Claim of a key claimed in a batch with another fingerprint = %v, want ErrFingerprintMismatch: the batch lost the fingerprint", err)
 	}
-	if err := s.Complete(ctx, k[0], res[0].Token, long); err != nil {
-		t.Fatalf("Complete of a key claimed in a batch: %v", err)
-	}
+	mustOK(t, "Complete of a key claimed in a batch", s.Complete(ctx, k[0], res[0].Token, long))
 	mustState(t, s, k[0], idempotency.Completed)
 }
 
@@ -137,9 +123,7 @@ func testHeldBatch(t *testing.T, s idempotency.BatchStore) {
 	}
 	mustStale(t, "ExtendBatch entry with a wrong token", errs[1])
 	mustStale(t, "ExtendBatch entry of a completed key", errs[2])
-	if err := s.Complete(ctx, k[3], toks[3], long); err != nil {
-		t.Fatalf("Complete of a claim another entry of a batch named with a wrong token: %v", err)
-	}
+	mustOK(t, "Complete of a claim another entry of a batch named with a wrong token", s.Complete(ctx, k[3], toks[3], long))
 }
 
 func testExtendBatch(t *testing.T, s idempotency.BatchStore) {

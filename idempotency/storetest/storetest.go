@@ -46,10 +46,7 @@ func Key(t testing.TB) string {
 
 // Run runs the contract suite against the stores newStore returns.
 func Run(t *testing.T, newStore func(t *testing.T) idempotency.Store) {
-	tests := []struct {
-		name string
-		fn   func(t *testing.T, s idempotency.Store)
-	}{
+	runTests(t, newStore, []test[idempotency.Store]{
 		{"ClaimOfAbsentKeyIsAcquired", testClaimAbsent},
 		{"SecondClaimIsInProgressElsewhere", testSecondClaim},
 		{"CompletedKeyIsCompleted", testCompleted},
@@ -65,7 +62,17 @@ func Run(t *testing.T, newStore func(t *testing.T) idempotency.Store) {
 		{"ConcurrentTakeoversHaveOneWinner", testConcurrentTakeover},
 		{"NonPositiveDurationsAreRejected", testDurations},
 		{"KeysAreIndependent", testIndependent},
-	}
+	})
+}
+
+// test is one subtest of a suite run against stores of type S.
+type test[S any] struct {
+	name string
+	fn   func(t *testing.T, s S)
+}
+
+// runTests runs each test against a store newStore returns for it.
+func runTests[S any](t *testing.T, newStore func(t *testing.T) S, tests []test[S]) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			tc.fn(t, newStore(t))
@@ -102,6 +109,13 @@ func mustAcquire(t *testing.T, s idempotency.Store, key string, lease time.Durat
 		t.Fatalf("Claim(%q) = %v, want acquired", key, st)
 	}
 	return tok
+}
+
+func mustOK(t *testing.T, what string, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
 }
 
 func mustStale(t *testing.T, what string, err error) {
@@ -143,9 +157,7 @@ func testCompleted(t *testing.T, s idempotency.Store) {
 	ctx := context.Background()
 	key := Key(t)
 	tok := mustAcquire(t, s, key, long)
-	if err := s.Complete(ctx, key, tok, long); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
+	mustOK(t, "Complete", s.Complete(ctx, key, tok, long))
 	mustState(t, s, key, idempotency.Completed)
 	mustState(t, s, key, idempotency.Completed)
 }
@@ -154,9 +166,7 @@ func testRelease(t *testing.T, s idempotency.Store) {
 	ctx := context.Background()
 	key := Key(t)
 	tok := mustAcquire(t, s, key, long)
-	if err := s.Release(ctx, key, tok); err != nil {
-		t.Fatalf("Release: %v", err)
-	}
+	mustOK(t, "Release", s.Release(ctx, key, tok))
 	tok2 := mustAcquire(t, s, key, long)
 	if tok2 == tok {
 		t.Fatalf("a new claim reused token %q", tok)
@@ -175,9 +185,7 @@ func testWrongToken(t *testing.T, s idempotency.Store) {
 	mustStale(t, "Release with a wrong token", s.Release(ctx, key, wrong))
 	mustStale(t, "Extend with a wrong token", s.Extend(ctx, key, wrong, long))
 	mustState(t, s, key, idempotency.InProgressElsewhere)
-	if err := s.Complete(ctx, key, tok, long); err != nil {
-		t.Fatalf("Complete with the right token after wrong ones: %v", err)
-	}
+	mustOK(t, "Complete with the right token after wrong ones", s.Complete(ctx, key, tok, long))
 	mustState(t, s, key, idempotency.Completed)
 
 	absent := Key(t)
@@ -191,12 +199,8 @@ func testAfterComplete(t *testing.T, s idempotency.Store) {
 	ctx := context.Background()
 	key := Key(t)
 	tok := mustAcquire(t, s, key, long)
-	if err := s.Complete(ctx, key, tok, long); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
-	if err := s.Complete(ctx, key, tok, long); err != nil {
-		t.Fatalf("repeated Complete with the same token = %v, want nil", err)
-	}
+	mustOK(t, "Complete", s.Complete(ctx, key, tok, long))
+	mustOK(t, "repeated Complete with the same token", s.Complete(ctx, key, tok, long))
 	mustStale(t, "Release after Complete", s.Release(ctx, key, tok))
 	mustStale(t, "Extend after Complete", s.Extend(ctx, key, tok, long))
 	mustState(t, s, key, idempotency.Completed)
@@ -214,12 +218,8 @@ func testTakeover(t *testing.T, s idempotency.Store) {
 	mustStale(t, "Extend by the stale holder", s.Extend(ctx, key, stale, long))
 	mustStale(t, "Release by the stale holder", s.Release(ctx, key, stale))
 	mustState(t, s, key, idempotency.InProgressElsewhere)
-	if err := s.Extend(ctx, key, fresh, long); err != nil {
-		t.Fatalf("Extend by the new holder: %v", err)
-	}
-	if err := s.Complete(ctx, key, fresh, long); err != nil {
-		t.Fatalf("Complete by the new holder: %v", err)
-	}
+	mustOK(t, "Extend by the new holder", s.Extend(ctx, key, fresh, long))
+	mustOK(t, "Complete by the new holder", s.Complete(ctx, key, fresh, long))
 	mustState(t, s, key, idempotency.Completed)
 }
 
@@ -240,9 +240,7 @@ func testExtend(t *testing.T, s idempotency.Store) {
 	// extended by a short lease expires soon.
 	key := Key(t)
 	tok := mustAcquire(t, s, key, long)
-	if err := s.Extend(ctx, key, tok, short); err != nil {
-		t.Fatalf("Extend: %v", err)
-	}
+	mustOK(t, "Extend", s.Extend(ctx, key, tok, short))
 	awaitAcquire(t, s, key, long)
 
 	// Lengthening: a short claim extended to a long lease outlives its
@@ -260,9 +258,7 @@ func testExtend(t *testing.T, s idempotency.Store) {
 		}
 		time.Sleep(time.Second)
 		mustState(t, s, key, idempotency.InProgressElsewhere)
-		if err := s.Complete(ctx, key, tok, long); err != nil {
-			t.Fatalf("Complete after Extend: %v", err)
-		}
+		mustOK(t, "Complete after Extend", s.Complete(ctx, key, tok, long))
 		return
 	}
 }
@@ -271,9 +267,7 @@ func testRetention(t *testing.T, s idempotency.Store) {
 	ctx := context.Background()
 	key := Key(t)
 	tok := mustAcquire(t, s, key, long)
-	if err := s.Complete(ctx, key, tok, short); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
+	mustOK(t, "Complete", s.Complete(ctx, key, tok, short))
 	awaitAcquire(t, s, key, long)
 }
 
@@ -298,9 +292,7 @@ func testFingerprint(t *testing.T, s idempotency.Store) {
 	if st, _ := claim(t, s, key, "", long); st != idempotency.InProgressElsewhere {
 		t.Fatalf("Claim without fingerprint = %v, want in progress elsewhere", st)
 	}
-	if err := s.Complete(ctx, key, tok, long); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
+	mustOK(t, "Complete", s.Complete(ctx, key, tok, long))
 	mismatch("after completion")
 	if st, _ := claim(t, s, key, "fp-a", long); st != idempotency.Completed {
 		t.Fatalf("Claim with the same fingerprint = %v, want completed", st)
@@ -384,9 +376,7 @@ func testIndependent(t *testing.T, s idempotency.Store) {
 	ta := mustAcquire(t, s, a, long)
 	tb := mustAcquire(t, s, b, long)
 	mustStale(t, "Complete of one key with another key's token", s.Complete(ctx, a, tb, long))
-	if err := s.Complete(ctx, a, ta, long); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
+	mustOK(t, "Complete", s.Complete(ctx, a, ta, long))
 	mustState(t, s, a, idempotency.Completed)
 	mustState(t, s, b, idempotency.InProgressElsewhere)
 }
@@ -394,18 +384,12 @@ func testIndependent(t *testing.T, s idempotency.Store) {
 // BenchmarkClaimComplete measures one Claim and one Complete of a fresh key,
 // the work the middleware adds to every first delivery.
 func BenchmarkClaimComplete(b *testing.B, s idempotency.Store) {
-	ctx := context.Background()
 	prefix := Key(b)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := range b.N {
-		key := prefix + "/" + fmt.Sprint(i)
-		st, tok, err := s.Claim(ctx, key, "", time.Minute)
-		if err != nil || st != idempotency.Acquired {
-			b.Fatalf("Claim = %v, %v", st, err)
-		}
-		if err := s.Complete(ctx, key, tok, time.Minute); err != nil {
-			b.Fatalf("Complete: %v", err)
+		if !claimComplete(b, s, prefix+"/"+fmt.Sprint(i)) {
+			return
 		}
 	}
 }
@@ -414,7 +398,6 @@ func BenchmarkClaimComplete(b *testing.B, s idempotency.Store) {
 // GOMAXPROCS×parallelism goroutines at once, for throughput under
 // concurrency.
 func BenchmarkClaimCompleteParallel(b *testing.B, s idempotency.Store, parallelism int) {
-	ctx := context.Background()
 	prefix := Key(b)
 	var n atomic.Uint64
 	b.ReportAllocs()
@@ -422,16 +405,25 @@ func BenchmarkClaimCompleteParallel(b *testing.B, s idempotency.Store, paralleli
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			key := prefix + "/" + fmt.Sprint(n.Add(1))
-			st, tok, err := s.Claim(ctx, key, "", time.Minute)
-			if err != nil || st != idempotency.Acquired {
-				b.Errorf("Claim = %v, %v", st, err)
-				return
-			}
-			if err := s.Complete(ctx, key, tok, time.Minute); err != nil {
-				b.Errorf("Complete: %v", err)
+			if !claimComplete(b, s, prefix+"/"+fmt.Sprint(n.Add(1))) {
 				return
 			}
 		}
 	})
+}
+
+// claimComplete claims and completes key, and reports whether both
+// succeeded.
+func claimComplete(b *testing.B, s idempotency.Store, key string) bool {
+	ctx := context.Background()
+	st, tok, err := s.Claim(ctx, key, "", time.Minute)
+	if err != nil || st != idempotency.Acquired {
+		b.Errorf("Claim = %v, %v", st, err)
+		return false
+	}
+	if err := s.Complete(ctx, key, tok, time.Minute); err != nil {
+		b.Errorf("Complete: %v", err)
+		return false
+	}
+	return true
 }
