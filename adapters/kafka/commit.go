@@ -62,12 +62,12 @@ func (s *Source) commitLoop() {
 	}
 }
 
-// noteMarkedLocked tells the commit loop that records were marked done.
-// Called under s.mu; it never blocks.
-func (s *Source) noteMarkedLocked() {
+// notify signals ch without blocking: a signal pending already stands for
+// this one too.
+func notify(ch chan struct{}) {
 	select {
-	case s.marked <- struct{}{}:
-	default: // a note is pending: the commit it starts takes these too
+	case ch <- struct{}{}:
+	default:
 	}
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -46,30 +45,16 @@ func NewDeadLetter(ctx context.Context, topic string, opts ...Option) (*DeadLett
 	if topic == "" {
 		return nil, errors.New("kafka: NewDeadLetter: the topic must not be empty")
 	}
-	cfg, err := apply(opts)
+	cfg, err := clientConfig("NewDeadLetter", opts)
 	if err != nil {
 		return nil, err
 	}
-	if len(cfg.sourceOnly) > 0 {
-		return nil, fmt.Errorf("kafka: NewDeadLetter: %s only apply to a Source", strings.Join(cfg.sourceOnly, ", "))
-	}
-	if err := cfg.validateClient(); err != nil {
-		return nil, err
-	}
-	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "dead-letter sink of topic "+topic)),
-		kgo.SeedBrokers(cfg.brokers...),
+	cl, err := cfg.connect(ctx, "NewDeadLetter: ", cfg.kgoOpts("dead-letter sink of topic "+topic,
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
-	)
-	cl, err := cfg.factory(kopts...)
+	))
 	if err != nil {
-		return nil, fmt.Errorf("kafka: creating the dead-letter client: %w", err)
-	}
-	if err := cl.Ping(ctx); err != nil {
-		cl.Close()
-		return nil, fmt.Errorf("kafka: NewDeadLetter: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
+		return nil, err
 	}
 	if err := checkTopic(ctx, cl, topic); err != nil {
 		cl.Close()

@@ -1,9 +1,11 @@
 package kafka
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -416,4 +418,40 @@ func (c *config) validateClient() error {
 		c.logger = slog.Default()
 	}
 	return nil
+}
+
+// clientConfig returns the configuration opts make for a client that is not
+// a Source's (fn names the constructor): Source-only options are refused.
+func clientConfig(fn string, opts []Option) (config, error) {
+	cfg, err := apply(opts)
+	if err != nil {
+		return cfg, err
+	}
+	if len(cfg.sourceOnly) > 0 {
+		return cfg, fmt.Errorf("kafka: %s: %s only apply to a Source", fn, strings.Join(cfg.sourceOnly, ", "))
+	}
+	return cfg, cfg.validateClient()
+}
+
+// kgoOpts returns the caller's client options, then a connection log naming
+// the client (what), the seed brokers and extra, which override the
+// caller's.
+func (c *config) kgoOpts(what string, extra ...kgo.Opt) []kgo.Opt {
+	opts := append([]kgo.Opt(nil), c.clientOpts...)
+	opts = append(opts, kgo.WithHooks(newConnLog(c.logger, what)), kgo.SeedBrokers(c.brokers...))
+	return append(opts, extra...)
+}
+
+// connect builds a client with opts and reaches the cluster within ctx. Its
+// errors start with "kafka: " and fn.
+func (c *config) connect(ctx context.Context, fn string, opts []kgo.Opt) (*kgo.Client, error) {
+	cl, err := c.factory(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: %screating the client: %w", fn, err)
+	}
+	if err := cl.Ping(ctx); err != nil {
+		cl.Close()
+		return nil, fmt.Errorf("kafka: %sreaching the brokers %s: %w", fn, strings.Join(c.brokers, ", "), err)
+	}
+	return cl, nil
 }

@@ -88,10 +88,7 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 	}
 	s.mu.Unlock()
 	if recalled {
-		select {
-		case s.recalls <- struct{}{}:
-		default: // a signal is pending: the runtime looks at them all
-		}
+		notify(s.recalls) // the runtime looks at every delivery recalled
 	}
 	// Paused partitions stay paused across rebalances in franz-go: a
 	// partition paused now and assigned back later would never be fetched.
@@ -176,10 +173,7 @@ func (s *Source) fenceLocked(ps []*partition) []*held {
 		s.tel.forget(p)
 	}
 	s.rebuildOrderLocked()
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
+	notify(s.wake)
 	return lose
 }
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -85,31 +84,16 @@ func NewReplay(ctx context.Context, topic string, opts ...Option) (*Replay, erro
 	if topic == "" {
 		return nil, errors.New("kafka: NewReplay: the dead-letter topic must not be empty")
 	}
-	cfg, err := apply(opts)
+	cfg, err := clientConfig("NewReplay", opts)
 	if err != nil {
-		return nil, err
-	}
-	if len(cfg.sourceOnly) > 0 {
-		return nil, fmt.Errorf("kafka: NewReplay: %s only apply to a Source", strings.Join(cfg.sourceOnly, ", "))
-	}
-	if err := cfg.validateClient(); err != nil {
 		return nil, err
 	}
 	if cfg.group == "" {
 		return nil, errors.New("kafka: NewReplay: WithGroup is required: name the replay group, whose offsets on the dead-letter topic record what was replayed (not the group of the consumer that dead-lettered the records)")
 	}
-	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "dead-letter replay of topic "+topic)),
-		kgo.SeedBrokers(cfg.brokers...),
-	)
-	cl, err := cfg.factory(kopts...)
+	cl, err := cfg.connect(ctx, "NewReplay: ", cfg.kgoOpts("dead-letter replay of topic "+topic))
 	if err != nil {
-		return nil, fmt.Errorf("kafka: NewReplay: creating the client: %w", err)
-	}
-	if err := cl.Ping(ctx); err != nil {
-		cl.Close()
-		return nil, fmt.Errorf("kafka: NewReplay: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
+		return nil, err
 	}
 	if err := checkTopic(ctx, cl, topic); err != nil {
 		cl.Close()
@@ -146,15 +130,11 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 	for part, sp := range plan {
 		from[part] = kgo.NewOffset().At(sp.from)
 	}
-	kopts := append([]kgo.Opt(nil), r.cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(r.cfg.logger, "dead-letter listing of topic "+r.topic)),
-		kgo.SeedBrokers(r.cfg.brokers...),
+	cl, err := r.cfg.factory(r.cfg.kgoOpts("dead-letter listing of topic "+r.topic,
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{r.topic: from}),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.KeepControlRecords(),
-	)
-	cl, err := r.cfg.factory(kopts...)
+	)...)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: Replay.List: creating the client: %w", err)
 	}
@@ -279,10 +259,7 @@ type replayRun struct {
 
 func (run *replayRun) do(ctx context.Context) error {
 	r := run.r
-	kopts := append([]kgo.Opt(nil), r.cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(r.cfg.logger, "dead-letter replay of topic "+r.topic)),
-		kgo.SeedBrokers(r.cfg.brokers...),
+	sess, err := kgo.NewGroupTransactSession(r.cfg.kgoOpts("dead-letter replay of topic "+r.topic,
 		kgo.TransactionalID(r.txnID),
 		kgo.ConsumerGroup(r.group),
 		kgo.ConsumeTopics(r.topic),
@@ -291,8 +268,7 @@ func (run *replayRun) do(ctx context.Context) error {
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
-	)
-	sess, err := kgo.NewGroupTransactSession(kopts...)
+	)...)
 	if err != nil {
 		return fmt.Errorf("creating the transactional client: %w", err)
 	}

@@ -57,10 +57,7 @@ func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *pa
 	s.parts[tpKey{p.topic, p.id}] = np
 	s.rebuildOrderLocked()
 	// Until then the group's commit may still point past the replaced
-	// records; do not wait for the interval (nor block this poll).
-	select {
-	case s.commitSoon <- struct{}{}:
-	default:
-	}
+	// records; do not wait for the interval.
+	notify(s.commitSoon)
 	return np, from, lose
 }

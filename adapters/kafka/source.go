@@ -80,7 +80,7 @@ type Source struct {
 	// commitSoon asks the commit loop to commit before its next tick.
 	commitSoon chan struct{}
 	// marked tells the commit loop that records were marked done: it
-	// commits them a linger later (see noteMarkedLocked).
+	// commits them a linger later.
 	marked chan struct{}
 	// recalls is signalled when a revoke recalled deliveries (see Recalls).
 	recalls  chan struct{}
@@ -138,10 +138,8 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		return nil, fmt.Errorf("kafka: telemetry: %w", err)
 	}
 	s.tel = tel
-	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "source of group "+cfg.group), s.conn),
-		kgo.SeedBrokers(cfg.brokers...),
+	cl, err := cfg.connect(ctx, "", cfg.kgoOpts("source of group "+cfg.group,
+		kgo.WithHooks(s.conn),
 		kgo.ConsumerGroup(cfg.group),
 		kgo.ConsumeTopics(cfg.topics...),
 		kgo.DisableAutoCommit(),
@@ -159,16 +157,10 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		// produces through this client, as one made alone would.
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
-	)
-	cl, err := cfg.factory(kopts...)
+	))
 	if err != nil {
 		tel.close()
-		return nil, fmt.Errorf("kafka: creating the client: %w", err)
-	}
-	if err := cl.Ping(ctx); err != nil {
-		cl.Close()
-		tel.close()
-		return nil, fmt.Errorf("kafka: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
+		return nil, err
 	}
 	s.cl = cl
 	s.readCommitted = readsCommitted(cl)
@@ -567,12 +559,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 // newHeld builds the delivery for r. Called under s.mu (it uses s.slab and
 // s.strs).
 func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
-	if len(s.slab) == 0 {
-		s.slab = make([]held, heldSlab)
-	}
-	h := &s.slab[0]
-	s.slab = s.slab[1:]
-	h.p, h.slot = p, -1
+	h := s.allocHeldLocked(p)
 	d := &h.d
 	d.Signal = &h.sig
 	// "topic/partition/offset"; the lane of a partition is its prefix.
@@ -619,16 +606,22 @@ func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 // reaches the redelivery. The nacked delivery stays nacked: an Ack of it
 // fails with errNacked. Called under s.mu.
 func (s *Source) redeliveryLocked(h *held) *held {
-	if len(s.slab) == 0 {
-		s.slab = make([]held, heldSlab)
-	}
-	r := &s.slab[0]
-	s.slab = s.slab[1:]
-	r.p, r.slot = h.p, -1
+	r := s.allocHeldLocked(h.p)
 	r.d = h.d
 	r.d.Signal = &r.sig
 	r.d.Handle = r
 	return r
+}
+
+// allocHeldLocked returns a held value of p, not handed out, from the slab.
+func (s *Source) allocHeldLocked(p *partition) *held {
+	if len(s.slab) == 0 {
+		s.slab = make([]held, heldSlab)
+	}
+	h := &s.slab[0]
+	s.slab = s.slab[1:]
+	h.p, h.slot = p, -1
+	return h
 }
 
 // str returns b as a string, prefixed with prefix and '/' unless prefix is
@@ -703,7 +696,7 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	for i, d := range ds {
 		h, ok := d.Handle.(*held)
 		if !ok {
-			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
+			failed = addFailure(failed, i, errForeign)
 			continue
 		}
 		p := h.p
@@ -726,7 +719,7 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 		marked = true
 	}
 	if marked {
-		s.noteMarkedLocked()
+		notify(s.marked)
 	}
 	s.settleLocked()
 	s.mu.Unlock()
@@ -749,7 +742,7 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 		h, ok := n.Delivery.Handle.(*held)
 		if !ok {
 			// Not ours: nothing here would hand it out again.
-			failed = addFailure(failed, i, errors.New("kafka: the delivery does not come from this Source"))
+			failed = addFailure(failed, i, errForeign)
 			continue
 		}
 		if h.p.fenced || h.slot < 0 {
@@ -798,18 +791,18 @@ func (s *Source) settleLocked() {
 		ready = ready || (p.backlogLen() > 0 && !s.cappedLocked(p))
 	}
 	s.released = s.released[:0]
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
+	notify(s.wake)
 	if s.pollCancel != nil && ready {
 		s.pollCancel() // records are ready now; stop waiting on the broker
 		s.pollCancel = nil
 	}
 }
 
-// errNacked fails an Ack of a record already nacked.
-var errNacked = errors.New("kafka: the record was nacked already; it is handed out again, not committed")
+var (
+	// errNacked fails an Ack of a record already nacked.
+	errNacked  = errors.New("kafka: the record was nacked already; it is handed out again, not committed")
+	errForeign = errors.New("kafka: the delivery does not come from this Source")
+)
 
 func addFailure(m map[int]error, i int, err error) map[int]error {
 	if m == nil {

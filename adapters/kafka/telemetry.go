@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"time"
 
@@ -58,25 +59,25 @@ func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry,
 	t.okAttrs = metric.WithAttributes(t.group, attribute.Bool("error", false))
 	t.badAttrs = metric.WithAttributes(t.group, attribute.Bool("error", true))
 	var err error
+	counter := func(name, unit, desc string) metric.Int64Counter {
+		c, cerr := m.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		err = errors.Join(err, cerr)
+		return c
+	}
+	t.failures = counter("custody.kafka.commit.failures", "{request}",
+		"Offset commit requests that failed in whole or in part.")
+	t.skipped = counter("custody.kafka.skipped", "{message}",
+		"Records skipped after a rebalance because the commit metadata recorded them done.")
+	t.rewinds = counter("custody.kafka.rewinds", "{rewind}",
+		"Partitions the client rewound below records already polled, after the broker lost data.")
+	t.expired = counter("custody.kafka.expired", "{message}",
+		"Offsets deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start. Offsets, not records: on a compacted topic some of them held no record.")
+	if err != nil {
+		return nil, err
+	}
 	if t.commit, err = m.Float64Histogram("custody.kafka.commit.duration",
 		metric.WithUnit("s"), metric.WithDescription("Duration of one offset commit request."),
 		metric.WithExplicitBucketBoundaries(commitBounds...)); err != nil {
-		return nil, err
-	}
-	if t.failures, err = m.Int64Counter("custody.kafka.commit.failures", metric.WithUnit("{request}"),
-		metric.WithDescription("Offset commit requests that failed in whole or in part.")); err != nil {
-		return nil, err
-	}
-	if t.skipped, err = m.Int64Counter("custody.kafka.skipped", metric.WithUnit("{message}"),
-		metric.WithDescription("Records skipped after a rebalance because the commit metadata recorded them done.")); err != nil {
-		return nil, err
-	}
-	if t.rewinds, err = m.Int64Counter("custody.kafka.rewinds", metric.WithUnit("{rewind}"),
-		metric.WithDescription("Partitions the client rewound below records already polled, after the broker lost data.")); err != nil {
-		return nil, err
-	}
-	if t.expired, err = m.Int64Counter("custody.kafka.expired", metric.WithUnit("{message}"),
-		metric.WithDescription("Offsets deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start. Offsets, not records: on a compacted topic some of them held no record.")); err != nil {
 		return nil, err
 	}
 	lag, err := m.Int64ObservableGauge("custody.kafka.lag", metric.WithUnit("{message}"),
