@@ -21,9 +21,8 @@ type Source struct {
 	tel  *telemetry
 	name string
 	conn *connWatch
-	// readCommitted is set when the client reads committed records only
-	// (kgo.FetchIsolationLevel(kgo.ReadCommitted())): lag then counts to
-	// the last stable offset.
+	// readCommitted: the client reads committed records only, and lag
+	// counts to the last stable offset.
 	readCommitted bool
 
 	mu        sync.Mutex
@@ -40,10 +39,9 @@ type Source struct {
 	// pollCancel interrupts a poll in progress so that a Receive waiting on
 	// the broker notices records that became ready in a backlog.
 	pollCancel context.CancelFunc
-	// slab hands out held values allocated heldSlab at a time: one
-	// allocation per heldSlab records instead of one each, which the
-	// runtime's per-record cost shows. A held value kept alive keeps its
-	// slab alive, heldSlab values at most.
+	// slab hands out held values allocated heldSlab at a time (one
+	// allocation per record shows in the runtime's per-record cost). A held
+	// value kept alive keeps its slab alive.
 	slab []held
 	// strs holds the bytes of the deliveries' strings (IDs, keys, ordering
 	// keys, headers), strChunk at a time. Bytes written are never changed:
@@ -52,12 +50,10 @@ type Source struct {
 	// laneCap is, by partition, the most records of one partition handed
 	// out at once (see setLaneCapLocked); 0 in the other scopes.
 	laneCap int
-	// released lists the partitions an Ack or Nack released deliveries of,
-	// for the bookkeeping done once per call (see settleLocked).
-	released []*partition
-	// intakePaused is set between Pause and Resume: the topics are paused
-	// in the client (see Pause).
-	intakePaused bool
+	// released lists the partitions an Ack or Nack released deliveries of
+	// (see settleLocked).
+	released     []*partition
+	intakePaused bool     // between Pause and Resume
 	pausedTopics []string // the topics Pause paused in the client
 	// pauseMu orders Pause and Resume, so that the client's topic pauses
 	// end as the last call left them.
@@ -68,24 +64,19 @@ type Source struct {
 	commitMu sync.Mutex
 	// pollSem lets one poll at a time run, from PollRecords to
 	// AllowRebalance: AllowRebalance releases every poll at once, so a
-	// Receive called concurrently would let a rebalance run while another
-	// poll's records are not yet booked, and they would be booked under
-	// the partition's next assignment.
+	// concurrent poll's records could be booked under the partition's next
+	// assignment.
 	pollSem chan struct{}
 
-	stopLoop chan struct{}
-	loopDone chan struct{}
-	lagDone  chan struct{} // closed when lagLoop returns
-	stopLag  context.CancelFunc
-	// commitSoon asks the commit loop to commit before its next tick.
-	commitSoon chan struct{}
-	// marked tells the commit loop that records were marked done: it
-	// commits them a linger later.
-	marked chan struct{}
-	// recalls is signalled when a revoke recalled deliveries (see Recalls).
-	recalls  chan struct{}
-	closeErr error
-	once     sync.Once
+	stopLoop   chan struct{}
+	loopDone   chan struct{}
+	lagDone    chan struct{} // closed when lagLoop returns
+	stopLag    context.CancelFunc
+	commitSoon chan struct{} // commit before the next tick
+	marked     chan struct{} // records were marked done: commit a linger later
+	recalls    chan struct{} // see Recalls
+	closeErr   error
+	once       sync.Once
 }
 
 // heldSlab is how many held values one allocation makes. Any size works:
@@ -109,8 +100,7 @@ type tpKey struct {
 // within ctx: it fails, with the cause, when none of the brokers answers (not
 // reachable, TLS or SASL refused) before ctx ends. The client joins the group
 // when the Source is first polled. Later connection trouble does not fail the
-// Source: franz-go connects again by itself, and the Source logs a broker it
-// cannot connect to and the connection back (see WithLogger).
+// Source (see the package documentation).
 func New(ctx context.Context, opts ...Option) (*Source, error) {
 	cfg, err := apply(opts)
 	if err != nil {
@@ -176,9 +166,8 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 func (s *Source) Client() *kgo.Client { return s.cl }
 
 // Recalls implements adapters.Recaller: it is signalled when a revoke
-// recalled the records of its partitions that were handed out (see
-// onRevoked), so that the runtime gives back at once those that have not
-// started.
+// recalled handed-out records (see the package documentation, section
+// Rebalances).
 func (s *Source) Recalls() <-chan struct{} { return s.recalls }
 
 // Capabilities implements adapters.Source.
@@ -206,8 +195,8 @@ func (s *Source) Receive(ctx context.Context, want int) ([]*adapters.Delivery, e
 		return nil, adapters.ErrClosed
 	}
 	if err := ctx.Err(); err != nil {
-		// Records fetched ahead wait in the backlogs, but handed out now
-		// they would start handlers after the runtime began to shut down.
+		// Handed out now, backlog records would start handlers after the
+		// runtime began to shut down.
 		s.mu.Unlock()
 		return nil, err
 	}
@@ -245,12 +234,7 @@ func (s *Source) waitForRoom(ctx context.Context, max int) ([]*adapters.Delivery
 
 // poll takes every record the client has fetched, waiting up to the poll
 // wait for some, into the partitions' backlogs, and hands out up to max.
-// Everything, not a number: a poll takes records partition by partition,
-// each as far as the client has it, so a poll of n would give a deep
-// backlog's first partitions all of n, and the runtime records of those
-// partitions alone until they ran out. The records are in memory already
-// (the client fetched them); a partition whose records polled and not acked
-// reach its bound is paused, so the next fetch leaves it out.
+// Every record, not n: see the package documentation, section Backpressure.
 func (s *Source) poll(ctx context.Context, max int) ([]*adapters.Delivery, error) {
 	var out []*adapters.Delivery
 	select {
@@ -290,14 +274,11 @@ func (s *Source) poll(ctx context.Context, max int) ([]*adapters.Delivery, error
 		// Before AllowRebalance, as franz-go asks: no revoke runs meanwhile.
 		s.cl.SetOffsets(refetch)
 	}
-	// Records are now in the partitions' books, under their epoch: a
-	// rebalance may proceed (BlockRebalanceOnPoll held it back until here).
+	// The records are booked under their epoch: a rebalance may proceed.
 	s.cl.AllowRebalance()
 	ferr := errors.Join(fetchError(fs), notices)
 	if len(out) > 0 {
-		// A partition's error (lost data, a topic not authorised) must not
-		// hide behind other partitions' records: the runtime logs it.
-		return out, ferr
+		return out, ferr // a partition's error must not hide behind others' records
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -345,11 +326,10 @@ func hasRecords(fs kgo.Fetches, topic string, part int32) bool {
 // registerLocked appends polled records to their partitions' backlogs.
 // Records of partitions no longer assigned (or assigned anew since the fetch)
 // are dropped: their current owner reads them from the committed offset.
-// It returns the offsets to fetch again from, for partitions the client
-// rewound after losing data (see rewindLocked); the caller passes them to
-// SetOffsets, and the rewound records in flight, for the caller to lose
-// outside the lock; and what Receive must report besides the fetch errors
-// (records deleted before the group read them).
+// It returns, for partitions rewound after a data loss (see rewindLocked),
+// the offsets to fetch again from (for SetOffsets) and the records in
+// flight to lose outside the lock; and the records deleted before the group
+// read them (see expiredLocked), for Receive to report.
 func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held, notices error) {
 	var refetching map[tpKey]bool
 	// Data losses first. franz-go appends its data-loss notices after the
@@ -397,11 +377,9 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 			return
 		}
 		if fp.Err == nil && fp.HighWatermark >= 0 {
-			// Not from an error: franz-go's own notices (data loss, a
-			// topic not authorised) carry no high watermark, only a zero.
-			// Read committed, the end is the last stable offset: records
-			// of a transaction still open cannot be read yet, so they are
-			// no lag (Kafka's own consumer counts the same way).
+			// franz-go's own notices (data loss, a topic not authorised)
+			// carry a zero, not a high watermark. Read committed, the end
+			// is the last stable offset (see listEnds).
 			p.hwm, p.hwmAt = fp.HighWatermark, time.Now()
 			if s.readCommitted && fp.LastStableOffset >= 0 {
 				p.hwm = fp.LastStableOffset
@@ -431,14 +409,10 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 }
 
 // setLaneCapLocked bounds, by partition, the records of one partition
-// handed out at once to its share of what the runtime holds (what it holds
-// now, and the want more it asks for), over the partitions assigned. The
-// runtime runs them one at a time and queues the others in its in-flight
-// window: more than the share would fill the window with one partition's
-// records, and a partition whose record runs long (a retry waiting in place,
-// a slow call) would end up holding all of it, stopping every other
-// partition. At least two, so that a partition's next record waits in the
-// runtime when its record ends.
+// handed out at once to its share of what the runtime holds now plus the
+// want it asks for, over the live partitions (see the package
+// documentation, section Ordering). At least two, so that a partition's
+// next record waits in the runtime when its record ends.
 func (s *Source) setLaneCapLocked(want int) {
 	if s.cfg.ordering != ByPartition {
 		return
@@ -458,8 +432,7 @@ func (s *Source) setLaneCapLocked(want int) {
 func (s *Source) cappedLocked(p *partition) bool { return s.laneCap > 0 && p.nheld >= s.laneCap }
 
 // takeLocked hands out ready records up to limit and the unacked bounds,
-// sharing them out evenly over the partitions with records waiting, so that a
-// runtime holding few records still gets work for every partition's lane.
+// shared out evenly over the partitions with records waiting.
 func (s *Source) takeLocked(out []*adapters.Delivery, limit int) []*adapters.Delivery {
 	n := len(s.order)
 	if n == 0 {
@@ -531,9 +504,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 		// Asked of markers too: a marker of a later epoch also tells that
 		// the inherited spans name records of another log.
 		skip := p.skipped(r.Offset, r.LeaderEpoch)
-		if r.Attrs.IsControl() {
-			// A transaction's commit or abort marker: nothing to run, but
-			// done, so that the commit passes it (see New).
+		if r.Attrs.IsControl() { // a transaction marker: nothing to run, but done
 			p.done(r.Offset)
 			p.skippedSome = true
 			continue
@@ -556,8 +527,7 @@ func (s *Source) takeFromLocked(p *partition, out []*adapters.Delivery, max int,
 	return out
 }
 
-// newHeld builds the delivery for r. Called under s.mu (it uses s.slab and
-// s.strs).
+// newHeld builds the delivery for r. Called under s.mu.
 func (s *Source) newHeld(p *partition, r *kgo.Record, now time.Time) *held {
 	h := s.allocHeldLocked(p)
 	d := &h.d
@@ -625,9 +595,7 @@ func (s *Source) allocHeldLocked(p *partition) *held {
 }
 
 // str returns b as a string, prefixed with prefix and '/' unless prefix is
-// empty. Short strings are cut from the shared buffer s.strs (one allocation
-// per strChunk bytes); long ones are allocated alone, so that a short string
-// kept alive does not pin a large buffer. Called under s.mu.
+// empty, cut from s.strs unless longer than maxSharedStr. Called under s.mu.
 func (s *Source) str(prefix string, b []byte) string {
 	n := len(b)
 	if prefix != "" {
@@ -683,11 +651,10 @@ func (s *Source) updatePauseLocked(p *partition) {
 	}
 }
 
-// Ack implements adapters.Source: it marks the records done, in process. The
-// commit follows a linger later (see WithCommitLinger), with the records of
-// every partition marked done meanwhile, or on revoke or Close. Records whose
-// partition was revoked or lost fail with adapters.ErrRevoked: their new
-// owner runs them. A record nacked already fails too (it is handed out
+// Ack implements adapters.Source: it marks the records done, in process; the
+// commit follows (see the package documentation, section Commits). Records
+// whose partition was revoked or lost fail with adapters.ErrRevoked: their
+// new owner runs them. A record nacked already fails too (it is handed out
 // again); acking a record twice is no error.
 func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 	var failed map[int]error
@@ -705,9 +672,8 @@ func (s *Source) Ack(ctx context.Context, ds []*adapters.Delivery) error {
 			continue
 		}
 		if h.slot == slotNacked {
-			// Given back: the record is handed out again (or left to the
-			// partition's next owner), so an Ack returning nil would
-			// promise what does not happen.
+			// Handed out again (or left to the next owner): nil would
+			// promise a commit that does not happen.
 			failed = addFailure(failed, i, errNacked)
 			continue
 		}
@@ -741,7 +707,6 @@ func (s *Source) Nack(ctx context.Context, ns []adapters.Nack) error {
 	for i, n := range ns {
 		h, ok := n.Delivery.Handle.(*held)
 		if !ok {
-			// Not ours: nothing here would hand it out again.
 			failed = addFailure(failed, i, errForeign)
 			continue
 		}
@@ -772,9 +737,8 @@ func (s *Source) releaseLocked(p *partition, h *held) {
 	}
 }
 
-// settleLocked does, once per Ack or Nack, what releasing deliveries calls
-// for: it ends the revoke drains now complete, updates the pauses, and wakes
-// whoever waits for capacity or for records.
+// settleLocked, once per Ack or Nack, ends the revoke drains now complete,
+// updates the pauses, and wakes whoever waits for capacity or records.
 func (s *Source) settleLocked() {
 	if len(s.released) == 0 {
 		return
@@ -823,9 +787,7 @@ func (s *Source) Close() error {
 		var lose []*held
 		for _, p := range s.order {
 			p.eachHeld(func(h *held) { lose = append(lose, h) })
-			if p.drained != nil {
-				// A revoke under way waits for these records; they are
-				// given up now, so it need not wait out its drain time.
+			if p.drained != nil { // a revoke waiting for them need not wait on
 				close(p.drained)
 				p.drained = nil
 			}
@@ -842,7 +804,7 @@ func (s *Source) Close() error {
 		s.closeErr = s.commit(ctx, nil)
 		cancel()
 		// Leaving the group runs onRevoked, which fences every partition
-		// (and commits nothing new: the commit above took it all).
+		// (the commit above left it nothing new to commit).
 		s.cl.CloseAllowingRebalance()
 		s.mu.Lock()
 		s.closed = true
