@@ -49,7 +49,7 @@ func NewDeadLetter(ctx context.Context, topic string, opts ...Option) (*DeadLett
 	if err != nil {
 		return nil, err
 	}
-	cl, err := cfg.connect(ctx, "NewDeadLetter: ", cfg.kgoOpts("dead-letter sink of topic "+topic,
+	cl, err := cfg.connect(ctx, "NewDeadLetter: ", cfg.kgoOpts(newConnWatch(cfg.logger, "dead-letter sink of topic "+topic),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
 	))

@@ -164,8 +164,9 @@
 //     last attempt to at least one broker succeeded, reconnecting, with the
 //     last attempt's error, once every broker's last attempt failed (a
 //     cluster that is down: the group's heartbeats and the fetches notice
-//     within a heartbeat interval or a retry backoff), disconnected after
-//     Close. A consumer is not ready while it reconnects.
+//     within a heartbeat interval, kgo.HeartbeatInterval, or a retry
+//     backoff), disconnected after Close. A consumer is not ready while it
+//     reconnects.
 //   - [Source.Pause] and [Source.Resume] (adapters.Pauser): consumer.Pause
 //     stops the client fetching the Source's topics
 //     (kgo.Client.PauseFetchTopics) while the member stays in its group,

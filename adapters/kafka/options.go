@@ -404,12 +404,11 @@ func clientConfig(fn string, opts []Option) (config, error) {
 	return cfg, cfg.validateClient()
 }
 
-// kgoOpts returns the caller's client options, then a connection log naming
-// the client (what), the seed brokers and extra, which override the
-// caller's.
-func (c *config) kgoOpts(what string, extra ...kgo.Opt) []kgo.Opt {
+// kgoOpts returns the caller's client options, then the hook w, the seed
+// brokers and extra, which override the caller's.
+func (c *config) kgoOpts(w *connWatch, extra ...kgo.Opt) []kgo.Opt {
 	opts := append([]kgo.Opt(nil), c.clientOpts...)
-	opts = append(opts, kgo.WithHooks(newConnLog(c.logger, what)), kgo.SeedBrokers(c.brokers...))
+	opts = append(opts, kgo.WithHooks(w), kgo.SeedBrokers(c.brokers...))
 	return append(opts, extra...)
 }
 

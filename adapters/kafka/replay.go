@@ -91,7 +91,7 @@ func NewReplay(ctx context.Context, topic string, opts ...Option) (*Replay, erro
 	if cfg.group == "" {
 		return nil, errors.New("kafka: NewReplay: WithGroup is required: name the replay group, whose offsets on the dead-letter topic record what was replayed (not the group of the consumer that dead-lettered the records)")
 	}
-	cl, err := cfg.connect(ctx, "NewReplay: ", cfg.kgoOpts("dead-letter replay of topic "+topic))
+	cl, err := cfg.connect(ctx, "NewReplay: ", cfg.kgoOpts(newConnWatch(cfg.logger, "dead-letter replay of topic "+topic)))
 	if err != nil {
 		return nil, err
 	}
@@ -130,7 +130,7 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 	for part, sp := range plan {
 		from[part] = kgo.NewOffset().At(sp.from)
 	}
-	cl, err := r.cfg.factory(r.cfg.kgoOpts("dead-letter listing of topic "+r.topic,
+	cl, err := r.cfg.factory(r.cfg.kgoOpts(newConnWatch(r.cfg.logger, "dead-letter listing of topic "+r.topic),
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{r.topic: from}),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.KeepControlRecords(),
@@ -259,7 +259,7 @@ type replayRun struct {
 
 func (run *replayRun) do(ctx context.Context) error {
 	r := run.r
-	sess, err := kgo.NewGroupTransactSession(r.cfg.kgoOpts("dead-letter replay of topic "+r.topic,
+	sess, err := kgo.NewGroupTransactSession(r.cfg.kgoOpts(newConnWatch(r.cfg.logger, "dead-letter replay of topic "+r.topic),
 		kgo.TransactionalID(r.txnID),
 		kgo.ConsumerGroup(r.group),
 		kgo.ConsumeTopics(r.topic),

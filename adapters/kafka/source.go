@@ -121,15 +121,14 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		marked:     make(chan struct{}, 1),
 		recalls:    make(chan struct{}, 1),
 		pollSem:    make(chan struct{}, 1),
-		conn:       newConnWatch(),
+		conn:       newConnWatch(cfg.logger, "source of group "+cfg.group),
 	}
 	tel, err := newTelemetry(cfg.meterProvider, cfg.group, s)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: telemetry: %w", err)
 	}
 	s.tel = tel
-	cl, err := cfg.connect(ctx, "", cfg.kgoOpts("source of group "+cfg.group,
-		kgo.WithHooks(s.conn),
+	cl, err := cfg.connect(ctx, "", cfg.kgoOpts(s.conn,
 		kgo.ConsumerGroup(cfg.group),
 		kgo.ConsumeTopics(cfg.topics...),
 		kgo.DisableAutoCommit(),

@@ -18,26 +18,12 @@ const meterName = "github.com/custody-go/custody/adapters/kafka"
 // shorter than five seconds into one bucket.
 var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30}
 
-// telemetry holds the adapter's instruments:
-//
-//	custody.kafka.lag             gauge, records: high watermark (read committed: last stable offset)
-//	                              minus committed offset, per partition (partitions this member no
-//	                              longer owns are not reported)
-//	custody.kafka.commit.duration histogram, seconds: one commit request, by attribute error
-//	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
-//	custody.kafka.skipped         counter: records skipped because a previous owner had done them
-//	custody.kafka.rewinds         counter: partitions rewound after the broker lost data (see ErrRewound)
-//	custody.kafka.expired         counter, offsets: deleted before the group read them (see ErrExpired); on a compacted topic some held no record
-//
-// All carry messaging.consumer.group.name (the group); lag, skipped and
-// rewinds also messaging.destination.name and
-// messaging.destination.partition.id.
-//
-// A partition's lag is reported once both its committed offset (fetched on
-// assignment, or after its first commit) and its end offset are known.
-// Fetches bring the end offset with their records; a partition no fetch
-// has reported on for WithLagRefresh (paused for backpressure, the runtime
-// behind, nothing to read) has it listed from the brokers (see lagLoop).
+// telemetry holds the adapter's instruments (see the package documentation,
+// section Telemetry). All carry messaging.consumer.group.name; those per
+// partition also messaging.destination.name and
+// messaging.destination.partition.id, and commit.duration the attribute
+// error. A partition's lag is reported, while this member owns it, once
+// both its committed offset and its end offset are known (see lagLoop).
 type telemetry struct {
 	group    attribute.KeyValue
 	commit   metric.Float64Histogram
