@@ -83,7 +83,10 @@ func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 			if !ok && !slices.Contains(topics, p.topic) {
 				continue
 			}
-			return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing the end offset of %s: %w", s.cfg.group, p.lane, listErr(end.Err))
+			if end.Err == nil {
+				end.Err = errors.New("the brokers did not list it")
+			}
+			return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing the end offset of %s: %w", s.cfg.group, p.lane, end.Err)
 		}
 		from := p.committed
 		if from < 0 {
@@ -99,13 +102,3 @@ func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 	}
 	return b, nil
 }
-
-// listErr is the error of a partition a listing left out.
-func listErr(err error) error {
-	if err == nil {
-		return errNotListed
-	}
-	return err
-}
-
-var errNotListed = errors.New("the brokers did not list it")

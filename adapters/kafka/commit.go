@@ -18,12 +18,10 @@ type pendingCommit struct {
 	meta   string
 }
 
-// commitLoop commits the done records a linger after they are marked done
-// (see WithCommitLinger), on the commit interval, and when asked through
-// commitSoon, until Close. It sends one commit at a time: records marked
-// done while a commit is under way go in the next one. After a failed
-// commit, marks wait for the next tick: a coordinator refusing commits
-// gets one a commit interval, not one per linger.
+// commitLoop commits a linger after records are marked done, on the commit
+// interval, and when asked through commitSoon, until Close, one commit at a
+// time. After a failed commit, marks wait for the next tick: a coordinator
+// refusing commits gets one a commit interval, not one per linger.
 func (s *Source) commitLoop() {
 	defer close(s.loopDone)
 	t := time.NewTicker(s.cfg.commitInterval)
@@ -41,9 +39,7 @@ func (s *Source) commitLoop() {
 			if failed {
 				continue // the next tick commits these too
 			}
-			if s.cfg.commitLinger > 0 {
-				// Let more acks come, from every partition, so that one
-				// request carries them.
+			if s.cfg.commitLinger > 0 { // let more acks come, for one request
 				linger.Reset(s.cfg.commitLinger)
 				select {
 				case <-s.stopLoop:
@@ -71,8 +67,8 @@ func notify(ch chan struct{}) {
 	}
 }
 
-// Commit commits the done prefixes of every assigned partition now, instead
-// of waiting for the commit interval. Most programs never need it.
+// Commit commits the done prefixes of every assigned partition now. Most
+// programs never need it.
 func (s *Source) Commit(ctx context.Context) error { return s.commit(ctx, nil) }
 
 // commit commits the given partitions (all assigned ones when ps is nil).
@@ -161,11 +157,9 @@ func (s *Source) send(ctx context.Context, pcs []pendingCommit) error {
 			pc.p.dirty = true // try again on the next tick, unless fenced by then
 			continue
 		}
-		// What was sent is what the group holds now, even below what was
-		// committed before: a rewound partition's new epoch commits its
-		// start below the old commit, and the lag counts from there.
-		// (commitMu orders the commits, and an epoch's commit point only
-		// grows.)
+		// What was sent is what the group holds now, even below the old
+		// commit (a rewound partition's new epoch): commitMu orders the
+		// commits, and an epoch's commit point only grows.
 		pc.p.committed = pc.offset
 	}
 	s.mu.Unlock()

@@ -45,15 +45,6 @@ type span struct {
 	epoch    int32
 }
 
-// encodeDone encodes the done offsets given in ascending order by each (all
-// at or beyond base), with the leader epochs of their records. It returns ""
-// when there is nothing to record.
-func encodeDone(base int64, each func(fn func(pos int64, epoch int32))) string {
-	e := newDoneEncoder(base)
-	each(func(pos int64, epoch int32) { e.add(pos, pos, epoch) })
-	return e.String()
-}
-
 // doneEncoder builds the metadata from done spans added in ascending order,
 // merging adjacent ones of one epoch into one run.
 type doneEncoder struct {

@@ -330,7 +330,6 @@ func hasRecords(fs kgo.Fetches, topic string, part int32) bool {
 // flight to lose outside the lock; and the records deleted before the group
 // read them (see expiredLocked), for Receive to report.
 func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held, notices error) {
-	var refetching map[tpKey]bool
 	// Data losses first. franz-go appends its data-loss notices after the
 	// fetched records of a poll, and once it has rewound a partition it
 	// fetches from the rewind point at once: a poll that comes late (the
@@ -344,9 +343,8 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 		if !errors.As(err, &loss) {
 			return
 		}
-		k := tpKey{topic, part}
-		p := s.parts[k]
-		if p == nil || p.fenced || p.draining || refetching[k] || loss.ResetTo > p.lastPolled {
+		p := s.parts[tpKey{topic, part}]
+		if _, again := refetch[topic][part]; p == nil || p.fenced || p.draining || again || loss.ResetTo > p.lastPolled {
 			return
 		}
 		var from int64
@@ -359,20 +357,17 @@ func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kg
 			// the new log's order, and ignore what this poll holds.
 			if refetch == nil {
 				refetch = map[string]map[int32]kgo.EpochOffset{}
-				refetching = map[tpKey]bool{}
 			}
 			if refetch[topic] == nil {
 				refetch[topic] = map[int32]kgo.EpochOffset{}
 			}
 			refetch[topic][part] = kgo.EpochOffset{Epoch: -1, Offset: from}
-			refetching[k] = true
 		}
 		s.updatePauseLocked(p) // the old epoch may have been paused
 	})
 	fs.EachPartition(func(fp kgo.FetchTopicPartition) {
-		k := tpKey{fp.Topic, fp.Partition}
-		p := s.parts[k]
-		if p == nil || p.fenced || p.draining || refetching[k] {
+		p := s.parts[tpKey{fp.Topic, fp.Partition}]
+		if _, again := refetch[fp.Topic][fp.Partition]; p == nil || p.fenced || p.draining || again {
 			return
 		}
 		if fp.Err == nil && fp.HighWatermark >= 0 {
