@@ -19,7 +19,7 @@ func (s *Source) onAssigned(_ context.Context, _ *kgo.Client, assigned map[strin
 			k := tpKey{topic, id}
 			if old := s.parts[k]; old != nil {
 				old.fenced = true // cannot happen with a well-behaved group; be safe
-				s.totalBack -= old.backlogLen() - len(old.requeue)
+				s.dropBacklogLocked(old)
 				s.totalHeld -= old.nheld
 			}
 			s.epoch++

@@ -133,10 +133,8 @@ func New(ctx context.Context, opts ...Option) (*Source, error) {
 		kgo.ConsumeTopics(cfg.topics...),
 		kgo.DisableAutoCommit(),
 		kgo.BlockRebalanceOnPoll(),
-		// Transaction markers take offsets of their own. Seen, they are
-		// marked done like records, so the commit reaches the end of a
-		// partition a transactional producer writes; unseen, it would stay
-		// one short of it for good, and the lag with it.
+		// Markers are marked done like records, so that the commit reaches
+		// the end of a transactional producer's partition.
 		kgo.KeepControlRecords(),
 		kgo.OnPartitionsAssigned(s.onAssigned),
 		kgo.OnOffsetsFetched(s.onOffsetsFetched),
@@ -330,14 +328,12 @@ func hasRecords(fs kgo.Fetches, topic string, part int32) bool {
 // flight to lose outside the lock; and the records deleted before the group
 // read them (see expiredLocked), for Receive to report.
 func (s *Source) registerLocked(fs kgo.Fetches) (refetch map[string]map[int32]kgo.EpochOffset, lose []*held, notices error) {
-	// Data losses first. franz-go appends its data-loss notices after the
-	// fetched records of a poll, and once it has rewound a partition it
-	// fetches from the rewind point at once: a poll that comes late (the
-	// runtime busy, the unacked bound reached) holds the records read
-	// from the rewind point before the notice. Registered first, those
-	// would pass for old records already polled and be dropped (and with
-	// no refetch, never be fetched again), or they would move lastPolled
-	// past the reset point and fake a rewind below themselves.
+	// Data losses first. franz-go appends its data-loss notices after a
+	// poll's records, and fetches from the rewind point at once: a late poll
+	// (the runtime busy, the unacked bound reached) holds records read from
+	// the rewind point before the notice. Registered first, those would pass
+	// for records already polled and be dropped (never to be fetched again),
+	// or move lastPolled past the reset point and fake a rewind below them.
 	fs.EachError(func(topic string, part int32, err error) {
 		var loss *kgo.ErrDataLoss
 		if !errors.As(err, &loss) {
