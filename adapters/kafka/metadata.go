@@ -187,12 +187,9 @@ func decodeDone(meta string, committed int64, commitEpoch int32) []span {
 		return v, true
 	}
 	for len(raw) > 0 {
-		gap, ok := next()
-		if !ok {
-			return nil
-		}
-		length, ok := next()
-		if !ok {
+		gap, ok1 := next()
+		length, ok2 := next()
+		if !ok1 || !ok2 {
 			return nil
 		}
 		if !legacy {

@@ -594,8 +594,10 @@ func (s *Source) str(prefix string, b []byte) string {
 	switch {
 	case n == 0:
 		return ""
+	case n > maxSharedStr && prefix == "":
+		return string(b)
 	case n > maxSharedStr:
-		return joinStr(prefix, b, n)
+		return prefix + "/" + string(b) // one allocation
 	}
 	sb := &s.strs
 	if sb.Cap()-sb.Len() < n {
@@ -609,19 +611,6 @@ func (s *Source) str(prefix string, b []byte) string {
 	}
 	sb.Write(b)
 	return sb.String()[start:]
-}
-
-// joinStr returns prefix, '/' and b (b alone when prefix is empty), n bytes
-// in all, in one allocation.
-func joinStr(prefix string, b []byte, n int) string {
-	var sb strings.Builder
-	sb.Grow(n)
-	if prefix != "" {
-		sb.WriteString(prefix)
-		sb.WriteByte('/')
-	}
-	sb.Write(b)
-	return sb.String()
 }
 
 // updatePauseLocked pauses fetching a partition whose backlog and
