@@ -108,21 +108,20 @@ func (s *Source) send(ctx context.Context, pcs []pendingCommit) error {
 		return nil
 	}
 	offsets := make(map[string]map[int32]kgo.EpochOffset)
-	metas := make(map[string]map[int32]*string)
+	metas := make(map[tpKey]*string, len(pcs))
 	for i := range pcs {
 		pc := &pcs[i]
 		if offsets[pc.p.topic] == nil {
 			offsets[pc.p.topic] = make(map[int32]kgo.EpochOffset)
-			metas[pc.p.topic] = make(map[int32]*string)
 		}
 		offsets[pc.p.topic][pc.p.id] = kgo.EpochOffset{Epoch: pc.epoch, Offset: pc.offset}
-		metas[pc.p.topic][pc.p.id] = &pc.meta
+		metas[tpKey{pc.p.topic, pc.p.id}] = &pc.meta
 	}
 	ctx = kgo.PreCommitFnContext(ctx, func(req *kmsg.OffsetCommitRequest) error {
 		for i := range req.Topics {
 			t := &req.Topics[i]
 			for j := range t.Partitions {
-				if m := metas[t.Topic][t.Partitions[j].Partition]; m != nil {
+				if m := metas[tpKey{t.Topic, t.Partitions[j].Partition}]; m != nil {
 					t.Partitions[j].Metadata = m
 				}
 			}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"time"
 
@@ -149,12 +150,10 @@ func WithBrokers(addrs ...string) Option {
 		if len(addrs) == 0 {
 			return errors.New("kafka: WithBrokers: give at least one broker address")
 		}
-		for _, a := range addrs {
-			if a == "" {
-				return errors.New("kafka: WithBrokers: empty broker address")
-			}
+		if slices.Contains(addrs, "") {
+			return errors.New("kafka: WithBrokers: empty broker address")
 		}
-		c.brokers = append([]string(nil), addrs...)
+		c.brokers = slices.Clone(addrs)
 		return nil
 	}
 }
@@ -177,12 +176,10 @@ func WithTopics(topics ...string) Option {
 		if len(topics) == 0 {
 			return errors.New("kafka: WithTopics: give at least one topic")
 		}
-		for _, t := range topics {
-			if t == "" {
-				return errors.New("kafka: WithTopics: empty topic name")
-			}
+		if slices.Contains(topics, "") {
+			return errors.New("kafka: WithTopics: empty topic name")
 		}
-		c.topics = append([]string(nil), topics...)
+		c.topics = slices.Clone(topics)
 		return nil
 	})
 }

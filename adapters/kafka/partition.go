@@ -248,11 +248,10 @@ func (p *partition) track(off int64, leaderEpoch int32, c int) {
 // done marks off done and releases the cost of positions the frontier passed.
 func (p *partition) done(off int64) {
 	before := p.tr.Outstanding()
+	p.dirty = true // a done position beyond the frontier changes the metadata
 	if !p.tr.Done(off) {
-		p.dirty = true // a done position beyond the frontier changes the metadata
 		return
 	}
-	p.dirty = true
 	for released := before - p.tr.Outstanding(); released > 0; released-- {
 		p.costSum -= p.costs[p.costHead]
 		p.costHead++
