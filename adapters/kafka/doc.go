@@ -72,12 +72,12 @@
 // Ack only marks records done, in process, and returns at once: the Source
 // declares no ack batching (zero Capabilities.Ack). The commit is Kafka's
 // own acknowledgement, one offset per partition for every partition in one
-// OffsetCommit request; its offset, timing and retry belong to that
-// protocol, so they are the adapter's, as multiple=true acks are the
-// RabbitMQ adapter's: the runtime's batching has no notion of a prefix per
-// partition. Nothing is leased either, so nothing is renewed: records the
-// Source holds before handing them out cost the broker nothing, and a
-// revoke gives them up.
+// OffsetCommit request; its offset, timing and retry (the next commit
+// carries the same prefix or a longer one) belong to that protocol, so they
+// are the adapter's, as multiple=true acks are the RabbitMQ adapter's: the
+// runtime's batching has no notion of a prefix per partition. Nothing is
+// leased either, so nothing is renewed: records the Source holds before
+// handing them out cost the broker nothing, and a revoke gives them up.
 //
 // Done offsets beyond the committed one travel in the commit metadata
 // (runs of offsets, base64) with the leader epoch their records were
@@ -143,8 +143,8 @@
 //
 // [WithMaxUnackedPerPartition] (512, or WithMaxUnacked if lower) bounds the
 // records of one partition handed out and not acked: while its records
-// polled and not acked reach it, the partition's fetching is paused (and
-// resumed on revoke, since franz-go keeps pauses across rebalances).
+// polled and not acked reach it, the partition's fetching is paused, below
+// it resumed (and on revoke, since franz-go keeps pauses across rebalances).
 // [WithMaxUnacked] (4096) bounds the records handed out over all
 // partitions: at the bound the Source stops polling. A poll takes every
 // record the client has fetched (already in memory), and Receive shares

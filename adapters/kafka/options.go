@@ -83,10 +83,8 @@ type config struct {
 	ordering       OrderingScope
 	commitInterval time.Duration
 	commitLinger   time.Duration
-	lingerSet      bool // commitLinger given by WithCommitLinger
 	commitTimeout  time.Duration
 	maxPerPart     int
-	maxPerPartSet  bool // maxPerPart given by WithMaxUnackedPerPartition
 	maxTotal       int
 	revokeDrain    time.Duration
 	pollWait       time.Duration
@@ -94,7 +92,8 @@ type config struct {
 	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
 	logger         *slog.Logger
-	// sourceOnly names the options given that apply to a Source only.
+	// sourceOnly names the options given that apply to a Source only;
+	// validate tells from it a default from a value given.
 	sourceOnly []string
 }
 
@@ -240,14 +239,8 @@ func WithCommitInterval(d time.Duration) Option {
 // about once per interval. Default 5ms, or the commit interval if shorter;
 // it must not exceed the commit interval.
 func WithCommitLinger(d time.Duration) Option {
-	return sourceOnly("WithCommitLinger", func(c *config) error {
-		if d < 0 {
-			return fmt.Errorf("kafka: WithCommitLinger(%v): must not be negative", d)
-		}
-		c.commitLinger = d
-		c.lingerSet = true
-		return nil
-	})
+	return atLeast("WithCommitLinger", d, 0, "must not be negative",
+		func(c *config) *time.Duration { return &c.commitLinger })
 }
 
 // WithCommitTimeout bounds one commit request. Default 10s.
@@ -261,14 +254,8 @@ func WithCommitTimeout(d time.Duration) Option {
 // polled and not acked (waiting or handed out) reach the bound. Default 512,
 // or WithMaxUnacked if lower. Must not exceed WithMaxUnacked.
 func WithMaxUnackedPerPartition(n int) Option {
-	return sourceOnly("WithMaxUnackedPerPartition", func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxUnackedPerPartition(%d): must be at least 1", n)
-		}
-		c.maxPerPart = n
-		c.maxPerPartSet = true
-		return nil
-	})
+	return atLeast("WithMaxUnackedPerPartition", n, 1, "must be at least 1",
+		func(c *config) *int { return &c.maxPerPart })
 }
 
 // WithMaxUnacked bounds the records handed out and not yet acked over all
@@ -358,13 +345,13 @@ func (c *config) validate() error {
 	if len(c.topics) == 0 {
 		return errors.New("kafka: WithTopics is required: give the topics to consume")
 	}
-	if !c.lingerSet {
+	if !slices.Contains(c.sourceOnly, "WithCommitLinger") {
 		c.commitLinger = min(c.commitLinger, c.commitInterval)
 	}
 	if c.commitLinger > c.commitInterval {
 		return fmt.Errorf("kafka: WithCommitLinger(%v) exceeds WithCommitInterval(%v): give a linger up to the interval (the interval alone commits about once per interval)", c.commitLinger, c.commitInterval)
 	}
-	if !c.maxPerPartSet {
+	if !slices.Contains(c.sourceOnly, "WithMaxUnackedPerPartition") {
 		c.maxPerPart = min(c.maxPerPart, c.maxTotal)
 	}
 	if c.maxPerPart > c.maxTotal {
