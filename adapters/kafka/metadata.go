@@ -7,14 +7,11 @@ import (
 	"strings"
 )
 
-// Commit metadata carries the offsets beyond the committed one that are
-// already done, with the leader epoch of their records, so that a
-// partition's next owner does not run them again. An offset alone does not
-// name a record: after an unclean leader election the log above the
-// committed offset can be rewritten, and other records take the same
-// offsets. A record is known by its offset and the leader epoch it was
-// written under (Kafka's replication keeps one record per such pair), so the
-// next owner skips a record only when both match.
+// Commit metadata carries the done offsets beyond the committed one, with
+// the leader epoch of their records (see the package documentation, section
+// Commits): an offset alone does not name a record once an unclean leader
+// election rewrote the log, but Kafka's replication keeps one record per
+// offset and leader epoch.
 //
 // Format: metadataPrefix, then unpadded URL-safe base64 of a sequence of
 // unsigned varints: the committed offset the list is relative to (a reader

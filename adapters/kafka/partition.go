@@ -325,16 +325,12 @@ func (p *partition) metadata(at int64, limit int) string {
 }
 
 // skipped reports whether the record at off, written under leader epoch
-// epoch, was recorded done by a previous owner, and forgets spans behind it
-// (offsets arrive in increasing order). A record is skipped only when its
-// epoch is the one recorded: at the same offset, a record of another epoch is
-// another record, written after the log was rewritten (an unclean leader
-// election). Once the log is seen to differ from what the spans describe,
-// none of them holds any more (a log that differs at one offset differs at
-// every later one, since a record's offset and epoch fix the log before it),
-// and they are all forgotten: a record of a different epoch inside a span,
-// or one of a later epoch than the next span's before it (epochs never fall
-// along a log, so that span's offsets hold later epochs too).
+// epoch, was recorded done by a previous owner (offset and epoch match),
+// and forgets spans behind it (offsets arrive in increasing order). Once the
+// log is seen to differ from the spans, all are forgotten, since a record's
+// offset and epoch fix the log before it: a record of another epoch inside
+// a span, or one of a later epoch than the next span's before it (epochs
+// never fall along a log, so that span's offsets hold later epochs too).
 func (p *partition) skipped(off int64, epoch int32) bool {
 	for len(p.skip) > 0 && p.skip[0].to < off {
 		p.skip = p.skip[1:]
