@@ -50,6 +50,24 @@ func (s *Source) Resume() {
 	s.cl.ResumeFetchTopics(topics...)
 }
 
+// updatePauseLocked pauses fetching a partition whose backlog and
+// handed-out records reach its bound, or whose backlog waits for room in
+// the commit metadata, and resumes it otherwise.
+func (s *Source) updatePauseLocked(p *partition) {
+	full := p.backlogLen()+p.nheld >= s.cfg.maxPerPart ||
+		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
+	if full == p.paused || p.fenced || p.draining {
+		return
+	}
+	p.paused = full
+	tp := map[string][]int32{p.topic: {p.id}}
+	if full {
+		s.cl.PauseFetchPartitions(tp)
+	} else {
+		s.cl.ResumeFetchPartitions(tp)
+	}
+}
+
 // topicsLocked returns the Source's topics and those of its assigned
 // partitions (the same, unless the client's options subscribe it to more).
 func (s *Source) topicsLocked() []string {
