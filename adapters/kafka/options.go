@@ -68,10 +68,11 @@ const (
 // options from WithClientOptions.
 type ClientFactory func(opts ...kgo.Opt) (*kgo.Client, error)
 
-// Option configures a Source or a dead-letter sink. Invalid values fail New
-// or NewDeadLetter with an error naming the option. WithBrokers,
-// WithClientOptions, WithClientFactory, WithGroup and WithLogger apply to
-// both; the others to a Source only, and NewDeadLetter refuses them.
+// Option configures a Source, a dead-letter sink or a Replay. Invalid values
+// fail New, NewDeadLetter or NewReplay with an error naming the option.
+// WithBrokers, WithClientOptions, WithClientFactory, WithGroup and
+// WithLogger apply to all; the others to a Source only, and NewDeadLetter
+// and NewReplay refuse them.
 type Option func(*config) error
 
 type config struct {
@@ -307,10 +308,8 @@ func WithLagRefresh(d time.Duration) Option {
 		func(c *config) *time.Duration { return &c.lagRefresh })
 }
 
-// WithMeterProvider sets where the adapter's metrics go (lag per partition,
-// commit latency, commit failures, records skipped thanks to the commit
-// metadata, rewinds after data loss). Default: the global otel
-// MeterProvider.
+// WithMeterProvider sets where the Source's metrics go (see the package
+// documentation, section Telemetry). Default: the global otel MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return sourceOnly("WithMeterProvider", func(c *config) error {
 		if mp == nil {
