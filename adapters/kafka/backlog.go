@@ -14,33 +14,25 @@ import (
 var _ adapters.BacklogReporter = (*Source)(nil)
 
 // Backlog implements adapters.BacklogReporter with the group's lag over the
-// partitions assigned to this member: one ListOffsets request per broker
-// for their end offsets (the high watermarks, or, reading committed records
-// only, the last stable offsets), and one more for their start offsets
-// while a partition has no committed offset yet. The committed offsets are
-// the Source's own: fetched on assignment, then those it commits.
+// partitions assigned to this member, from one ListOffsets request per
+// broker for their end offsets (see listEnds), and one more for their start
+// offsets while a partition has no committed offset yet. The committed
+// offsets are the Source's own: fetched on assignment, then those it
+// commits.
 //
-// Waiting is, summed over the assigned partitions, the end offset minus the
-// committed offset, or minus the log start offset where nothing is
-// committed yet: what kadm's Lag and Kafka's kafka-consumer-groups.sh
-// report for the same partitions. Offsets, not records: transaction
-// markers, and on a compacted topic the offsets compaction emptied, count
-// too. Every member reports its own partitions; the group's lag is the sum
-// over its members, and a partition being moved is in neither while it has
-// no owner.
-//
-// InFlight is, of Waiting, the records this member has fetched and not yet
-// committed: handed out to the runtime, waiting in the Source for it, or
-// done and waiting for the next commit (see WithCommitInterval). Kafka
-// counts nothing in flight for a group; this member's handed-out share
-// alone is the runtime's Status().Held.
-//
-// OldestAge stays zero: Kafka tells a record's timestamp only by fetching
-// it.
+// Waiting is the sum of end offset minus committed offset (or log start,
+// where nothing is committed), as kadm's Lag and kafka-consumer-groups.sh
+// count: offsets, not records (transaction markers and offsets compaction
+// emptied count too). Each member reports its own partitions; a partition
+// being moved is in no member's while it has no owner. InFlight is, of
+// Waiting, the records this member fetched and has not committed: handed
+// out, waiting in the Source, or done and waiting for the next commit
+// (Status().Held is the handed-out share alone). OldestAge stays zero:
+// Kafka tells a record's timestamp only by fetching it.
 //
 // It fails with adapters.ErrClosed once the Source is closed, and with the
 // listing's error, naming the partition, while the brokers do not answer.
-// A partition's end is also kept for the custody.kafka.lag gauge.
+// The ends listed also feed the custody.kafka.lag gauge.
 func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 	var topics []string
 	uncommitted := false
@@ -91,7 +83,10 @@ func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 			if !ok && !slices.Contains(topics, p.topic) {
 				continue
 			}
-			return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing the end offset of %s: %w", s.cfg.group, p.lane, listErr(end.Err))
+			if end.Err == nil {
+				end.Err = errors.New("the brokers did not list it")
+			}
+			return adapters.Backlog{}, fmt.Errorf("kafka: backlog of group %q: listing the end offset of %s: %w", s.cfg.group, p.lane, end.Err)
 		}
 		from := p.committed
 		if from < 0 {
@@ -107,13 +102,3 @@ func (s *Source) Backlog(ctx context.Context) (adapters.Backlog, error) {
 	}
 	return b, nil
 }
-
-// listErr is the error of a partition a listing left out.
-func listErr(err error) error {
-	if err == nil {
-		return errNotListed
-	}
-	return err
-}
-
-var errNotListed = errors.New("the brokers did not list it")

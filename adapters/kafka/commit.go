@@ -18,12 +18,10 @@ type pendingCommit struct {
 	meta   string
 }
 
-// commitLoop commits the done records a linger after they are marked done
-// (see WithCommitLinger), on the commit interval, and when asked through
-// commitSoon, until Close. It sends one commit at a time: records marked
-// done while a commit is under way go in the next one. After a failed
-// commit, marks wait for the next tick: a coordinator refusing commits
-// gets one a commit interval, not one per linger.
+// commitLoop commits a linger after records are marked done, on the commit
+// interval, and when asked through commitSoon, until Close, one commit at a
+// time. After a failed commit, marks wait for the next tick: a coordinator
+// refusing commits gets one a commit interval, not one per linger.
 func (s *Source) commitLoop() {
 	defer close(s.loopDone)
 	t := time.NewTicker(s.cfg.commitInterval)
@@ -41,9 +39,7 @@ func (s *Source) commitLoop() {
 			if failed {
 				continue // the next tick commits these too
 			}
-			if s.cfg.commitLinger > 0 {
-				// Let more acks come, from every partition, so that one
-				// request carries them.
+			if s.cfg.commitLinger > 0 { // let more acks come, for one request
 				linger.Reset(s.cfg.commitLinger)
 				select {
 				case <-s.stopLoop:
@@ -62,17 +58,17 @@ func (s *Source) commitLoop() {
 	}
 }
 
-// noteMarkedLocked tells the commit loop that records were marked done.
-// Called under s.mu; it never blocks.
-func (s *Source) noteMarkedLocked() {
+// notify signals ch without blocking: a signal pending already stands for
+// this one too.
+func notify(ch chan struct{}) {
 	select {
-	case s.marked <- struct{}{}:
-	default: // a note is pending: the commit it starts takes these too
+	case ch <- struct{}{}:
+	default:
 	}
 }
 
-// Commit commits the done prefixes of every assigned partition now, instead
-// of waiting for the commit interval. Most programs never need it.
+// Commit commits the done prefixes of every assigned partition now. Most
+// programs never need it.
 func (s *Source) Commit(ctx context.Context) error { return s.commit(ctx, nil) }
 
 // commit commits the given partitions (all assigned ones when ps is nil).
@@ -112,21 +108,20 @@ func (s *Source) send(ctx context.Context, pcs []pendingCommit) error {
 		return nil
 	}
 	offsets := make(map[string]map[int32]kgo.EpochOffset)
-	metas := make(map[string]map[int32]*string)
+	metas := make(map[tpKey]*string, len(pcs))
 	for i := range pcs {
 		pc := &pcs[i]
 		if offsets[pc.p.topic] == nil {
 			offsets[pc.p.topic] = make(map[int32]kgo.EpochOffset)
-			metas[pc.p.topic] = make(map[int32]*string)
 		}
 		offsets[pc.p.topic][pc.p.id] = kgo.EpochOffset{Epoch: pc.epoch, Offset: pc.offset}
-		metas[pc.p.topic][pc.p.id] = &pc.meta
+		metas[tpKey{pc.p.topic, pc.p.id}] = &pc.meta
 	}
 	ctx = kgo.PreCommitFnContext(ctx, func(req *kmsg.OffsetCommitRequest) error {
 		for i := range req.Topics {
 			t := &req.Topics[i]
 			for j := range t.Partitions {
-				if m := metas[t.Topic][t.Partitions[j].Partition]; m != nil {
+				if m := metas[tpKey{t.Topic, t.Partitions[j].Partition}]; m != nil {
 					t.Partitions[j].Metadata = m
 				}
 			}
@@ -161,11 +156,9 @@ func (s *Source) send(ctx context.Context, pcs []pendingCommit) error {
 			pc.p.dirty = true // try again on the next tick, unless fenced by then
 			continue
 		}
-		// What was sent is what the group holds now, even below what was
-		// committed before: a rewound partition's new epoch commits its
-		// start below the old commit, and the lag counts from there.
-		// (commitMu orders the commits, and an epoch's commit point only
-		// grows.)
+		// What was sent is what the group holds now, even below the old
+		// commit (a rewound partition's new epoch): commitMu orders the
+		// commits, and an epoch's commit point only grows.
 		pc.p.committed = pc.offset
 	}
 	s.mu.Unlock()

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -16,30 +18,24 @@ import (
 var _ adapters.Connector = (*Source)(nil)
 
 // Connection implements adapters.Connector, from the outcome of the
-// client's connection attempts (franz-go connects to each broker it needs,
-// and again after a connection breaks, by itself): Connecting until an
-// attempt first succeeds (New returns only then, so a Source a caller holds
-// is past it); Connected while the last attempt to at least one broker
-// succeeded; Reconnecting once the last attempt to every broker tried has
-// failed, until one succeeds; Disconnected once Close was called. Since is
-// when the state began. While not connected, LastError is the last failed
-// attempt's error, naming the broker; it is nil while connected.
-//
-// A client holds a connection per broker it talks to, and drops idle ones:
-// a broker that is down while another serves every partition the Source
-// reads leaves it connected (the client logs the broker it cannot reach;
-// see WithLogger). A cluster that is down makes every attempt fail: the
-// group's heartbeats and the fetches try at once, so the state turns within
-// a heartbeat interval (kgo.HeartbeatInterval, 3s by default) or a retry
-// backoff.
-//
-// The runtime reports it in consumer.Status and its readiness probe: a
-// consumer is not ready while its Source reconnects.
+// client's connection attempts (see the package documentation, section
+// Operations). Since is when the state began; while not connected,
+// LastError is the last failed attempt's error, naming the broker. A broker
+// that is down while another serves every partition the Source reads
+// leaves it connected (the client drops idle connections, and logs the
+// broker it cannot reach; see WithLogger).
 func (s *Source) Connection() adapters.Connection { return s.conn.connection() }
 
-// connWatch follows the client's connection attempts, as a franz-go hook
-// (kgo.HookBrokerConnect), called from the client's goroutines.
+// connWatch follows a client's connection attempts, as a franz-go hook
+// (kgo.HookBrokerConnect) called once per attempt from the client's
+// goroutines. It logs a broker address that stops being reachable and
+// reachable again once per change, not once per attempt (franz-go dials
+// again by itself, with backoff, for as long as it needs the broker), and
+// keeps the state a Source's Connection reports.
 type connWatch struct {
+	logger *slog.Logger
+	what   string // which client: a Source's, a dead-letter sink's, a replay's
+
 	mu sync.Mutex
 	// up holds each broker address's state after its last attempt: true
 	// if the attempt connected. An address never tried is absent.
@@ -49,34 +45,47 @@ type connWatch struct {
 	lastErr error
 }
 
-func newConnWatch() *connWatch {
-	return &connWatch{up: make(map[string]bool), state: adapters.Connecting, since: time.Now()}
+func newConnWatch(logger *slog.Logger, what string) *connWatch {
+	return &connWatch{logger: logger, what: what, up: make(map[string]bool), state: adapters.Connecting, since: time.Now()}
 }
 
 // OnBrokerConnect implements kgo.HookBrokerConnect.
 func (w *connWatch) OnBrokerConnect(meta kgo.BrokerMetadata, _ time.Duration, _ net.Conn, err error) {
 	if err != nil && (errors.Is(err, context.Canceled) || errors.Is(err, kgo.ErrClientClosed)) {
-		return // the client gave up the attempt: no news of the broker
+		return // the client gave up the attempt (closing, or a request's context ended): no news of the broker
 	}
 	addr := net.JoinHostPort(meta.Host, strconv.Itoa(int(meta.Port)))
+	ok := err == nil
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.state == adapters.Disconnected {
-		return // Close is final
+	was, tried := w.up[addr]
+	w.up[addr] = ok
+	var down []string
+	if !ok {
+		for a, up := range w.up {
+			if !up {
+				down = append(down, a)
+			}
+		}
+		slices.Sort(down)
 	}
-	w.up[addr] = err == nil
-	if err == nil {
+	switch {
+	case w.state == adapters.Disconnected: // Close is final
+	case ok:
 		w.set(adapters.Connected, nil)
-		return
-	}
-	w.lastErr = fmt.Errorf("kafka: connecting to broker %s: %w", addr, err)
-	for _, up := range w.up {
-		if up {
-			return // another broker still answers
+	default:
+		w.lastErr = fmt.Errorf("kafka: connecting to broker %s: %w", addr, err)
+		if w.state == adapters.Connected && len(down) == len(w.up) { // no broker answers
+			w.set(adapters.Reconnecting, w.lastErr)
 		}
 	}
-	if w.state == adapters.Connected {
-		w.set(adapters.Reconnecting, w.lastErr)
+	w.mu.Unlock()
+	switch {
+	case !ok && (!tried || was):
+		w.logger.Warn("kafka: cannot connect to a broker; the client keeps trying, and logs again once it connects",
+			"client", w.what, "broker", addr, "node", kgo.NodeName(meta.NodeID), "error", err, "unreachable", down)
+	case ok && tried && !was:
+		w.logger.Info("kafka: connected to the broker again",
+			"client", w.what, "broker", addr, "node", kgo.NodeName(meta.NodeID))
 	}
 }
 

@@ -3,6 +3,7 @@ package kafka
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net"
 	"slices"
 	"strconv"
@@ -52,7 +53,7 @@ func startConsumer(t *testing.T, s *Source, h consumer.HandlerFunc, opts ...cons
 // reconnecting once the last attempt to every broker failed, with that
 // error, and disconnected for good once closed.
 func TestConnWatchFollowsTheAttempts(t *testing.T) {
-	w := newConnWatch()
+	w := newConnWatch(slog.New(slog.DiscardHandler), "test")
 	a := kgo.BrokerMetadata{NodeID: 1, Host: "10.0.0.1", Port: 9092}
 	b := kgo.BrokerMetadata{NodeID: 2, Host: "10.0.0.2", Port: 9092}
 	refused := syscall.ECONNREFUSED

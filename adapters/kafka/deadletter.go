@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -29,47 +28,32 @@ type DeadLetter struct {
 // NewDeadLetter creates a sink producing to topic, with a franz-go client of
 // its own, and reaches the cluster within ctx: it fails, with the cause, when
 // no broker answers before ctx ends, or when the topic does not exist (unless
-// the client may create topics, kgo.AllowAutoTopicCreation), so that a wrong
-// address or name shows here rather than at the first poison record, which
-// would then wait for ever. WithBrokers is required; WithGroup (written to
-// the HeaderGroup header), WithClientOptions, WithClientFactory and
-// WithLogger apply; the Source's other options are refused.
+// kgo.AllowAutoTopicCreation), so that a wrong address or name shows here
+// rather than at the first poison record. WithBrokers is required;
+// WithGroup (written to the HeaderGroup header), WithClientOptions,
+// WithClientFactory and WithLogger apply; the Source's other options are
+// refused.
 //
 // The sink produces with acks from all in-sync replicas (forced) and no
-// linger. Writes are idempotent, franz-go's default, unless the client
-// options disable it (kgo.DisableIdempotentWrite), which the sink does not
-// undo. A copy is its record plus up to about 2 KiB of diagnostics and its
-// key once more: records near the size limit need a higher
-// kgo.ProducerBatchMaxBytes here, and on the topic. Close the sink after the
-// consumer that uses it has returned.
+// linger; writes are idempotent unless the client options disable it
+// (kgo.DisableIdempotentWrite). A copy is its record plus up to about 2 KiB
+// of diagnostics and its key once more: records near the size limit need a
+// higher kgo.ProducerBatchMaxBytes here, and on the topic. Close the sink
+// after the consumer that uses it has returned.
 func NewDeadLetter(ctx context.Context, topic string, opts ...Option) (*DeadLetter, error) {
 	if topic == "" {
 		return nil, errors.New("kafka: NewDeadLetter: the topic must not be empty")
 	}
-	cfg, err := apply(opts)
+	cfg, err := clientConfig("NewDeadLetter", opts)
 	if err != nil {
 		return nil, err
 	}
-	if len(cfg.sourceOnly) > 0 {
-		return nil, fmt.Errorf("kafka: NewDeadLetter: %s only apply to a Source", strings.Join(cfg.sourceOnly, ", "))
-	}
-	if err := cfg.validateClient(); err != nil {
-		return nil, err
-	}
-	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "dead-letter sink of topic "+topic)),
-		kgo.SeedBrokers(cfg.brokers...),
+	cl, err := cfg.connect(ctx, "NewDeadLetter: ", cfg.kgoOpts(newConnWatch(cfg.logger, "dead-letter sink of topic "+topic),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
-	)
-	cl, err := cfg.factory(kopts...)
+	))
 	if err != nil {
-		return nil, fmt.Errorf("kafka: creating the dead-letter client: %w", err)
-	}
-	if err := cl.Ping(ctx); err != nil {
-		cl.Close()
-		return nil, fmt.Errorf("kafka: NewDeadLetter: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
+		return nil, err
 	}
 	if err := checkTopic(ctx, cl, topic); err != nil {
 		cl.Close()
@@ -79,12 +63,11 @@ func NewDeadLetter(ctx context.Context, topic string, opts ...Option) (*DeadLett
 }
 
 // NewDeadLetter creates a sink producing to topic through the Source's
-// client: its brokers, client options and connections, with its group
-// written to the HeaderGroup header. It fails, with the cause, when the
-// topic does not exist (see the function NewDeadLetter) or ctx ends before
-// the cluster answers. The sink works while the Source is open: the runtime
-// sends its last dead letter before it closes the Source. Its Close does
-// nothing.
+// client, with its group written to the HeaderGroup header. It fails, with
+// the cause, when the topic does not exist (see the function NewDeadLetter)
+// or ctx ends before the cluster answers. The sink works while the Source is
+// open (the runtime sends its last dead letter before it closes the Source);
+// its Close does nothing.
 func (s *Source) NewDeadLetter(ctx context.Context, topic string) (*DeadLetter, error) {
 	if topic == "" {
 		return nil, errors.New("kafka: Source.NewDeadLetter: the topic must not be empty")
@@ -118,8 +101,7 @@ func checkTopic(ctx context.Context, cl *kgo.Client, topic string) error {
 // headers with the diagnostic headers, and returns nil only once the brokers
 // acknowledged the record. Diagnostic headers the original already carried
 // (it was dead-lettered before and replayed) are replaced, not kept beside
-// the new ones. On error nothing is marked: the original stays
-// uncommitted and the runtime tries again or gives it back.
+// the new ones.
 func (dl *DeadLetter) Send(ctx context.Context, d *adapters.Delivery, f adapters.Failure) error {
 	diag := adapters.Diagnostics(d, f)
 	if dl.group != "" {
@@ -177,8 +159,7 @@ func recordSize(r *kgo.Record) int {
 
 // keepHeader reports whether the copy keeps the original's header k: not
 // when diag replaces it, nor when it is a diagnostic of an earlier trip to a
-// dead-letter destination (a replayed copy), which would otherwise sit beside
-// the new diagnostics and describe the wrong failure.
+// dead-letter destination (see Send).
 func keepHeader(k string, diag map[string]string) bool {
 	if _, clash := diag[k]; clash {
 		return false

@@ -42,15 +42,13 @@
 // (CountsDeliveries=false: the count restarts when another member takes the
 // partition).
 //
-// By partition, the Source hands out no more records of a partition at once
-// than the partition's share of what the runtime holds
-// (consumer.WithMaxInFlight, over the partitions assigned; at least two):
-// the runtime runs them one at a time and queues the rest, so that a record
-// that runs long (a slow call, a retry waiting in place) holds up its own
-// partition only, not the runtime's whole in-flight window. By key, a key's
-// records are not bounded so: a record that runs long lets its key's later
-// records fill the window, and the other keys wait; give such a consumer a
-// larger consumer.WithMaxInFlight.
+// By partition, the Source hands out at once no more records of a partition
+// than its share of what the runtime holds (consumer.WithMaxInFlight over
+// the partitions assigned; at least two), so that a record that runs long (a
+// slow call, a retry waiting in place) holds up its own partition only, not
+// the runtime's whole in-flight window. By key there is no such bound: a
+// key's later records can fill the window behind a long one while the other
+// keys wait; give such a consumer a larger consumer.WithMaxInFlight.
 //
 // # Commits: durable prefixes only
 //
@@ -59,84 +57,71 @@
 // offset up to which every polled record is done (handled, or written to the
 // dead-letter topic). One slow record holds its partition's commit back while
 // later records finish; when it finishes the commit jumps past all of them.
-// Commits are coalesced: a commit goes a linger ([WithCommitLinger], 5ms by
-// default) after a record is marked done, with the records of every
-// partition marked done meanwhile, and one commit request is in flight at a
-// time; a failed commit is tried again on the commit interval
-// ([WithCommitInterval], 1s by default); a partition is committed
-// synchronously when it is revoked, and all are on Close; never one request
-// per record. A crash makes the next owner run again what was done since
-// the last commit: with the linger, about the records running at the crash
-// plus a linger's worth, at the cost of up to one commit request per linger
-// plus round trip while records are being done (see WithCommitLinger for
-// the trade-off). Each commit carries the leader epoch of the last record it
-// covers, as franz-go's own commits do, so that the partition's next owner
-// can tell when the log was truncated under the commit (KIP-320).
+// Commits are coalesced, never one request per record: a commit goes a
+// linger ([WithCommitLinger], 5ms by default) after a record is marked done,
+// with every partition's records marked done meanwhile, one request in
+// flight at a time; a failed commit is tried again on the commit interval
+// ([WithCommitInterval], 1s by default); a revoked partition is committed
+// synchronously, and all are on Close. A crash makes the next owner run
+// again what was done since the last commit: about the records running at
+// the crash plus a linger's worth (see WithCommitLinger for the trade-off).
+// Each commit carries the leader epoch of the last record it covers, as
+// franz-go's own commits do, so that the next owner can tell when the log
+// was truncated under it (KIP-320).
 //
-// Acks and commits are two steps, and only the second is the broker's. Ack
-// marks records done, in process, and returns at once: the Source declares
-// no ack batching (zero Capabilities.Ack), so the runtime's workers call it
-// as they finish. The commit is Kafka's own acknowledgement, one offset per
-// partition covering every record below it, sent for every partition in one
-// OffsetCommit request; which offset it carries, when it goes and how a
-// failed one is followed (the next commit carries the same prefix or a
-// longer one) belong to that protocol, so they are the adapter's, as
-// turning acks into multiple=true frames is the RabbitMQ adapter's. The
-// runtime's batching, entries per call and calls in flight, has no notion
-// of a prefix per partition, nor of one request carrying them all: it has
-// nothing to linger for here, and the Source asks it for nothing. Nothing
-// is leased either, so nothing is renewed: records the Source holds before
+// Ack only marks records done, in process, and returns at once: the Source
+// declares no ack batching (zero Capabilities.Ack). The commit is Kafka's
+// own acknowledgement, one offset per partition for every partition in one
+// OffsetCommit request; its offset, timing and retry (the next commit
+// carries the same prefix or a longer one) belong to that protocol, so they
+// are the adapter's, as multiple=true acks are the RabbitMQ adapter's: the
+// runtime's batching has no notion of a prefix per partition. Nothing is
+// leased either, so nothing is renewed: records the Source holds before
 // handing them out cost the broker nothing, and a revoke gives them up.
 //
-// Done offsets beyond the committed one travel in the commit metadata,
-// compactly encoded (runs of offsets, base64) with the leader epoch their
-// records were written under, and bounded by [WithMetadataLimit] (4096
-// bytes, Kafka's default offset.metadata.max.bytes). After a rebalance the
-// partition's next owner reads them back and skips those records instead
-// of running them again, unless fetching starts below the committed offset
-// (the log was truncated or recreated): the offsets would then name other
-// records, and the metadata is ignored. An owner that loses the partition
-// before it reaches the offsets it inherited writes them into its own commit
-// metadata, so they survive any number of rebalances (as many of them as fit
-// beside its own). A partition whose metadata could outgrow the limit takes
-// no new records until its prefix catches up. A record is skipped only when
-// its offset and its leader epoch both match what was recorded: after an
-// unclean leader election rewrote the log above the committed offset while
-// the partition was between owners, the records now at the recorded offsets
-// are of a later epoch, and they are all handed out. Metadata of the
-// previous format, without epochs, is still read (its runs taken to be of
-// the committed leader epoch), so a group under a rolling deploy skips no
-// rewritten record either.
+// Done offsets beyond the committed one travel in the commit metadata
+// (runs of offsets, base64) with the leader epoch their records were
+// written under, bounded by [WithMetadataLimit] (4096 bytes, Kafka's
+// default offset.metadata.max.bytes); a partition whose metadata could
+// outgrow the limit takes no new records until its prefix catches up. After
+// a rebalance the next owner skips those records instead of running them
+// again, unless fetching starts below the committed offset (the log was
+// truncated or recreated, so the offsets name other records). An owner that
+// loses the partition before reaching the offsets it inherited writes them
+// into its own metadata (as many as fit beside its own), so they survive
+// any number of rebalances. A record is skipped only when its offset and
+// leader epoch both match: after an unclean leader election rewrote the log
+// above the committed offset, the records now at those offsets are of a
+// later epoch, and all are handed out. Metadata of the previous format,
+// without epochs, is still read (its runs taken to be of the committed
+// leader epoch), so a group under a rolling deploy skips no rewritten
+// record either.
 //
-// A transactional producer ends each transaction with a marker that takes an
-// offset. Markers are never handed out, but they count as done, so the
-// commit reaches the end of the partition instead of stopping one short of
-// it (with a lag that never falls to 0). Read committed
-// (kgo.FetchIsolationLevel(kgo.ReadCommitted()) through [WithClientOptions]),
-// aborted records are not handed out either, and lag counts to the last
-// stable offset.
+// A transaction's end marker takes an offset: never handed out, it counts as
+// done, so the commit reaches the end of the partition (and the lag 0). Read
+// committed (kgo.FetchIsolationLevel(kgo.ReadCommitted()) through
+// [WithClientOptions]), aborted records are not handed out either, and lag
+// counts to the last stable offset.
 //
 // # Rebalances
 //
 // On revoke the Source stops handing out the partition's records and
-// recalls those already handed out ([adapters.Signal.Recall], the latest
-// first; the Source is an [adapters.Recaller]): the runtime gives back at
-// once every one whose handler has not started (queued behind the running
-// record of its lane, waiting for a worker, or waiting in place for a
-// retry), and a given-back record is not done, so the commit stops before
-// it. The revoke then waits, for up to [WithRevokeDrain] (10s by default),
-// only for the handlers actually running, acks what they finish, cancels
-// the rest (their contexts end with cause [adapters.ErrRevoked]), fences the
-// assignment and commits its done prefix synchronously. A backlog of
-// records therefore costs a rebalance nothing: the partition's new owner
-// runs them. After the fence nothing of that assignment is marked or
-// committed: a completion that arrives late is refused with ErrRevoked, and
-// the partition's new owner runs the record. Lost partitions (a fatal group
-// error) are fenced without a commit. Polls block rebalances only between a
-// poll and the moment its records are booked under their epoch (franz-go's
-// BlockRebalanceOnPoll, released at once; concurrent Receive calls poll one
-// at a time, since releasing it releases every poll), so a record can never
-// be booked under the wrong assignment.
+// recalls those handed out ([adapters.Signal.Recall], the latest first; the
+// Source is an [adapters.Recaller]): the runtime gives back at once every
+// one whose handler has not started (queued in its lane, waiting for a
+// worker or for a retry), and a given-back record is not done, so the
+// commit stops before it. The revoke then waits up to [WithRevokeDrain]
+// (10s by default) for the running handlers only, acks what they finish,
+// cancels the rest (cause [adapters.ErrRevoked]), fences the assignment and
+// commits its done prefix synchronously. A backlog therefore costs a
+// rebalance nothing: the new owner runs it. After the fence nothing of that
+// assignment is marked or committed: a late completion is refused with
+// ErrRevoked, and the new owner runs the record. Lost partitions (a fatal
+// group error) are fenced without a commit. Rebalances are blocked only
+// between a poll and the booking of its records under their epoch
+// (franz-go's BlockRebalanceOnPoll, released at once; concurrent Receive
+// calls poll one at a time, since releasing it releases every poll), so a
+// record is never booked under the wrong assignment.
 //
 // # Data loss
 //
@@ -144,31 +129,29 @@
 // leader election, a log truncated under it), franz-go reports a
 // kgo.ErrDataLoss and rewinds the partition. Receive returns that error
 // (with any records of other partitions; the runtime logs it), and the
-// Source starts a new epoch for the partition: the records of the old log in
+// Source starts a new epoch for the partition: the old log's records in
 // flight lose their contexts with cause [ErrRewound] (which wraps
-// adapters.ErrRevoked) and their acks mark nothing, and fetching resumes at
-// the rewind point or at the old epoch's commit point, whichever is lower, so
-// that the records now in the log are all handed out and nothing polled but
-// unfinished is committed past. The new epoch commits its start at once, even
-// below the offset committed before, so a consumer starting after a crash
-// does not skip the records that replaced the lost ones. Records of the old
-// log that finished had their effects; that cannot be undone.
-// custody.kafka.rewinds counts these rewinds.
+// adapters.ErrRevoked) and their acks mark nothing; fetching resumes at the
+// rewind point or the old epoch's commit point, whichever is lower, so that
+// every record now in the log is handed out and nothing polled but
+// unfinished is committed past. The new epoch commits its start at once,
+// even below the old commit, so a restart does not skip the records that
+// replaced the lost ones. Old records that finished had their effects;
+// that cannot be undone. custody.kafka.rewinds counts these rewinds.
 //
 // # Backpressure
 //
 // [WithMaxUnackedPerPartition] (512, or WithMaxUnacked if lower) bounds the
-// records of one partition handed out and not acked; while its records
-// polled and not acked reach it, the partition's fetching is paused, below it
-// resumed (and resumed on revoke, since franz-go keeps pauses across
-// rebalances). [WithMaxUnacked] (4096) bounds the records handed out over
-// all partitions: at the bound the Source stops polling. A poll takes every
-// record the client has fetched, already in memory, into the partitions'
-// backlogs, and Receive shares them out over the partitions: a poll of a
-// number of records would take them partition by partition, and a deep
-// backlog would give the runtime the first partitions' records alone. What
-// one partition holds beyond its bound is therefore at most one fetch of it
-// (kgo.FetchMaxPartitionBytes).
+// records of one partition handed out and not acked: while its records
+// polled and not acked reach it, the partition's fetching is paused, below
+// it resumed (and on revoke, since franz-go keeps pauses across rebalances).
+// [WithMaxUnacked] (4096) bounds the records handed out over all
+// partitions: at the bound the Source stops polling. A poll takes every
+// record the client has fetched (already in memory), and Receive shares
+// them out over the partitions; a poll of n records would take them
+// partition by partition, and a deep backlog would feed the runtime the
+// first partitions alone. A partition therefore holds at most one fetch
+// (kgo.FetchMaxPartitionBytes) beyond its bound.
 //
 // # Operations: connection, pause, assignment, backlog
 //
@@ -181,8 +164,9 @@
 //     last attempt to at least one broker succeeded, reconnecting, with the
 //     last attempt's error, once every broker's last attempt failed (a
 //     cluster that is down: the group's heartbeats and the fetches notice
-//     within a heartbeat interval or a retry backoff), disconnected after
-//     Close. A consumer is not ready while it reconnects.
+//     within a heartbeat interval, kgo.HeartbeatInterval, or a retry
+//     backoff), disconnected after Close. A consumer is not ready while it
+//     reconnects.
 //   - [Source.Pause] and [Source.Resume] (adapters.Pauser): consumer.Pause
 //     stops the client fetching the Source's topics
 //     (kgo.Client.PauseFetchTopics) while the member stays in its group,
@@ -205,10 +189,10 @@
 // client (its brokers, TLS, SASL and group); [NewDeadLetter] makes one with
 // a client of its own. Both look the topic up within their context and fail,
 // with the cause, when the cluster does not answer or the topic does not
-// exist, rather than at the first poison record. [DeadLetter.Send] produces synchronously with acks from all in-sync
-// replicas and the idempotent producer, and returns nil only once the brokers
-// acknowledged the record: only then does the runtime ack (mark done) the
-// original. The dead-letter record keeps the original key, value and headers
+// exist, rather than at the first poison record. [DeadLetter.Send] produces
+// synchronously with acks from all in-sync replicas and the idempotent
+// producer, and returns nil only once the brokers acknowledged the record:
+// only then does the runtime ack (mark done) the original. The dead-letter record keeps the original key, value and headers
 // and adds the diagnostic headers of [adapters.Diagnostics] (original topic,
 // partition, offset, timestamp, key, attempts, error, failure times) plus
 // [HeaderGroup]. A failed produce returns an error; the original stays
@@ -243,16 +227,16 @@
 // Through the MeterProvider of [WithMeterProvider] (the global one by
 // default): custody.kafka.lag (high watermark minus committed offset, per
 // partition; the end offsets of partitions not fetched lately are listed
-// from the brokers, see [WithLagRefresh]), custody.kafka.commit.duration, custody.kafka.commit.failures,
-// custody.kafka.skipped (records skipped thanks to the commit metadata),
-// custody.kafka.rewinds (partitions rewound after data loss) and
-// custody.kafka.expired (offsets deleted by retention before the group read
-// them, counted as offsets: on a compacted topic some held no record;
-// Receive reports them with [ErrExpired]).
-// Record headers become Delivery.Headers, so the runtime picks up W3C trace
-// context (traceparent, tracestate) from them
-// (once a propagator is set: OpenTelemetry's default global propagator is a
-// no-op; see consumer.WithPropagator).
+// from the brokers, see [WithLagRefresh]), custody.kafka.commit.duration,
+// custody.kafka.commit.failures, custody.kafka.skipped (records skipped
+// thanks to the commit metadata), custody.kafka.rewinds (partitions rewound
+// after data loss) and custody.kafka.expired (offsets deleted by retention
+// before the group read them, counted as offsets: on a compacted topic some
+// held no record; Receive reports them with [ErrExpired]). Record headers
+// become Delivery.Headers, so the runtime picks up W3C trace context
+// (traceparent, tracestate) from them once a propagator is set
+// (OpenTelemetry's default global one is a no-op; see
+// consumer.WithPropagator).
 //
 // # Native record
 //

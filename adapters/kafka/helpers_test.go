@@ -223,3 +223,12 @@ func sinkOf(t testing.TB, s *Source, topic string) *DeadLetter {
 	t.Cleanup(func() { _ = dl.Close() })
 	return dl
 }
+
+// encodeDone encodes the done offsets given in ascending order by each (all
+// at or beyond base), with the leader epochs of their records. It returns ""
+// when there is nothing to record.
+func encodeDone(base int64, each func(fn func(pos int64, epoch int32))) string {
+	e := newDoneEncoder(base)
+	each(func(pos int64, epoch int32) { e.add(pos, pos, epoch) })
+	return e.String()
+}

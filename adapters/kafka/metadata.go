@@ -7,14 +7,11 @@ import (
 	"strings"
 )
 
-// Commit metadata carries the offsets beyond the committed one that are
-// already done, with the leader epoch of their records, so that a
-// partition's next owner does not run them again. An offset alone does not
-// name a record: after an unclean leader election the log above the
-// committed offset can be rewritten, and other records take the same
-// offsets. A record is known by its offset and the leader epoch it was
-// written under (Kafka's replication keeps one record per such pair), so the
-// next owner skips a record only when both match.
+// Commit metadata carries the done offsets beyond the committed one, with
+// the leader epoch of their records (see the package documentation, section
+// Commits): an offset alone does not name a record once an unclean leader
+// election rewrote the log, but Kafka's replication keeps one record per
+// offset and leader epoch.
 //
 // Format: metadataPrefix, then unpadded URL-safe base64 of a sequence of
 // unsigned varints: the committed offset the list is relative to (a reader
@@ -43,15 +40,6 @@ const legacyMetadataPrefix = "custody1:"
 type span struct {
 	from, to int64
 	epoch    int32
-}
-
-// encodeDone encodes the done offsets given in ascending order by each (all
-// at or beyond base), with the leader epochs of their records. It returns ""
-// when there is nothing to record.
-func encodeDone(base int64, each func(fn func(pos int64, epoch int32))) string {
-	e := newDoneEncoder(base)
-	each(func(pos int64, epoch int32) { e.add(pos, pos, epoch) })
-	return e.String()
 }
 
 // doneEncoder builds the metadata from done spans added in ascending order,
@@ -196,12 +184,9 @@ func decodeDone(meta string, committed int64, commitEpoch int32) []span {
 		return v, true
 	}
 	for len(raw) > 0 {
-		gap, ok := next()
-		if !ok {
-			return nil
-		}
-		length, ok := next()
-		if !ok {
+		gap, ok1 := next()
+		length, ok2 := next()
+		if !ok1 || !ok2 {
 			return nil
 		}
 		if !legacy {

@@ -1,9 +1,12 @@
 package kafka
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -12,11 +15,10 @@ import (
 )
 
 // OrderingScope chooses which records of a partition may run at the same
-// time. The adapter expresses it through Delivery.OrderingKey; the runtime
-// runs the deliveries of one key one at a time, in offset order. It is not
-// consumer.WithOrdering, which orders by Message.Key the deliveries of
-// adapters that set no ordering key of their own: the Kafka adapter always
-// sets its own (or none, Unordered).
+// time, through Delivery.OrderingKey (see the package documentation,
+// section Ordering). It is not consumer.WithOrdering, which orders by
+// Message.Key the deliveries of adapters that set no ordering key: the
+// Kafka adapter always sets its own (or none, Unordered).
 type OrderingScope int
 
 const (
@@ -66,10 +68,11 @@ const (
 // options from WithClientOptions.
 type ClientFactory func(opts ...kgo.Opt) (*kgo.Client, error)
 
-// Option configures a Source or a dead-letter sink. Invalid values fail New
-// or NewDeadLetter with an error naming the option. WithBrokers,
-// WithClientOptions, WithClientFactory, WithGroup and WithLogger apply to
-// both; the others to a Source only, and NewDeadLetter refuses them.
+// Option configures a Source, a dead-letter sink or a Replay. Invalid values
+// fail New, NewDeadLetter or NewReplay with an error naming the option.
+// WithBrokers, WithClientOptions, WithClientFactory, WithGroup and
+// WithLogger apply to all; the others to a Source only, and NewDeadLetter
+// and NewReplay refuse them.
 type Option func(*config) error
 
 type config struct {
@@ -81,10 +84,8 @@ type config struct {
 	ordering       OrderingScope
 	commitInterval time.Duration
 	commitLinger   time.Duration
-	lingerSet      bool // commitLinger given by WithCommitLinger
 	commitTimeout  time.Duration
 	maxPerPart     int
-	maxPerPartSet  bool // maxPerPart given by WithMaxUnackedPerPartition
 	maxTotal       int
 	revokeDrain    time.Duration
 	pollWait       time.Duration
@@ -92,7 +93,8 @@ type config struct {
 	lagRefresh     time.Duration
 	meterProvider  metric.MeterProvider
 	logger         *slog.Logger
-	// sourceOnly names the options given that apply to a Source only.
+	// sourceOnly names the options given that apply to a Source only;
+	// validate tells from it a default from a value given.
 	sourceOnly []string
 }
 
@@ -102,6 +104,18 @@ func sourceOnly(name string, set func(*config) error) Option {
 		c.sourceOnly = append(c.sourceOnly, name)
 		return set(c)
 	}
+}
+
+// atLeast returns the Source-only option name, which stores v in the field
+// given and refuses a v below lo, saying why.
+func atLeast[T int | time.Duration](name string, v, lo T, why string, field func(*config) *T) Option {
+	return sourceOnly(name, func(c *config) error {
+		if v < lo {
+			return fmt.Errorf("kafka: %s(%v): %s", name, v, why)
+		}
+		*field(c) = v
+		return nil
+	})
 }
 
 // apply returns the configuration opts make of the defaults.
@@ -136,12 +150,10 @@ func WithBrokers(addrs ...string) Option {
 		if len(addrs) == 0 {
 			return errors.New("kafka: WithBrokers: give at least one broker address")
 		}
-		for _, a := range addrs {
-			if a == "" {
-				return errors.New("kafka: WithBrokers: empty broker address")
-			}
+		if slices.Contains(addrs, "") {
+			return errors.New("kafka: WithBrokers: empty broker address")
 		}
-		c.brokers = append([]string(nil), addrs...)
+		c.brokers = slices.Clone(addrs)
 		return nil
 	}
 }
@@ -164,12 +176,10 @@ func WithTopics(topics ...string) Option {
 		if len(topics) == 0 {
 			return errors.New("kafka: WithTopics: give at least one topic")
 		}
-		for _, t := range topics {
-			if t == "" {
-				return errors.New("kafka: WithTopics: empty topic name")
-			}
+		if slices.Contains(topics, "") {
+			return errors.New("kafka: WithTopics: empty topic name")
 		}
-		c.topics = append([]string(nil), topics...)
+		c.topics = slices.Clone(topics)
 		return nil
 	})
 }
@@ -216,62 +226,37 @@ func WithOrderingScope(o OrderingScope) Option {
 // failed commit is tried again. Commits also happen on revoke and on Close.
 // Default 1s.
 func WithCommitInterval(d time.Duration) Option {
-	return sourceOnly("WithCommitInterval", func(c *config) error {
-		if d < time.Millisecond {
-			return fmt.Errorf("kafka: WithCommitInterval(%v): must be at least 1ms", d)
-		}
-		c.commitInterval = d
-		return nil
-	})
+	return atLeast("WithCommitInterval", d, time.Millisecond, "must be at least 1ms",
+		func(c *config) *time.Duration { return &c.commitInterval })
 }
 
 // WithCommitLinger sets how long the Source waits, once a record is marked
-// done, before it commits: the records of every partition marked done
-// meanwhile go in the same commit request, and one commit request is in
-// flight at a time (records marked done while it is go in the next). The
-// linger bounds the work a crash repeats (the records done since the last
-// commit: about the records running at the crash plus a linger and a commit
-// round trip's worth) and sets the commit request rate, at most one per
-// linger plus round trip while records are being done. 0 commits as soon as
-// the previous commit returns; the commit interval (see WithCommitInterval)
-// commits about once per interval. Default 5ms, or the commit interval if
-// that is shorter; it must not exceed the commit interval.
+// done, before it commits: every partition's records marked done meanwhile
+// go in the same request, one request in flight at a time. The linger
+// bounds the work a crash repeats (about the records running at the crash
+// plus a linger and a round trip's worth) and the request rate (at most one
+// per linger plus round trip while records are being done). 0 commits as
+// soon as the previous commit returns; the commit interval alone commits
+// about once per interval. Default 5ms, or the commit interval if shorter;
+// it must not exceed the commit interval.
 func WithCommitLinger(d time.Duration) Option {
-	return sourceOnly("WithCommitLinger", func(c *config) error {
-		if d < 0 {
-			return fmt.Errorf("kafka: WithCommitLinger(%v): must not be negative", d)
-		}
-		c.commitLinger = d
-		c.lingerSet = true
-		return nil
-	})
+	return atLeast("WithCommitLinger", d, 0, "must not be negative",
+		func(c *config) *time.Duration { return &c.commitLinger })
 }
 
 // WithCommitTimeout bounds one commit request. Default 10s.
 func WithCommitTimeout(d time.Duration) Option {
-	return sourceOnly("WithCommitTimeout", func(c *config) error {
-		if d <= 0 {
-			return fmt.Errorf("kafka: WithCommitTimeout(%v): must be positive", d)
-		}
-		c.commitTimeout = d
-		return nil
-	})
+	return atLeast("WithCommitTimeout", d, 1, "must be positive",
+		func(c *config) *time.Duration { return &c.commitTimeout })
 }
 
 // WithMaxUnackedPerPartition bounds the records of one partition handed out
-// and not yet acked. The partition's fetching pauses while its records
-// polled and not yet acked (waiting to be handed out, or handed out) reach
-// the bound, and resumes below it. Default 512, or WithMaxUnacked if that is
-// lower. Must not exceed WithMaxUnacked.
+// and not yet acked: the partition's fetching pauses while its records
+// polled and not acked (waiting or handed out) reach the bound. Default 512,
+// or WithMaxUnacked if lower. Must not exceed WithMaxUnacked.
 func WithMaxUnackedPerPartition(n int) Option {
-	return sourceOnly("WithMaxUnackedPerPartition", func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxUnackedPerPartition(%d): must be at least 1", n)
-		}
-		c.maxPerPart = n
-		c.maxPerPartSet = true
-		return nil
-	})
+	return atLeast("WithMaxUnackedPerPartition", n, 1, "must be at least 1",
+		func(c *config) *int { return &c.maxPerPart })
 }
 
 // WithMaxUnacked bounds the records handed out and not yet acked over all
@@ -281,41 +266,25 @@ func WithMaxUnackedPerPartition(n int) Option {
 // bounds that, and consumer.New refuses a concurrency above it, since the
 // extra workers would never get a record. Default 4096.
 func WithMaxUnacked(n int) Option {
-	return sourceOnly("WithMaxUnacked", func(c *config) error {
-		if n < 1 {
-			return fmt.Errorf("kafka: WithMaxUnacked(%d): must be at least 1", n)
-		}
-		c.maxTotal = n
-		return nil
-	})
+	return atLeast("WithMaxUnacked", n, 1, "must be at least 1",
+		func(c *config) *int { return &c.maxTotal })
 }
 
 // WithRevokeDrain sets how long a revoked partition's running handlers may
 // run on before their contexts are cancelled (with adapters.ErrRevoked) and
-// the partition's done prefix is committed. Records handed out whose
-// handlers have not started are recalled and given back at once, so the
-// drain waits for the running ones only. Keep it well below the group's
-// rebalance timeout (kgo.RebalanceTimeout, 60s by default): the rebalance
-// waits for it. Default 10s.
+// the partition's done prefix is committed (see the package documentation,
+// section Rebalances). Keep it well below the group's rebalance timeout
+// (kgo.RebalanceTimeout, 60s by default): the rebalance waits for it.
+// Default 10s.
 func WithRevokeDrain(d time.Duration) Option {
-	return sourceOnly("WithRevokeDrain", func(c *config) error {
-		if d < 0 {
-			return fmt.Errorf("kafka: WithRevokeDrain(%v): must not be negative", d)
-		}
-		c.revokeDrain = d
-		return nil
-	})
+	return atLeast("WithRevokeDrain", d, 0, "must not be negative",
+		func(c *config) *time.Duration { return &c.revokeDrain })
 }
 
 // WithPollWait bounds how long one Receive waits for records. Default 1s.
 func WithPollWait(d time.Duration) Option {
-	return sourceOnly("WithPollWait", func(c *config) error {
-		if d < time.Millisecond {
-			return fmt.Errorf("kafka: WithPollWait(%v): must be at least 1ms", d)
-		}
-		c.pollWait = d
-		return nil
-	})
+	return atLeast("WithPollWait", d, time.Millisecond, "must be at least 1ms",
+		func(c *config) *time.Duration { return &c.pollWait })
 }
 
 // WithMetadataLimit sets the size limit of the offset-commit metadata that
@@ -324,36 +293,23 @@ func WithPollWait(d time.Duration) Option {
 // outgrow it stops taking new records until its prefix catches up. Default
 // 4096 bytes; at least 32.
 func WithMetadataLimit(n int) Option {
-	return sourceOnly("WithMetadataLimit", func(c *config) error {
-		if n < minMetadataLimit {
-			return fmt.Errorf("kafka: WithMetadataLimit(%d): must be at least %d bytes", n, minMetadataLimit)
-		}
-		c.metadataLimit = n
-		return nil
-	})
+	return atLeast("WithMetadataLimit", n, minMetadataLimit, fmt.Sprintf("must be at least %d bytes", minMetadataLimit),
+		func(c *config) *int { return &c.metadataLimit })
 }
 
 // WithLagRefresh sets how old a partition's end offset may grow before the
-// Source asks the brokers for it (one ListOffsets request for all such
-// partitions). Fetches bring the end offset with their records, but a
-// partition paused for backpressure, or not fetched while the runtime is
-// behind, or with nothing to read, brings none: without the refresh its lag
-// would stand still exactly while it grows. Default 10s; 0 turns the
-// refresh off, and lag then comes from fetches alone.
+// Source lists it from the brokers (one ListOffsets request for all such
+// partitions). Fetches bring the end offset, but a partition paused for
+// backpressure, not fetched while the runtime is behind, or with nothing to
+// read brings none: its lag would stand still exactly while it grows.
+// Default 10s; 0 turns the refresh off (lag from fetches alone).
 func WithLagRefresh(d time.Duration) Option {
-	return sourceOnly("WithLagRefresh", func(c *config) error {
-		if d < 0 {
-			return fmt.Errorf("kafka: WithLagRefresh(%v): must not be negative (0 turns the refresh off)", d)
-		}
-		c.lagRefresh = d
-		return nil
-	})
+	return atLeast("WithLagRefresh", d, 0, "must not be negative (0 turns the refresh off)",
+		func(c *config) *time.Duration { return &c.lagRefresh })
 }
 
-// WithMeterProvider sets where the adapter's metrics go (lag per partition,
-// commit latency, commit failures, records skipped thanks to the commit
-// metadata, rewinds after data loss). Default: the global otel
-// MeterProvider.
+// WithMeterProvider sets where the Source's metrics go (see the package
+// documentation, section Telemetry). Default: the global otel MeterProvider.
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return sourceOnly("WithMeterProvider", func(c *config) error {
 		if mp == nil {
@@ -364,10 +320,10 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	})
 }
 
-// WithLogger sets where the Source or the dead-letter sink logs connection
-// trouble: a broker it cannot connect to (once, with the address and the
-// error, not once per attempt, while franz-go keeps trying) and the
-// connection back. Default: slog.Default(), like the consumer's own.
+// WithLogger sets where the Source, a dead-letter sink or a Replay logs a
+// broker it cannot connect to (once, not once per attempt, while franz-go
+// keeps trying) and the connection back. Default: slog.Default(), like the
+// consumer's own.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
@@ -388,13 +344,13 @@ func (c *config) validate() error {
 	if len(c.topics) == 0 {
 		return errors.New("kafka: WithTopics is required: give the topics to consume")
 	}
-	if !c.lingerSet {
+	if !slices.Contains(c.sourceOnly, "WithCommitLinger") {
 		c.commitLinger = min(c.commitLinger, c.commitInterval)
 	}
 	if c.commitLinger > c.commitInterval {
 		return fmt.Errorf("kafka: WithCommitLinger(%v) exceeds WithCommitInterval(%v): give a linger up to the interval (the interval alone commits about once per interval)", c.commitLinger, c.commitInterval)
 	}
-	if !c.maxPerPartSet {
+	if !slices.Contains(c.sourceOnly, "WithMaxUnackedPerPartition") {
 		c.maxPerPart = min(c.maxPerPart, c.maxTotal)
 	}
 	if c.maxPerPart > c.maxTotal {
@@ -416,4 +372,39 @@ func (c *config) validateClient() error {
 		c.logger = slog.Default()
 	}
 	return nil
+}
+
+// clientConfig returns the configuration opts make for a client that is not
+// a Source's (fn names the constructor): Source-only options are refused.
+func clientConfig(fn string, opts []Option) (config, error) {
+	cfg, err := apply(opts)
+	if err != nil {
+		return cfg, err
+	}
+	if len(cfg.sourceOnly) > 0 {
+		return cfg, fmt.Errorf("kafka: %s: %s only apply to a Source", fn, strings.Join(cfg.sourceOnly, ", "))
+	}
+	return cfg, cfg.validateClient()
+}
+
+// kgoOpts returns the caller's client options, then the hook w, the seed
+// brokers and extra, which override the caller's.
+func (c *config) kgoOpts(w *connWatch, extra ...kgo.Opt) []kgo.Opt {
+	opts := append([]kgo.Opt(nil), c.clientOpts...)
+	opts = append(opts, kgo.WithHooks(w), kgo.SeedBrokers(c.brokers...))
+	return append(opts, extra...)
+}
+
+// connect builds a client with opts and reaches the cluster within ctx. Its
+// errors start with "kafka: " and fn.
+func (c *config) connect(ctx context.Context, fn string, opts []kgo.Opt) (*kgo.Client, error) {
+	cl, err := c.factory(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: %screating the client: %w", fn, err)
+	}
+	if err := cl.Ping(ctx); err != nil {
+		cl.Close()
+		return nil, fmt.Errorf("kafka: %sreaching the brokers %s: %w", fn, strings.Join(c.brokers, ", "), err)
+	}
+	return cl, nil
 }

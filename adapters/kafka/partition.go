@@ -35,9 +35,8 @@ type partition struct {
 	costs    []int
 	costHead int
 	costSum  int
-	// epochCost is the size of the largest encoded leader epoch among the
-	// tracked records: the bound of the first run's epoch in the metadata.
-	// It never falls within an assignment.
+	// epochCost is the size of the largest encoded leader epoch tracked:
+	// the bound of the first run's epoch in the metadata. It never falls.
 	epochCost int
 	// lastTracked is the highest tracked offset; base is the first one of
 	// this assignment, the commit point until a frontier exists.
@@ -56,17 +55,14 @@ type partition struct {
 	lastPolled int64
 	// requeue holds nacked records (already tracked) to hand out again.
 	requeue []*held
-	// out holds the handed-out deliveries until they are acked or nacked,
-	// in hand-out order from outHead on, nil where one was released (no map
-	// operation per record); nheld counts them.
-	out     []*held
-	outHead int
-	nheld   int
-	// lane is "topic/partition": the prefix of the partition's delivery IDs
-	// and its ordering lane.
-	lane string
-	// released is set while the partition is on Source.released.
-	released bool
+	// out holds the handed-out deliveries in hand-out order from outHead
+	// on, nil where one was released (no map operation per record); nheld
+	// counts them.
+	out      []*held
+	outHead  int
+	nheld    int
+	lane     string // "topic/partition": the prefix of its delivery IDs, and its ordering lane
+	released bool   // on Source.released
 
 	// skip holds done spans read from the commit metadata on assignment,
 	// with the leader epochs of their records (see skipped).
@@ -82,8 +78,7 @@ type partition struct {
 }
 
 // held is a delivery handed to the runtime, with what Ack needs to find its
-// place, and the Signal through which a revoke recalls or loses it. Held
-// values are allocated heldSlab at a time (see Source.newHeld).
+// place, and the Signal through which a revoke recalls or loses it.
 type held struct {
 	d   adapters.Delivery
 	sig adapters.Signal
@@ -158,12 +153,10 @@ func (p *partition) eachHeld(fn func(h *held)) {
 
 // recallHeld recalls every handed-out delivery, the last handed out first,
 // and reports whether there was any. Called under Source.mu with draining
-// set, so nothing is handed out meanwhile. Latest first, because the runtime
-// gives a lane's recalled records back as it reaches them, in order: had an
-// earlier record been recalled first, the runtime could give it back and
-// start a later one not yet recalled, which would then run before the
-// earlier one's redelivery. A nack of a recalled record leaves it not done,
-// so the revoke's commit stops before it.
+// set. Latest first, because the runtime gives a lane's recalled records
+// back in order as it reaches them: had an earlier record been recalled
+// first, the runtime could give it back and start a later one not yet
+// recalled, which would run before the earlier one's redelivery.
 func (p *partition) recallHeld() bool {
 	found := false
 	for i := len(p.out) - 1; i >= p.outHead; i-- {
@@ -190,12 +183,11 @@ func (p *partition) dropHeld(lose []*held) []*held {
 // backlogLen is the number of polled records waiting to be handed out.
 func (p *partition) backlogLen() int { return len(p.backlog) - p.backHead + len(p.requeue) }
 
-// trackCost is the metadata cost bound of tracking off, a record of leader
-// epoch epoch, next: its distance from the previous tracked offset, plus one
-// for the run length it may add, plus its epoch when it starts a new one (a
-// run of another epoch than the run before it carries its epoch, and the
-// last record starting an epoch up to that run's start lies between the two
-// runs and is of that run's epoch), plus what it adds to epochCost.
+// trackCost bounds what tracking off, a record of leader epoch epoch, adds
+// to the metadata: its distance from the previous tracked offset, one for
+// the run length it may add, its epoch when it starts a new one (a run of
+// another epoch than the run before carries its epoch), and what it adds
+// to epochCost.
 func (p *partition) trackCost(off int64, epoch int32) int {
 	return p.runCost(off, epoch) + p.epochGrowth(epoch)
 }
@@ -256,11 +248,10 @@ func (p *partition) track(off int64, leaderEpoch int32, c int) {
 // done marks off done and releases the cost of positions the frontier passed.
 func (p *partition) done(off int64) {
 	before := p.tr.Outstanding()
+	p.dirty = true // a done position beyond the frontier changes the metadata
 	if !p.tr.Done(off) {
-		p.dirty = true // a done position beyond the frontier changes the metadata
 		return
 	}
-	p.dirty = true
 	for released := before - p.tr.Outstanding(); released > 0; released-- {
 		p.costSum -= p.costs[p.costHead]
 		p.costHead++
@@ -286,10 +277,8 @@ func (p *partition) commitPoint() (int64, bool) {
 }
 
 // leaderEpochBefore returns the leader epoch of the last tracked record
-// below at (the last one a commit at at covers), or -1 when none is tracked,
-// and forgets the epochs of older records. Committing it lets the next owner
-// detect a log truncated under the commit (KIP-320), as franz-go's own
-// commits do.
+// below at (the last one a commit at at covers; see KIP-320), or -1 when
+// none is tracked, and forgets the epochs of older records.
 func (p *partition) leaderEpochBefore(at int64) int32 {
 	for len(p.epochs) > 1 && p.epochs[1].from < at {
 		p.epochs = p.epochs[1:]
@@ -301,11 +290,9 @@ func (p *partition) leaderEpochBefore(at int64) int32 {
 }
 
 // metadata encodes the done offsets beyond the commit point, with the leader
-// epochs of their records: those this owner tracked, then the spans a
-// previous owner recorded done beyond the last offset this owner tracked,
-// as many as fit the limit. Without the latter, an owner revoked before it
-// reached them would write metadata without them, and the next owner would
-// run them again.
+// epochs of their records: those this owner tracked, then as many as fit
+// of the spans a previous owner recorded beyond them, so that they survive
+// an owner revoked before it reached them.
 func (p *partition) metadata(at int64, limit int) string {
 	e := newDoneEncoder(at)
 	i := 0 // p.epochs[i] holds the epoch of the position at hand
@@ -338,16 +325,12 @@ func (p *partition) metadata(at int64, limit int) string {
 }
 
 // skipped reports whether the record at off, written under leader epoch
-// epoch, was recorded done by a previous owner, and forgets spans behind it
-// (offsets arrive in increasing order). A record is skipped only when its
-// epoch is the one recorded: at the same offset, a record of another epoch is
-// another record, written after the log was rewritten (an unclean leader
-// election). Once the log is seen to differ from what the spans describe,
-// none of them holds any more (a log that differs at one offset differs at
-// every later one, since a record's offset and epoch fix the log before it),
-// and they are all forgotten: a record of a different epoch inside a span,
-// or one of a later epoch than the next span's before it (epochs never fall
-// along a log, so that span's offsets hold later epochs too).
+// epoch, was recorded done by a previous owner (offset and epoch match),
+// and forgets spans behind it (offsets arrive in increasing order). Once the
+// log is seen to differ from the spans, all are forgotten, since a record's
+// offset and epoch fix the log before it: a record of another epoch inside
+// a span, or one of a later epoch than the next span's before it (epochs
+// never fall along a log, so that span's offsets hold later epochs too).
 func (p *partition) skipped(off int64, epoch int32) bool {
 	for len(p.skip) > 0 && p.skip[0].to < off {
 		p.skip = p.skip[1:]

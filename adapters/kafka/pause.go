@@ -12,20 +12,12 @@ var (
 )
 
 // Pause implements adapters.Pauser: the client stops fetching the Source's
-// topics (kgo.Client.PauseFetchTopics), so that nothing more is read ahead
-// while the consumer is paused, and the member stays in its group: it keeps
-// its partitions, heartbeats and commits as usual, and partitions assigned
-// to it meanwhile are paused too. Records already fetched stay where they
-// are, in the client or in the Source, and are handed out after Resume.
-// The runtime calls it from consumer.Consumer.Pause; calling it on a closed
-// Source does nothing.
-//
-// The Source also pauses single partitions on its own, while a partition's
-// records waiting and handed out reach WithMaxUnackedPerPartition
-// (kgo.Client.PauseFetchPartitions). The two are kept apart: the client
-// fetches a partition only when neither its topic nor the partition itself
-// is paused, so Resume does not resume a full partition, and an ack that
-// makes room does not resume a paused Source's partition.
+// topics (kgo.Client.PauseFetchTopics) while the member stays in its group,
+// keeping its partitions, heartbeats and commits; partitions assigned
+// meanwhile are paused too. Records already fetched are handed out after
+// Resume. It is kept apart from the Source's own pause of a partition at
+// its bound: see the package documentation, section Operations. On a
+// closed Source it does nothing.
 func (s *Source) Pause() {
 	s.pauseMu.Lock()
 	defer s.pauseMu.Unlock()
@@ -42,8 +34,7 @@ func (s *Source) Pause() {
 }
 
 // Resume implements adapters.Pauser: the client fetches the Source's topics
-// again, but for the partitions the Source holds paused for their bound
-// (see Pause).
+// again, but for the partitions paused at their bound.
 func (s *Source) Resume() {
 	s.pauseMu.Lock()
 	defer s.pauseMu.Unlock()
@@ -59,6 +50,24 @@ func (s *Source) Resume() {
 	s.cl.ResumeFetchTopics(topics...)
 }
 
+// updatePauseLocked pauses fetching a partition whose backlog and
+// handed-out records reach its bound, or whose backlog waits for room in
+// the commit metadata, and resumes it otherwise.
+func (s *Source) updatePauseLocked(p *partition) {
+	full := p.backlogLen()+p.nheld >= s.cfg.maxPerPart ||
+		(p.backlogLen() > 0 && !p.fits(2, s.cfg.metadataLimit))
+	if full == p.paused || p.fenced || p.draining {
+		return
+	}
+	p.paused = full
+	tp := map[string][]int32{p.topic: {p.id}}
+	if full {
+		s.cl.PauseFetchPartitions(tp)
+	} else {
+		s.cl.ResumeFetchPartitions(tp)
+	}
+}
+
 // topicsLocked returns the Source's topics and those of its assigned
 // partitions (the same, unless the client's options subscribe it to more).
 func (s *Source) topicsLocked() []string {
@@ -71,9 +80,9 @@ func (s *Source) topicsLocked() []string {
 	return topics
 }
 
-// pauseAssignedLocked pauses the topics of newly assigned partitions while
-// the Source is paused, for those not paused yet (see topicsLocked): the
-// client keeps a paused topic paused across rebalances.
+// pauseAssignedLocked pauses, while the Source is paused, the topics of
+// newly assigned partitions not paused yet (the client keeps a paused topic
+// paused across rebalances).
 func (s *Source) pauseAssignedLocked(assigned map[string][]int32) {
 	if !s.intakePaused {
 		return

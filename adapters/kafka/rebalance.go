@@ -19,7 +19,7 @@ func (s *Source) onAssigned(_ context.Context, _ *kgo.Client, assigned map[strin
 			k := tpKey{topic, id}
 			if old := s.parts[k]; old != nil {
 				old.fenced = true // cannot happen with a well-behaved group; be safe
-				s.totalBack -= old.backlogLen() - len(old.requeue)
+				s.dropBacklogLocked(old)
 				s.totalHeld -= old.nheld
 			}
 			s.epoch++
@@ -66,12 +66,8 @@ func (s *Source) onOffsetsFetched(_ context.Context, _ *kgo.Client, resp *kmsg.O
 	return nil
 }
 
-// onRevoked stops handing out the revoked partitions, recalls their
-// handed-out records (the runtime gives back at once those whose handlers
-// have not started), lets the running ones finish for up to the revoke
-// drain, gives up the rest (their contexts are cancelled with
-// adapters.ErrRevoked), fences the partitions and commits their done
-// prefixes synchronously.
+// onRevoked drains, fences and commits the revoked partitions: see the
+// package documentation, section Rebalances.
 func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
 	s.mu.Lock()
 	ps := s.partitionsLocked(revoked)
@@ -88,14 +84,11 @@ func (s *Source) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 	}
 	s.mu.Unlock()
 	if recalled {
-		select {
-		case s.recalls <- struct{}{}:
-		default: // a signal is pending: the runtime looks at them all
-		}
+		notify(s.recalls) // the runtime looks at every delivery recalled
 	}
-	// Paused partitions stay paused across rebalances in franz-go: a
-	// partition paused now and assigned back later would never be fetched.
-	// Resumed once draining is set: nothing pauses a draining partition.
+	// franz-go keeps pauses across rebalances: a partition paused now and
+	// assigned back later would never be fetched. Resumed once draining is
+	// set, since nothing pauses a draining partition.
 	cl.ResumeFetchPartitions(revoked)
 
 	if len(waits) > 0 {
@@ -176,10 +169,7 @@ func (s *Source) fenceLocked(ps []*partition) []*held {
 		s.tel.forget(p)
 	}
 	s.rebuildOrderLocked()
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
+	notify(s.wake)
 	return lose
 }
 

@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -15,10 +15,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
-// Defaults of a Replay.
 const (
-	// defaultReplayRate is the rate of a replay whose ReplayOptions.Rate is
-	// zero, as package adapters documents it.
+	// defaultReplayRate is the rate when ReplayOptions.Rate is zero, as
+	// package adapters documents it.
 	defaultReplayRate = 10
 	// replayPollWait bounds one poll of a run: a partition whose remaining
 	// offsets hold no record a fetch returns (all of them in aborted
@@ -39,9 +38,9 @@ const (
 //
 // Kafka deletes no record on request: a replay's progress is the offsets of
 // a consumer group of its own on the dead-letter topic, the replay group
-// (WithGroup), which List reads and Replay advances. What it has looked at
-// is behind the group's offsets, replayed or left out; List and Replay see
-// what is beyond them. A new group starts at the topic's start.
+// (WithGroup). What it looked at, replayed or left out, is behind them;
+// List and Replay see what is beyond them. A new group starts at the
+// topic's start.
 type Replay struct {
 	cfg   config
 	cl    *kgo.Client // for metadata, offsets and List's reads
@@ -49,16 +48,13 @@ type Replay struct {
 	group string
 	txnID string
 
-	// txnSpan is how long, at a run's rate, the copies of one transaction
-	// take at most (replayTxnSpan; tests shorten it).
-	txnSpan time.Duration
+	txnSpan time.Duration // replayTxnSpan; tests shorten it
 
 	mu sync.Mutex // one call at a time
 
-	// testHookBeforeEnd, when set by a test, runs after a transaction's
-	// copies were produced and before it ends; an error it returns ends
-	// the run at once, the transaction left open and the session
-	// abandoned, as if the process died there.
+	// testHookBeforeEnd, set by a test, runs before a transaction ends; an
+	// error it returns ends the run at once, the transaction left open and
+	// the session abandoned, as if the process died there.
 	testHookBeforeEnd func(*kgo.GroupTransactSession) error
 }
 
@@ -68,48 +64,32 @@ var errAbandon = errors.New("kafka: replay abandoned (test)")
 // NewReplay returns a Replay of dead-letter topic topic, and reaches the
 // cluster within ctx: it fails, with the cause, when no broker answers or
 // the topic does not exist. WithBrokers is required, and so is WithGroup:
-// the replay group, whose offsets on the topic record what was replayed (see
-// [Replay]); it is not the group of the consumer that dead-lettered the
-// records. WithClientOptions (TLS, SASL) and WithLogger apply, and
-// WithClientFactory to the client List reads with; a Source's other options
-// are refused. Close it when done.
+// the replay group (see [Replay]), not the group of the consumer that
+// dead-lettered the records. WithClientOptions (TLS, SASL) and WithLogger
+// apply, and WithClientFactory to the client List reads with; a Source's
+// other options are refused. Close it when done.
 //
 // A run's client is transactional, with the transactional ID
-// "custody-replay-" followed by the group: the consumers of the topics the
-// dead letters go back to must read committed records only
-// (kgo.FetchIsolationLevel(kgo.ReadCommitted())) not to see the copies of
-// a run that was cut short, which are aborted (see Replay.Replay). The
-// principal needs to read the topic, to read and commit the group's
-// offsets, to write the original topics, and to use its transactional ID.
+// "custody-replay-" followed by the group: consumers of the original
+// topics must read committed records only
+// (kgo.FetchIsolationLevel(kgo.ReadCommitted())) not to see the aborted
+// copies of a run cut short. The principal needs to read the topic, to
+// read and commit the group's offsets, to write the original topics, and
+// to use its transactional ID.
 func NewReplay(ctx context.Context, topic string, opts ...Option) (*Replay, error) {
 	if topic == "" {
 		return nil, errors.New("kafka: NewReplay: the dead-letter topic must not be empty")
 	}
-	cfg, err := apply(opts)
+	cfg, err := clientConfig("NewReplay", opts)
 	if err != nil {
-		return nil, err
-	}
-	if len(cfg.sourceOnly) > 0 {
-		return nil, fmt.Errorf("kafka: NewReplay: %s only apply to a Source", strings.Join(cfg.sourceOnly, ", "))
-	}
-	if err := cfg.validateClient(); err != nil {
 		return nil, err
 	}
 	if cfg.group == "" {
 		return nil, errors.New("kafka: NewReplay: WithGroup is required: name the replay group, whose offsets on the dead-letter topic record what was replayed (not the group of the consumer that dead-lettered the records)")
 	}
-	kopts := append([]kgo.Opt(nil), cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(cfg.logger, "dead-letter replay of topic "+topic)),
-		kgo.SeedBrokers(cfg.brokers...),
-	)
-	cl, err := cfg.factory(kopts...)
+	cl, err := cfg.connect(ctx, "NewReplay: ", cfg.kgoOpts(newConnWatch(cfg.logger, "dead-letter replay of topic "+topic)))
 	if err != nil {
-		return nil, fmt.Errorf("kafka: NewReplay: creating the client: %w", err)
-	}
-	if err := cl.Ping(ctx); err != nil {
-		cl.Close()
-		return nil, fmt.Errorf("kafka: NewReplay: reaching the brokers %s: %w", strings.Join(cfg.brokers, ", "), err)
+		return nil, err
 	}
 	if err := checkTopic(ctx, cl, topic); err != nil {
 		cl.Close()
@@ -146,15 +126,11 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 	for part, sp := range plan {
 		from[part] = kgo.NewOffset().At(sp.from)
 	}
-	kopts := append([]kgo.Opt(nil), r.cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(r.cfg.logger, "dead-letter listing of topic "+r.topic)),
-		kgo.SeedBrokers(r.cfg.brokers...),
+	cl, err := r.cfg.factory(r.cfg.kgoOpts(newConnWatch(r.cfg.logger, "dead-letter listing of topic "+r.topic),
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{r.topic: from}),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.KeepControlRecords(),
-	)
-	cl, err := r.cfg.factory(kopts...)
+	)...)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: Replay.List: creating the client: %w", err)
 	}
@@ -190,13 +166,8 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 			found++
 		})
 	}
-	parts := make([]int32, 0, len(byPart))
-	for p := range byPart {
-		parts = append(parts, p)
-	}
-	slices.Sort(parts)
 	var out []adapters.DeadLetterRecord
-	for _, p := range parts {
+	for _, p := range slices.Sorted(maps.Keys(byPart)) {
 		out = append(out, byPart[p]...)
 	}
 	return out, nil
@@ -204,44 +175,37 @@ func (r *Replay) List(ctx context.Context, max int) ([]adapters.DeadLetterRecord
 
 // Replay copies the dead letters beyond the replay group's offsets that o
 // selects, up to o.Max, back to their original topics (the
-// custody-original-queue diagnostic the DeadLetter writes), at most o.Rate
-// a second (10 by default), and advances the group past every dead letter
-// it looked at, in one Kafka transaction per batch: the copies and the
-// group's new offsets are committed together, or neither is. A run reads
-// committed records only, up to the ends the partitions have when it
-// begins, so that a copy that fails again and is dead-lettered again during
-// the run is not replayed again by it.
+// custody-original-queue diagnostic), at most o.Rate a second (10 by
+// default), and advances the group past every dead letter it looked at, in
+// one Kafka transaction per batch: the copies and the group's new offsets
+// are committed together, or neither is. A run reads committed records
+// only, up to the ends the partitions have when it begins, so a copy
+// dead-lettered again during the run is not replayed again by it.
 //
 // The copy is the dead letter's key, value and headers, without the
-// diagnostics, with adapters.HeaderReplayOf set to the dead letter's ID
+// diagnostics (an earlier replay's headers included), with adapters.HeaderReplayOf set to the dead letter's ID
 // (topic/partition/offset in the dead-letter topic), and with
-// o.KeepDiagnostics the diagnostics packed as a JSON object into
-// adapters.HeaderReplayDiagnostics. Its key, unchanged, takes it to the
-// partition the default partitioner gives the key, where the key's later
-// records are (with the partition count it had when first produced).
+// o.KeepDiagnostics the diagnostics as a JSON object in
+// adapters.HeaderReplayDiagnostics. Its unchanged key takes it to the
+// partition of the key's later records (given the same partition count).
 //
-// Kafka cannot delete a dead letter, so a run moves none: it advances the
-// group. Dead letters o.Select leaves out are passed too, and counted as
-// Skipped: a later run of the group does not see them again. To replay
-// some of them later, use another group, which starts at the topic's start
-// and sees the dead letters replayed under this one as well (their copies
-// carry HeaderReplayOf: select them out by ID). A run that reaches o.Max
-// stops at that dead letter: the group passes nothing beyond it, and the
-// next run starts there.
+// A run advances the group, past the dead letters o.Select leaves out too
+// (counted as Skipped): a later run of the group does not see them again.
+// To replay some of them later, use another group, which starts at the
+// topic's start and sees the dead letters replayed under this one as well
+// (select them out by ID: their copies carry HeaderReplayOf). A run that
+// reaches o.Max stops at that dead letter; the next run starts there.
 //
 // A run stopped at any point (an error, ctx's end, a crash) loses no dead
-// letter and copies none twice, for consumers that read committed records
-// only: a transaction cut short is aborted, its copies never become
-// visible to them and its offsets never count, so the next run of the
-// group copies those dead letters again. The next run aborts it at once
-// (it takes over the transactional ID, which fences the old producer);
-// otherwise the transaction timeout does. A consumer that reads
-// uncommitted records sees the aborted copies as well. A run stops at the
-// first error: a dead letter that names no original topic (the
-// transaction commits the dead letters before it; it and those after it
-// stay), a copy the brokers refuse, another run of the same group (which
-// fences this one), ctx's end (the transaction under way is aborted: its
-// dead letters stay). Run one replay of a group at a time.
+// letter and, for consumers that read committed records only, copies none
+// twice: a transaction cut short is aborted (by the next run, which takes
+// over the transactional ID, or by the transaction timeout), so its copies
+// never become visible to them, its offsets never count, and the next run
+// copies those dead letters again. A run stops at the first error: a dead
+// letter that names no original topic (the dead letters before it are
+// committed; it and those after it stay), a copy the brokers refuse,
+// another run of the same group (which fences this one), ctx's end. Run
+// one replay of a group at a time.
 func (r *Replay) Replay(ctx context.Context, o adapters.ReplayOptions) (adapters.ReplayResult, error) {
 	var res adapters.ReplayResult
 	switch {
@@ -279,10 +243,7 @@ type replayRun struct {
 
 func (run *replayRun) do(ctx context.Context) error {
 	r := run.r
-	kopts := append([]kgo.Opt(nil), r.cfg.clientOpts...)
-	kopts = append(kopts,
-		kgo.WithHooks(newConnLog(r.cfg.logger, "dead-letter replay of topic "+r.topic)),
-		kgo.SeedBrokers(r.cfg.brokers...),
+	sess, err := kgo.NewGroupTransactSession(r.cfg.kgoOpts(newConnWatch(r.cfg.logger, "dead-letter replay of topic "+r.topic),
 		kgo.TransactionalID(r.txnID),
 		kgo.ConsumerGroup(r.group),
 		kgo.ConsumeTopics(r.topic),
@@ -291,8 +252,7 @@ func (run *replayRun) do(ctx context.Context) error {
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(0),
-	)
-	sess, err := kgo.NewGroupTransactSession(kopts...)
+	)...)
 	if err != nil {
 		return fmt.Errorf("creating the transactional client: %w", err)
 	}
@@ -303,8 +263,7 @@ func (run *replayRun) do(ctx context.Context) error {
 		}
 	}()
 	// Taking over the transactional ID fences a run cut short and aborts
-	// its open transaction: only then do the group's offsets say what was
-	// replayed.
+	// its open transaction: only then do the group's offsets hold.
 	if _, _, err := sess.Client().ProducerID(ctx); err != nil {
 		return fmt.Errorf("initialising transactional ID %q: %w", r.txnID, err)
 	}
@@ -333,8 +292,7 @@ func (run *replayRun) do(ctx context.Context) error {
 	return nil
 }
 
-// position is where a transaction moves a partition of the group: past
-// the last record it looked at.
+// position is where a transaction moves a partition of the group.
 type position struct {
 	offset int64
 	epoch  int32
@@ -377,8 +335,8 @@ func (run *replayRun) batchOnce(ctx context.Context, sess *kgo.GroupTransactSess
 		if err != nil || full || !ok || rec.Topic != r.topic {
 			return
 		}
-		if rec.Offset >= sp.end {
-			reached[rec.Partition] = true // beyond the run's end: left for the next run
+		if rec.Offset >= sp.end { // left for the next run
+			reached[rec.Partition] = true
 			return
 		}
 		if !rec.Attrs.IsControl() {
@@ -415,9 +373,7 @@ func (run *replayRun) batchOnce(ctx context.Context, sess *kgo.GroupTransactSess
 			return err
 		}
 	}
-	if len(moved) == 0 {
-		// Nothing looked at (a poll that timed out, or records beyond the
-		// ends only): nothing to commit.
+	if len(moved) == 0 { // nothing looked at: nothing to commit
 		if _, err := sess.End(ctx, kgo.TryAbort); err != nil {
 			return fmt.Errorf("ending an empty transaction: %w", err)
 		}

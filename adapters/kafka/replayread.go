@@ -13,18 +13,17 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// span is what is left of one partition of the dead-letter topic for a
-// run: the offsets from from (the replay group's committed offset, or the
-// log start) up to end (the last stable offset when the run began).
+// replaySpan is what is left of one partition of the dead-letter topic for
+// a run: from the replay group's committed offset (or the log start) up to
+// end, the last stable offset when the run began.
 type replaySpan struct {
 	from, end int64
 }
 
-// plan returns, by partition of the dead-letter topic, what is left between
-// the replay group's committed offsets (or the log start, where nothing is
-// committed or the commit lies below it) and the ends the partitions have
-// now. Partitions with nothing left are left out. The ends are the last
-// stable offsets: a run reads committed records only.
+// plan returns, by partition of the dead-letter topic, the non-empty spans
+// between the replay group's committed offsets (or the log start, where
+// nothing is committed or the commit lies below it) and the partitions'
+// last stable offsets now: a run reads committed records only.
 func (r *Replay) plan(ctx context.Context) (map[int32]replaySpan, error) {
 	adm := kadm.NewClient(r.cl)
 	ends, err := adm.ListCommittedOffsets(ctx, r.topic)
@@ -86,14 +85,9 @@ func readDeadLetter(rec *kgo.Record) adapters.DeadLetterRecord {
 	return dl
 }
 
-// replayCopy builds the record that replays dead letter rec (read as dl):
-// its key, value and headers, to its original topic, less the diagnostics
-// (adapters.IsDiagnosticHeader, HeaderGroup) and an earlier replay's
-// headers, plus adapters.HeaderReplayOf, and with keep the diagnostics
-// packed into adapters.HeaderReplayDiagnostics. The key, unchanged, takes it
-// to the partition the default partitioner gives it, so that a key's
-// records keep their order. Headers are copied as written (repeated keys and
-// binary values too).
+// replayCopy builds the record that replays dead letter rec (read as dl),
+// as Replay.Replay describes it. Headers are copied as written (repeated
+// keys and binary values too).
 func replayCopy(rec *kgo.Record, dl adapters.DeadLetterRecord, keep bool) (*kgo.Record, error) {
 	if dl.OriginalQueue == "" {
 		return nil, fmt.Errorf("it names no original topic (no %s header: not written by a custody dead-letter sink); leave it out with ReplayOptions.Select",

@@ -16,18 +16,13 @@ import (
 var ErrRewound = fmt.Errorf("%w: the broker lost records and the client rewound the partition; its records are fetched again", adapters.ErrRevoked)
 
 // rewindLocked handles a rewind of p to resetTo, at or below the highest
-// offset already polled. The records from resetTo on were replaced by the
-// broker: the records this Source holds at those offsets are not the log's
-// any more, and the ones the log now holds there must run, although the old
-// filter of already polled offsets would drop them. p is fenced like a lost
-// partition (its records in flight lose their context with ErrRewound and
-// their acks mark nothing), and a new assignment epoch takes its place,
-// starting at from: resetTo, or p's commit point if lower, so that records
-// below the reset point that were polled but not done are fetched again
-// rather than committed past. The caller fetches from there again when from
-// is below resetTo. The new epoch commits from at once (the commit loop is
-// woken), even below what was committed, so a restart does not skip the
-// records that replaced the lost ones.
+// offset already polled (see the package documentation, section Data loss):
+// the broker replaced the records from resetTo on, and the new ones must
+// run although the old filter of polled offsets would drop them. p is
+// fenced like a lost partition, its records in flight appended to lose, and
+// a new epoch np takes its place, starting at from: resetTo, or p's commit
+// point if lower. The caller fetches from there again when from is below
+// resetTo. np commits from at once, even below what was committed.
 func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *partition, from int64, _ []*held) {
 	from = resetTo
 	if at, ok := p.commitPoint(); ok {
@@ -43,8 +38,8 @@ func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *pa
 	np = newPartition(p.topic, p.id, s.epoch)
 	np.committed, np.hwm, np.hwmAt, np.paused = p.committed, p.hwm, p.hwmAt, p.paused
 	np.lastPolled = from - 1
-	// Commit from at once (see above): the tracker is empty, so the commit
-	// point is the base until records are done.
+	// The tracker is empty, so the commit point is the base until records
+	// are done.
 	np.hasTracked, np.base, np.lastTracked, np.dirty = true, from, from-1, true
 	// Spans done by a previous owner stay valid below the reset point only.
 	for _, sp := range p.skip {
@@ -56,11 +51,6 @@ func (s *Source) rewindLocked(p *partition, resetTo int64, lose []*held) (np *pa
 	}
 	s.parts[tpKey{p.topic, p.id}] = np
 	s.rebuildOrderLocked()
-	// Until then the group's commit may still point past the replaced
-	// records; do not wait for the interval (nor block this poll).
-	select {
-	case s.commitSoon <- struct{}{}:
-	default:
-	}
+	notify(s.commitSoon) // the group's commit may point past the replaced records
 	return np, from, lose
 }

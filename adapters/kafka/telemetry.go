@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"time"
 
@@ -17,26 +18,12 @@ const meterName = "github.com/custody-go/custody/adapters/kafka"
 // shorter than five seconds into one bucket.
 var commitBounds = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30}
 
-// telemetry holds the adapter's instruments:
-//
-//	custody.kafka.lag             gauge, records: high watermark (read committed: last stable offset)
-//	                              minus committed offset, per partition (partitions this member no
-//	                              longer owns are not reported)
-//	custody.kafka.commit.duration histogram, seconds: one commit request, by attribute error
-//	custody.kafka.commit.failures counter: commit requests that failed (in whole or in part)
-//	custody.kafka.skipped         counter: records skipped because a previous owner had done them
-//	custody.kafka.rewinds         counter: partitions rewound after the broker lost data (see ErrRewound)
-//	custody.kafka.expired         counter, offsets: deleted before the group read them (see ErrExpired); on a compacted topic some held no record
-//
-// All carry messaging.consumer.group.name (the group); lag, skipped and
-// rewinds also messaging.destination.name and
-// messaging.destination.partition.id.
-//
-// A partition's lag is reported once both its committed offset (fetched on
-// assignment, or after its first commit) and its end offset are known.
-// Fetches bring the end offset with their records; a partition no fetch
-// has reported on for WithLagRefresh (paused for backpressure, the runtime
-// behind, nothing to read) has it listed from the brokers (see lagLoop).
+// telemetry holds the adapter's instruments (see the package documentation,
+// section Telemetry). All carry messaging.consumer.group.name; those per
+// partition also messaging.destination.name and
+// messaging.destination.partition.id, and commit.duration the attribute
+// error. A partition's lag is reported, while this member owns it, once
+// both its committed offset and its end offset are known (see lagLoop).
 type telemetry struct {
 	group    attribute.KeyValue
 	commit   metric.Float64Histogram
@@ -58,25 +45,25 @@ func newTelemetry(mp metric.MeterProvider, group string, s *Source) (*telemetry,
 	t.okAttrs = metric.WithAttributes(t.group, attribute.Bool("error", false))
 	t.badAttrs = metric.WithAttributes(t.group, attribute.Bool("error", true))
 	var err error
+	counter := func(name, unit, desc string) metric.Int64Counter {
+		c, cerr := m.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		err = errors.Join(err, cerr)
+		return c
+	}
+	t.failures = counter("custody.kafka.commit.failures", "{request}",
+		"Offset commit requests that failed in whole or in part.")
+	t.skipped = counter("custody.kafka.skipped", "{message}",
+		"Records skipped after a rebalance because the commit metadata recorded them done.")
+	t.rewinds = counter("custody.kafka.rewinds", "{rewind}",
+		"Partitions the client rewound below records already polled, after the broker lost data.")
+	t.expired = counter("custody.kafka.expired", "{message}",
+		"Offsets deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start. Offsets, not records: on a compacted topic some of them held no record.")
+	if err != nil {
+		return nil, err
+	}
 	if t.commit, err = m.Float64Histogram("custody.kafka.commit.duration",
 		metric.WithUnit("s"), metric.WithDescription("Duration of one offset commit request."),
 		metric.WithExplicitBucketBoundaries(commitBounds...)); err != nil {
-		return nil, err
-	}
-	if t.failures, err = m.Int64Counter("custody.kafka.commit.failures", metric.WithUnit("{request}"),
-		metric.WithDescription("Offset commit requests that failed in whole or in part.")); err != nil {
-		return nil, err
-	}
-	if t.skipped, err = m.Int64Counter("custody.kafka.skipped", metric.WithUnit("{message}"),
-		metric.WithDescription("Records skipped after a rebalance because the commit metadata recorded them done.")); err != nil {
-		return nil, err
-	}
-	if t.rewinds, err = m.Int64Counter("custody.kafka.rewinds", metric.WithUnit("{rewind}"),
-		metric.WithDescription("Partitions the client rewound below records already polled, after the broker lost data.")); err != nil {
-		return nil, err
-	}
-	if t.expired, err = m.Int64Counter("custody.kafka.expired", metric.WithUnit("{message}"),
-		metric.WithDescription("Offsets deleted (by retention, or DeleteRecords) before the group read them: the committed offset was below the log start. Offsets, not records: on a compacted topic some of them held no record.")); err != nil {
 		return nil, err
 	}
 	lag, err := m.Int64ObservableGauge("custody.kafka.lag", metric.WithUnit("{message}"),
