@@ -377,10 +377,20 @@ func testBatchOrderPerLane(t *testing.T, h Harness) {
 		}
 		return nil
 	}, consumer.WithBatchSize(10), fastRetry(5))
-	waitFor(t, "every message recorded done", func() bool {
+	// The messages after the failed one in its batch run again after it;
+	// stopping before they have would give them back unrun, not show order.
+	waitFor(t, "every message recorded done, and key b's rerun", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
-		return len(doneSet) == len(msgs)
+		if len(doneSet) != len(msgs) || runs["b-1"] < 2 {
+			return false
+		}
+		for _, body := range failMate {
+			if runs[body] < 2 {
+				return false
+			}
+		}
+		return true
 	})
 	if err := s.stop(); err != nil {
 		t.Fatalf("Run: %v", err)
