@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -15,29 +14,19 @@ import (
 )
 
 // startBatchWorker starts a worker that gathers jobs into batches and runs
-// the batch handler on them, until r.work is closed. A batch handler that
-// ends its goroutine with runtime.Goexit gets its worker replaced.
+// the batch handler on them, until r.work is closed.
 func (r *run) startBatchWorker(wg *sync.WaitGroup) {
-	wg.Add(1)
-	go func() {
-		closed := false
-		defer func() {
-			if !closed {
-				r.startBatchWorker(wg) // before Done: the count never touches zero
-			}
-			wg.Done()
-		}()
+	r.startReplaced(wg, func() {
 		for {
 			js, open := r.gather()
 			if len(js) > 0 {
 				r.runBatch(js)
 			}
 			if !open {
-				closed = true
 				return
 			}
 		}
-	}()
+	})
 }
 
 // gatherer bounds the batch being gathered.
@@ -67,16 +56,7 @@ func (g *gatherer) add(j *job) {
 // and bytes, waiting up to WithBatchLinger for more once it has one. It
 // reports false once r.work is closed.
 func (r *run) gather() ([]*job, bool) {
-	var j *job
-	select {
-	case j = <-r.work:
-	default:
-		// Nothing to do right now: send the acks and nacks that wait for
-		// company before waiting for work.
-		r.acks.flush()
-		r.nacks.flush()
-		j = <-r.work
-	}
+	j := r.nextJob()
 	if j == nil {
 		return nil, false
 	}
@@ -225,10 +205,7 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 		cancelOnLoss(nil)
 		switch {
 		case p != nil:
-			pe := &PanicError{Value: p, Stack: debug.Stack()}
-			err = pe
-			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-			r.logPanic(js[0].d, attempts[0], pe)
+			err = r.panicked(js[0].d, attempts[0], p)
 		case !returned:
 			// runtime.Goexit is ending this worker: the batch is settled as
 			// it unwinds, and the run replaces the worker.
@@ -279,23 +256,12 @@ func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Tim
 	}
 	failed := 0
 	for i, j := range js {
-		res := r.tel.resultOK
-		if e := errs[i]; e != nil {
-			cut := batchCut || j.lostCause() != nil || r.handlerCtx.Err() != nil
-			switch {
-			case IsUnavailable(e) && !cut:
-				res = r.tel.resultUnavailable
-			case IsDeferred(e):
-				res = r.tel.resultDeferred
-			case cut:
-				res = r.tel.resultCancelled
-			default:
-				res = r.tel.resultErr
-				failed++
-			}
+		res := attemptResult(errs[i], batchCut || j.lostCause() != nil || r.handlerCtx.Err() != nil)
+		if res == resultError {
+			failed++
 		}
 		if timed {
-			r.tel.duration.Record(r.settleCtx, took, res...)
+			r.tel.duration.Record(r.settleCtx, took, r.tel.results[res]...)
 		}
 	}
 	if span != nil {

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"log/slog"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -212,12 +213,15 @@ func (r *run) logRetry(j *job, err error, attempt int, delay time.Duration, defe
 		slog.String("retry", where), slog.Any("error", err))
 }
 
-// logPanic logs a handler's panic with its stack, which is copied into a
-// string only when the logger takes the line's level.
-func (r *run) logPanic(d *adapters.Delivery, attempt int, p *PanicError) {
-	if !r.logs.enabled(logPanic) {
-		return
+// panicked counts and logs a handler's panic with value p, and returns it
+// as the attempt's error. The stack is copied into a string for the log
+// only when the logger takes the line's level.
+func (r *run) panicked(d *adapters.Delivery, attempt int, p any) error {
+	pe := &PanicError{Value: p, Stack: debug.Stack()}
+	r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+	if r.logs.enabled(logPanic) {
+		r.logs.log(logPanic, slog.String("id", d.ID), slog.Int("attempt", attempt),
+			slog.Any("panic", p), slog.String("stack", string(pe.Stack)))
 	}
-	r.logs.log(logPanic, slog.String("id", d.ID), slog.Int("attempt", attempt),
-		slog.Any("panic", p.Value), slog.String("stack", string(p.Stack)))
+	return pe
 }

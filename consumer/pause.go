@@ -243,15 +243,7 @@ func (g *gate) wait(ctx context.Context) bool {
 // finish. A lane's jobs go back in order, its head first.
 func (r *run) releasePaused() {
 	r.unparkAll(func(*job) bool { return true }) // into r.work
-	for {
-		var j *job
-		select {
-		case j = <-r.work:
-		default:
-		}
-		if j == nil {
-			return
-		}
+	for j := r.waitingJob(); j != nil; j = r.waitingJob() {
 		if !r.c.intake.givingBack() {
 			r.work <- j // resumed meanwhile: never blocks, it was taken from it
 			return

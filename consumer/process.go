@@ -337,10 +337,7 @@ func (r *run) call(j *job, attempt int) error {
 	r.running.Add(-1)
 	if j.exiting {
 		j.exiting = false
-		pe := &PanicError{Value: new(runtime.PanicNilError), Stack: debug.Stack()}
-		err = pe
-		r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-		r.logPanic(j.d, attempt, pe)
+		err = r.panicked(j.d, attempt, new(runtime.PanicNilError))
 	}
 	return err
 }
@@ -387,10 +384,7 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 	defer func() {
 		p := recover()
 		if p != nil {
-			pe := &PanicError{Value: p, Stack: debug.Stack()}
-			err = pe
-			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-			r.logPanic(d, attempt, pe)
+			err = r.panicked(d, attempt, p)
 		}
 		if p == nil && err != nil {
 			var ok bool
@@ -407,41 +401,21 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 			err = ErrHandlerExited
 		}
 		ac.end()
-		// A deferral (consumer.Defer: an overlapping duplicate, say) is no
-		// failure of the handler: it is counted and traced apart, so that
-		// error rates and error spans show failures only.
-		deferred := err != nil && IsDeferred(err)
-		unavailable := err != nil && IsUnavailable(err)
-		// An attempt the shutdown deadline or its delivery's loss cut
-		// short is no failure either (process gives it back, or settles it
-		// as lost, without counting one): deploys and rebalances must not
-		// show as error rates.
-		cut := err != nil && !deferred && (j.lostCause() != nil || r.handlerCtx.Err() != nil)
-		res := r.tel.resultOK
-		switch {
-		case unavailable && !cut:
-			res = r.tel.resultUnavailable
-		case deferred:
-			res = r.tel.resultDeferred
-		case cut:
-			res = r.tel.resultCancelled
-		case err != nil:
-			res = r.tel.resultErr
-		}
+		// A deferral (consumer.Defer: an overlapping duplicate, say) is
+		// recorded as one even when cut short.
+		cut := err != nil && (j.lostCause() != nil || r.handlerCtx.Err() != nil) && !IsDeferred(err)
+		res := attemptResult(err, cut)
 		if timed {
-			r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
+			r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), r.tel.results[res]...)
 		}
 		if span != nil {
-			switch {
-			case unavailable && !cut:
-				span.AddEvent("unavailable", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
-			case deferred:
-				span.AddEvent("deferred", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
-			case cut:
-				span.AddEvent("cancelled", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
-			case err != nil:
+			switch res {
+			case resultOK:
+			case resultError:
 				span.RecordError(err)
 				span.SetStatus(codes.Error, err.Error())
+			default:
+				span.AddEvent(resultNames[res], trace.WithAttributes(attribute.String("custody.reason", err.Error())))
 			}
 			span.End()
 		}

@@ -111,11 +111,9 @@ type job struct {
 
 // The delivery's loss and recall, as its adapter, or the runtime, reports
 // them (see giveSignals).
-func (j *job) lostCause() error            { return j.d.Signal.LostCause() }
-func (j *job) lostAt() time.Time           { return j.d.Signal.LostAt() }
-func (j *job) recalled() bool              { return j.d.Signal.Recalled() }
-func (j *job) lostChan() <-chan struct{}   { return j.d.Signal.Lost() }
-func (j *job) recallChan() <-chan struct{} { return j.d.Signal.RecallSignal() }
+func (j *job) lostCause() error  { return j.d.Signal.LostCause() }
+func (j *job) lostAt() time.Time { return j.d.Signal.LostAt() }
+func (j *job) recalled() bool    { return j.d.Signal.Recalled() }
 
 func newRun(c *Consumer, ctx context.Context) *run {
 	base := context.WithoutCancel(ctx)

@@ -195,15 +195,7 @@ func (r *run) leaseLost(j *job, cause error) {
 // that job ends. Called once receiving has stopped, and never in
 // at-most-once mode, where every job was acked on receipt and still runs.
 func (r *run) releaseWaiting() {
-	for {
-		var j *job
-		select {
-		case j = <-r.work:
-		default:
-		}
-		if j == nil {
-			return
-		}
+	for j := r.waitingJob(); j != nil; j = r.waitingJob() {
 		if j.lane != "" {
 			r.runLane(j) // its lane's queued jobs are given back after it
 			continue

@@ -66,19 +66,11 @@ type telemetry struct {
 
 	// Options are kept as ready slices: passing a slice to a variadic
 	// parameter allocates nothing, building one per call would.
-	source         []metric.AddOption
-	sourceRecord   []metric.RecordOption
-	outcomes       map[string][]metric.AddOption
-	resultOK       []metric.RecordOption
-	resultErr      []metric.RecordOption
-	resultDeferred []metric.RecordOption
-	// resultCancelled is an attempt cut short by the shutdown deadline or
-	// the loss of its delivery.
-	resultCancelled []metric.RecordOption
-	// resultUnavailable is an attempt that reported a dependency outage
-	// (Unavailable).
-	resultUnavailable []metric.RecordOption
-	spanAttrs         []attribute.KeyValue
+	source       []metric.AddOption
+	sourceRecord []metric.RecordOption
+	outcomes     map[string][]metric.AddOption
+	results      [resultKinds][]metric.RecordOption
+	spanAttrs    []attribute.KeyValue
 }
 
 func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
@@ -133,11 +125,9 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed, outcomeLeft} {
 		t.outcomes[o] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))}
 	}
-	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
-	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
-	t.resultDeferred = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "deferred")))}
-	t.resultCancelled = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "cancelled")))}
-	t.resultUnavailable = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "unavailable")))}
+	for res, name := range resultNames {
+		t.results[res] = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", name)))}
+	}
 	// The consumer's name under the metrics' key, so that spans and metrics
 	// join. It is not messaging.consumer.group.name: the runtime does not
 	// know the broker's consumer group (a Kafka group is named apart from
@@ -223,6 +213,42 @@ func isGlobalDefault(p any, typeName string) bool {
 	return t != nil && t.Kind() == reflect.Pointer &&
 		t.Elem().Name() == typeName &&
 		t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global"
+}
+
+// result is the custody.result of a handler attempt.
+type result uint8
+
+const (
+	resultOK result = iota
+	resultError
+	resultDeferred // consumer.Defer
+	// resultCancelled is an attempt cut short by the shutdown deadline or
+	// the loss of its delivery.
+	resultCancelled
+	resultUnavailable // consumer.Unavailable
+	resultKinds
+)
+
+// resultNames are the results' custody.result values, and the names of the
+// span events that record them (but for ok and error).
+var resultNames = [resultKinds]string{"ok", "error", "deferred", "cancelled", "unavailable"}
+
+// attemptResult classifies an attempt that ended with err; cut says the
+// shutdown deadline or the loss of its delivery cut it short. Only a
+// failure of the handler's own is an error: deploys and rebalances must not
+// show as error rates.
+func attemptResult(err error, cut bool) result {
+	switch {
+	case err == nil:
+		return resultOK
+	case IsUnavailable(err) && !cut:
+		return resultUnavailable
+	case IsDeferred(err):
+		return resultDeferred
+	case cut:
+		return resultCancelled
+	}
+	return resultError
 }
 
 func (t *telemetry) settle(ctx context.Context, outcome string, n int) {
