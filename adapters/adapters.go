@@ -3,6 +3,7 @@ package adapters
 import (
 	"context"
 	"errors"
+	"strconv"
 	"time"
 )
 
@@ -220,7 +221,7 @@ func (e *BatchError) Error() string {
 		if len(e.Failed) == 1 {
 			return "custody: 1 entry of the batch failed: " + err.Error()
 		}
-		return "custody: " + itoa(len(e.Failed)) + " entries of the batch failed, for example: " + err.Error()
+		return "custody: " + strconv.Itoa(len(e.Failed)) + " entries of the batch failed, for example: " + err.Error()
 	}
 	return "custody: batch failed"
 }
@@ -253,20 +254,6 @@ var (
 	// ErrClosed means the source was closed.
 	ErrClosed = errors.New("custody: source closed")
 )
-
-func itoa(n int) string {
-	if n == 0 {
-		return "0"
-	}
-	var b [20]byte
-	i := len(b)
-	for n > 0 {
-		i--
-		b[i] = byte('0' + n%10)
-		n /= 10
-	}
-	return string(b[i:])
-}
 
 // Batching describes how the runtime may batch one operation (Ack, Nack or
 // Extend) for a Source: the adapter declares what its broker rewards, the

@@ -161,15 +161,10 @@ func (r *run) runBatch(js []*job) {
 // recovery, and returns each job's error: the batch's, when the handler
 // failed as a whole (an error, a panic, runtime.Goexit), else the outcome
 // it recorded for each message. It reports whether the loss of one of the
-// batch's deliveries cut the batch short (cancelled its context).
-//
-// The batch's context is the context of every message's attempt at once:
-// the loss of any of its deliveries (a lease that could not be kept, a
-// closed channel, a revoked partition) cancels it, with the loss as its
-// cause, as a Handler's context is cancelled by its delivery's. The broker
-// hands a lost message to another consumer; a bulk effect that went on
-// would run beside that consumer's. The context is cancelled, too, once
-// the handler returned: a goroutine it left running sees that.
+// batch's deliveries cut the batch short: the loss of any of them cancels
+// the batch's context, with the loss as its cause (see BatchHandler). The
+// context is cancelled, too, once the handler returned: a goroutine it left
+// running sees that.
 func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []error, cut bool) {
 	ctx := r.handlerCtx
 	var span trace.Span

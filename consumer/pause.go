@@ -154,7 +154,7 @@ func (c *gatedContext) release() {
 	*c = gatedContext{}
 }
 
-// receiving and received bracket a Receive.
+// beginReceive and endReceive bracket a Receive.
 func (g *gate) beginReceive() {
 	g.mu.Lock()
 	g.receiving++
