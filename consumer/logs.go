@@ -10,12 +10,8 @@ import (
 	"github.com/custody-go/custody/adapters"
 )
 
-// The rate limit of the run's log lines: at most logBurst lines of each
-// kind in a window of logWindow, which opens with the first line of that
-// kind after the previous window closed. The lines past the burst are
-// counted, not written, and one summary line reports them when the next
-// window opens or Run returns. A poison storm of a thousand messages a
-// second so writes about one dead-letter line a second, not a thousand.
+// The rate limit of the run's log lines: logBurst lines of each kind per
+// window (see the package documentation, section Logs).
 const (
 	logBurst  = 10
 	logWindow = 10 * time.Second
