@@ -113,16 +113,12 @@ func newKillSwitch(cfg KillSwitch, r *run) *killSwitch {
 	return &killSwitch{cfg: cfg, r: r, buckets: make([]switchBucket, int(cfg.Window/time.Second))}
 }
 
+var switchStateNames = [...]string{switchClosed: "closed", switchOpen: "open", switchHalfOpen: "half-open"}
+
 func (k *killSwitch) stateName() string {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	switch k.state {
-	case switchOpen:
-		return "open"
-	case switchHalfOpen:
-		return "half-open"
-	}
-	return "closed"
+	return switchStateNames[k.state]
 }
 
 // admit reports whether an attempt may run now: always while closed, a

@@ -75,25 +75,18 @@ const (
 	whyMaxHold                      // held for the maximum processing time, without a lease
 )
 
-func (w reason) String() string {
-	switch w {
-	case whyShutdown:
-		return "shutdown"
-	case whyDeadline:
-		return "shutdown deadline"
-	case whyRecalled:
-		return "recalled by the adapter"
-	case whyBehindLost:
-		return "behind a lost message"
-	case whyExited:
-		return "handler called Goexit"
-	case whyPaused:
-		return "paused"
-	case whyMaxHold:
-		return "held for the maximum processing time"
-	}
-	return ""
+// reasonNames are the reasons' values of the "reason" log attribute.
+var reasonNames = [...]string{
+	whyShutdown:   "shutdown",
+	whyDeadline:   "shutdown deadline",
+	whyRecalled:   "recalled by the adapter",
+	whyBehindLost: "behind a lost message",
+	whyExited:     "handler called Goexit",
+	whyPaused:     "paused",
+	whyMaxHold:    "held for the maximum processing time",
 }
+
+func (w reason) String() string { return reasonNames[w] }
 
 // atShutdown reports whether w is the drain's doing, which
 // WithLeaveUnfinishedOnShutdown turns into leaving the message to its lease.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"reflect"
 	"strconv"
+	"strings"
 
 	"github.com/custody-go/custody/adapters"
 
@@ -266,7 +267,7 @@ func (h headerCarrier) Get(k string) string {
 	// Brokers and publishers differ on case; traceparent is lower case in the
 	// W3C spec, but some clients capitalise header names.
 	for hk, v := range h {
-		if len(hk) == len(k) && equalFold(hk, k) {
+		if strings.EqualFold(hk, k) {
 			return v
 		}
 	}
@@ -279,22 +280,6 @@ func (h headerCarrier) Keys() []string {
 		ks = append(ks, k)
 	}
 	return ks
-}
-
-func equalFold(a, b string) bool {
-	for i := 0; i < len(a); i++ {
-		x, y := a[i], b[i]
-		if 'A' <= x && x <= 'Z' {
-			x += 'a' - 'A'
-		}
-		if 'A' <= y && y <= 'Z' {
-			y += 'a' - 'A'
-		}
-		if x != y {
-			return false
-		}
-	}
-	return true
 }
 
 // batchSpanOptions describes a batch's processing span at its start: the
