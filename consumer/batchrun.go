@@ -176,16 +176,9 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 	for _, j := range js {
 		j.d.Signal.OnLost(cancelOnLoss) // at once if it is lost already
 	}
-	if t := r.cfg.handlerTimeout; t > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, t, ErrHandlerTimeout)
-		defer cancel()
-	}
-	var start time.Time
-	timed := r.tel.timed()
-	if timed {
-		start = time.Now()
-	}
+	ctx, stopTimeout := r.withHandlerTimeout(ctx)
+	defer stopTimeout()
+	start := r.tel.clock()
 	r.tel.batchSize.Record(r.settleCtx, int64(len(js)), r.tel.sourceRecord...)
 	returned := false
 	var err error
@@ -227,7 +220,7 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 				errs[i] = e
 			}
 		}
-		r.recordBatch(js, errs, cut, start, timed, span)
+		r.recordBatch(js, errs, cut, start, span)
 		if !returned && p == nil {
 			r.settleBatch(js, attempts, errs, cut) // Goexit: nothing after this runs
 		}
@@ -244,7 +237,8 @@ func (r *run) batchHandler() BatchHandler { return r.c.batchHandler }
 // recordBatch records the batch's duration under each message's result,
 // and ends the batch's span. A message that failed once the batch was cut
 // short (by a loss, or the shutdown deadline) is recorded as cancelled.
-func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Time, timed bool, span trace.Span) {
+func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Time, span trace.Span) {
+	timed := !start.IsZero()
 	var took float64
 	if timed {
 		took = time.Since(start).Seconds()

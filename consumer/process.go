@@ -352,19 +352,9 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		ctx, span = r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStartOptions(d, attempt)...)
 	}
 	ac = startAttempt(ac, ctx, d)
-	var hctx context.Context = ac
-	if t := r.cfg.handlerTimeout; t > 0 {
-		var cancelTimeout context.CancelFunc
-		hctx, cancelTimeout = context.WithTimeoutCause(hctx, t, ErrHandlerTimeout)
-		defer cancelTimeout()
-	}
-	// Timed only where the duration can be recorded: two clock reads per
-	// attempt are a good part of the cost of a quick handler.
-	var start time.Time
-	timed := r.tel.timed()
-	if timed {
-		start = time.Now()
-	}
+	hctx, stopTimeout := r.withHandlerTimeout(ac)
+	defer stopTimeout()
+	start := r.tel.clock()
 	returned := false
 	defer func() {
 		p := recover()
@@ -390,7 +380,7 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		// recorded as one even when cut short.
 		cut := err != nil && (j.lostCause() != nil || r.handlerCtx.Err() != nil) && !IsDeferred(err)
 		res := attemptResult(err, cut)
-		if timed {
+		if !start.IsZero() {
 			r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), r.tel.results[res]...)
 		}
 		if span != nil {
@@ -409,6 +399,15 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 	err = r.c.handler.Handle(hctx, m)
 	returned = true
 	return err
+}
+
+// withHandlerTimeout bounds ctx by WithHandlerTimeout, if one is set; stop
+// must be called once the attempt ends.
+func (r *run) withHandlerTimeout(ctx context.Context) (_ context.Context, stop context.CancelFunc) {
+	if t := r.cfg.handlerTimeout; t > 0 {
+		return context.WithTimeoutCause(ctx, t, ErrHandlerTimeout)
+	}
+	return ctx, func() {}
 }
 
 // checkedError returns err, or a PanicError saying so when err's Error

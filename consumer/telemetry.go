@@ -5,6 +5,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/custody-go/custody/adapters"
 
@@ -250,6 +251,16 @@ func attemptResult(err error, cut bool) result {
 		return resultCancelled
 	}
 	return resultError
+}
+
+// clock returns the start of a handler call to time, or the zero time where
+// its duration cannot be recorded: two clock reads per attempt are a good
+// part of the cost of a quick handler.
+func (t *telemetry) clock() time.Time {
+	if t.timed() {
+		return time.Now()
+	}
+	return time.Time{}
 }
 
 func (t *telemetry) settle(ctx context.Context, outcome string, n int) {
