@@ -101,6 +101,7 @@ func newConsumer(fn string, src adapters.Source, h Handler, bh BatchHandler, opt
 	c := &Consumer{src: src, caps: caps, handler: h, batchHandler: bh, cfg: cfg, done: make(chan struct{})}
 	c.stop, c.stopRun = context.WithCancel(context.Background())
 	c.cut, c.cutDrain = context.WithCancel(context.Background())
+	c.intake.init()
 	if caps.Lease > 0 {
 		ext, ok := src.(adapters.Extender)
 		if !ok {

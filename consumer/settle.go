@@ -24,26 +24,22 @@ const (
 	settleFailed                         // at-most-once: acked on receipt, its handler failed
 )
 
-// outcome names s in custody.messages.settled.
-func (s settlement) outcome() string {
-	switch s {
-	case settleAck, settleHandled:
-		return outcomeAcked
-	case settleDeadLettered, settleDisposed:
-		return outcomeDeadLettered
-	case settleRetry:
-		return outcomeRetried
-	case settleExhausted:
-		return outcomeExhausted
-	case settleRelease:
-		return outcomeReleased
-	case settleLeave:
-		return outcomeLeft
-	case settleLost:
-		return outcomeLost
-	}
-	return outcomeFailed
+// settlementOutcomes name the settlements in custody.messages.settled.
+var settlementOutcomes = [...]string{
+	settleAck:          outcomeAcked,
+	settleDeadLettered: outcomeDeadLettered,
+	settleDisposed:     outcomeDeadLettered,
+	settleRetry:        outcomeRetried,
+	settleExhausted:    outcomeExhausted,
+	settleRelease:      outcomeReleased,
+	settleLeave:        outcomeLeft,
+	settleLost:         outcomeLost,
+	settleHandled:      outcomeAcked,
+	settleFailed:       outcomeFailed,
 }
+
+// outcome names s in custody.messages.settled.
+func (s settlement) outcome() string { return settlementOutcomes[s] }
 
 // acks reports whether s is sent to the broker as an ack.
 func (s settlement) acks() bool { return s == settleAck || s == settleDeadLettered }
