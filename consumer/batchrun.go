@@ -227,12 +227,10 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 	}()
 	r.running.Add(int64(len(js)))
 	defer r.running.Add(-int64(len(js)))
-	err = r.batchHandler().HandleBatch(ctx, b)
+	err = r.c.batchHandler.HandleBatch(ctx, b)
 	returned = true
 	return errs, cut
 }
-
-func (r *run) batchHandler() BatchHandler { return r.c.batchHandler }
 
 // recordBatch records the batch's duration under each message's result,
 // and ends the batch's span. A message that failed once the batch was cut

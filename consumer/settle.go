@@ -100,7 +100,9 @@ func released(why reason) verdict { return verdict{how: settleRelease, why: why}
 // but for a lease that merely ran out, whose ack the broker may still
 // take, sparing a duplicate.
 func (r *run) settle(j *job, v verdict) {
-	r.stopLease(j)
+	if j.lease != nil {
+		j.lease.Stop()
+	}
 	if cause := j.lostCause(); cause != nil && v.how != settleLost {
 		switch {
 		case v.how.acks() && errors.Is(cause, adapters.ErrLeaseLost):
@@ -155,12 +157,6 @@ func (r *run) done(j *job, outcome string) {
 	r.credit.release(1)
 	r.holding.Add(-1)
 	r.held.Done()
-}
-
-func (r *run) stopLease(j *job) {
-	if j.lease != nil {
-		j.lease.Stop()
-	}
 }
 
 // leaseLost counts and logs j's lost lease, once. It is counted here rather
