@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"iter"
+	"slices"
 	"sync"
 	"time"
 
@@ -356,18 +357,14 @@ func (k *Keeper) takeDue(now int64) ([]batch, int64) {
 		s.renewing = make(chan struct{})
 		k.inFlight++
 		// Batches are few and short: a linear scan beats a map here.
-		placed := false
-		for i := range batches {
-			b := &batches[i]
-			if b.extendTo == time.Duration(extendTo) && len(b.slots) < k.cfg.MaxBatch {
-				b.slots = append(b.slots, e.slot)
-				placed = true
-				break
-			}
+		i := slices.IndexFunc(batches, func(b batch) bool {
+			return b.extendTo == time.Duration(extendTo) && len(b.slots) < k.cfg.MaxBatch
+		})
+		if i < 0 {
+			i = len(batches)
+			batches = append(batches, batch{extendTo: time.Duration(extendTo)})
 		}
-		if !placed {
-			batches = append(batches, batch{extendTo: time.Duration(extendTo), slots: []int32{e.slot}})
-		}
+		batches[i].slots = append(batches[i].slots, e.slot)
 	}
 	next := int64(never)
 	if e, ok := k.t.peek(); ok {
