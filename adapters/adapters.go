@@ -27,10 +27,10 @@ import (
 // ack never reaches it: a RabbitMQ ack is written after Ack returns and has
 // no reply, and a connection that dies first loses it; SQS delivers at
 // least once. Those are the broker's duplicates, which the idempotency
-// layer absorbs.) Acking a delivery twice is harmless:
-// the second Ack returns nil or fails that entry, and never disturbs other
-// deliveries. After Close these calls either still work (an SQS receipt
-// handle outlives the Source) or fail.
+// layer absorbs.) Acking a delivery twice is harmless: the second Ack
+// returns nil or fails that entry, and never disturbs other deliveries.
+// After Close these calls either still work (an SQS receipt handle outlives
+// the Source) or fail.
 //
 // Package adaptertest checks these rules against every adapter.
 type Source interface {

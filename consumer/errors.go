@@ -57,9 +57,10 @@ func RetryAfter(err error, d time.Duration) error {
 // a retry.
 //
 // A deferral is no failure in the telemetry either (see the package
-// documentation, section Telemetry). A d of zero or less means the retry policy's backoff: a deferral has no
-// attempt limit to stop it, so it must never come back at once (the runtime
-// waits at least a millisecond, whatever d). Defer(nil, d) is nil.
+// documentation, section Telemetry). A d of zero or less means the retry
+// policy's backoff: a deferral has no attempt limit to stop it, so it must
+// never come back at once (the runtime waits at least a millisecond,
+// whatever d). Defer(nil, d) is nil.
 func Defer(err error, d time.Duration) error {
 	if err == nil {
 		return nil
