@@ -97,29 +97,29 @@
 // # Batches
 //
 // consumer.NewBatch runs a BatchHandler on up to WithBatchSize messages at
-// once (a bulk insert, one produce call) and takes a result per message:
-// the ones it marks done are acked, the others are retried or dead-lettered
-// on their own, exactly as single messages are. The guarantees above hold
-// message by message; a batch's context serves all its messages, so the
-// loss of any one's delivery cancels it, and the batch-mates it cut short
-// run again without using up an attempt.
+// once (a bulk insert, one produce call) and takes a result per message,
+// each then settled on its own, as a single message is: the guarantees
+// above hold message by message. The loss of any message's delivery
+// cancels the batch; the batch-mates it cut short run again without using
+// up an attempt.
 //
 // # Operations
 //
 // A Consumer reports its Status (running, paused, connection, backlog) and
 // serves it as liveness and readiness handlers; it can be paused and
 // resumed, and paused by itself by a kill switch that trips when too large
-// a share of attempts fail over a window, then probes before it resumes. Dead letters can be replayed to their source queue with
-// each broker's NewReplay, and every adapter reports its backlog
-// (custody.backlog.* gauges). docs/operations.md is the operator's guide.
+// a share of attempts fail over a window, then probes before it resumes.
+// Dead letters can be replayed to their source queue with each broker's
+// NewReplay, and every adapter reports its backlog (custody.backlog.*
+// gauges). docs/operations.md is the operator's guide.
 //
 // # Faults
 //
-// A fault around the handler is not the message's fault: a handler error
-// marked consumer.Unavailable (a database down, a store unreachable), a
-// failed dead-letter write or an idempotency store outage waits and tries
-// again without using up an attempt or dead-lettering the message. Logs are
-// levelled and rate-limited, so an outage reads as a few lines per kind.
+// A handler error marked consumer.Unavailable (a database down, a store
+// unreachable), a failed dead-letter write or an idempotency store outage
+// waits and tries again without using up an attempt or dead-lettering the
+// message. Logs are levelled and rate-limited, so an outage reads as a few
+// lines per kind.
 //
 // # Observability
 //

@@ -3,6 +3,7 @@ package adapters
 import (
 	"context"
 	"errors"
+	"strconv"
 	"time"
 )
 
@@ -26,10 +27,10 @@ import (
 // ack never reaches it: a RabbitMQ ack is written after Ack returns and has
 // no reply, and a connection that dies first loses it; SQS delivers at
 // least once. Those are the broker's duplicates, which the idempotency
-// layer absorbs.) Acking a delivery twice is harmless:
-// the second Ack returns nil or fails that entry, and never disturbs other
-// deliveries. After Close these calls either still work (an SQS receipt
-// handle outlives the Source) or fail.
+// layer absorbs.) Acking a delivery twice is harmless: the second Ack
+// returns nil or fails that entry, and never disturbs other deliveries.
+// After Close these calls either still work (an SQS receipt handle outlives
+// the Source) or fail.
 //
 // Package adaptertest checks these rules against every adapter.
 type Source interface {
@@ -220,7 +221,7 @@ func (e *BatchError) Error() string {
 		if len(e.Failed) == 1 {
 			return "custody: 1 entry of the batch failed: " + err.Error()
 		}
-		return "custody: " + itoa(len(e.Failed)) + " entries of the batch failed, for example: " + err.Error()
+		return "custody: " + strconv.Itoa(len(e.Failed)) + " entries of the batch failed, for example: " + err.Error()
 	}
 	return "custody: batch failed"
 }
@@ -253,20 +254,6 @@ var (
 	// ErrClosed means the source was closed.
 	ErrClosed = errors.New("custody: source closed")
 )
-
-func itoa(n int) string {
-	if n == 0 {
-		return "0"
-	}
-	var b [20]byte
-	i := len(b)
-	for n > 0 {
-		i--
-		b[i] = byte('0' + n%10)
-		n /= 10
-	}
-	return string(b[i:])
-}
 
 // Batching describes how the runtime may batch one operation (Ack, Nack or
 // Extend) for a Source: the adapter declares what its broker rewards, the

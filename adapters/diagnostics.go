@@ -75,8 +75,9 @@ func Diagnostics(d *Delivery, f Failure) map[string]string {
 }
 
 // IsDiagnosticHeader reports whether name is one of the diagnostic headers
-// above, or a replay's (HeaderReplayOf, HeaderReplayDiagnostics). A dead-letter destination drops them from the message it copies
-// before it writes its own: a message that was dead-lettered, replayed and
+// above, or a replay's (HeaderReplayOf, HeaderReplayDiagnostics). A
+// dead-letter destination drops them from the message it copies before it
+// writes its own: a message that was dead-lettered, replayed and
 // dead-lettered again must describe its latest failure, not a mix of the
 // two (the old copy's partition beside the new copy's queue, say).
 func IsDiagnosticHeader(name string) bool {

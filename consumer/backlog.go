@@ -12,10 +12,10 @@ import (
 // WithBacklogInterval sets how often the runtime asks a source that can
 // tell its backlog (adapters.BacklogReporter: SQS queue attributes, a
 // RabbitMQ queue's depth, a Kafka group's lag, a JetStream consumer's or a
-// Redis group's pending counts, the memory broker's queue) for it, to report as the
-// gauges custody.backlog.waiting, custody.backlog.in_flight and
-// custody.backlog.oldest_age and in Status. Each poll is one request to
-// the broker. Default 30s. Must be at least a second.
+// Redis group's pending counts, the memory broker's queue) for it, to
+// report as the gauges custody.backlog.waiting, .in_flight and .oldest_age
+// and in Status. Each poll is one request to the broker. Default 30s. Must
+// be at least a second.
 func WithBacklogInterval(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < time.Second {

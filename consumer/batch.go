@@ -23,16 +23,9 @@ import (
 //
 // HandleBatch must honour ctx, which is cancelled at the handler timeout,
 // at the shutdown deadline, and when the delivery of any message of the
-// batch is lost while the batch runs (its lease could not be kept, its
-// channel closed, its partition was revoked); context.Cause then says why,
-// as for a Handler. The broker hands a lost message to another consumer: a
-// bulk effect that went on would run beside that consumer's. The lost
-// message is settled as a single message's would be: its outcome counts
-// only where the broker may still take its ack (a lease that merely ran
-// out). Its batch-mates keep their outcomes: one recorded done is acked;
-// one that failed once ctx was cancelled (with HandleBatch's error, or an
-// error recorded for it) is taken to have failed for the cut, not for
-// itself, and runs again at once, using up no attempt.
+// batch is lost while the batch runs; context.Cause then says why. What
+// becomes of the lost message and of its batch-mates: see the package
+// documentation, section Batches.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, b *Batch) error
 }

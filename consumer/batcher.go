@@ -65,19 +65,7 @@ func newBatcher(b adapters.Batching, call func([]*job)) *batcher {
 
 // add queues j. It sends a batch that is full, on this goroutine when the
 // batcher has no linger.
-func (b *batcher) add(j *job) {
-	b.mu.Lock()
-	if len(b.pending) == 0 && !b.inline {
-		b.oldest = time.Now()
-	}
-	b.pending = append(b.pending, j)
-	if len(b.pending) >= b.max && b.calls < b.maxCalls {
-		b.sendLocked(false) // unlocks
-		return
-	}
-	b.armLocked()
-	b.mu.Unlock()
-}
+func (b *batcher) add(j *job) { b.addAll([]*job{j}) }
 
 // addAll queues js, as add does each.
 func (b *batcher) addAll(js []*job) {

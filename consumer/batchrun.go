@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -15,29 +14,19 @@ import (
 )
 
 // startBatchWorker starts a worker that gathers jobs into batches and runs
-// the batch handler on them, until r.work is closed. A batch handler that
-// ends its goroutine with runtime.Goexit gets its worker replaced.
+// the batch handler on them, until r.work is closed.
 func (r *run) startBatchWorker(wg *sync.WaitGroup) {
-	wg.Add(1)
-	go func() {
-		closed := false
-		defer func() {
-			if !closed {
-				r.startBatchWorker(wg) // before Done: the count never touches zero
-			}
-			wg.Done()
-		}()
+	r.startReplaced(wg, func() {
 		for {
 			js, open := r.gather()
 			if len(js) > 0 {
 				r.runBatch(js)
 			}
 			if !open {
-				closed = true
 				return
 			}
 		}
-	}()
+	})
 }
 
 // gatherer bounds the batch being gathered.
@@ -67,16 +56,7 @@ func (g *gatherer) add(j *job) {
 // and bytes, waiting up to WithBatchLinger for more once it has one. It
 // reports false once r.work is closed.
 func (r *run) gather() ([]*job, bool) {
-	var j *job
-	select {
-	case j = <-r.work:
-	default:
-		// Nothing to do right now: send the acks and nacks that wait for
-		// company before waiting for work.
-		r.acks.flush()
-		r.nacks.flush()
-		j = <-r.work
-	}
+	j := r.nextJob()
 	if j == nil {
 		return nil, false
 	}
@@ -181,15 +161,10 @@ func (r *run) runBatch(js []*job) {
 // recovery, and returns each job's error: the batch's, when the handler
 // failed as a whole (an error, a panic, runtime.Goexit), else the outcome
 // it recorded for each message. It reports whether the loss of one of the
-// batch's deliveries cut the batch short (cancelled its context).
-//
-// The batch's context is the context of every message's attempt at once:
-// the loss of any of its deliveries (a lease that could not be kept, a
-// closed channel, a revoked partition) cancels it, with the loss as its
-// cause, as a Handler's context is cancelled by its delivery's. The broker
-// hands a lost message to another consumer; a bulk effect that went on
-// would run beside that consumer's. The context is cancelled, too, once
-// the handler returned: a goroutine it left running sees that.
+// batch's deliveries cut the batch short: the loss of any of them cancels
+// the batch's context, with the loss as its cause (see BatchHandler). The
+// context is cancelled, too, once the handler returned: a goroutine it left
+// running sees that.
 func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []error, cut bool) {
 	ctx := r.handlerCtx
 	var span trace.Span
@@ -201,16 +176,9 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 	for _, j := range js {
 		j.d.Signal.OnLost(cancelOnLoss) // at once if it is lost already
 	}
-	if t := r.cfg.handlerTimeout; t > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, t, ErrHandlerTimeout)
-		defer cancel()
-	}
-	var start time.Time
-	timed := r.tel.timed()
-	if timed {
-		start = time.Now()
-	}
+	ctx, stopTimeout := r.withHandlerTimeout(ctx)
+	defer stopTimeout()
+	start := r.tel.clock()
 	r.tel.batchSize.Record(r.settleCtx, int64(len(js)), r.tel.sourceRecord...)
 	returned := false
 	var err error
@@ -225,10 +193,7 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 		cancelOnLoss(nil)
 		switch {
 		case p != nil:
-			pe := &PanicError{Value: p, Stack: debug.Stack()}
-			err = pe
-			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-			r.logPanic(js[0].d, attempts[0], pe)
+			err = r.panicked(js[0].d, attempts[0], p)
 		case !returned:
 			// runtime.Goexit is ending this worker: the batch is settled as
 			// it unwinds, and the run replaces the worker.
@@ -255,47 +220,35 @@ func (r *run) callBatchHandler(js []*job, b *Batch, attempts []int) (errs []erro
 				errs[i] = e
 			}
 		}
-		r.recordBatch(js, errs, cut, start, timed, span)
+		r.recordBatch(js, errs, cut, start, span)
 		if !returned && p == nil {
 			r.settleBatch(js, attempts, errs, cut) // Goexit: nothing after this runs
 		}
 	}()
 	r.running.Add(int64(len(js)))
 	defer r.running.Add(-int64(len(js)))
-	err = r.batchHandler().HandleBatch(ctx, b)
+	err = r.c.batchHandler.HandleBatch(ctx, b)
 	returned = true
 	return errs, cut
 }
 
-func (r *run) batchHandler() BatchHandler { return r.c.batchHandler }
-
 // recordBatch records the batch's duration under each message's result,
 // and ends the batch's span. A message that failed once the batch was cut
 // short (by a loss, or the shutdown deadline) is recorded as cancelled.
-func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Time, timed bool, span trace.Span) {
+func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Time, span trace.Span) {
+	timed := !start.IsZero()
 	var took float64
 	if timed {
 		took = time.Since(start).Seconds()
 	}
 	failed := 0
 	for i, j := range js {
-		res := r.tel.resultOK
-		if e := errs[i]; e != nil {
-			cut := batchCut || j.lostCause() != nil || r.handlerCtx.Err() != nil
-			switch {
-			case IsUnavailable(e) && !cut:
-				res = r.tel.resultUnavailable
-			case IsDeferred(e):
-				res = r.tel.resultDeferred
-			case cut:
-				res = r.tel.resultCancelled
-			default:
-				res = r.tel.resultErr
-				failed++
-			}
+		res := attemptResult(errs[i], batchCut || j.lostCause() != nil || r.handlerCtx.Err() != nil)
+		if res == resultError {
+			failed++
 		}
 		if timed {
-			r.tel.duration.Record(r.settleCtx, took, res...)
+			r.tel.duration.Record(r.settleCtx, took, r.tel.results[res]...)
 		}
 	}
 	if span != nil {

@@ -21,8 +21,7 @@ const (
 // adapter, reused across calls: up to MaxCalls calls may be under way.
 var deliveryScratch = sync.Pool{New: func() any { return new([]*adapters.Delivery) }}
 
-// ackCall acks batch and settles its jobs: one metric update per outcome,
-// one credit release, for the whole batch.
+// ackCall acks batch and settles its jobs.
 func (r *run) ackCall(batch []*job) {
 	errs := r.callBatch(batch, func(js []*job) error {
 		buf := deliveryScratch.Get().(*[]*adapters.Delivery)
@@ -36,7 +35,7 @@ func (r *run) ackCall(batch []*job) {
 		deliveryScratch.Put(buf)
 		return err
 	})
-	var acked, deadLettered int
+	var settled settledCounts
 	for i, j := range batch {
 		how := j.settling.how
 		if errs != nil && errs[i] != nil {
@@ -55,23 +54,12 @@ func (r *run) ackCall(batch []*job) {
 				how = settleLost
 			}
 		}
-		switch how {
-		case settleAck:
-			acked++
-		case settleDeadLettered:
-			deadLettered++
-		default:
-			r.tel.settled.Add(r.settleCtx, 1, r.tel.outcomes[how.outcome()]...)
-		}
+		settled[how]++
 	}
-	if acked > 0 {
+	if settled[settleAck] > 0 {
 		storeNow(&r.lastAck)
-		r.tel.settled.Add(r.settleCtx, int64(acked), r.tel.outcomes[outcomeAcked]...)
 	}
-	if deadLettered > 0 {
-		r.tel.settled.Add(r.settleCtx, int64(deadLettered), r.tel.outcomes[outcomeDeadLettered]...)
-	}
-	r.finishBatch(batch)
+	r.finishBatch(batch, &settled)
 }
 
 // nackCall gives batch back to the broker and settles its jobs. A nack
@@ -79,13 +67,14 @@ func (r *run) ackCall(batch []*job) {
 // back by itself (its lease runs out, its connection closes).
 func (r *run) nackCall(batch []*job) {
 	errs := r.callBatch(batch, r.nackJobs)
+	var settled settledCounts
 	for i, j := range batch {
 		if errs != nil && errs[i] != nil {
 			r.logs.log(logNackFailed, slog.String("id", j.d.ID), slog.Any("error", errs[i]))
 		}
-		r.tel.settled.Add(r.settleCtx, 1, r.tel.outcomes[j.settling.how.outcome()]...)
+		settled[j.settling.how]++
 	}
-	r.finishBatch(batch)
+	r.finishBatch(batch, &settled)
 }
 
 // nackJobs nacks js, each with its own delay.
@@ -97,8 +86,17 @@ func (r *run) nackJobs(js []*job) error {
 	return r.c.src.Nack(r.settleCtx, ns)
 }
 
-// finishBatch ends the runtime's custody of a settled batch.
-func (r *run) finishBatch(batch []*job) {
+// settledCounts counts a batch's jobs by settlement.
+type settledCounts [len(settlementOutcomes)]int
+
+// finishBatch ends the runtime's custody of a settled batch, counted by
+// settlement: one metric update per outcome, one credit release.
+func (r *run) finishBatch(batch []*job, settled *settledCounts) {
+	for how, n := range settled {
+		if n > 0 {
+			r.tel.settled.Add(r.settleCtx, int64(n), r.tel.outcomes[settlement(how).outcome()]...)
+		}
+	}
 	n := len(batch)
 	r.tel.inFlight.Add(r.settleCtx, -int64(n), r.tel.source...)
 	r.credit.release(n)

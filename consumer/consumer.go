@@ -101,6 +101,7 @@ func newConsumer(fn string, src adapters.Source, h Handler, bh BatchHandler, opt
 	c := &Consumer{src: src, caps: caps, handler: h, batchHandler: bh, cfg: cfg, done: make(chan struct{})}
 	c.stop, c.stopRun = context.WithCancel(context.Background())
 	c.cut, c.cutDrain = context.WithCancel(context.Background())
+	c.intake.init()
 	if caps.Lease > 0 {
 		ext, ok := src.(adapters.Extender)
 		if !ok {
@@ -133,17 +134,11 @@ func newConsumer(fn string, src adapters.Source, h Handler, bh BatchHandler, opt
 }
 
 // Run receives and handles messages until ctx is cancelled or the source
-// fails for good, then drains: it stops receiving, gives back at once the
-// deliveries not yet started (those queued behind a running message of
-// their ordering key follow it, to keep their order), lets running handlers
-// finish until the shutdown timeout (then cancels their contexts), acks what
-// finished, stops lease renewals and closes the source. It returns after all
-// of that, with no goroutine of its own left running. A clean shutdown
-// returns nil.
-//
-// A handler that ignores its context keeps Run from returning.
-//
-// Shutdown stops Run the same way; after Shutdown, Run returns at once.
+// fails for good, then drains (see the package documentation, section
+// Shutdown; deliveries queued behind a running message of their ordering key
+// follow it, to keep their order) and returns with no goroutine of its own
+// left running. A clean shutdown returns nil. A handler that ignores its
+// context keeps Run from returning. After Shutdown, Run returns at once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("consumer: Run called twice; create a new Consumer")
@@ -169,9 +164,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	return r.run(ctx)
 }
 
-// Shutdown stops c gracefully and waits for Run to return: Run stops
-// receiving and drains as when its context is cancelled (see Run), acking
-// what finishes and giving back the rest, then closes the source.
+// Shutdown stops c gracefully and waits for Run to return: Run drains as
+// when its context is cancelled.
 //
 // If ctx ends before Run returns, Shutdown stops waiting for the running
 // handlers: their contexts are cancelled with cause ErrShutdownTimeout, as

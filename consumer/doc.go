@@ -55,11 +55,10 @@
 // offset). The original is acked only after the write is confirmed; a failed
 // write keeps the original, which waits in place (its lease kept alive, the
 // handler not run again, the broker's delivery count not raised) and the
-// write is tried again after a backoff. The two steps
-// are not atomic: if the original's ack fails or the process stops between
-// them, the original comes back and is dead-lettered again, so the
-// destination can hold two copies of one message (same
-// adapters.HeaderOriginalID).
+// write is tried again after a backoff. The two steps are not atomic: if the
+// original's ack fails or the process stops between them, the original comes
+// back and is dead-lettered again, so the destination can hold two copies of
+// one message (same adapters.HeaderOriginalID).
 //
 // # Leases
 //
@@ -106,19 +105,18 @@
 // one for batches).
 //
 // A batch's context is every one of its messages' context at once. When
-// the delivery of any of them is lost while the batch runs (its lease
-// could not be kept, its channel closed, its partition was revoked), the
-// context is cancelled and context.Cause says why, as for a Handler: the
-// broker hands that message to another consumer, and the batch's effect
-// must not run on beside it. The lost message is settled as a Handler's
-// would be (acked if it was done and only its lease ran out; else left to
-// the broker, which delivers it again). Its batch-mates keep their
-// outcomes: those recorded done are acked; those that failed once the
-// context was cancelled (with HandleBatch's error, or an error recorded
-// for them) failed for the cut, not for themselves, and run again at once,
-// in place and in their lanes' order, using up no attempt and never
-// dead-lettered for it. A bulk effect that is all or nothing loses nothing
-// by stopping at the cancellation and returning its error.
+// the delivery of any of them is lost while the batch runs, the context is
+// cancelled and context.Cause says why, as for a Handler: the broker hands
+// that message to another consumer, and the batch's effect must not run on
+// beside it. The lost message is settled as a Handler's would be (acked if
+// it was done and only its lease ran out; else left to the broker). Its
+// batch-mates keep their outcomes: those recorded done are acked; those
+// that failed once the context was cancelled (with HandleBatch's error, or
+// an error recorded for them) failed for the cut, not for themselves, and
+// run again at once, in place and in their lanes' order, using up no
+// attempt and never dead-lettered for it. A bulk effect that is all or
+// nothing loses nothing by stopping at the cancellation and returning its
+// error.
 //
 // # Concurrency and order
 //
@@ -151,11 +149,9 @@
 // [WithLeaveUnfinishedOnShutdown], leaves them to their lease). Running
 // handlers keep their contexts until the shutdown timeout
 // ([WithShutdownTimeout]) or the end of Shutdown's context, whichever comes
-// first; what finishes is acked, what does not is given back to the broker
-// (or left, as above). Run then stops lease renewals,
-// closes the source and returns; no goroutine it started is left running.
-// Shutdown returns once Run has, as net/http's Server.Shutdown does once its
-// connections are idle.
+// first; what finishes is acked, what does not is given back (or left, as
+// above). Run then stops lease renewals, closes the source and returns; no
+// goroutine it started is left running. Shutdown returns once Run has.
 //
 // # Acks
 //

@@ -56,13 +56,11 @@ func RetryAfter(err error, d time.Duration) error {
 // more, the message is dead-lettered at its first failure of its own, without
 // a retry.
 //
-// A deferral is no failure in the telemetry either: its attempt's duration
-// is recorded with custody.result "deferred", and its span gets a "deferred"
-// event rather than an error status.
-//
-// A d of zero or less means the retry policy's backoff: a deferral has no
-// attempt limit to stop it, so it must never come back at once (the runtime
-// waits at least a millisecond, whatever d). Defer(nil, d) is nil.
+// A deferral is no failure in the telemetry either (see the package
+// documentation, section Telemetry). A d of zero or less means the retry
+// policy's backoff: a deferral has no attempt limit to stop it, so it must
+// never come back at once (the runtime waits at least a millisecond,
+// whatever d). Defer(nil, d) is nil.
 func Defer(err error, d time.Duration) error {
 	if err == nil {
 		return nil
@@ -107,19 +105,14 @@ func IsDeferred(err error) bool {
 // no attempt and never sends the message to the dead-letter destination,
 // however long the outage lasts.
 //
-// The message waits in place, its lease kept alive, and its handler is
-// tried again after the retry policy's backoff, which grows with each
-// consecutive unavailable attempt of the message (or after the delay asked
-// for with RetryAfter or Defer around it). It waits in place even where the
-// broker could hold it back for the delay: a redelivery would raise the
-// broker's delivery count, which MaxAttempts and a broker's own redrive
-// policy (an SQS maxReceiveCount) read. Waiting messages keep their place in
-// the in-flight window ([WithMaxInFlight]), so while a dependency is down
-// the consumer stops taking new messages instead of running them into the
-// outage. At shutdown a waiting message is given back at once, as one
-// waiting for a retry is. The wait ends when the maximum processing time
-// ([WithMaxProcessingTime]) is reached; the broker then delivers the
-// message again.
+// The message waits in place (see the package documentation, section
+// Handling), its handler tried again after the retry policy's backoff for
+// the number of consecutive unavailable attempts (or the delay asked for
+// with RetryAfter or Defer around it). It waits in place even where the
+// broker could hold it back: a redelivery would raise the broker's delivery
+// count, which MaxAttempts and a broker's redrive policy read. At shutdown
+// it is given back at once, as one waiting for a retry is; at the maximum
+// processing time ([WithMaxProcessingTime]) the broker delivers it again.
 //
 // An error marked both Unavailable and [Permanent] is treated as
 // Unavailable. Such attempts are counted (custody.handler.unavailable) and

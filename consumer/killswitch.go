@@ -95,37 +95,30 @@ type killSwitch struct {
 	cfg KillSwitch
 	r   *run
 
-	mu      sync.Mutex
-	state   switchState
-	buckets []struct {
-		sec        int64
-		ok, failed int
-	}
-	probes    int // attempts still let through while half-open
-	succeeded int // probes that succeeded
+	mu        sync.Mutex
+	state     switchState
+	buckets   []switchBucket // one a second, over the window
+	probes    int            // attempts still let through while half-open
+	succeeded int            // probes that succeeded
 	timer     *time.Timer
 	timerWG   sync.WaitGroup // an armed or running cooldown timer
 }
 
-func newKillSwitch(cfg KillSwitch, r *run) *killSwitch {
-	k := &killSwitch{cfg: cfg, r: r}
-	k.buckets = make([]struct {
-		sec        int64
-		ok, failed int
-	}, int(cfg.Window/time.Second))
-	return k
+type switchBucket struct {
+	sec        int64
+	ok, failed int
 }
+
+func newKillSwitch(cfg KillSwitch, r *run) *killSwitch {
+	return &killSwitch{cfg: cfg, r: r, buckets: make([]switchBucket, int(cfg.Window/time.Second))}
+}
+
+var switchStateNames = [...]string{switchClosed: "closed", switchOpen: "open", switchHalfOpen: "half-open"}
 
 func (k *killSwitch) stateName() string {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	switch k.state {
-	case switchOpen:
-		return "open"
-	case switchHalfOpen:
-		return "half-open"
-	}
-	return "closed"
+	return switchStateNames[k.state]
 }
 
 // admit reports whether an attempt may run now: always while closed, a
@@ -178,21 +171,19 @@ func (k *killSwitch) record(err error) {
 		if b.sec != sec {
 			b.sec, b.ok, b.failed = sec, 0, 0
 		}
-		if failed {
-			b.failed++
-		} else {
+		if !failed {
 			b.ok++
+			break
 		}
-		if failed {
-			var ok, bad int
-			for _, b := range k.buckets {
-				if sec-b.sec < int64(len(k.buckets)) {
-					ok, bad = ok+b.ok, bad+b.failed
-				}
+		b.failed++
+		var ok, bad int
+		for _, b := range k.buckets {
+			if sec-b.sec < int64(len(k.buckets)) {
+				ok, bad = ok+b.ok, bad+b.failed
 			}
-			if ok+bad >= k.cfg.MinAttempts && float64(bad) >= k.cfg.Ratio*float64(ok+bad) {
-				k.openLocked(now, fmt.Sprintf("%d of %d attempts failed over %v", bad, ok+bad, k.cfg.Window))
-			}
+		}
+		if ok+bad >= k.cfg.MinAttempts && float64(bad) >= k.cfg.Ratio*float64(ok+bad) {
+			k.openLocked(now, fmt.Sprintf("%d of %d attempts failed over %v", bad, ok+bad, k.cfg.Window))
 		}
 	}
 	k.mu.Unlock()

@@ -44,37 +44,52 @@ func (r *run) dispatchLaned(jobs []job, heads []*job) []*job {
 	return heads
 }
 
-// startWorker starts a worker, which runs jobs until r.work is closed. A
-// handler that ends its worker with runtime.Goexit (see handlerExited) gets
-// it replaced, so that the run keeps its concurrency and drains.
+// startWorker starts a worker, which runs jobs until r.work is closed.
 func (r *run) startWorker(wg *sync.WaitGroup) {
+	r.startReplaced(wg, func() {
+		for j := r.nextJob(); j != nil; j = r.nextJob() {
+			r.runLane(j)
+		}
+	})
+}
+
+// startReplaced runs work on a goroutine counted by wg. A handler that ends
+// the goroutine with runtime.Goexit (see handlerExited) gets it replaced,
+// so that the run keeps its concurrency and drains.
+func (r *run) startReplaced(wg *sync.WaitGroup, work func()) {
 	wg.Add(1)
 	go func() {
-		closed := false
+		returned := false
 		defer func() {
-			if !closed {
-				r.startWorker(wg) // before Done: the count never touches zero
+			if !returned {
+				r.startReplaced(wg, work) // before Done: the count never touches zero
 			}
 			wg.Done()
 		}()
-		for {
-			var j *job
-			select {
-			case j = <-r.work:
-			default:
-				// Nothing to do right now: send the acks and nacks that
-				// wait for company before waiting for work.
-				r.acks.flush()
-				r.nacks.flush()
-				j = <-r.work
-			}
-			if j == nil {
-				closed = true // r.work closed
-				return
-			}
-			r.runLane(j)
-		}
+		work()
+		returned = true
 	}()
+}
+
+// nextJob waits for a job; nil once r.work is closed. With nothing to do
+// right now, it first sends the acks and nacks that wait for company.
+func (r *run) nextJob() *job {
+	if j := r.waitingJob(); j != nil {
+		return j
+	}
+	r.acks.flush()
+	r.nacks.flush()
+	return <-r.work
+}
+
+// waitingJob returns a job that waits in r.work, or nil.
+func (r *run) waitingJob() *job {
+	select {
+	case j := <-r.work:
+		return j
+	default:
+		return nil
+	}
 }
 
 // runLane processes j and then, on the same worker, the jobs queued behind

@@ -3,18 +3,15 @@ package consumer
 import (
 	"context"
 	"log/slog"
+	"runtime/debug"
 	"sync"
 	"time"
 
 	"github.com/custody-go/custody/adapters"
 )
 
-// The rate limit of the run's log lines: at most logBurst lines of each
-// kind in a window of logWindow, which opens with the first line of that
-// kind after the previous window closed. The lines past the burst are
-// counted, not written, and one summary line reports them when the next
-// window opens or Run returns. A poison storm of a thousand messages a
-// second so writes about one dead-letter line a second, not a thousand.
+// The rate limit of the run's log lines: logBurst lines of each kind per
+// window (see the package documentation, section Logs).
 const (
 	logBurst  = 10
 	logWindow = 10 * time.Second
@@ -212,12 +209,15 @@ func (r *run) logRetry(j *job, err error, attempt int, delay time.Duration, defe
 		slog.String("retry", where), slog.Any("error", err))
 }
 
-// logPanic logs a handler's panic with its stack, which is copied into a
-// string only when the logger takes the line's level.
-func (r *run) logPanic(d *adapters.Delivery, attempt int, p *PanicError) {
-	if !r.logs.enabled(logPanic) {
-		return
+// panicked counts and logs a handler's panic with value p, and returns it
+// as the attempt's error. The stack is copied into a string for the log
+// only when the logger takes the line's level.
+func (r *run) panicked(d *adapters.Delivery, attempt int, p any) error {
+	pe := &PanicError{Value: p, Stack: debug.Stack()}
+	r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
+	if r.logs.enabled(logPanic) {
+		r.logs.log(logPanic, slog.String("id", d.ID), slog.Int("attempt", attempt),
+			slog.Any("panic", p), slog.String("stack", string(pe.Stack)))
 	}
-	r.logs.log(logPanic, slog.String("id", d.ID), slog.Int("attempt", attempt),
-		slog.Any("panic", p.Value), slog.String("stack", string(p.Stack)))
+	return pe
 }

@@ -40,12 +40,6 @@ type Message struct {
 	batchPos int
 }
 
-func newMessage(d *adapters.Delivery, attempt int) *Message {
-	m := new(Message)
-	fillMessage(m, d, attempt)
-	return m
-}
-
 func fillMessage(m *Message, d *adapters.Delivery, attempt int) {
 	*m = Message{
 		ID:          d.ID,

@@ -119,13 +119,10 @@ func WithConcurrency(n int) Option {
 // the concurrency, at most the adapter's MaxUnacked, and at most
 // 1,048,576.
 //
-// A deeper window keeps quick handlers fed: the receiver is woken to fetch
-// the next batch once it fits (when half the window is free, for brokers
-// without a receive limit), and a goroutine woken by a busy one can wait
-// tens of microseconds for a core. With handlers of a few
+// A deeper window keeps quick handlers fed: with handlers of a few
 // microseconds at concurrency 1, 100 measured about 15% faster than the
-// default on the memory broker (BenchmarkConsumerConcurrency1Work). The cost:
-// one consumer holds, and keeps leased, that many messages that other
+// default on the memory broker (BenchmarkConsumerConcurrency1Work). The
+// cost: one consumer holds, and keeps leased, that many messages that other
 // instances could otherwise take, which with slow handlers means waiting.
 func WithMaxInFlight(n int) Option {
 	return optionFunc(func(c *config) error {
@@ -377,8 +374,6 @@ func (c *config) fill(caps adapters.Capabilities, batch bool) error {
 		return fmt.Errorf("consumer: WithMaxInFlight(%d) is below WithConcurrency(%d): workers would idle", c.maxInFlight, c.concurrency)
 	}
 	if every := time.Duration(float64(caps.Lease) * c.leaseFraction); caps.Lease > 0 && every < minRenewal {
-		// The keeper would call Extend in a loop, each call timing out
-		// after that same interval.
 		return fmt.Errorf("consumer: WithLeaseRenewal(%v): renewing source %q's %v lease every %v would renew in a loop; choose a larger fraction, for renewals at least %v apart",
 			c.leaseFraction, caps.Name, caps.Lease, every, minRenewal)
 	}
@@ -412,11 +407,7 @@ func receiveBatch(caps adapters.Capabilities, maxInFlight int) int {
 }
 
 // defaultMaxInFlight is the in-flight window when WithMaxInFlight is not
-// given: twice the concurrency and at least 20, so that one batch can be
-// fetched while another is handled, plus, where the adapter's acks wait to
-// fill a batch (Capabilities.Ack.Linger), room for the acks that may wait,
-// so that they do not hold up receiving; and never more than the
-// adapter's MaxUnacked. It is not scaled by the adapter's receive batch: a
+// given (see there). It is not scaled by the adapter's receive batch: a
 // source that polls wide (SQS with several pollers) would otherwise hold,
 // and keep renewing, far more than a small consumer can work through.
 func defaultMaxInFlight(concurrency int, caps adapters.Capabilities) int {

@@ -99,21 +99,12 @@ type gate struct {
 	idle      *sync.Cond
 }
 
+// init opens the gate; New calls it.
 func (g *gate) init() {
-	g.mu.Lock()
-	if g.idle == nil {
-		g.idle = sync.NewCond(&g.mu)
-	}
-	if g.open == nil {
-		g.open = make(chan struct{})
-		g.stopped, g.stop = context.WithCancel(context.Background())
-		if !g.paused && !g.tripped {
-			close(g.open)
-		} else {
-			g.stop()
-		}
-	}
-	g.mu.Unlock()
+	g.idle = sync.NewCond(&g.mu)
+	g.open = make(chan struct{})
+	close(g.open)
+	g.stopped, g.stop = context.WithCancel(context.Background())
 }
 
 // receiveContext returns the context Receives run with while the gate is
@@ -130,9 +121,7 @@ func (g *gate) receiveContext(ctx context.Context, last *gatedContext) context.C
 	last.release()
 	last.ctx, last.cancel = context.WithCancel(ctx)
 	last.stopped = stopped
-	if stopped != nil {
-		last.unlink = context.AfterFunc(stopped, last.cancel)
-	}
+	last.unlink = context.AfterFunc(stopped, last.cancel)
 	return last.ctx
 }
 
@@ -154,7 +143,7 @@ func (c *gatedContext) release() {
 	*c = gatedContext{}
 }
 
-// receiving and received bracket a Receive.
+// beginReceive and endReceive bracket a Receive.
 func (g *gate) beginReceive() {
 	g.mu.Lock()
 	g.receiving++
@@ -164,7 +153,7 @@ func (g *gate) beginReceive() {
 func (g *gate) endReceive() {
 	g.mu.Lock()
 	g.receiving--
-	if g.receiving == 0 && g.idle != nil {
+	if g.receiving == 0 {
 		g.idle.Broadcast()
 	}
 	g.mu.Unlock()
@@ -172,7 +161,6 @@ func (g *gate) endReceive() {
 
 // awaitIdle waits until no Receive is under way.
 func (g *gate) awaitIdle() {
-	g.init()
 	g.mu.Lock()
 	for g.receiving > 0 {
 		g.idle.Wait()
@@ -201,11 +189,10 @@ func (g *gate) trip(on bool)        { g.set(func() { g.tripped = on }) }
 func (g *gate) set(change func()) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	wasOpen := g.open != nil && !g.paused && !g.tripped
+	wasOpen := !g.paused && !g.tripped
 	change()
 	isOpen := !g.paused && !g.tripped
 	switch {
-	case g.open == nil:
 	case isOpen && !wasOpen:
 		close(g.open)
 		g.stopped, g.stop = context.WithCancel(context.Background())
@@ -220,11 +207,6 @@ func (g *gate) set(change func()) {
 func (g *gate) wait(ctx context.Context) bool {
 	for {
 		g.mu.Lock()
-		if g.open == nil {
-			g.mu.Unlock()
-			g.init()
-			continue
-		}
 		open := g.open
 		g.mu.Unlock()
 		select {
@@ -243,15 +225,7 @@ func (g *gate) wait(ctx context.Context) bool {
 // finish. A lane's jobs go back in order, its head first.
 func (r *run) releasePaused() {
 	r.unparkAll(func(*job) bool { return true }) // into r.work
-	for {
-		var j *job
-		select {
-		case j = <-r.work:
-		default:
-		}
-		if j == nil {
-			return
-		}
+	for j := r.waitingJob(); j != nil; j = r.waitingJob() {
 		if !r.c.intake.givingBack() {
 			r.work <- j // resumed meanwhile: never blocks, it was taken from it
 			return

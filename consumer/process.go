@@ -133,11 +133,7 @@ func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
 		// and the message waits here rather than at the broker, whose
 		// delivery count a redelivery would raise.
 		j.unavailable++
-		delay, ok := RetryDelay(err)
-		if !ok || delay <= 0 {
-			delay = backoffDelay(r.cfg.retry.Backoff, j.unavailable)
-		}
-		delay = max(delay, minBackoff)
+		delay := r.retryDelay(err, j.unavailable)
 		r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
 		r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", j.unavailable),
 			slog.Duration("retry_in", delay), slog.Any("error", err))
@@ -155,17 +151,7 @@ func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
 	if j.firstFailure.IsZero() && !deferred {
 		j.firstFailure = now
 	}
-	delay, ok := RetryDelay(err)
-	if !ok || delay <= 0 {
-		// No delay asked for, or none at all: the policy's backoff, so
-		// that nothing retries in a hot loop (a deferral never runs out of
-		// attempts to stop it).
-		delay = backoffDelay(r.cfg.retry.Backoff, attempt)
-	}
-	// A delay asked for is floored too: a deferral has no attempt limit,
-	// so Defer(err, time.Nanosecond) would otherwise come back at once,
-	// for ever.
-	delay = max(delay, minBackoff)
+	delay := r.retryDelay(err, attempt)
 	if IsPermanent(err) || (attempt >= r.cfg.retry.MaxAttempts && !deferred) {
 		if done, parked := r.exhausted(j, err, attempt, now, delay); done {
 			return parked
@@ -193,16 +179,24 @@ func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
 	return true
 }
 
+// retryDelay is the wait before the next attempt after err, retry number n:
+// the delay err asks for (RetryAfter, Defer), else the policy's backoff.
+// Either is floored at minBackoff: a deferral has no attempt limit, so
+// Defer(err, time.Nanosecond) would otherwise come back at once, for ever.
+func (r *run) retryDelay(err error, n int) time.Duration {
+	d, ok := RetryDelay(err)
+	if !ok || d <= 0 {
+		d = r.cfg.retry.Backoff.Delay(n)
+	}
+	return max(d, minBackoff)
+}
+
 // exhausted dead-letters j, which failed for good with err on attempt
 // number attempt. It reports whether j was settled or parked (done), and
-// whether it was parked; not done means there is no dead-letter
-// destination and the broker cannot take the message back with a delay, so
-// the caller goes on retrying the handler.
-//
-// Without a dead-letter destination the message is given back after retry,
-// the delay the caller computed for the handler's next attempt: it is one
-// more retry, so a delay the handler asked for (RetryAfter) holds as for
-// any other.
+// whether it was parked. Without a dead-letter destination the message is
+// given back after retry, the delay of the handler's next attempt (one
+// more retry: a RetryAfter holds); not done means the broker cannot take
+// it back with a delay, so the caller goes on retrying the handler.
 func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry time.Duration) (done, parked bool) {
 	if r.cfg.deadLetter == nil {
 		r.logs.log(logNoDeadLetter, slog.String("id", j.d.ID), slog.String("reason", failureReason(err)),
@@ -219,13 +213,11 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 }
 
 // deadLetter writes j's dead-letter copy and acks the original once the
-// destination confirmed it. A failed write keeps the original, parked, and
-// is tried again after a backoff: in place, its lease kept alive, even
-// where the broker could hold the message back, since a redelivery would
-// run the handler again for a message that is done with it and raise the
-// broker's delivery count. Parked, the message keeps its place in the
-// in-flight window, so an outage of the destination slows intake instead
-// of cycling messages through the broker.
+// destination confirmed it. A failed write parks j, to be tried again after
+// a backoff, even where the broker could hold the message back: a
+// redelivery would run the handler again and raise the broker's delivery
+// count, and a parked job keeps its place in the in-flight window, so an
+// outage of the destination slows intake.
 func (r *run) deadLetter(j *job) (parked bool) {
 	dl := r.cfg.deadLetter
 	err, attempt := j.failure, j.failedAttempt
@@ -286,14 +278,12 @@ func (r *run) deadLetter(j *job) (parked bool) {
 }
 
 // sendDeadLetter writes j's dead-letter copy with a context that ends, with
-// the loss as its cause, if the delivery is lost meanwhile (a lease whose
-// renewals failed, a revoked Kafka partition, a dead channel), as a
-// handler's does: the broker hands the message out again, and a copy
-// written after that, by a write stuck behind a slow or unreachable
-// destination, would sit beside whatever the new holder does with it.
-// It reports whether a failed write was cut short: it failed with its
-// context's error, the context having ended (the loss, or the shutdown
-// deadline), rather than for a reason of the destination's own.
+// the loss as its cause, if the delivery is lost meanwhile, as a handler's
+// does: the broker hands the message out again, and a copy written after
+// that would sit beside whatever the new holder does with it. It reports
+// whether a failed write was cut short: it failed with its context's error
+// (the loss, or the shutdown deadline), not for a reason of the
+// destination's own.
 func (r *run) sendDeadLetter(dl adapters.DeadLetter, j *job, f adapters.Failure) (cut bool, err error) {
 	ctx, cancel := context.WithCancelCause(r.handlerCtx)
 	defer cancel(nil)
@@ -337,10 +327,7 @@ func (r *run) call(j *job, attempt int) error {
 	r.running.Add(-1)
 	if j.exiting {
 		j.exiting = false
-		pe := &PanicError{Value: new(runtime.PanicNilError), Stack: debug.Stack()}
-		err = pe
-		r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-		r.logPanic(j.d, attempt, pe)
+		err = r.panicked(j.d, attempt, new(runtime.PanicNilError))
 	}
 	return err
 }
@@ -349,18 +336,13 @@ func (r *run) call(j *job, attempt int) error {
 // and panic recovery.
 func (r *run) callHandler(j *job, attempt int) (err error) {
 	d := j.d
-	var (
-		m  *Message
-		ac *attemptContext
-	)
-	if j.retries == 0 && j.msg.d == nil {
-		m, ac = &j.msg, &j.ctx
-		fillMessage(m, d, attempt)
-	} else {
+	m, ac := &j.msg, &j.ctx
+	if j.retries > 0 || j.msg.d != nil {
 		// A handler may still hold the earlier attempt's message and
 		// context.
-		m = newMessage(d, attempt)
+		m, ac = new(Message), nil
 	}
+	fillMessage(m, d, attempt)
 	ctx := r.handlerCtx
 	if len(d.Headers) > 0 {
 		ctx = r.cfg.propagator.Extract(ctx, headerCarrier(d.Headers))
@@ -370,27 +352,14 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 		ctx, span = r.tel.tracer.Start(ctx, r.spanName, r.tel.spanStartOptions(d, attempt)...)
 	}
 	ac = startAttempt(ac, ctx, d)
-	var hctx context.Context = ac
-	if t := r.cfg.handlerTimeout; t > 0 {
-		var cancelTimeout context.CancelFunc
-		hctx, cancelTimeout = context.WithTimeoutCause(hctx, t, ErrHandlerTimeout)
-		defer cancelTimeout()
-	}
-	// Timed only where the duration can be recorded: two clock reads per
-	// attempt are a good part of the cost of a quick handler.
-	var start time.Time
-	timed := r.tel.timed()
-	if timed {
-		start = time.Now()
-	}
+	hctx, stopTimeout := r.withHandlerTimeout(ac)
+	defer stopTimeout()
+	start := r.tel.clock()
 	returned := false
 	defer func() {
 		p := recover()
 		if p != nil {
-			pe := &PanicError{Value: p, Stack: debug.Stack()}
-			err = pe
-			r.tel.panics.Add(r.settleCtx, 1, r.tel.source...)
-			r.logPanic(d, attempt, pe)
+			err = r.panicked(d, attempt, p)
 		}
 		if p == nil && err != nil {
 			var ok bool
@@ -407,41 +376,21 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 			err = ErrHandlerExited
 		}
 		ac.end()
-		// A deferral (consumer.Defer: an overlapping duplicate, say) is no
-		// failure of the handler: it is counted and traced apart, so that
-		// error rates and error spans show failures only.
-		deferred := err != nil && IsDeferred(err)
-		unavailable := err != nil && IsUnavailable(err)
-		// An attempt the shutdown deadline or its delivery's loss cut
-		// short is no failure either (process gives it back, or settles it
-		// as lost, without counting one): deploys and rebalances must not
-		// show as error rates.
-		cut := err != nil && !deferred && (j.lostCause() != nil || r.handlerCtx.Err() != nil)
-		res := r.tel.resultOK
-		switch {
-		case unavailable && !cut:
-			res = r.tel.resultUnavailable
-		case deferred:
-			res = r.tel.resultDeferred
-		case cut:
-			res = r.tel.resultCancelled
-		case err != nil:
-			res = r.tel.resultErr
-		}
-		if timed {
-			r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), res...)
+		// A deferral (consumer.Defer: an overlapping duplicate, say) is
+		// recorded as one even when cut short.
+		cut := err != nil && (j.lostCause() != nil || r.handlerCtx.Err() != nil) && !IsDeferred(err)
+		res := attemptResult(err, cut)
+		if !start.IsZero() {
+			r.tel.duration.Record(r.settleCtx, time.Since(start).Seconds(), r.tel.results[res]...)
 		}
 		if span != nil {
-			switch {
-			case unavailable && !cut:
-				span.AddEvent("unavailable", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
-			case deferred:
-				span.AddEvent("deferred", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
-			case cut:
-				span.AddEvent("cancelled", trace.WithAttributes(attribute.String("custody.reason", err.Error())))
-			case err != nil:
+			switch res {
+			case resultOK:
+			case resultError:
 				span.RecordError(err)
 				span.SetStatus(codes.Error, err.Error())
+			default:
+				span.AddEvent(resultNames[res], trace.WithAttributes(attribute.String("custody.reason", err.Error())))
 			}
 			span.End()
 		}
@@ -450,6 +399,15 @@ func (r *run) callHandler(j *job, attempt int) (err error) {
 	err = r.c.handler.Handle(hctx, m)
 	returned = true
 	return err
+}
+
+// withHandlerTimeout bounds ctx by WithHandlerTimeout, if one is set; stop
+// must be called once the attempt ends.
+func (r *run) withHandlerTimeout(ctx context.Context) (_ context.Context, stop context.CancelFunc) {
+	if t := r.cfg.handlerTimeout; t > 0 {
+		return context.WithTimeoutCause(ctx, t, ErrHandlerTimeout)
+	}
+	return ctx, func() {}
 }
 
 // checkedError returns err, or a PanicError saying so when err's Error

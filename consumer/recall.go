@@ -73,19 +73,14 @@ func recalledWaiting(j *job) bool {
 func (r *run) releaseRecalled() {
 	r.unparkAll(recalledWaiting) // into r.work, given back just below
 	var keep, give []*job
-	for done := false; !done; {
-		select {
-		case j := <-r.work:
-			switch {
-			case !recalledWaiting(j):
-				keep = append(keep, j)
-			case j.lane == "":
-				give = append(give, j)
-			default:
-				keep = r.releaseLaneHead(j, keep)
-			}
+	for j := r.waitingJob(); j != nil; j = r.waitingJob() {
+		switch {
+		case !recalledWaiting(j):
+			keep = append(keep, j)
+		case j.lane == "":
+			give = append(give, j)
 		default:
-			done = true
+			keep = r.releaseLaneHead(j, keep)
 		}
 	}
 	for _, j := range keep {

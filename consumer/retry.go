@@ -71,9 +71,9 @@ func (b ConstantBackoff) check() error {
 }
 
 // ExponentialBackoff multiplies the delay by Multiplier on each retry, from
-// Initial up to Max (no cap when Max is 0), and spreads it by Jitter so that many consumers failing
-// at once do not retry in lock-step: each delay d becomes a uniform draw from
-// [d*(1-Jitter), d].
+// Initial up to Max (no cap when Max is 0), and spreads it by Jitter so that
+// many consumers failing at once do not retry in lock-step: each delay d
+// becomes a uniform draw from [d*(1-Jitter), d].
 type ExponentialBackoff struct {
 	Initial    time.Duration
 	Max        time.Duration

@@ -111,11 +111,9 @@ type job struct {
 
 // The delivery's loss and recall, as its adapter, or the runtime, reports
 // them (see giveSignals).
-func (j *job) lostCause() error            { return j.d.Signal.LostCause() }
-func (j *job) lostAt() time.Time           { return j.d.Signal.LostAt() }
-func (j *job) recalled() bool              { return j.d.Signal.Recalled() }
-func (j *job) lostChan() <-chan struct{}   { return j.d.Signal.Lost() }
-func (j *job) recallChan() <-chan struct{} { return j.d.Signal.RecallSignal() }
+func (j *job) lostCause() error  { return j.d.Signal.LostCause() }
+func (j *job) lostAt() time.Time { return j.d.Signal.LostAt() }
+func (j *job) recalled() bool    { return j.d.Signal.Recalled() }
 
 func newRun(c *Consumer, ctx context.Context) *run {
 	base := context.WithoutCancel(ctx)
@@ -333,40 +331,29 @@ func (r *run) receiveLoop(ctx context.Context) error {
 		ds, err := r.c.src.Receive(rctx, n)
 		r.c.intake.endReceive()
 		r.receivingSince.Store(0)
-		if err != nil && rctx.Err() != nil && ctx.Err() == nil {
-			// Paused: the gate ended the Receive, which handed out nothing.
-			r.credit.release(n - len(ds))
-			if len(ds) > 0 {
-				heads = r.accept(ds, heads)
-			}
-			continue
-		}
-		if err == nil {
-			r.received.Store(true)
-		}
-		if len(ds) > 0 {
-			storeNow(&r.lastReceive)
-		}
 		// Keep what was used (more, if an adapter returned more than asked).
 		r.credit.release(n - len(ds))
 		if len(ds) > 0 {
+			storeNow(&r.lastReceive)
 			heads = r.accept(ds, heads)
 			r.noteRecalledOnArrival(ds)
 		}
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			if errors.Is(err, adapters.ErrClosed) {
-				return fmt.Errorf("consumer: source closed while receiving: %w", err)
-			}
-			if len(ds) > 0 {
-				// A partial failure (one partition's error among others'
-				// records): say so, but do not slow the rest down.
-				r.logs.log(logReceivePartial, slog.Any("error", err), slog.Int("deliveries", len(ds)))
-				failures = 0
-				continue
-			}
+		switch {
+		case err == nil:
+			r.received.Store(true)
+			failures = 0
+		case ctx.Err() != nil:
+			return nil
+		case rctx.Err() != nil:
+			// Paused: the gate ended the Receive.
+		case errors.Is(err, adapters.ErrClosed):
+			return fmt.Errorf("consumer: source closed while receiving: %w", err)
+		case len(ds) > 0:
+			// A partial failure (one partition's error among others'
+			// records): say so, but do not slow the rest down.
+			r.logs.log(logReceivePartial, slog.Any("error", err), slog.Int("deliveries", len(ds)))
+			failures = 0
+		default:
 			failures++
 			delay := bo.Delay(failures)
 			r.logs.log(logReceiveFailed, slog.Any("error", err), slog.Int("failures", failures), slog.Duration("retry_in", delay))
@@ -377,9 +364,7 @@ func (r *run) receiveLoop(ctx context.Context) error {
 				t.Stop()
 				return nil
 			}
-			continue
 		}
-		failures = 0
 	}
 }
 

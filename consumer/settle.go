@@ -24,26 +24,22 @@ const (
 	settleFailed                         // at-most-once: acked on receipt, its handler failed
 )
 
-// outcome names s in custody.messages.settled.
-func (s settlement) outcome() string {
-	switch s {
-	case settleAck, settleHandled:
-		return outcomeAcked
-	case settleDeadLettered, settleDisposed:
-		return outcomeDeadLettered
-	case settleRetry:
-		return outcomeRetried
-	case settleExhausted:
-		return outcomeExhausted
-	case settleRelease:
-		return outcomeReleased
-	case settleLeave:
-		return outcomeLeft
-	case settleLost:
-		return outcomeLost
-	}
-	return outcomeFailed
+// settlementOutcomes name the settlements in custody.messages.settled.
+var settlementOutcomes = [...]string{
+	settleAck:          outcomeAcked,
+	settleDeadLettered: outcomeDeadLettered,
+	settleDisposed:     outcomeDeadLettered,
+	settleRetry:        outcomeRetried,
+	settleExhausted:    outcomeExhausted,
+	settleRelease:      outcomeReleased,
+	settleLeave:        outcomeLeft,
+	settleLost:         outcomeLost,
+	settleHandled:      outcomeAcked,
+	settleFailed:       outcomeFailed,
 }
+
+// outcome names s in custody.messages.settled.
+func (s settlement) outcome() string { return settlementOutcomes[s] }
 
 // acks reports whether s is sent to the broker as an ack.
 func (s settlement) acks() bool { return s == settleAck || s == settleDeadLettered }
@@ -75,25 +71,18 @@ const (
 	whyMaxHold                      // held for the maximum processing time, without a lease
 )
 
-func (w reason) String() string {
-	switch w {
-	case whyShutdown:
-		return "shutdown"
-	case whyDeadline:
-		return "shutdown deadline"
-	case whyRecalled:
-		return "recalled by the adapter"
-	case whyBehindLost:
-		return "behind a lost message"
-	case whyExited:
-		return "handler called Goexit"
-	case whyPaused:
-		return "paused"
-	case whyMaxHold:
-		return "held for the maximum processing time"
-	}
-	return ""
+// reasonNames are the reasons' values of the "reason" log attribute.
+var reasonNames = [...]string{
+	whyShutdown:   "shutdown",
+	whyDeadline:   "shutdown deadline",
+	whyRecalled:   "recalled by the adapter",
+	whyBehindLost: "behind a lost message",
+	whyExited:     "handler called Goexit",
+	whyPaused:     "paused",
+	whyMaxHold:    "held for the maximum processing time",
 }
+
+func (w reason) String() string { return reasonNames[w] }
 
 // atShutdown reports whether w is the drain's doing, which
 // WithLeaveUnfinishedOnShutdown turns into leaving the message to its lease.
@@ -111,7 +100,9 @@ func released(why reason) verdict { return verdict{how: settleRelease, why: why}
 // but for a lease that merely ran out, whose ack the broker may still
 // take, sparing a duplicate.
 func (r *run) settle(j *job, v verdict) {
-	r.stopLease(j)
+	if j.lease != nil {
+		j.lease.Stop()
+	}
 	if cause := j.lostCause(); cause != nil && v.how != settleLost {
 		switch {
 		case v.how.acks() && errors.Is(cause, adapters.ErrLeaseLost):
@@ -168,12 +159,6 @@ func (r *run) done(j *job, outcome string) {
 	r.held.Done()
 }
 
-func (r *run) stopLease(j *job) {
-	if j.lease != nil {
-		j.lease.Stop()
-	}
-}
-
 // leaseLost counts and logs j's lost lease, once. It is counted here rather
 // than by the lease keeper, which misses a lease the adapter reported lost by
 // itself (a stale receipt, a renewal the runtime stopped before its answer
@@ -195,15 +180,7 @@ func (r *run) leaseLost(j *job, cause error) {
 // that job ends. Called once receiving has stopped, and never in
 // at-most-once mode, where every job was acked on receipt and still runs.
 func (r *run) releaseWaiting() {
-	for {
-		var j *job
-		select {
-		case j = <-r.work:
-		default:
-		}
-		if j == nil {
-			return
-		}
+	for j := r.waitingJob(); j != nil; j = r.waitingJob() {
 		if j.lane != "" {
 			r.runLane(j) // its lane's queued jobs are given back after it
 			continue

@@ -28,20 +28,13 @@ const (
 	StateStopped
 )
 
+var stateNames = [...]string{"idle", "running", "paused", "draining", "stopped"}
+
 func (s State) String() string {
-	switch s {
-	case StateIdle:
-		return "idle"
-	case StateRunning:
-		return "running"
-	case StatePaused:
-		return "paused"
-	case StateDraining:
-		return "draining"
-	case StateStopped:
-		return "stopped"
+	if s < 0 || int(s) >= len(stateNames) {
+		return "unknown"
 	}
-	return "unknown"
+	return stateNames[s]
 }
 
 // MarshalText names the state in JSON.
@@ -49,9 +42,9 @@ func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
 // UnmarshalText reads a state MarshalText wrote.
 func (s *State) UnmarshalText(b []byte) error {
-	for v := StateIdle; v <= StateStopped; v++ {
-		if v.String() == string(b) {
-			*s = v
+	for v, name := range stateNames {
+		if name == string(b) {
+			*s = State(v)
 			return nil
 		}
 	}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"reflect"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/custody-go/custody/adapters"
 
@@ -66,19 +68,11 @@ type telemetry struct {
 
 	// Options are kept as ready slices: passing a slice to a variadic
 	// parameter allocates nothing, building one per call would.
-	source         []metric.AddOption
-	sourceRecord   []metric.RecordOption
-	outcomes       map[string][]metric.AddOption
-	resultOK       []metric.RecordOption
-	resultErr      []metric.RecordOption
-	resultDeferred []metric.RecordOption
-	// resultCancelled is an attempt cut short by the shutdown deadline or
-	// the loss of its delivery.
-	resultCancelled []metric.RecordOption
-	// resultUnavailable is an attempt that reported a dependency outage
-	// (Unavailable).
-	resultUnavailable []metric.RecordOption
-	spanAttrs         []attribute.KeyValue
+	source       []metric.AddOption
+	sourceRecord []metric.RecordOption
+	outcomes     map[string][]metric.AddOption
+	results      [resultKinds][]metric.RecordOption
+	spanAttrs    []attribute.KeyValue
 }
 
 func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
@@ -133,11 +127,9 @@ func newTelemetry(c *config, caps adapters.Capabilities) (*telemetry, error) {
 	for _, o := range []string{outcomeAcked, outcomeRetried, outcomeDeadLettered, outcomeReleased, outcomeLost, outcomeExhausted, outcomeFailed, outcomeLeft} {
 		t.outcomes[o] = []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.outcome", o)))}
 	}
-	t.resultOK = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "ok")))}
-	t.resultErr = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "error")))}
-	t.resultDeferred = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "deferred")))}
-	t.resultCancelled = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "cancelled")))}
-	t.resultUnavailable = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", "unavailable")))}
+	for res, name := range resultNames {
+		t.results[res] = []metric.RecordOption{metric.WithAttributeSet(attribute.NewSet(src, attribute.String("custody.result", name)))}
+	}
 	// The consumer's name under the metrics' key, so that spans and metrics
 	// join. It is not messaging.consumer.group.name: the runtime does not
 	// know the broker's consumer group (a Kafka group is named apart from
@@ -225,6 +217,52 @@ func isGlobalDefault(p any, typeName string) bool {
 		t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global"
 }
 
+// result is the custody.result of a handler attempt.
+type result uint8
+
+const (
+	resultOK result = iota
+	resultError
+	resultDeferred // consumer.Defer
+	// resultCancelled is an attempt cut short by the shutdown deadline or
+	// the loss of its delivery.
+	resultCancelled
+	resultUnavailable // consumer.Unavailable
+	resultKinds
+)
+
+// resultNames are the results' custody.result values, and the names of the
+// span events that record them (but for ok and error).
+var resultNames = [resultKinds]string{"ok", "error", "deferred", "cancelled", "unavailable"}
+
+// attemptResult classifies an attempt that ended with err; cut says the
+// shutdown deadline or the loss of its delivery cut it short. Only a
+// failure of the handler's own is an error: deploys and rebalances must not
+// show as error rates.
+func attemptResult(err error, cut bool) result {
+	switch {
+	case err == nil:
+		return resultOK
+	case IsUnavailable(err) && !cut:
+		return resultUnavailable
+	case IsDeferred(err):
+		return resultDeferred
+	case cut:
+		return resultCancelled
+	}
+	return resultError
+}
+
+// clock returns the start of a handler call to time, or the zero time where
+// its duration cannot be recorded: two clock reads per attempt are a good
+// part of the cost of a quick handler.
+func (t *telemetry) clock() time.Time {
+	if t.timed() {
+		return time.Now()
+	}
+	return time.Time{}
+}
+
 func (t *telemetry) settle(ctx context.Context, outcome string, n int) {
 	t.settled.Add(ctx, int64(n), t.outcomes[outcome]...)
 	t.inFlight.Add(ctx, -int64(n), t.source...)
@@ -240,7 +278,7 @@ func (h headerCarrier) Get(k string) string {
 	// Brokers and publishers differ on case; traceparent is lower case in the
 	// W3C spec, but some clients capitalise header names.
 	for hk, v := range h {
-		if len(hk) == len(k) && equalFold(hk, k) {
+		if strings.EqualFold(hk, k) {
 			return v
 		}
 	}
@@ -253,22 +291,6 @@ func (h headerCarrier) Keys() []string {
 		ks = append(ks, k)
 	}
 	return ks
-}
-
-func equalFold(a, b string) bool {
-	for i := 0; i < len(a); i++ {
-		x, y := a[i], b[i]
-		if 'A' <= x && x <= 'Z' {
-			x += 'a' - 'A'
-		}
-		if 'A' <= y && y <= 'Z' {
-			y += 'a' - 'A'
-		}
-		if x != y {
-			return false
-		}
-	}
-	return true
 }
 
 // batchSpanOptions describes a batch's processing span at its start: the

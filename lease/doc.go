@@ -12,21 +12,21 @@
 //     covered as well as running ones.
 //   - Renewals are batched: every lease due now, or due soon, goes out in one
 //     call of at most MaxBatch deliveries.
-//   - [Lease.Stop] ends renewals for a delivery. It waits for a renewal of that
-//     delivery already on the wire to return, so once Stop returns no
-//     extension of it is in flight or will be sent: the runtime calls Stop
-//     after the handler finished and before the ack. A renewal taken but
-//     not yet sent when Stop is called is not sent. If the keeper is losing
-//     the delivery when Stop is called, Stop waits for the loss: once Stop
-//     returns, [adapters.Delivery.LostCause] tells whether the keeper lost
-//     it, and the keeper never loses it afterwards.
+//   - [Lease.Stop] ends renewals for a delivery: a renewal taken but not yet
+//     sent is not sent, and one on the wire is waited for, so once Stop
+//     returns no extension of it is in flight or will be sent (the runtime
+//     calls Stop after the handler finished and before the ack). If the
+//     keeper is losing the delivery, Stop waits for the loss: once Stop
+//     returns, [adapters.Signal.LostCause] tells whether the keeper lost it,
+//     and the keeper never loses it afterwards.
 //   - Total hold time is capped (MaxHold, counted from receipt). At the cap the
 //     keeper stops renewing and loses the delivery. The last extension runs
 //     to the cap; the keeper does not renew the lease again before it.
 //   - A renewal the adapter refuses because the lease is gone (its error
 //     wraps [adapters.ErrLeaseLost]: a stale receipt, the message received
-//     again or deleted) loses the delivery at once: the delivery's [adapters.Signal.Lose]
-//     is called with that cause, which cancels its handler's context.
+//     again or deleted) loses the delivery at once: its
+//     [adapters.Signal.Lose] is called with that cause, which cancels its
+//     handler's context.
 //   - Any other failure (a network error, throttling, a timeout) leaves the
 //     lease as the broker last granted it, so the renewal is tried again,
 //     every sixth of the lease by default (at half of what is left, when

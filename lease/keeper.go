@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"iter"
+	"slices"
 	"sync"
 	"time"
 
@@ -30,9 +31,7 @@ type Config struct {
 	Parallel int
 	// Timeout bounds one Extend call. Default: the renewal interval. A call
 	// also ends when the earliest lease it carries has no more than a
-	// quarter of the renewal interval left: a lease whose renewal is not
-	// answered by then is lost, before the broker can hand its message to
-	// another consumer.
+	// quarter of the renewal interval left (see Semantics).
 	Timeout time.Duration
 	// Renewed, when set, is called after each successful renewal batch with
 	// the number of leases renewed. Retrying is called when n renewals
@@ -215,14 +214,11 @@ func (k *Keeper) schedule(i int32, due int64) {
 	}
 }
 
-// Stop ends renewals of the lease. If a renewal of it is on the wire, Stop
-// waits for that call to return, so after Stop no extension is in flight;
-// a renewal taken but not yet sent is not sent. If the keeper is losing the
-// delivery (at MaxHold, or after a failed renewal), Stop waits until it is
-// lost: once Stop returns, the delivery's LostCause shows whether the keeper
-// lost it, and the keeper will not lose it afterwards. Stop must not be
-// called from the delivery's OnLost callback, which runs inside that loss.
-// Stopping a lease again, or a zero Lease, does nothing.
+// Stop ends renewals of the lease: once it returns, no extension of it is in
+// flight or will be sent, and the keeper will not lose the delivery (see the
+// package documentation, section Semantics). Stop must not be called from
+// the delivery's OnLost callback, which runs inside a loss Stop would wait
+// for. Stopping a lease again, or a zero Lease, does nothing.
 func (l *Lease) Stop() {
 	k := l.k
 	if k == nil || l.slot < 0 {
@@ -361,18 +357,14 @@ func (k *Keeper) takeDue(now int64) ([]batch, int64) {
 		s.renewing = make(chan struct{})
 		k.inFlight++
 		// Batches are few and short: a linear scan beats a map here.
-		placed := false
-		for i := range batches {
-			b := &batches[i]
-			if b.extendTo == time.Duration(extendTo) && len(b.slots) < k.cfg.MaxBatch {
-				b.slots = append(b.slots, e.slot)
-				placed = true
-				break
-			}
+		i := slices.IndexFunc(batches, func(b batch) bool {
+			return b.extendTo == time.Duration(extendTo) && len(b.slots) < k.cfg.MaxBatch
+		})
+		if i < 0 {
+			i = len(batches)
+			batches = append(batches, batch{extendTo: time.Duration(extendTo)})
 		}
-		if !placed {
-			batches = append(batches, batch{extendTo: time.Duration(extendTo), slots: []int32{e.slot}})
-		}
+		batches[i].slots = append(batches[i].slots, e.slot)
 	}
 	next := int64(never)
 	if e, ok := k.t.peek(); ok {
@@ -410,13 +402,10 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 		return
 	}
 	sent := k.now()
-	// The call ends by the time a failure would lose the lease (see below:
-	// with only the slack left), even before Timeout. A lease whose renewal
-	// has not been answered by then may run out at the broker, which then
-	// hands the message to another consumer: its handler must be stopped
-	// before that, not when a call that outlived the lease gives up. (A
-	// renewal retried after a failure, or one that waited for a free slot,
-	// is sent with little of its lease left.)
+	// The call ends by the time a failure would lose the lease (with only
+	// the slack left), even before Timeout: see Semantics. A retried
+	// renewal, or one that waited for a free slot, is sent with little of
+	// its lease left.
 	deadline := min(addTicks(sent, int64(k.cfg.Timeout)), expires-k.slack)
 	cctx, cancel := context.WithDeadline(ctx, k.epoch.Add(time.Duration(deadline)))
 	err := k.ext.Extend(cctx, ds, b.extendTo)
@@ -443,9 +432,8 @@ func (k *Keeper) renew(ctx context.Context, b batch) {
 				k.t.release(i)
 				continue
 			}
-			// A failure that does not say the lease is gone (a network
-			// error, throttling, a timeout) leaves the lease as last
-			// granted: try again while it has time left.
+			// Not a refusal (a network error, throttling, a timeout): the
+			// lease stands as last granted; try again while it has time.
 			left := s.expires - now
 			if !errors.Is(e, adapters.ErrLeaseLost) && left > k.slack {
 				close(s.renewing)
