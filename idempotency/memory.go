@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/custody-go/custody/internal/option"
 )
 
 // ErrMemoryStoreFull: every record in a MemoryStore is an unexpired
@@ -62,10 +64,8 @@ func MemoryMaxEntries(n int) MemoryOption {
 // NewMemoryStore returns an empty MemoryStore.
 func NewMemoryStore(opts ...MemoryOption) (*MemoryStore, error) {
 	s := &MemoryStore{max: 100_000, entries: make(map[string]*memEntry), now: time.Now}
-	for _, o := range opts {
-		if err := o(s); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(s, opts); err != nil {
+		return nil, err
 	}
 	return s, nil
 }

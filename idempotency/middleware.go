@@ -9,6 +9,7 @@ import (
 
 	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/idempotency/internal/dupmetrics"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // New returns middleware that lets each idempotency key's effect run once:
@@ -40,10 +41,8 @@ func newCore(fn string, store Store, opts []Option) (*core, error) {
 		return nil, fmt.Errorf("idempotency: %s(nil store): pass a Store such as idempotency.NewMemoryStore(), redisstore.New or pgstore.New", fn)
 	}
 	c := defaultConfig()
-	for _, o := range opts {
-		if err := o(&c); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(&c, opts); err != nil {
+		return nil, err
 	}
 	if err := c.fill(); err != nil {
 		return nil, err

@@ -20,6 +20,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Defaults for the DeadLetter's options.
@@ -183,13 +184,8 @@ func newDeadLetter(client Sender, queueURL string, opts []DeadLetterOption) (*De
 		return nil, fmt.Errorf("awssqs.NewDeadLetter: %w", err)
 	}
 	q := &DeadLetter{client: client, url: queueURL, fifo: strings.HasSuffix(name, ".fifo"), attr: DefaultDiagnosticsAttribute, maxSize: DefaultMaxMessageSize}
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(q); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(q, opts); err != nil {
+		return nil, err
 	}
 	return q, nil
 }

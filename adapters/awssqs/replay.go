@@ -17,6 +17,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 	"github.com/custody-go/custody/internal/pace"
 )
 
@@ -147,13 +148,8 @@ func NewReplay(ctx context.Context, client ReplayClient, dlqURL string, opts ...
 		hold:   DefaultReplayHold,
 		wait:   DefaultReplayWaitTime,
 	}
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(r); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(r, opts); err != nil {
+		return nil, err
 	}
 	if _, err := client.GetQueueAttributes(ctx, &sqs.GetQueueAttributesInput{
 		QueueUrl:       aws.String(dlqURL),

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Source receives from one SQS queue. Create it with [New]; the runtime
@@ -63,13 +64,8 @@ func New(ctx context.Context, client Client, queueURL string, opts ...Option) (*
 		return nil, fmt.Errorf("awssqs.New: %w", err)
 	}
 	o := defaultOptions()
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(&o); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(&o, opts); err != nil {
+		return nil, err
 	}
 	mp := o.meterProvider
 	if mp == nil {

@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Header names the DeadLetter adds beside package adapters'
@@ -108,13 +109,8 @@ func NewDeadLetter(ctx context.Context, js jetstream.JetStream, subject string, 
 		return nil, fmt.Errorf("jetstream.NewDeadLetter(%q): name one subject, without wildcards or white space", subject)
 	}
 	var o deadLetterOptions
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(&o); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(&o, opts); err != nil {
+		return nil, err
 	}
 	stream, err := js.StreamNameBySubject(ctx, subject)
 	if errors.Is(err, jetstream.ErrStreamNotFound) && o.create != nil {

@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Source receives from one durable pull consumer of a JetStream stream.
@@ -64,13 +65,8 @@ func New(ctx context.Context, js jetstream.JetStream, stream, consumer string, o
 		return nil, fmt.Errorf("jetstream.New(%q, %q): name the stream and the durable consumer", stream, consumer)
 	}
 	o := defaultOptions()
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(&o); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(&o, opts); err != nil {
+		return nil, err
 	}
 	nc := js.Conn()
 	if err := checkServer(nc); err != nil {

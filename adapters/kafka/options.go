@@ -12,6 +12,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/custody-go/custody/internal/option"
 )
 
 // OrderingScope chooses which records of a partition may run at the same
@@ -121,10 +123,8 @@ func atLeast[T int | time.Duration](name string, v, lo T, why string, field func
 // apply returns the configuration opts make of the defaults.
 func apply(opts []Option) (config, error) {
 	cfg := defaultConfig()
-	for _, o := range opts {
-		if err := o(&cfg); err != nil {
-			return cfg, err
-		}
+	if err := option.Apply(&cfg, opts); err != nil {
+		return cfg, err
 	}
 	return cfg, nil
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Source consumes one queue of a Broker. It implements adapters.Source and
@@ -68,10 +69,8 @@ func (b *Broker) Source(queueName string, opts ...SourceOption) (*Source, error)
 		return nil, fmt.Errorf("memory: Source(%q): %w", queueName, ErrNoQueue)
 	}
 	s := &Source{b: b, q: q, pollWait: time.Second, stopped: make(chan struct{})}
-	for _, o := range opts {
-		if err := o(s); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(s, opts); err != nil {
+		return nil, err
 	}
 	return s, nil
 }

@@ -12,6 +12,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/custody-go/custody/internal/option"
 )
 
 // DefaultURL is the broker address used when neither WithURL nor WithDialFunc
@@ -90,13 +92,8 @@ func defaultSettings() *settings {
 
 func apply(opts []Option) (*settings, error) {
 	s := defaultSettings()
-	for _, o := range opts {
-		if o == nil {
-			continue
-		}
-		if err := o(s); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(s, opts); err != nil {
+		return nil, err
 	}
 	if s.dialFunc != nil && (s.configSet || s.url != DefaultURL) {
 		return nil, errors.New("rabbitmq: WithDialFunc cannot be combined with WithURL, WithConfig or WithTLS: the dial function decides how to connect")

@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // DeadLetter is an adapters.DeadLetter that appends failed messages to a
@@ -83,13 +84,8 @@ func NewDeadLetter(ctx context.Context, client redis.UniversalClient, stream str
 		return nil, errors.New("redisstream.NewDeadLetter: name the dead-letter stream")
 	}
 	q := &DeadLetter{client: client, stream: stream, bodyField: DefaultBodyField}
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(q); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(q, opts); err != nil {
+		return nil, err
 	}
 	typ, err := client.Type(ctx, stream).Result()
 	if err != nil {

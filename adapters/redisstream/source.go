@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel"
 
 	"github.com/custody-go/custody/adapters"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Source consumes one stream through a consumer group. Create it with [New];
@@ -81,13 +82,8 @@ func New(ctx context.Context, client redis.UniversalClient, stream, group string
 		return nil, fmt.Errorf("redisstream.New(stream %q, group %q): name both the stream and the consumer group", stream, group)
 	}
 	o := defaultOptions()
-	for _, opt := range opts {
-		if opt == nil {
-			continue
-		}
-		if err := opt(&o); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(&o, opts); err != nil {
+		return nil, err
 	}
 	if o.reclaimInterval > o.lease {
 		return nil, fmt.Errorf("redisstream.WithReclaimInterval(%v): longer than the lease (%v); entries of a dead consumer would wait that long past their lease", o.reclaimInterval, o.lease)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/custody-go/custody/idempotency"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // DB is what the store needs from pgx: *pgxpool.Pool satisfies it, and so
@@ -74,10 +75,8 @@ func New(ctx context.Context, db DB, opts ...Option) (*Store, error) {
 func configure(opts []Option) (*Store, error) {
 	s := &Store{}
 	s.t, _ = pgsql.ParseTable(DefaultTable)
-	for _, o := range opts {
-		if err := o(s); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(s, opts); err != nil {
+		return nil, err
 	}
 	s.prepareSQL()
 	return s, nil

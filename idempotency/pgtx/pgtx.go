@@ -16,6 +16,7 @@ import (
 	"github.com/custody-go/custody/idempotency/internal/dupmetrics"
 	"github.com/custody-go/custody/idempotency/internal/pgsql"
 	"github.com/custody-go/custody/internal/backoff"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // MetricConflictRetries counts transactions run again after a
@@ -230,10 +231,8 @@ func newBase(name string, db DB, opts []Option) (*base, error) {
 	}
 	c := config{keyFunc: idempotency.MessageID, overlapDelay: time.Second, conflictRuns: 3}
 	c.table, _ = pgsql.ParseTable(DefaultTable)
-	for _, o := range opts {
-		if err := o(&c); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(&c, opts); err != nil {
+		return nil, err
 	}
 	if c.meter == nil {
 		c.meter = otel.GetMeterProvider()

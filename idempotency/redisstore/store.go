@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/custody-go/custody/idempotency"
+	"github.com/custody-go/custody/internal/option"
 )
 
 // Client is what the store needs from go-redis: *redis.Client,
@@ -57,10 +58,8 @@ func New(ctx context.Context, c Client, opts ...Option) (*Store, error) {
 		return nil, errors.New("redisstore: New(nil): pass a go-redis client")
 	}
 	s := &Store{c: c, prefix: "custody:idempotency:"}
-	for _, o := range opts {
-		if err := o(s); err != nil {
-			return nil, err
-		}
+	if err := option.Apply(s, opts); err != nil {
+		return nil, err
 	}
 	if err := s.check(ctx); err != nil {
 		return nil, err
