@@ -192,6 +192,17 @@ type Capabilities struct {
 	// more than it by default. Zero means no such bound.
 	MaxUnacked int
 
+	// FreeWhileQueued reports that a delivery waiting behind the running
+	// delivery of its ordering lane costs the broker nothing: it holds no
+	// lease (Lease zero) and no clock runs on it (MaxLeaseAge zero), and
+	// MaxUnacked (non-zero) bounds the deliveries handed out. The runtime
+	// then keeps such waiting deliveries out of its in-flight window and
+	// bounds them, with the rest of what it holds, by MaxUnacked instead:
+	// a lane whose running delivery takes long holds up that lane only,
+	// not every other one. A Source that shares the window out over its
+	// lanes itself (Kafka by partition) leaves it false.
+	FreeWhileQueued bool
+
 	// MaxReceive bounds the deliveries the runtime asks one Receive for.
 	// Zero means unbounded. Receive still honours a larger max (returning
 	// no more than it can), so a caller other than the runtime need not

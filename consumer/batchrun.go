@@ -132,6 +132,7 @@ func (r *run) take(g *gatherer, j *job) (leftOver *job) {
 		n++
 	}
 	if n > 0 {
+		r.queuedLocked(-n)
 		r.lanes[j.lane] = popFront(q, n)
 	}
 	r.lanesMu.Unlock()
@@ -353,6 +354,7 @@ func (r *run) requeueFront(js []*job) {
 		j.queued = true
 		nq = append(nq, j)
 	}
+	r.queuedLocked(len(js))
 	r.lanes[lane] = append(nq, q...)
 	r.lanesMu.Unlock()
 }

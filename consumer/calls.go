@@ -99,7 +99,16 @@ func (r *run) finishBatch(batch []*job, settled *settledCounts) {
 	}
 	n := len(batch)
 	r.tel.inFlight.Add(r.settleCtx, -int64(n), r.tel.source...)
-	r.credit.release(n)
+	queued := 0
+	if r.queuedFree {
+		for _, j := range batch {
+			if j.queued { // given back from its lane's queue (recalled)
+				queued++
+			}
+		}
+	}
+	r.credit.release(n - queued)
+	r.credit.releaseQueued(queued)
 	r.holding.Add(-int64(n))
 	r.held.Add(-n)
 }

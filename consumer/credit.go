@@ -8,21 +8,51 @@ import (
 // credit bounds the deliveries the runtime holds. The receiver asks for room
 // only once a whole batch fits (or half the bound, when the bound is small):
 // waking it for every freed slot would fetch one message per call.
+//
+// held counts the deliveries in the in-flight window (WithMaxInFlight).
+// Where the source declares its queued deliveries free
+// (Capabilities.FreeWhileQueued), those waiting behind their lane's running
+// one are counted apart, in queued, and every delivery held, counted in
+// either, is bounded by total (the source's MaxUnacked); total is zero
+// otherwise. A queued delivery that moves on into the window counts in it
+// again at once, even beyond the limit: the receiver then waits for the
+// window to fall back below its low water.
 type credit struct {
 	mu       sync.Mutex
 	held     int
+	queued   int
 	limit    int
+	total    int // 0: no bound apart from limit
 	batch    int
 	lowWater int // the receiver wakes when held falls to this
-	room     chan struct{}
+	// totalLowWater is the same for held and queued together, when total
+	// is set.
+	totalLowWater int
+	room          chan struct{}
 }
 
-func newCredit(limit, batch int) *credit {
+func newCredit(limit, total, batch int) *credit {
+	c := &credit{limit: limit, total: total, batch: batch, lowWater: lowWater(limit, batch), room: make(chan struct{}, 1)}
+	if total > 0 {
+		c.totalLowWater = lowWater(total, batch)
+	}
+	return c
+}
+
+// lowWater is where the receiver wakes for a bound of limit: room for a
+// batch, or half the bound when the bound is small.
+func lowWater(limit, batch int) int {
 	low := max(limit-batch, limit/2)
 	if low >= limit {
 		low = limit - 1
 	}
-	return &credit{limit: limit, batch: batch, lowWater: low, room: make(chan struct{}, 1)}
+	return low
+}
+
+// roomLocked reports whether the receiver may take room; called with mu
+// held.
+func (c *credit) roomLocked() bool {
+	return c.held <= c.lowWater && (c.total == 0 || c.held+c.queued <= c.totalLowWater)
 }
 
 // acquire waits for room and takes up to one batch of it. It reports false
@@ -30,10 +60,13 @@ func newCredit(limit, batch int) *credit {
 func (c *credit) acquire(ctx context.Context) (int, bool) {
 	for {
 		c.mu.Lock()
-		if c.held <= c.lowWater {
+		if c.roomLocked() {
 			n := min(c.limit-c.held, c.batch)
+			if c.total > 0 {
+				n = min(n, c.total-c.held-c.queued)
+			}
 			c.held += n
-			more := c.held <= c.lowWater
+			more := c.roomLocked()
 			c.mu.Unlock()
 			if more {
 				// Room for another receiver too: pass the wake-up on, since
@@ -51,15 +84,42 @@ func (c *credit) acquire(ctx context.Context) (int, bool) {
 	}
 }
 
-// release returns n units (negative n takes more: an adapter returned more
-// deliveries than asked).
+// release returns n units of the window (negative n takes more: an
+// adapter returned more deliveries than asked).
 func (c *credit) release(n int) {
 	if n == 0 {
 		return
 	}
 	c.mu.Lock()
 	c.held -= n
-	wake := c.held <= c.lowWater
+	wake := c.roomLocked()
+	c.mu.Unlock()
+	if wake {
+		c.wake()
+	}
+}
+
+// releaseQueued returns n units of the deliveries queued behind their lanes.
+func (c *credit) releaseQueued(n int) {
+	if n == 0 {
+		return
+	}
+	c.mu.Lock()
+	c.queued -= n
+	wake := c.roomLocked()
+	c.mu.Unlock()
+	if wake {
+		c.wake()
+	}
+}
+
+// queue moves n units out of the window: deliveries now queued behind their
+// lane's running one. Negative n moves them back in.
+func (c *credit) queue(n int) {
+	c.mu.Lock()
+	c.held -= n
+	c.queued += n
+	wake := n > 0 && c.roomLocked()
 	c.mu.Unlock()
 	if wake {
 		c.wake()

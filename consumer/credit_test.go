@@ -10,7 +10,7 @@ import (
 // One release that frees room for several receivers wakes them all, not
 // one: several receivers wait for room at once (an SQS source's pollers).
 func TestCreditWakesEveryReceiverThereIsRoomFor(t *testing.T) {
-	c := newCredit(40, 10)
+	c := newCredit(40, 0, 10)
 	for range 4 {
 		if _, ok := c.acquire(context.Background()); !ok {
 			t.Fatal("acquire failed")

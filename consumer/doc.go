@@ -133,14 +133,26 @@
 //
 // Order has a price the in-flight bound makes visible. A key's failed
 // delivery is retried in place, its backoff waited out while the key's
-// later deliveries wait behind it, and each of those holds its place in the
-// in-flight window ([WithMaxInFlight]) all the while. A key whose head
-// keeps failing, or runs long, can so fill the window with its own
-// backlog; the consumer then receives nothing else, for any key, until the
-// head moves on (the Kafka adapter bounds this per partition too). Bound
+// later deliveries wait behind it. Where the broker leases deliveries (SQS
+// FIFO, JetStream, Redis, the memory broker), each of those keeps its lease
+// renewed while it waits and holds its place in the in-flight window
+// ([WithMaxInFlight]) all the while: a key whose head keeps failing, or
+// runs long, can so fill the window with its own backlog, and the consumer
+// then receives nothing else, for any key, until the head moves on. Bound
 // the handlers ([WithHandlerTimeout]), keep the retry policy's attempts and
 // backoff to what the key can afford to wait, and size the window for the
 // backlog one slow key may gather.
+//
+// Where a waiting delivery costs the broker nothing (the source declares
+// [adapters.Capabilities.FreeWhileQueued]: no lease, no clock; Kafka by
+// key), the deliveries queued behind their key's running one stay out of
+// the window, and the source's MaxUnacked bounds everything the consumer
+// holds instead (Kafka: WithMaxUnacked, 4096 by default, and per partition
+// WithMaxUnackedPerPartition, 512, at which the partition's fetching
+// pauses). A slow key then holds up its own key only, until its backlog
+// reaches that bound. A queued delivery taken to run enters the window
+// again, which the consumer lets grow past its bound for it: the receiver
+// waits for the window to fall back.
 //
 // # Shutdown
 //

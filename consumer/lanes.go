@@ -21,6 +21,7 @@ const keyLanePrefix = "\x00key:"
 // for the next call.
 func (r *run) dispatchLaned(jobs []job, heads []*job) []*job {
 	heads = heads[:0]
+	queued := 0
 	r.lanesMu.Lock()
 	for i := range jobs {
 		j := &jobs[i]
@@ -30,12 +31,14 @@ func (r *run) dispatchLaned(jobs []job, heads []*job) []*job {
 		}
 		if q, busy := r.lanes[j.lane]; busy {
 			j.queued = true
+			queued++
 			r.lanes[j.lane] = append(q, j)
 			continue
 		}
 		r.lanes[j.lane] = r.spareQueueLocked()
 		heads = append(heads, j)
 	}
+	r.queuedLocked(queued)
 	r.lanesMu.Unlock()
 	for _, j := range heads {
 		r.work <- j // never blocks: see newRun
@@ -147,6 +150,7 @@ func (r *run) next(j *job) {
 		// for a worker, to be gathered with the lane's later ones.
 		s := q[0]
 		s.queued = false
+		r.queuedLocked(-1)
 		r.lanes[j.lane] = popFront(q, 1)
 		r.lanesMu.Unlock()
 		r.work <- s // never blocks: see newRun
@@ -162,9 +166,21 @@ func (r *run) next(j *job) {
 	for _, s := range q[:n] {
 		s.queued = false
 	}
+	r.queuedLocked(-n)
 	j.successor = q[0]
 	r.lanes[j.lane] = popFront(q, n)
 	r.lanesMu.Unlock()
+}
+
+// queuedLocked accounts for n more jobs queued behind their lanes' running
+// jobs (negative n: that many taken from the queues to run), which are
+// kept out of the in-flight window where the source's queued deliveries
+// are free (see credit); called with lanesMu held, under which the jobs'
+// queued flags change, so that the count follows them exactly.
+func (r *run) queuedLocked(n int) {
+	if r.queuedFree && n != 0 {
+		r.credit.queue(n)
+	}
 }
 
 // popFront returns q without its first n jobs. Emptied, the queue keeps

@@ -112,6 +112,12 @@ func WithConcurrency(n int) Option {
 // WithMaxInFlight bounds the deliveries held at once: running, waiting for a
 // worker, an ordering lane or a retry, or waiting for their ack. Held
 // deliveries keep their leases renewed (not those waiting for their ack).
+// Where a waiting delivery costs the broker nothing
+// (adapters.Capabilities.FreeWhileQueued: Kafka by key), those queued behind
+// the running delivery of their ordering lane are not counted, so that one
+// slow lane does not stop the others; the source's MaxUnacked bounds
+// everything held instead (see the package documentation, section
+// Concurrency and order).
 // Default: twice the concurrency and at least 20, so that one batch can be
 // fetched while another is handled, plus room for the acks an adapter
 // keeps waiting to fill a batch (SQS: 4 calls of 10), and never more than
@@ -350,6 +356,10 @@ func (c *config) fill(caps adapters.Capabilities, batch bool) error {
 	}
 	if c.retry.Backoff == nil {
 		c.retry.Backoff = defaultBackoff()
+	}
+	if caps.FreeWhileQueued && (caps.Lease > 0 || caps.MaxLeaseAge > 0 || caps.MaxUnacked <= 0) {
+		return fmt.Errorf("consumer: source %q declares Capabilities.FreeWhileQueued with a lease (%v), a maximum lease age (%v) or no MaxUnacked (%d): queued deliveries would then cost the broker a lease or a clock, or nothing would bound them",
+			caps.Name, caps.Lease, caps.MaxLeaseAge, caps.MaxUnacked)
 	}
 	if caps.MaxUnacked > 0 && c.concurrency > caps.MaxUnacked {
 		return fmt.Errorf("consumer: WithConcurrency(%d) exceeds the %d unacked deliveries source %q hands out (its prefetch, or its MaxAckPending): raise the adapter's limit or lower the concurrency",

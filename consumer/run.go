@@ -33,6 +33,11 @@ type run struct {
 	acks     *batcher
 	nacks    *batcher
 	draining atomic.Bool
+	// queuedFree is set when the jobs queued behind their lane's running
+	// job are kept out of the in-flight window (see credit), for a source
+	// whose queued deliveries cost the broker nothing
+	// (Capabilities.FreeWhileQueued).
+	queuedFree bool
 
 	lanesMu sync.Mutex
 	lanes   map[string][]*job // queued behind the running job of each lane
@@ -87,7 +92,8 @@ type job struct {
 	lastFailure     time.Time
 	ackedEarly      bool // at-most-once mode
 	// queued is set while the job waits in its lane's queue (run.lanes),
-	// behind the lane's running job; such a job does not hold its lane.
+	// behind the lane's running job; such a job does not hold its lane,
+	// and with run.queuedFree it is counted outside the in-flight window.
 	queued bool
 	// batched is set while a batch settles the job: the batch, not the
 	// job's settlement, passes its lane on and queues its ack. Cleared
@@ -131,10 +137,15 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		handlerCtx:     hctx,
 		cancelHandlers: cancel,
 		settleCtx:      base,
-		credit:         newCredit(c.cfg.maxInFlight, c.batch),
-		// Never full: at most maxInFlight jobs are held, and the slack
-		// absorbs an adapter that returns more deliveries than asked, so a
-		// worker handing on its lane's next job never blocks.
+		credit:         newCredit(c.cfg.maxInFlight, queuedBound(c.caps), c.batch),
+		queuedFree:     c.caps.FreeWhileQueued,
+		// Never full: it holds jobs without a lane and at most one job per
+		// busy lane. A lane becomes busy only with a job the receiver took
+		// room in the window for, and stays busy only while one of its
+		// jobs is in the window (a queued job re-enters it when it is taken
+		// to run), so there are never more of both than maxInFlight. The
+		// slack absorbs an adapter that returns more deliveries than
+		// asked, so a worker handing on its lane's next job never blocks.
 		work:          make(chan *job, 2*c.cfg.maxInFlight),
 		lanes:         make(map[string][]*job),
 		started:       time.Now(),
@@ -153,6 +164,17 @@ func newRun(c *Consumer, ctx context.Context) *run {
 		r.kill = newKillSwitch(*k, r)
 	}
 	return r
+}
+
+// queuedBound is the bound on every delivery held, the in-flight window's
+// and those queued behind their lanes, when the latter are kept out of the
+// window (Capabilities.FreeWhileQueued): the source's MaxUnacked. Zero
+// when they are not, and the window bounds them all.
+func queuedBound(caps adapters.Capabilities) int {
+	if caps.FreeWhileQueued {
+		return caps.MaxUnacked
+	}
+	return 0
 }
 
 // boundedBatch is limit, an adapter's batch limit (0: none), cut to n.

@@ -154,7 +154,11 @@ func (r *run) settle(j *job, v verdict) {
 // done ends the runtime's custody of j, counted under outcome.
 func (r *run) done(j *job, outcome string) {
 	r.tel.settle(r.settleCtx, outcome, 1)
-	r.credit.release(1)
+	if r.queuedFree && j.queued {
+		r.credit.releaseQueued(1) // settled from its lane's queue (recalled)
+	} else {
+		r.credit.release(1)
+	}
 	r.holding.Add(-1)
 	r.held.Done()
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -170,4 +171,77 @@ func TestLongRecordHoldsUpItsPartitionOnly(t *testing.T) {
 		defer mu.Unlock()
 		return others == 7*50
 	})
+}
+
+// By key, one record that runs long holds up its key only. Its key's later
+// records wait behind it, outside the runtime's in-flight window (4 here):
+// a record queued behind its key costs the broker nothing, and the
+// partition's unacked bound (WithMaxUnackedPerPartition) bounds them
+// instead. Every other key's record is handled meanwhile, while the commit
+// waits at the running record; once it returns, every record has been
+// handled once, each key's in offset order, and the commit reaches the end.
+func TestLongRecordHoldsUpItsKeyOnly(t *testing.T) {
+	const slowLater, others, otherKeys = 30, 30, 5
+	c := newCluster(t)
+	c.createTopic(t, "orders", 1)
+	rs := []*kgo.Record{{Topic: "orders", Key: []byte("slow"), Value: []byte("first")}}
+	for i := 0; i < max(slowLater, others); i++ {
+		if i < slowLater {
+			rs = append(rs, &kgo.Record{Topic: "orders", Key: []byte("slow")})
+		}
+		if i < others {
+			rs = append(rs, &kgo.Record{Topic: "orders", Key: fmt.Appendf(nil, "key-%d", i%otherKeys)})
+		}
+	}
+	c.produce(t, rs...)
+	total := len(rs)
+	group := newGroup()
+	s := c.open(t, group, "orders", WithOrderingScope(ByKey), WithCommitInterval(20*time.Millisecond))
+	release := make(chan struct{})
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(release) }) }
+	var mu sync.Mutex
+	runs := map[int64]int{}
+	perKey := map[string][]int64{}
+	handledOthers := 0
+	stop := runConsumer(t, s, func(ctx context.Context, m *consumer.Message) error {
+		if m.Offset == 0 {
+			<-release
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		runs[m.Offset]++
+		perKey[m.Key] = append(perKey[m.Key], m.Offset)
+		if m.Key != "slow" {
+			handledOthers++
+		}
+		return nil
+	}, consumer.WithConcurrency(2), consumer.WithMaxInFlight(4))
+	t.Cleanup(unblock) // before the consumer stops, should the test fail first
+	eventually(t, "every other key's record handled while the slow one runs", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return handledOthers == others
+	})
+	if offs, _ := c.committed(t, group, "orders"); offs[0] > 0 {
+		t.Fatalf("committed %d while offset 0 runs", offs[0])
+	}
+	unblock()
+	eventually(t, "the commit to reach the end", func() bool {
+		offs, _ := c.committed(t, group, "orders")
+		return offs[0] == int64(total)
+	})
+	stop()
+	mu.Lock()
+	defer mu.Unlock()
+	for o := int64(0); o < int64(total); o++ {
+		if runs[o] != 1 {
+			t.Errorf("offset %d handled %d times, want once", o, runs[o])
+		}
+	}
+	for k, offs := range perKey {
+		if !slices.IsSorted(offs) {
+			t.Errorf("key %s handled out of offset order: %v", k, offs)
+		}
+	}
 }

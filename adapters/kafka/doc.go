@@ -46,9 +46,19 @@
 // than its share of what the runtime holds (consumer.WithMaxInFlight over
 // the partitions assigned; at least two), so that a record that runs long (a
 // slow call, a retry waiting in place) holds up its own partition only, not
-// the runtime's whole in-flight window. By key there is no such bound: a
-// key's later records can fill the window behind a long one while the other
-// keys wait; give such a consumer a larger consumer.WithMaxInFlight.
+// the runtime's whole in-flight window. By key, a record that runs long
+// holds up its own key only: a record waiting behind its key's running one
+// costs the broker nothing (nothing is leased, so nothing is renewed), and
+// the Source says so (adapters.Capabilities.FreeWhileQueued), so the
+// runtime keeps the key's later records out of its in-flight window while
+// they wait, and the other keys run on. The unacked bounds (section
+// Backpressure) bound them instead: once its partition has
+// [WithMaxUnackedPerPartition] records handed out and not acked (512 by
+// default), the partition's fetching pauses and the slow key holds up its
+// partition, and at [WithMaxUnacked] over all partitions (4096) the runtime
+// takes no more records. A partition pauses earlier when the done offsets
+// beyond the slow record no longer fit the commit metadata (section
+// Commits).
 //
 // # Commits: durable prefixes only
 //

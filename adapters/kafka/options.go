@@ -252,8 +252,10 @@ func WithCommitTimeout(d time.Duration) Option {
 
 // WithMaxUnackedPerPartition bounds the records of one partition handed out
 // and not yet acked: the partition's fetching pauses while its records
-// polled and not acked (waiting or handed out) reach the bound. Default 512,
-// or WithMaxUnacked if lower. Must not exceed WithMaxUnacked.
+// polled and not acked (waiting or handed out) reach the bound. By key it is
+// what bounds a slow key's records waiting behind it in the runtime (see
+// the package documentation, section Ordering). Default 512, or
+// WithMaxUnacked if lower. Must not exceed WithMaxUnacked.
 func WithMaxUnackedPerPartition(n int) Option {
 	return atLeast("WithMaxUnackedPerPartition", n, 1, "must be at least 1",
 		func(c *config) *int { return &c.maxPerPart })
@@ -263,8 +265,10 @@ func WithMaxUnackedPerPartition(n int) Option {
 // partitions, as AMQP's prefetch does: at the bound the Source stops
 // polling. It is the most the runtime can hold, not what it holds:
 // consumer.WithMaxInFlight (default max(2×concurrency, 20), at most this)
-// bounds that, and consumer.New refuses a concurrency above it, since the
-// extra workers would never get a record. Default 4096.
+// bounds that, but for the records waiting by key behind their key's
+// running one, which this bounds (see the package documentation, section
+// Ordering); consumer.New refuses a concurrency above it, since the extra
+// workers would never get a record. Default 4096.
 func WithMaxUnacked(n int) Option {
 	return atLeast("WithMaxUnacked", n, 1, "must be at least 1",
 		func(c *config) *int { return &c.maxTotal })

@@ -153,13 +153,19 @@ func (s *Source) Client() *kgo.Client { return s.cl }
 // Rebalances).
 func (s *Source) Recalls() <-chan struct{} { return s.recalls }
 
-// Capabilities implements adapters.Source.
+// Capabilities implements adapters.Source. By key, a record queued behind
+// its key's running one costs the broker nothing and the unacked bounds
+// hold it (FreeWhileQueued: see the package documentation, section
+// Ordering); by partition the Source shares the runtime's window out over
+// the partitions itself, from what the runtime holds, so every record
+// handed out stays in that window.
 func (s *Source) Capabilities() adapters.Capabilities {
 	return adapters.Capabilities{
-		Name:       s.name,
-		System:     "kafka",
-		Ordered:    s.cfg.ordering != Unordered,
-		MaxUnacked: s.cfg.maxTotal,
+		Name:            s.name,
+		System:          "kafka",
+		Ordered:         s.cfg.ordering != Unordered,
+		MaxUnacked:      s.cfg.maxTotal,
+		FreeWhileQueued: s.cfg.ordering == ByKey,
 	}
 }
 
