@@ -92,8 +92,8 @@ func (b *Batch) pos(m *Message) int {
 	if b.results == nil {
 		b.results = make([]outcome, len(b.Messages))
 	}
-	if m != nil && m.batch == b && m.batchPos < len(b.Messages) && b.Messages[m.batchPos] == m {
-		return m.batchPos // the runtime's batches record it in the message
+	if m != nil && m.batch == b && int(m.batchPos) < len(b.Messages) && b.Messages[m.batchPos] == m {
+		return int(m.batchPos) // the runtime's batches record it in the message
 	}
 	if b.index == nil {
 		b.index = make(map[*Message]int, len(b.Messages))

@@ -124,7 +124,7 @@ func (r *run) take(g *gatherer, j *job) (leftOver *job) {
 	n := 0
 	for n < len(q) && !g.full() {
 		s := q[n]
-		if s.giveBack || s.recalled() || s.lostCause() != nil || s.deadLettering || !g.fits(s) {
+		if s.giveBack || s.recalled() || s.lostCause() != nil || s.deadLettering() || !g.fits(s) {
 			break
 		}
 		s.queued = false
@@ -146,11 +146,11 @@ func (r *run) runBatch(js []*job) {
 	for i, j := range js {
 		attempts[i] = r.attempt(j)
 		m := &j.msg
-		if j.retries > 0 || j.msg.d != nil {
+		if j.retries() > 0 || j.msg.d != nil {
 			m = new(Message) // a handler may still hold the earlier attempt's
 		}
 		fillMessage(m, j.d, attempts[i])
-		m.batch, m.batchPos = b, i
+		m.batch, m.batchPos = b, int32(i)
 		b.Messages[i] = m
 	}
 	errs, cut := r.callBatchHandler(js, b, attempts)
@@ -326,7 +326,9 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error, cut bool, acks
 // waits with it. It reports that j was parked.
 func (r *run) runAgainAfterCut(j *job) (parked bool) {
 	r.logs.log(logBatchCut, slog.String("id", j.d.ID))
-	j.failure = nil // given back at once should the drain begin meanwhile
+	if j.fail != nil {
+		j.fail.err = nil // given back at once should the drain begin meanwhile
+	}
 	r.park(j, minBackoff)
 	return true
 }

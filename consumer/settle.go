@@ -51,9 +51,9 @@ func (s settlement) nacks() bool {
 
 // A verdict is a settlement with what applying it takes.
 type verdict struct {
-	how settlement
 	// after is the redelivery delay of a retry or an exhausted message.
 	after time.Duration
+	how   settlement
 	// why says what gave a message back (settleRelease), for the log.
 	why reason
 }
