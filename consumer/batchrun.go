@@ -17,10 +17,16 @@ import (
 // the batch handler on them, until r.work is closed.
 func (r *run) startBatchWorker(wg *sync.WaitGroup) {
 	r.startReplaced(wg, func() {
+		// The worker gathers every batch into the same array: the runtime
+		// keeps no batch's job list past runBatch (the handler gets the
+		// batch's own Messages), so only the worker uses it.
+		var js []*job
 		for {
-			js, open := r.gather()
+			var open bool
+			js, open = r.gather(js[:0])
 			if len(js) > 0 {
 				r.runBatch(js)
+				clear(js) // keeps no settled job alive
 			}
 			if !open {
 				return
@@ -54,13 +60,14 @@ func (g *gatherer) add(j *job) {
 // gather waits for a job and gathers a batch: the jobs ready for a worker,
 // each with the jobs queued behind it in its lane, up to the batch's size
 // and bytes, waiting up to WithBatchLinger for more once it has one. It
-// reports false once r.work is closed.
-func (r *run) gather() ([]*job, bool) {
+// appends them to into, which must be empty. It reports false once r.work
+// is closed.
+func (r *run) gather(into []*job) ([]*job, bool) {
 	j := r.nextJob()
 	if j == nil {
-		return nil, false
+		return into, false
 	}
-	g := gatherer{size: r.cfg.batching.size, limit: r.cfg.batching.bytes}
+	g := gatherer{jobs: into, size: r.cfg.batching.size, limit: r.cfg.batching.bytes}
 	var pending *job // a job that did not fit, held for the next batch
 	pending = r.take(&g, j)
 	var timer *time.Timer
@@ -268,7 +275,7 @@ func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Tim
 // ahead of an earlier one. cut says the loss of one of the batch's
 // deliveries cut the batch short: see runAgainAfterCut.
 func (r *run) settleBatch(js []*job, attempts []int, errs []error, cut bool) {
-	var acks []*job
+	acks := make([]*job, 0, len(js))
 	for start := 0; start < len(js); {
 		end := start + 1
 		if lane := js[start].lane; lane != "" {
