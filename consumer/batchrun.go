@@ -312,7 +312,7 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error, cut bool, acks
 			parked = r.afterAttempt(j, attempts[i], errs[i])
 		}
 		if !parked {
-			if j.settling.how.acks() {
+			if j.settling.acks() {
 				acks = append(acks, j)
 			}
 			j.batched = false

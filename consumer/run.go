@@ -73,10 +73,12 @@ type job struct {
 	successor *job          // the lane's next job, once this one is done
 	accepted  time.Duration // when it was received, since run.started
 	fail      *failures     // nil until an attempt failed and the job was kept
-	// settling is the verdict whose broker call is under way (an ack or a
-	// nack in a batch).
-	settling   verdict
-	ackedEarly bool // at-most-once mode
+	// settling and settleAfter are the verdict whose broker call is under
+	// way (an ack or a nack in a batch), kept apart so that settling packs
+	// with the flags below.
+	settleAfter time.Duration
+	settling    settlement
+	ackedEarly  bool // at-most-once mode
 	// queued is set while the job waits in its lane's queue (run.lanes),
 	// behind the lane's running job; such a job does not hold its lane.
 	queued bool
