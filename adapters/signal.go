@@ -22,23 +22,26 @@ import (
 // methods that read a Signal answer for a nil one as for a delivery that is
 // neither lost nor recalled.
 type Signal struct {
-	mu       sync.Mutex
-	lost     error
-	lostAt   time.Time
-	onLost   func(error)
-	onRecall func()
-	// chans holds the channels Lost and RecallSignal hand out, made on
-	// first request: most deliveries never need one. Guarded by mu.
-	chans *signalChans
+	mu sync.Mutex
 	// flags holds flagLost and flagRecalled: set under mu, read without it,
 	// since the runtime asks per job, nearly always of a delivery that is
 	// neither.
-	flags atomic.Uint32
+	flags    atomic.Uint32
+	onLost   func(error)
+	onRecall func()
+	// rare holds what most deliveries never need, made on first need: a
+	// Signal is allocated with every delivery, so it keeps to 40 bytes.
+	// Guarded by mu.
+	rare *signalRare
 }
 
-type signalChans struct {
-	lost   chan struct{} // closed by Lose
-	recall chan struct{} // closed by Recall
+// signalRare is the part of a Signal made by a loss, or by a request for a
+// channel.
+type signalRare struct {
+	lost   error         // the cause given to Lose; set with flagLost
+	lostAt time.Time     // when Lose was first called
+	lostCh chan struct{} // handed out by Lost, closed by Lose
+	recall chan struct{} // handed out by RecallSignal, closed by Recall
 }
 
 const (
@@ -50,19 +53,20 @@ const (
 // why; a nil cause means [ErrLeaseLost]. Only the first call has an effect.
 func (s *Signal) Lose(cause error) {
 	s.mu.Lock()
-	if s.lost != nil {
+	if s.flags.Load()&flagLost != 0 {
 		s.mu.Unlock()
 		return
 	}
 	if cause == nil {
 		cause = ErrLeaseLost
 	}
-	s.lost, s.lostAt = cause, time.Now()
+	r := s.rareLocked()
+	r.lost, r.lostAt = cause, time.Now()
 	s.flags.Or(flagLost)
 	fn := s.onLost
 	s.onLost = nil
-	if s.chans != nil && s.chans.lost != nil {
-		close(s.chans.lost)
+	if r.lostCh != nil {
+		close(r.lostCh)
 	}
 	s.mu.Unlock()
 	if fn != nil {
@@ -89,8 +93,8 @@ func (s *Signal) Recall() {
 	var fn func()
 	if s.flags.Load()&flagRecalled == 0 {
 		s.flags.Or(flagRecalled)
-		if s.chans != nil && s.chans.recall != nil {
-			close(s.chans.recall)
+		if s.rare != nil && s.rare.recall != nil {
+			close(s.rare.recall)
 		}
 		fn, s.onRecall = s.onRecall, nil
 	}
@@ -107,7 +111,7 @@ func (s *Signal) LostCause() error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.lost
+	return s.rare.lost
 }
 
 // LostAt returns when Lose was first called, or the zero time.
@@ -117,7 +121,10 @@ func (s *Signal) LostAt() time.Time {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.lostAt
+	if s.rare == nil {
+		return time.Time{}
+	}
+	return s.rare.lostAt
 }
 
 // Lost returns a channel closed once the delivery is lost.
@@ -127,7 +134,7 @@ func (s *Signal) Lost() <-chan struct{} {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return made(&s.chansLocked().lost, s.lost != nil)
+	return made(&s.rareLocked().lostCh, s.flags.Load()&flagLost != 0)
 }
 
 // OnLost registers fn to run once, on the goroutine that calls Lose, when
@@ -136,8 +143,8 @@ func (s *Signal) Lost() <-chan struct{} {
 // context this way, without a goroutine per delivery.
 func (s *Signal) OnLost(fn func(error)) {
 	s.mu.Lock()
-	if s.lost != nil {
-		cause := s.lost
+	if s.flags.Load()&flagLost != 0 {
+		cause := s.rare.lost
 		s.mu.Unlock()
 		if fn != nil {
 			fn(cause)
@@ -174,14 +181,14 @@ func (s *Signal) RecallSignal() <-chan struct{} {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return made(&s.chansLocked().recall, s.Recalled())
+	return made(&s.rareLocked().recall, s.Recalled())
 }
 
-func (s *Signal) chansLocked() *signalChans {
-	if s.chans == nil {
-		s.chans = &signalChans{}
+func (s *Signal) rareLocked() *signalRare {
+	if s.rare == nil {
+		s.rare = new(signalRare)
 	}
-	return s.chans
+	return s.rare
 }
 
 // made returns *ch, made on the first call and closed at once if what it

@@ -31,10 +31,12 @@ type attemptContext struct {
 	// compare-and-swap.
 	state atomic.Int32
 
-	mu sync.Mutex // held while building real
-	// real points to built once it is set: written before the pointer is
-	// stored, read after it is loaded, so without the lock.
-	real  atomic.Pointer[builtContext]
+	mu sync.Mutex // held while building built
+	// ready is set once built is: built is written before ready is set
+	// and read after it is seen set, so without the lock. A flag, not a
+	// pointer to built, keeps the struct (embedded in every job) at 64
+	// bytes: it fills the padding after state and mu.
+	ready atomic.Bool
 	built builtContext
 }
 
@@ -51,6 +53,14 @@ const (
 type builtContext struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+}
+
+// real returns the built context, or nil while there is none.
+func (a *attemptContext) real() *builtContext {
+	if a.ready.Load() {
+		return &a.built
+	}
+	return nil
 }
 
 // cancelCtxKey is the key context.Cause and the context package's child
@@ -100,10 +110,10 @@ func (a *attemptContext) end() {
 	if a.state.CompareAndSwap(attemptFresh, ended) {
 		return // never built: nothing registered, nothing to cancel
 	}
-	// Built, or being built: the lock waits for real to be stored.
+	// Built, or being built: the lock waits for built to be ready.
 	a.mu.Lock()
 	a.state.Store(attemptEnded)
-	b := a.real.Load()
+	b := a.real()
 	a.mu.Unlock()
 	if b != nil {
 		a.d.Signal.OnLost(nil)
@@ -113,12 +123,12 @@ func (a *attemptContext) end() {
 
 // build makes the real context, once.
 func (a *attemptContext) build() *builtContext {
-	if b := a.real.Load(); b != nil {
+	if b := a.real(); b != nil {
 		return b
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if b := a.real.Load(); b != nil {
+	if b := a.real(); b != nil {
 		return b
 	}
 	parent := a.parent
@@ -140,7 +150,7 @@ func (a *attemptContext) build() *builtContext {
 		}
 		cancel(cause)
 	}
-	a.real.Store(b)
+	a.ready.Store(true)
 	return b
 }
 
@@ -149,7 +159,7 @@ func (a *attemptContext) Deadline() (time.Time, bool) { return a.parent.Deadline
 func (a *attemptContext) Done() <-chan struct{} { return a.build().ctx.Done() }
 
 func (a *attemptContext) Err() error {
-	if b := a.real.Load(); b != nil {
+	if b := a.real(); b != nil {
 		return b.ctx.Err()
 	}
 	if a.state.Load() >= attemptEnded || a.d.Signal.LostCause() != nil {
@@ -166,7 +176,7 @@ func (a *attemptContext) Value(key any) any {
 		// one answers.
 		return a.build().ctx.Value(key)
 	}
-	if b := a.real.Load(); b != nil {
+	if b := a.real(); b != nil {
 		return b.ctx.Value(key)
 	}
 	return a.parent.Value(key)

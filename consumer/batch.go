@@ -87,13 +87,20 @@ type outcome struct {
 // A Batch literal with its Messages set works as well.
 func BatchOf(msgs []*Message) *Batch { return &Batch{Messages: msgs} }
 
-// pos returns m's position in b, or -1; called with mu held.
-func (b *Batch) pos(m *Message) int {
+// makeResults makes b's results, one per message, if they are not made;
+// called with mu held.
+func (b *Batch) makeResults() {
 	if b.results == nil {
 		b.results = make([]outcome, len(b.Messages))
 	}
-	if m != nil && m.batch == b && m.batchPos < len(b.Messages) && b.Messages[m.batchPos] == m {
-		return m.batchPos // the runtime's batches record it in the message
+}
+
+// pos returns m's position in b, or -1, and makes b's results; called with
+// mu held.
+func (b *Batch) pos(m *Message) int {
+	b.makeResults()
+	if m != nil && m.batch == b && int(m.batchPos) < len(b.Messages) && b.Messages[m.batchPos] == m {
+		return int(m.batchPos) // the runtime's batches record it in the message
 	}
 	if b.index == nil {
 		b.index = make(map[*Message]int, len(b.Messages))
@@ -119,7 +126,7 @@ func (b *Batch) Fail(m *Message, err error) { b.record(m, err) }
 func (b *Batch) DoneAll() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.pos(nil) // makes results
+	b.makeResults()
 	for i := range b.results {
 		if !b.results[i].set {
 			b.results[i] = outcome{set: true}

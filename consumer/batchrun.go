@@ -17,10 +17,16 @@ import (
 // the batch handler on them, until r.work is closed.
 func (r *run) startBatchWorker(wg *sync.WaitGroup) {
 	r.startReplaced(wg, func() {
+		// The worker gathers every batch into the same array: the runtime
+		// keeps no batch's job list past runBatch (the handler gets the
+		// batch's own Messages), so only the worker uses it.
+		var js []*job
 		for {
-			js, open := r.gather()
+			var open bool
+			js, open = r.gather(js[:0])
 			if len(js) > 0 {
 				r.runBatch(js)
+				clear(js) // keeps no settled job alive
 			}
 			if !open {
 				return
@@ -54,13 +60,14 @@ func (g *gatherer) add(j *job) {
 // gather waits for a job and gathers a batch: the jobs ready for a worker,
 // each with the jobs queued behind it in its lane, up to the batch's size
 // and bytes, waiting up to WithBatchLinger for more once it has one. It
-// reports false once r.work is closed.
-func (r *run) gather() ([]*job, bool) {
+// appends them to into, which must be empty. It reports false once r.work
+// is closed.
+func (r *run) gather(into []*job) ([]*job, bool) {
 	j := r.nextJob()
 	if j == nil {
-		return nil, false
+		return into, false
 	}
-	g := gatherer{size: r.cfg.batching.size, limit: r.cfg.batching.bytes}
+	g := gatherer{jobs: into, size: r.cfg.batching.size, limit: r.cfg.batching.bytes}
 	var pending *job // a job that did not fit, held for the next batch
 	pending = r.take(&g, j)
 	var timer *time.Timer
@@ -124,7 +131,7 @@ func (r *run) take(g *gatherer, j *job) (leftOver *job) {
 	n := 0
 	for n < len(q) && !g.full() {
 		s := q[n]
-		if s.giveBack || s.recalled() || s.lostCause() != nil || s.deadLettering || !g.fits(s) {
+		if s.giveBack || s.recalled() || s.lostCause() != nil || s.deadLettering() || !g.fits(s) {
 			break
 		}
 		s.queued = false
@@ -147,11 +154,11 @@ func (r *run) runBatch(js []*job) {
 	for i, j := range js {
 		attempts[i] = r.attempt(j)
 		m := &j.msg
-		if j.retries > 0 || j.msg.d != nil {
+		if j.retries() > 0 || j.msg.d != nil {
 			m = new(Message) // a handler may still hold the earlier attempt's
 		}
 		fillMessage(m, j.d, attempts[i])
-		m.batch, m.batchPos = b, i
+		m.batch, m.batchPos = b, int32(i)
 		b.Messages[i] = m
 	}
 	errs, cut := r.callBatchHandler(js, b, attempts)
@@ -269,7 +276,7 @@ func (r *run) recordBatch(js []*job, errs []error, batchCut bool, start time.Tim
 // ahead of an earlier one. cut says the loss of one of the batch's
 // deliveries cut the batch short: see runAgainAfterCut.
 func (r *run) settleBatch(js []*job, attempts []int, errs []error, cut bool) {
-	var acks []*job
+	acks := make([]*job, 0, len(js))
 	for start := 0; start < len(js); {
 		end := start + 1
 		if lane := js[start].lane; lane != "" {
@@ -306,7 +313,7 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error, cut bool, acks
 			parked = r.afterAttempt(j, attempts[i], errs[i])
 		}
 		if !parked {
-			if j.settling.how.acks() {
+			if j.settling.acks() {
 				acks = append(acks, j)
 			}
 			j.batched = false
@@ -327,7 +334,9 @@ func (r *run) settleGroup(g []*job, attempts []int, errs []error, cut bool, acks
 // waits with it. It reports that j was parked.
 func (r *run) runAgainAfterCut(j *job) (parked bool) {
 	r.logs.log(logBatchCut, slog.String("id", j.d.ID))
-	j.failure = nil // given back at once should the drain begin meanwhile
+	if j.fail != nil {
+		j.fail.err = nil // given back at once should the drain begin meanwhile
+	}
 	r.park(j, minBackoff)
 	return true
 }

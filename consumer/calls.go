@@ -37,7 +37,7 @@ func (r *run) ackCall(batch []*job) {
 	})
 	var settled settledCounts
 	for i, j := range batch {
-		how := j.settling.how
+		how := j.settling
 		if errs != nil && errs[i] != nil {
 			e := errs[i]
 			r.tel.ackFailures.Add(r.settleCtx, 1, r.tel.source...)
@@ -72,7 +72,7 @@ func (r *run) nackCall(batch []*job) {
 		if errs != nil && errs[i] != nil {
 			r.logs.log(logNackFailed, slog.String("id", j.d.ID), slog.Any("error", errs[i]))
 		}
-		settled[j.settling.how]++
+		settled[j.settling]++
 	}
 	r.finishBatch(batch, &settled)
 }
@@ -81,7 +81,7 @@ func (r *run) nackCall(batch []*job) {
 func (r *run) nackJobs(js []*job) error {
 	ns := make([]adapters.Nack, len(js))
 	for i, j := range js {
-		ns[i] = adapters.Nack{Delivery: j.d, After: j.settling.after}
+		ns[i] = adapters.Nack{Delivery: j.d, After: j.settleAfter}
 	}
 	return r.c.src.Nack(r.settleCtx, ns)
 }

@@ -27,7 +27,11 @@ type Message struct {
 	// Offset locate a Kafka record (-1 elsewhere).
 	Queue     string
 	Partition int32
-	Offset    int64
+	// batchPos is the message's position in batch (below). It sits beside
+	// Partition, in what would otherwise be padding: a Message is allocated
+	// with every job. WithBatchSize bounds it far below MaxInt32.
+	batchPos int32
+	Offset   int64
 	// PublishedAt is when the broker accepted the message, if it says;
 	// ReceivedAt is when this consumer received it.
 	PublishedAt time.Time
@@ -36,8 +40,7 @@ type Message struct {
 	d *adapters.Delivery
 	// batch and batchPos place the message in the runtime's batch, if it
 	// is handled in one.
-	batch    *Batch
-	batchPos int
+	batch *Batch
 }
 
 func fillMessage(m *Message, d *adapters.Delivery, attempt int) {

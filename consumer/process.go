@@ -51,8 +51,8 @@ func (r *run) prepare(j *job) (run, parked bool) {
 		// Not started, or waiting to run again, once shutdown began: give
 		// it back at once. A message waiting for a retry keeps its backoff
 		// where the broker can hold it back.
-		if j.failure != nil {
-			r.settle(j, r.givenBack(j, j.retryIn))
+		if j.waitsToRetry() {
+			r.settle(j, r.givenBack(j, j.fail.retryIn))
 			return false, false
 		}
 		r.settle(j, released(whyShutdown))
@@ -79,7 +79,7 @@ func (r *run) prepare(j *job) (run, parked bool) {
 		r.settle(j, released(whyMaxHold))
 		return false, false
 	}
-	if j.deadLettering {
+	if j.deadLettering() {
 		return false, r.deadLetter(j)
 	}
 	if r.c.intake.givingBack() {
@@ -132,25 +132,25 @@ func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
 		// A dependency's fault, not the message's: no attempt is used up,
 		// and the message waits here rather than at the broker, whose
 		// delivery count a redelivery would raise.
-		j.unavailable++
-		delay := r.retryDelay(err, j.unavailable)
+		f := j.failed()
+		f.unavailable++
+		delay := r.retryDelay(err, f.unavailable)
 		r.tel.unavailable.Add(r.settleCtx, 1, r.tel.source...)
-		r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", j.unavailable),
+		r.logs.log(logUnavailable, slog.String("id", j.d.ID), slog.Int("waits", f.unavailable),
 			slog.Duration("retry_in", delay), slog.Any("error", err))
 		// Not kept as a failure to give back with its delay at shutdown:
 		// the wait's delay can be longer than the lease, and whether the
 		// handler returned just before the drain or just after must not
 		// decide whether the broker hides the message for it.
-		j.failure = nil
+		f.err = nil
 		r.park(j, delay)
 		return true
 	}
-	j.unavailable = 0
+	if j.fail != nil {
+		j.fail.unavailable = 0
+	}
 	now := time.Now()
 	deferred := IsDeferred(err)
-	if j.firstFailure.IsZero() && !deferred {
-		j.firstFailure = now
-	}
 	delay := r.retryDelay(err, attempt)
 	if IsPermanent(err) || (attempt >= r.cfg.retry.MaxAttempts && !deferred) {
 		if done, parked := r.exhausted(j, err, attempt, now, delay); done {
@@ -171,10 +171,12 @@ func (r *run) afterAttempt(j *job, attempt int, err error) (parked bool) {
 		r.settle(j, verdict{how: settleRetry, after: delay})
 		return false
 	}
+	f := j.failed()
+	f.noteFirst(now, deferred)
 	if !deferred {
-		j.retries++
+		f.retries++
 	}
-	j.failure, j.retryIn = err, delay
+	f.err, f.retryIn = err, delay
 	r.park(j, delay)
 	return true
 }
@@ -207,8 +209,10 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 		}
 		return false, false
 	}
-	j.deadLettering = true
-	j.failure, j.failedAttempt, j.lastFailure = err, attempt, now
+	f := j.failed()
+	f.noteFirst(now, IsDeferred(err))
+	f.deadLettering = true
+	f.err, f.failedAttempt, f.last = err, attempt, now
 	return true, r.deadLetter(j)
 }
 
@@ -220,16 +224,17 @@ func (r *run) exhausted(j *job, err error, attempt int, now time.Time, retry tim
 // outage of the destination slows intake.
 func (r *run) deadLetter(j *job) (parked bool) {
 	dl := r.cfg.deadLetter
-	err, attempt := j.failure, j.failedAttempt
+	jf := j.fail // set by exhausted
+	err, attempt := jf.err, jf.failedAttempt
 	f := adapters.Failure{
 		Err:          err,
 		Permanent:    IsPermanent(err),
 		Attempts:     attempt,
-		FirstFailure: j.firstFailure,
-		LastFailure:  j.lastFailure,
+		FirstFailure: jf.first,
+		LastFailure:  jf.last,
 		Consumer:     r.cfg.name,
 	}
-	if attempt > j.retries+1 && !j.d.FirstReceivedAt.IsZero() {
+	if attempt > jf.retries+1 && !j.d.FirstReceivedAt.IsZero() {
 		// Earlier attempts ran before this delivery: the broker's first
 		// receive is the best bound on the first failure we have.
 		f.FirstFailure = j.d.FirstReceivedAt
@@ -246,8 +251,8 @@ func (r *run) deadLetter(j *job) (parked bool) {
 		r.settle(j, verdict{how: settleDeadLettered})
 		return false
 	}
-	j.deadLetterTries++
-	delay := backoffDelay(r.cfg.retry.Backoff, attempt+j.deadLetterTries-1)
+	jf.deadLetterTries++
+	delay := backoffDelay(r.cfg.retry.Backoff, attempt+jf.deadLetterTries-1)
 	// A write the shutdown deadline or the delivery's loss cut short says
 	// nothing about the destination: the consumer stopped waiting for it.
 	// Counted, it would report a dead-letter outage on every such shutdown.
@@ -272,7 +277,7 @@ func (r *run) deadLetter(j *job) (parked bool) {
 		return false
 	}
 	r.logs.log(logDeadLetterFailed, slog.String("id", j.d.ID), slog.Any("error", sendErr), slog.Duration("retry_in", delay))
-	j.retryIn = delay
+	jf.retryIn = delay
 	r.park(j, delay)
 	return true
 }
@@ -313,7 +318,7 @@ func (r *run) attempt(j *job) int {
 	if a < 1 {
 		a = 1
 	}
-	return a + j.retries
+	return a + j.retries()
 }
 
 // call runs one attempt of the handler (see callHandler). An attempt that
@@ -337,7 +342,7 @@ func (r *run) call(j *job, attempt int) error {
 func (r *run) callHandler(j *job, attempt int) (err error) {
 	d := j.d
 	m, ac := &j.msg, &j.ctx
-	if j.retries > 0 || j.msg.d != nil {
+	if j.retries() > 0 || j.msg.d != nil {
 		// A handler may still hold the earlier attempt's message and
 		// context.
 		m, ac = new(Message), nil

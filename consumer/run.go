@@ -66,31 +66,24 @@ type run struct {
 	recalledOnArrival chan struct{}
 }
 
-// job is one held delivery.
+// job is one held delivery. Jobs are allocated a received batch at a
+// time, so every byte here is paid per message: what only a failed attempt
+// needs lives in failures, made by the first failure that has to be kept.
 type job struct {
-	d            *adapters.Delivery
-	lease        *lease.Lease   // nil without a lease keeper
-	msg          Message        // the first attempt's message, allocated with the job
-	ctx          attemptContext // the first attempt's context, likewise
-	lane         string
-	successor    *job          // the lane's next job, once this one is done
-	accepted     time.Duration // when it was received, since run.started
-	retries      int           // in-place retries so far
-	unavailable  int           // consecutive attempts that found a dependency unavailable
-	firstFailure time.Time
-	// failure is the error of the failed attempt a parked job waits to
-	// retry (or to dead-letter), nil while it waits out an outage; retryIn
-	// is its backoff, kept if the drain gives it back.
-	failure error
-	retryIn time.Duration
-	// deadLettering is set once the job failed for good and its
-	// dead-letter write is due (again, after deadLetterTries failed ones);
-	// failedAttempt and lastFailure describe the failure for the copy.
-	deadLettering   bool
-	deadLetterTries int
-	failedAttempt   int
-	lastFailure     time.Time
-	ackedEarly      bool // at-most-once mode
+	d         *adapters.Delivery
+	lease     *lease.Lease   // nil without a lease keeper
+	msg       Message        // the first attempt's message, allocated with the job
+	ctx       attemptContext // the first attempt's context, likewise
+	lane      string
+	successor *job          // the lane's next job, once this one is done
+	accepted  time.Duration // when it was received, since run.started
+	fail      *failures     // nil until an attempt failed and the job was kept
+	// settling and settleAfter are the verdict whose broker call is under
+	// way (an ack or a nack in a batch), kept apart so that settling packs
+	// with the flags below.
+	settleAfter time.Duration
+	settling    settlement
+	ackedEarly  bool // at-most-once mode
 	// queued is set while the job waits in its lane's queue (run.lanes),
 	// behind the lane's running job; such a job does not hold its lane,
 	// and with run.queuedFree it is counted outside the in-flight window.
@@ -110,10 +103,60 @@ type job struct {
 	// exiting is set while the job's handler ends its worker with
 	// runtime.Goexit (see call).
 	exiting bool
-	// settling is the verdict whose broker call is under way (an ack or a
-	// nack in a batch).
-	settling verdict
 }
+
+// failures is what a job keeps of its failed attempts while it waits in
+// place (parked) to run or to be dead-lettered again. Only the job's
+// current holder reads or writes it, as the job's other fields.
+type failures struct {
+	retries     int       // in-place retries so far
+	unavailable int       // consecutive attempts that found a dependency unavailable
+	first       time.Time // the first failed attempt, deferrals aside
+	// err is the error of the failed attempt the job waits to retry (or to
+	// dead-letter), nil while it waits out an outage; retryIn is its
+	// backoff, kept if the drain gives it back.
+	err     error
+	retryIn time.Duration
+	// deadLettering is set once the job failed for good and its
+	// dead-letter write is due (again, after deadLetterTries failed ones);
+	// failedAttempt and last describe the failure for the copy.
+	deadLettering   bool
+	deadLetterTries int
+	failedAttempt   int
+	last            time.Time
+}
+
+// noteFirst records now as the first failure, unless one is recorded or
+// the attempt was deferred (consumer.Defer), which is no failure of the
+// message's.
+func (f *failures) noteFirst(now time.Time, deferred bool) {
+	if f.first.IsZero() && !deferred {
+		f.first = now
+	}
+}
+
+// failed returns j's failures, made on first use.
+func (j *job) failed() *failures {
+	if j.fail == nil {
+		j.fail = new(failures)
+	}
+	return j.fail
+}
+
+// retries returns the in-place retries j had so far.
+func (j *job) retries() int {
+	if j.fail == nil {
+		return 0
+	}
+	return j.fail.retries
+}
+
+// waitsToRetry reports whether j is parked after a failed attempt, to run
+// again (or to be dead-lettered) once its backoff ends.
+func (j *job) waitsToRetry() bool { return j.fail != nil && j.fail.err != nil }
+
+// deadLettering reports whether j's dead-letter write is due.
+func (j *job) deadLettering() bool { return j.fail != nil && j.fail.deadLettering }
 
 // The delivery's loss and recall, as its adapter, or the runtime, reports
 // them (see giveSignals).

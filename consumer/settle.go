@@ -51,9 +51,9 @@ func (s settlement) nacks() bool {
 
 // A verdict is a settlement with what applying it takes.
 type verdict struct {
-	how settlement
 	// after is the redelivery delay of a retry or an exhausted message.
 	after time.Duration
+	how   settlement
 	// why says what gave a message back (settleRelease), for the log.
 	why reason
 }
@@ -138,7 +138,7 @@ func (r *run) settle(j *job, v verdict) {
 	if !j.batched {
 		r.next(j) // a batch passes a lane on once, for the lane's jobs it settled
 	}
-	j.settling = v
+	j.settling, j.settleAfter = v.how, v.after
 	switch {
 	case v.how.acks() && j.batched:
 		// The batch adds its acks together, under one lock (settleGroup).

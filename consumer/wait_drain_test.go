@@ -40,7 +40,7 @@ func TestRetryDueAsTheDrainBeginsIsGivenBack(t *testing.T) {
 			t.Fatalf("Receive = %d deliveries, %v; want the message given back", len(ds), err)
 		}
 		r.giveSignals(ds)
-		j := &job{d: ds[0], failure: errors.New("failed"), retryIn: time.Nanosecond}
+		j := &job{d: ds[0], fail: &failures{err: errors.New("failed"), retryIn: time.Nanosecond}}
 		r.held.Add(1)
 		r.credit.mu.Lock()
 		r.credit.held++ // as the receiver would have taken it
