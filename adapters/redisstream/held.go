@@ -14,6 +14,13 @@ type held struct {
 	d   adapters.Delivery
 	sig adapters.Signal
 	src *Source
+	// count is the group's delivery count of the entry for this delivery
+	// (1 when read, counted up by every claim that handed it out). The
+	// renewal and give-back scripts act only while the entry's count is
+	// still this one: the owner alone cannot tell this delivery from a
+	// later one of the same entry to the same consumer (see Leases in the
+	// package documentation).
+	count int64
 	// deadLettered is set once a DeadLetter acknowledged the entry in the
 	// script that stored its copy: an Ack, Nack or renewal of it then
 	// succeeds without a command.

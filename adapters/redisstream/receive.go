@@ -367,9 +367,10 @@ func (s *Source) deletedWhilePending(ids []string) {
 		"stream", s.stream, "group", s.group, "entries", n, "ids", strings.Join(shown, ","))
 }
 
-// delivery fills h from an entry and returns its Delivery.
+// delivery fills h from an entry, handed out with delivery count attempt,
+// and returns its Delivery.
 func (s *Source) delivery(h *held, m redis.XMessage, attempt int, now time.Time) *adapters.Delivery {
-	h.src = s
+	h.src, h.count = s, int64(attempt)
 	h.d = adapters.Delivery{
 		ID:          m.ID,
 		Attempt:     attempt,
