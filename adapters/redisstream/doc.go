@@ -73,8 +73,13 @@
 // dropped from the pending list by Redis during the claim: the Source
 // counts them (Stats.Deleted, custody.redis.deleted), logs them, and never
 // hands them out. An entry deleted while this consumer holds it is counted
-// too; its handler runs on (no one else can be handed it), and its ack
-// finds nothing to do.
+// too (Stats.DeletedWhileHeld); its handler runs on (no one else can be
+// handed it), and its ack finds nothing to do. That holds too when a
+// reclaim scan, this Source's or another consumer's, dropped it from the
+// pending list first (XAUTOCLAIM drops every deleted entry it meets, held
+// or not): a renewal that finds an entry no longer pending looks for it in
+// the stream, and only an entry still there was acked elsewhere (a lost
+// lease).
 //
 // # Acks
 //

@@ -110,3 +110,24 @@ func (s *Source) takeHeldLocked() []*held {
 	s.sweepAt = 0
 	return hs
 }
+
+// splitHeld splits ids into those this Source does not hold and those it
+// does (handed to the runtime, not yet acked, given back or found lost).
+// It looks through every held entry: it runs only for entries a reclaim
+// found deleted from the stream, which is rare.
+func (s *Source) splitHeld(ids []string) (others, held []string) {
+	s.mu.Lock()
+	byID := make(map[string]bool, len(s.held))
+	for h := range s.held {
+		byID[h.d.ID] = true
+	}
+	s.mu.Unlock()
+	for _, id := range ids {
+		if byID[id] {
+			held = append(held, id)
+		} else {
+			others = append(others, id)
+		}
+	}
+	return others, held
+}

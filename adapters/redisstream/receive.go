@@ -153,7 +153,16 @@ func (s *Source) reclaim(ctx context.Context, gen uint64, job reclaimJob, max in
 	}
 	s.reclaimDone(job, r.cursor, len(r.entries) >= max, r.later, now, nil)
 	if len(r.deleted) > 0 {
-		s.deletedWhilePending(r.deleted)
+		// XAUTOCLAIM drops every pending entry it finds deleted, this
+		// Source's own held ones included: those were handed out, and
+		// their handlers run on.
+		pending, held := s.splitHeld(r.deleted)
+		for _, id := range held {
+			s.deletedWhileHeld(id)
+		}
+		if len(pending) > 0 {
+			s.deletedWhilePending(pending)
+		}
 	}
 	s.stats.parked.Add(r.parked)
 	ds := make([]*adapters.Delivery, len(r.entries))
