@@ -297,3 +297,48 @@ func TestMissingGroupWithoutCreate(t *testing.T) {
 		t.Errorf("the group was created again without WithCreateGroup: %+v", groups)
 	}
 }
+
+// TestHeldEntryDroppedByAScanRunsOn deletes an entry from the stream while
+// this Source holds it, then lets a reclaim scan run before the entry's next
+// renewal: Redis 7.0's XAUTOCLAIM drops every pending entry it finds deleted,
+// whoever holds it and however briefly idle. The renewal that follows finds
+// the entry no longer pending; it must still tell "deleted while held" (no
+// one else can ever be handed it: the handler runs on, not a lost lease)
+// from "acked elsewhere", whether the scan was this Source's own or another
+// consumer's.
+func TestHeldEntryDroppedByAScanRunsOn(t *testing.T) {
+	for _, scanner := range []string{"itself", "another consumer"} {
+		t.Run(scanner, func(t *testing.T) {
+			const lease = 10 * time.Second // no entry falls idle during the test
+			e := newEnv(t)
+			ids := e.publish("held")
+			a := e.open(WithLease(lease), WithReclaimInterval(time.Millisecond))
+			defer a.Close()
+			held := receiveN(t, a, 1)[0]
+			if err := e.client.XDel(e.ctx(), e.stream, ids[0]).Err(); err != nil {
+				t.Fatal(err)
+			}
+			scan := a
+			if scanner != "itself" {
+				scan = e.open(WithLease(lease), WithReclaimInterval(time.Millisecond))
+				defer scan.Close()
+			}
+			time.Sleep(2 * time.Millisecond) // a scan is due
+			if ds, err := scan.Receive(e.ctx(), 1); err != nil || len(ds) != 0 {
+				t.Fatalf("Receive: %d entries, %v; want none, nil", len(ds), err)
+			}
+			if p := e.pending(); len(p) != 0 {
+				t.Fatalf("pending after the scan: %+v, want the deleted entry dropped", p)
+			}
+			if err := a.Extend(e.ctx(), []*adapters.Delivery{held}, lease); err != nil {
+				t.Fatalf("renewing an entry deleted while held, after a scan dropped it: %v, want nil: its handler runs on", err)
+			}
+			if st := a.Stats(); st.DeletedWhileHeld != 1 || st.LeaseLost != 0 || st.Deleted != 0 {
+				t.Errorf("Stats: DeletedWhileHeld %d, LeaseLost %d, Deleted %d; want 1, 0, 0", st.DeletedWhileHeld, st.LeaseLost, st.Deleted)
+			}
+			if err := a.Ack(e.ctx(), []*adapters.Delivery{held}); err != nil {
+				t.Errorf("Ack: %v", err)
+			}
+		})
+	}
+}

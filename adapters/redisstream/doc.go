@@ -37,11 +37,22 @@
 // claimed) for the lease (WithLease, 30 s); only then does another
 // consumer's reclaim claim it. The runtime renews every held entry at a
 // third of the lease with one script call per batch that, for each entry,
-// checks that this consumer still owns it and only then claims it again
-// with IDLE and JUSTID (the delivery count stays). A plain XCLAIM would
-// take back an entry another consumer had already claimed; here that entry
-// fails the renewal with adapters.ErrLeaseLost, and the runtime cancels its
-// handler.
+// checks that this consumer still owns it, with the delivery count this
+// delivery was handed out with, and only then claims it again with IDLE
+// and JUSTID (the delivery count stays). A plain XCLAIM would take back an
+// entry another consumer had already claimed; here that entry fails the
+// renewal with adapters.ErrLeaseLost, and the runtime cancels its handler.
+//
+// The delivery count fences one delivery from the next. A Source claims its
+// own entries again (those it gave back, once due; those whose lease it
+// lost), so the owner is the same consumer name for both deliveries: only
+// the count, which every claim that hands an entry out counts up, tells
+// them apart. A renewal or give-back of the earlier delivery that reaches
+// Redis late, or that the runtime sends again because its answer was lost
+// after Redis acted, fails with adapters.ErrLeaseLost rather than renew or
+// give back the later delivery, whose handler may be running. (An XACK is
+// not fenced: it follows a handler that succeeded, and the message is done
+// whichever delivery it names.)
 //
 // # Reclaim
 //
@@ -62,8 +73,13 @@
 // dropped from the pending list by Redis during the claim: the Source
 // counts them (Stats.Deleted, custody.redis.deleted), logs them, and never
 // hands them out. An entry deleted while this consumer holds it is counted
-// too; its handler runs on (no one else can be handed it), and its ack
-// finds nothing to do.
+// too (Stats.DeletedWhileHeld); its handler runs on (no one else can be
+// handed it), and its ack finds nothing to do. That holds too when a
+// reclaim scan, this Source's or another consumer's, dropped it from the
+// pending list first (XAUTOCLAIM drops every deleted entry it meets, held
+// or not): a renewal that finds an entry no longer pending looks for it in
+// the stream, and only an entry still there was acked elsewhere (a lost
+// lease).
 //
 // # Acks
 //
@@ -88,17 +104,17 @@
 // Redis has no delayed redelivery; the Source gives an entry back by
 // setting its idle time so that it reaches the lease once the delay has
 // passed (XCLAIM to itself with IDLE lease-delay and JUSTID, after checking
-// it still owns the entry). The entry waits in the pending list, not in the
-// process: it costs no worker, and it survives the process, since any
-// consumer's reclaim takes it once it is due. The delivery count is not
-// touched when the entry is given back; the reclaim that hands it out again
-// counts it, so attempt n+1 follows attempt n. A delay longer than the
-// lease cannot be an idle time (Redis refuses delivery times in the
-// future): such an entry is parked, its due time kept in a sorted set
-// beside the stream ("<stream>:custody-delays:<group>", in the stream's
-// cluster slot, expiring two leases after its latest due time), and every
-// reclaim that claims it before then sets it aside again with the delivery
-// count it had.
+// it still owns the entry, with this delivery's count; see Leases). The
+// entry waits in the pending list, not in the process: it costs no worker,
+// and it survives the process, since any consumer's reclaim takes it once
+// it is due. The delivery count is not touched when the entry is given
+// back; the reclaim that hands it out again counts it, so attempt n+1
+// follows attempt n. A delay longer than the lease cannot be an idle time
+// (Redis refuses delivery times in the future): such an entry is parked,
+// its due time kept in a sorted set beside the stream
+// ("<stream>:custody-delays:<group>", in the stream's cluster slot,
+// expiring two leases after its latest due time), and every reclaim that
+// claims it before then sets it aside again with the delivery count it had.
 //
 // # Dead letters
 //

@@ -14,6 +14,13 @@ type held struct {
 	d   adapters.Delivery
 	sig adapters.Signal
 	src *Source
+	// count is the group's delivery count of the entry for this delivery
+	// (1 when read, counted up by every claim that handed it out). The
+	// renewal and give-back scripts act only while the entry's count is
+	// still this one: the owner alone cannot tell this delivery from a
+	// later one of the same entry to the same consumer (see Leases in the
+	// package documentation).
+	count int64
 	// deadLettered is set once a DeadLetter acknowledged the entry in the
 	// script that stored its copy: an Ack, Nack or renewal of it then
 	// succeeds without a command.
@@ -102,4 +109,25 @@ func (s *Source) takeHeldLocked() []*held {
 	clear(s.held)
 	s.sweepAt = 0
 	return hs
+}
+
+// splitHeld splits ids into those this Source does not hold and those it
+// does (handed to the runtime, not yet acked, given back or found lost).
+// It looks through every held entry: it runs only for entries a reclaim
+// found deleted from the stream, which is rare.
+func (s *Source) splitHeld(ids []string) (others, held []string) {
+	s.mu.Lock()
+	byID := make(map[string]bool, len(s.held))
+	for h := range s.held {
+		byID[h.d.ID] = true
+	}
+	s.mu.Unlock()
+	for _, id := range ids {
+		if byID[id] {
+			held = append(held, id)
+		} else {
+			others = append(others, id)
+		}
+	}
+	return others, held
 }

@@ -153,7 +153,16 @@ func (s *Source) reclaim(ctx context.Context, gen uint64, job reclaimJob, max in
 	}
 	s.reclaimDone(job, r.cursor, len(r.entries) >= max, r.later, now, nil)
 	if len(r.deleted) > 0 {
-		s.deletedWhilePending(r.deleted)
+		// XAUTOCLAIM drops every pending entry it finds deleted, this
+		// Source's own held ones included: those were handed out, and
+		// their handlers run on.
+		pending, held := s.splitHeld(r.deleted)
+		for _, id := range held {
+			s.deletedWhileHeld(id)
+		}
+		if len(pending) > 0 {
+			s.deletedWhilePending(pending)
+		}
 	}
 	s.stats.parked.Add(r.parked)
 	ds := make([]*adapters.Delivery, len(r.entries))
@@ -367,9 +376,10 @@ func (s *Source) deletedWhilePending(ids []string) {
 		"stream", s.stream, "group", s.group, "entries", n, "ids", strings.Join(shown, ","))
 }
 
-// delivery fills h from an entry and returns its Delivery.
+// delivery fills h from an entry, handed out with delivery count attempt,
+// and returns its Delivery.
 func (s *Source) delivery(h *held, m redis.XMessage, attempt int, now time.Time) *adapters.Delivery {
-	h.src = s
+	h.src, h.count = s, int64(attempt)
 	h.d = adapters.Delivery{
 		ID:          m.ID,
 		Attempt:     attempt,

@@ -18,26 +18,54 @@ func flag(b bool) string {
 	return "0"
 }
 
+// goneLua defines gone(stream, id), what the renewal and give-back scripts
+// report for an entry no longer pending: 2 when it is no longer in the
+// stream either, 0 when it is. Redis drops a pending entry deleted from the
+// stream (trimmed, XDEL) from the pending list at the first XCLAIM or
+// XAUTOCLAIM that meets it, whoever holds it and however briefly idle (any
+// consumer's reclaim scan): the holder then finds it not pending, and only
+// the stream tells it that the entry was deleted (no one else can ever be
+// handed it; its handler runs on), not acked elsewhere after a reclaim.
+const goneLua = `
+local function gone(stream, id)
+  if #redis.call('XRANGE', stream, id, id) == 0 then return 2 end
+  return 0
+end
+`
+
 // extendScript renews entries this consumer owns by resetting their idle
-// time, and reports, per id, 1 when renewed, 0 when the entry is no longer
-// pending in the group (acked by another consumer after a reclaim, or the
-// group was recreated), 2 when the entry was deleted from the stream while
-// this consumer held it (XCLAIM then drops it from the pending list: no one
-// else can ever be handed it), or the name of the consumer that claimed it.
-// A plain XCLAIM would take the entry back from that consumer.
+// time, and reports, per entry, 1 when renewed, 0 when the entry is no
+// longer pending in the group (acked by another consumer after a reclaim,
+// or the group was recreated), 2 when the entry was deleted from the stream
+// while this consumer held it (XCLAIM then drops it from the pending list,
+// as does any consumer's XAUTOCLAIM: no one else can ever be handed it;
+// see goneLua), 3 when this consumer claimed the entry again since (its
+// delivery count is no longer the one given), or the name of the consumer
+// that claimed it. A plain XCLAIM would take the entry back from that
+// consumer.
+//
+// The delivery count is the fence: every claim that hands an entry out
+// counts it up, and a renewal or give-back names the count its delivery was
+// handed out with. The owner alone is not enough, since a Source claims its
+// own entries again (those it gave back, and those whose lease it lost): a
+// call for the earlier delivery reaching Redis late, or sent again after
+// its answer was lost, would otherwise renew or give back the later one.
 //
 //	KEYS[1] stream
-//	ARGV[1] group, ARGV[2] consumer, ARGV[3] idle time to set (ms), ARGV[4..] ids
-var extendScript = redis.NewScript(`
+//	ARGV[1] group, ARGV[2] consumer, ARGV[3] idle time to set (ms),
+//	ARGV[4..] pairs: id, delivery count
+var extendScript = redis.NewScript(goneLua + `
 local stream, group, me, idle = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local res = {}
-for i = 4, #ARGV do
-  local id = ARGV[i]
+for i = 4, #ARGV, 2 do
+  local id, count = ARGV[i], tonumber(ARGV[i + 1])
   local p = redis.call('XPENDING', stream, group, id, id, 1)
   if #p == 0 then
-    res[#res + 1] = 0
+    res[#res + 1] = gone(stream, id)
   elseif p[1][2] ~= me then
     res[#res + 1] = p[1][2]
+  elseif p[1][4] ~= count then
+    res[#res + 1] = 3
   else
     local c = redis.call('XCLAIM', stream, group, me, 0, id, 'IDLE', idle, 'JUSTID')
     if #c == 0 then res[#res + 1] = 2 else res[#res + 1] = 1 end
@@ -52,25 +80,28 @@ return res
 // sorted set (see Retries in the package documentation, and reclaimScript).
 // JUSTID keeps the delivery count as it is; with ARGV[4] = 1 ("undeliver")
 // the count is lowered by one, for entries read but never handed to the
-// runtime. Results per entry as for extendScript.
+// runtime. Each entry names the delivery count it was handed out with, the
+// fence of extendScript; results per entry as for extendScript.
 //
 //	KEYS[1] stream, KEYS[2] sorted set of parked entries
 //	ARGV[1] group, ARGV[2] consumer, ARGV[3] lease (ms), ARGV[4] undeliver (0 or 1),
-//	ARGV[5..] pairs: id, delay (ms)
-var nackScript = redis.NewScript(`
+//	ARGV[5..] triples: id, delivery count, delay (ms)
+var nackScript = redis.NewScript(goneLua + `
 local stream, delays = KEYS[1], KEYS[2]
 local group, me, lease, undeliver = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local res = {}
 local longest = 0
-for i = 5, #ARGV, 2 do
-  local id, delay = ARGV[i], tonumber(ARGV[i + 1])
+for i = 5, #ARGV, 3 do
+  local id, count, delay = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local p = redis.call('XPENDING', stream, group, id, id, 1)
   if #p == 0 then
-    res[#res + 1] = 0
+    res[#res + 1] = gone(stream, id)
   elseif p[1][2] ~= me then
     res[#res + 1] = p[1][2]
+  elseif p[1][4] ~= count then
+    res[#res + 1] = 3
   else
     local idle = lease - delay
     if delay > lease then

@@ -166,7 +166,7 @@ func (s *Source) isGone(id string) bool {
 // when ctx ends, answered or not (see renew).
 func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Duration) error {
 	idle := min(max(s.opts.lease-d, 0), s.opts.lease).Milliseconds()
-	args := make([]any, 0, 3+len(ds))
+	args := make([]any, 0, 3+2*len(ds))
 	args = append(args, s.group, s.consumer, idle)
 	idx := make([]int, 0, len(ds)) // ds index of each id sent
 	failed := map[int]error{}
@@ -178,7 +178,7 @@ func (s *Source) Extend(ctx context.Context, ds []*adapters.Delivery, d time.Dur
 			// Deleted while held, or acknowledged by its dead letter:
 			// nothing to renew, and no one to lose it to.
 		default:
-			args = append(args, dl.ID)
+			args = append(args, dl.ID, heldOf(dl).count)
 			idx = append(idx, i)
 		}
 	}
@@ -242,8 +242,8 @@ func (s *Source) renew(ctx context.Context, args []any) ([]any, error) {
 // those done and fills failed for the others. A failed call fails every
 // entry sent, lost with the group on NOGROUP; settled returns the call's
 // error instead when no other entry failed. An answer holds per entry 1
-// (done), 0 (not pending), 2 (deleted from the stream) or the consumer
-// that claimed it.
+// (done), 0 (not pending), 2 (deleted from the stream), 3 (delivered again
+// since, to this consumer) or the consumer that claimed it.
 func (s *Source) settled(cmd int, ds []*adapters.Delivery, idx []int, res []any, err error, failed map[int]error, ok func(i int)) error {
 	op, doing := "nack", "giving back"
 	if cmd == cmdExtend {
@@ -286,6 +286,12 @@ func (s *Source) settled(cmd int, ds []*adapters.Delivery, idx []int, res []any,
 				if cmd != cmdExtend {
 					failed[i] = fmt.Errorf("%w: entry %s of stream %q", ErrDeleted, id, s.stream)
 				}
+			case 3:
+				// Claimed again by this consumer: a later delivery of the
+				// entry runs, or waits, here.
+				s.stats.leaseLost.Add(1)
+				failed[i] = fmt.Errorf("%w: entry %s of stream %q was delivered again since: this consumer claimed it again (its give-back fell due, or it was idle for the lease)",
+					adapters.ErrLeaseLost, id, s.stream)
 			default:
 				s.stats.leaseLost.Add(1)
 				if s.lostWithGroup(ds[i]) {
@@ -362,7 +368,7 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 	if len(ds) == 0 {
 		return nil
 	}
-	args := make([]any, 0, 4+2*len(ds))
+	args := make([]any, 0, 4+3*len(ds))
 	args = append(args, s.group, s.consumer, s.opts.lease.Milliseconds(), flag(undeliver))
 	idx := make([]int, 0, len(ds))
 	delays := make([]time.Duration, len(ds))
@@ -377,7 +383,7 @@ func (s *Source) nack(ctx context.Context, ds []*adapters.Delivery, delay func(i
 			failed[i] = fmt.Errorf("%w: entry %s of stream %q", ErrDeleted, d.ID, s.stream)
 		default:
 			delays[i] = min(max(delay(i), 0), maxDelay)
-			args = append(args, d.ID, int64(math.Ceil(float64(delays[i])/float64(time.Millisecond))))
+			args = append(args, d.ID, heldOf(d).count, int64(math.Ceil(float64(delays[i])/float64(time.Millisecond))))
 			idx = append(idx, i)
 		}
 	}
