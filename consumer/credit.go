@@ -86,40 +86,25 @@ func (c *credit) acquire(ctx context.Context) (int, bool) {
 
 // release returns n units of the window (negative n takes more: an
 // adapter returned more deliveries than asked).
-func (c *credit) release(n int) {
-	if n == 0 {
-		return
-	}
-	c.mu.Lock()
-	c.held -= n
-	wake := c.roomLocked()
-	c.mu.Unlock()
-	if wake {
-		c.wake()
-	}
-}
+func (c *credit) release(n int) { c.adjust(-n, 0) }
 
 // releaseQueued returns n units of the deliveries queued behind their lanes.
-func (c *credit) releaseQueued(n int) {
-	if n == 0 {
-		return
-	}
-	c.mu.Lock()
-	c.queued -= n
-	wake := c.roomLocked()
-	c.mu.Unlock()
-	if wake {
-		c.wake()
-	}
-}
+func (c *credit) releaseQueued(n int) { c.adjust(0, -n) }
 
 // queue moves n units out of the window: deliveries now queued behind their
 // lane's running one. Negative n moves them back in.
-func (c *credit) queue(n int) {
+func (c *credit) queue(n int) { c.adjust(-n, n) }
+
+// adjust changes the window's and the queued counts and wakes a receiver
+// if that made room (a wake-up without room only makes it look again).
+func (c *credit) adjust(held, queued int) {
+	if held == 0 && queued == 0 {
+		return
+	}
 	c.mu.Lock()
-	c.held -= n
-	c.queued += n
-	wake := n > 0 && c.roomLocked()
+	c.held += held
+	c.queued += queued
+	wake := c.roomLocked()
 	c.mu.Unlock()
 	if wake {
 		c.wake()
