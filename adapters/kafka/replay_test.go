@@ -406,3 +406,105 @@ func TestReplayStopsAtADeadLetterWithoutOrigin(t *testing.T) {
 		t.Fatalf("Replay selecting it out = %+v, %v; want 1 replayed, 1 skipped", res, err)
 	}
 }
+
+// abortedDeadLetters writes n records to partition 0 of dead-letter topic
+// dlt in a transaction of the cluster's transactional producer and aborts
+// it: records that would be copied back to topic "orders" (they name it)
+// were they read, followed by their abort marker.
+func (c *cluster) abortedDeadLetters(t *testing.T, dlt string, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	before, err := c.admin.ListEndOffsets(ctx, dlt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := c.txnProducer(t, dlt)
+	if err := cl.BeginTransaction(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		rec := &kgo.Record{Topic: dlt, Partition: 0, Key: []byte("k0"), Value: []byte(fmt.Sprintf("aborted%d", i)),
+			Headers: []kgo.RecordHeader{{Key: adapters.HeaderOriginalQueue, Value: []byte("orders")}}}
+		if err := cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
+			t.Fatalf("producing in a transaction: %v", err)
+		}
+	}
+	if err := cl.EndTransaction(ctx, kgo.TryAbort); err != nil {
+		t.Fatalf("aborting the transaction: %v", err)
+	}
+	after, err := c.admin.ListEndOffsets(ctx, dlt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := before.Lookup(dlt, 0)
+	a, _ := after.Lookup(dlt, 0)
+	if a.Offset != b.Offset+int64(n)+1 {
+		t.Fatalf("partition 0 of %s ends at %d after the aborted transaction, was %d; want %d records and a marker", dlt, a.Offset, b.Offset, n)
+	}
+	lso, err := c.admin.ListCommittedOffsets(ctx, dlt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l, _ := lso.Lookup(dlt, 0); l.Offset != a.Offset {
+		t.Fatalf("partition 0 of %s: last stable offset %d, end %d; want the aborted transaction closed", dlt, l.Offset, a.Offset)
+	}
+}
+
+// A partition whose last offsets before the run's end are an aborted
+// transaction and its marker, however the run reaches them (after dead
+// letters it copies, or as all that is left beyond the group's offset),
+// ends the run: read committed, the aborted records are dropped, and the
+// marker (kept, a control record) reaches the end. No aborted record is
+// copied, and the group moves past the marker.
+func TestReplayEndsAtAnAbortedTransaction(t *testing.T) {
+	for _, mode := range []string{"after dead letters", "only content left"} {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t)
+			c.createTopic(t, "orders", 3)
+			c.createTopic(t, "orders.dlq", 1)
+			c.deadLetters(t, "orders", "orders.dlq", 5)
+			group := newGroup()
+			r := c.newReplay(t, "orders.dlq", group)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			want := 5
+			if mode == "only content left" {
+				res, err := r.Replay(ctx, adapters.ReplayOptions{Rate: 1000})
+				if err != nil || res.Replayed != 5 {
+					t.Fatalf("the first run = %+v, %v; want the 5 dead letters replayed", res, err)
+				}
+				want = 0
+			}
+			c.abortedDeadLetters(t, "orders.dlq", 3)
+			res, err := r.Replay(ctx, adapters.ReplayOptions{Rate: 1000})
+			if err != nil || res.Replayed != want || res.Skipped != 0 {
+				t.Fatalf("Replay = %+v, %v; want %d replayed, none skipped, and the run ended", res, err, want)
+			}
+			copies := 0
+			for _, rec := range c.readCommitted(t, "orders") {
+				if _, ok := header(rec, adapters.HeaderReplayOf); !ok {
+					continue
+				}
+				copies++
+				if strings.HasPrefix(string(rec.Value), "aborted") {
+					t.Fatalf("an aborted record was copied: %q", rec.Value)
+				}
+			}
+			if copies != 5 {
+				t.Fatalf("%d copies in orders, want the 5 dead letters'", copies)
+			}
+			offs, _ := c.committed(t, group, "orders.dlq")
+			ends, err := c.admin.ListEndOffsets(context.Background(), "orders.dlq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e, _ := ends.Lookup("orders.dlq", 0); offs[0] != e.Offset {
+				t.Fatalf("the replay group committed %d, want the end %d (past the abort marker)", offs[0], e.Offset)
+			}
+			if recs, err := r.List(ctx, 10); err != nil || len(recs) != 0 {
+				t.Fatalf("List after the run = %+v, %v; want nothing", recs, err)
+			}
+		})
+	}
+}
