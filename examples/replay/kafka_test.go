@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -14,7 +13,6 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/kafka"
-	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testkit/testlog"
 )
 
@@ -57,18 +55,6 @@ func TestKafka(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		if string(m.Body) < "3" {
-			return consumer.Permanent(errors.New("payment service unavailable"))
-		}
-		return consumer.Permanent(errors.New("invalid order"))
-	}), consumer.WithName("orders"), consumer.WithDeadLetter(sink), consumer.WithLogger(testlog.New(t)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	runCtx, stop := context.WithCancel(ctx)
-	ran := make(chan error, 1)
-	go func() { ran <- c.Run(runCtx) }()
 	deadLetters := func() int64 {
 		ends, err := adm.ListEndOffsets(ctx, "orders.dlq")
 		if err != nil {
@@ -77,16 +63,7 @@ func TestKafka(t *testing.T) {
 		o, _ := ends.Lookup("orders.dlq", 0)
 		return o.Offset
 	}
-	for deadLetters() < 5 {
-		if ctx.Err() != nil {
-			t.Fatal("the dead letters never arrived")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	stop()
-	if err := <-ran; err != nil {
-		t.Fatal(err)
-	}
+	deadLetterOrders(t, ctx, src, sink, func() bool { return deadLetters() >= 5 })
 
 	kafkaArgs := []string{"-broker", "kafka", "-brokers", brokers, "-dlt", "orders.dlq", "-group", "orders.dlq-replay"}
 	out, err := runWith(t, append(kafkaArgs, "-list", "-error", "unavailable")...)

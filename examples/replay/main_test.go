@@ -179,28 +179,7 @@ func TestSQS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		if string(m.Body) < "3" {
-			return consumer.Permanent(errors.New("payment service unavailable"))
-		}
-		return consumer.Permanent(errors.New("invalid order"))
-	}), consumer.WithName("orders"), consumer.WithDeadLetter(dlq), consumer.WithLogger(testlog.New(t)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	runCtx, stop := context.WithCancel(ctx)
-	ran := make(chan error, 1)
-	go func() { ran <- c.Run(runCtx) }()
-	for count(dlqURL) < 5 || count(url) > 0 {
-		if ctx.Err() != nil {
-			t.Fatal("the dead letters never arrived")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	stop()
-	if err := <-ran; err != nil {
-		t.Fatal(err)
-	}
+	deadLetterOrders(t, ctx, src, dlq, func() bool { return count(dlqURL) >= 5 && count(url) == 0 })
 	// The emulator goes on serving the stopped consumer's last poll for a
 	// moment; let it end before copies arrive.
 	time.Sleep(250 * time.Millisecond)
@@ -236,5 +215,35 @@ func TestSQS(t *testing.T) {
 		if b := aws.ToString(m.Body); b >= "3" || m.MessageAttributes[adapters.HeaderReplayOf].StringValue == nil {
 			t.Errorf("replayed %q with attributes %v", b, m.MessageAttributes)
 		}
+	}
+}
+
+// deadLetterOrders runs a consumer over src that fails every order
+// permanently (those below "3" for an unavailable payment service, the rest
+// as invalid), so that each goes to dl, until arrived reports the dead
+// letters are in; then it stops the consumer.
+func deadLetterOrders(t *testing.T, ctx context.Context, src adapters.Source, dl adapters.DeadLetter, arrived func() bool) {
+	t.Helper()
+	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) < "3" {
+			return consumer.Permanent(errors.New("payment service unavailable"))
+		}
+		return consumer.Permanent(errors.New("invalid order"))
+	}), consumer.WithName("orders"), consumer.WithDeadLetter(dl), consumer.WithLogger(testlog.New(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	ran := make(chan error, 1)
+	go func() { ran <- c.Run(runCtx) }()
+	for !arrived() {
+		if ctx.Err() != nil {
+			t.Fatal("the dead letters never arrived")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	if err := <-ran; err != nil {
+		t.Fatal(err)
 	}
 }

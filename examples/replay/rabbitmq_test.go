@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -14,7 +13,6 @@ import (
 
 	"github.com/custody-go/custody/adapters"
 	"github.com/custody-go/custody/adapters/rabbitmq"
-	"github.com/custody-go/custody/consumer"
 	"github.com/custody-go/custody/internal/testkit/testbroker"
 	"github.com/custody-go/custody/internal/testkit/testlog"
 )
@@ -70,28 +68,7 @@ func TestRabbitMQ(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sink.Close()
-	c, err := consumer.New(src, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		if string(m.Body) < "3" {
-			return consumer.Permanent(errors.New("payment service unavailable"))
-		}
-		return consumer.Permanent(errors.New("invalid order"))
-	}), consumer.WithName("orders"), consumer.WithDeadLetter(sink), consumer.WithLogger(testlog.New(t)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	runCtx, stop := context.WithCancel(ctx)
-	ran := make(chan error, 1)
-	go func() { ran <- c.Run(runCtx) }()
-	for count(dlq) < 5 {
-		if ctx.Err() != nil {
-			t.Fatal("the dead letters never arrived")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	stop()
-	if err := <-ran; err != nil {
-		t.Fatal(err)
-	}
+	deadLetterOrders(t, ctx, src, sink, func() bool { return count(dlq) >= 5 })
 
 	out, err := runWith(t, "-broker", "rabbitmq", "-url", url, "-dlq", dlq, "-list", "-error", "unavailable")
 	if err != nil {
